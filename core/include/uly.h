@@ -1,0 +1,146 @@
+/* uly.h — the ONE public header of libulysses: the whole C API and the LuaJIT FFI surface.
+ *
+ * Macro-free on purpose: lua/ulysses/ffi.lua feeds this file (minus the # lines) to ffi.cdef.
+ * Conventions:
+ *  - every tensor is an opaque, reference-counted `uly_tensor *`; functions that return one
+ *    return a NEW reference (release it with uly_tensor_release) or NULL on error;
+ *  - functions returning int return 0 on success and -1 on error;
+ *  - on error the message (op, shapes, dtypes, a hint) is in uly_last_error() (thread-local);
+ *  - dimensions are 0-based here (the Lua binding is 1-based); shapes and counts are int64_t.
+ */
+#ifndef ULY_H
+#define ULY_H
+#include <stdint.h>
+#include <stddef.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct uly_tensor uly_tensor;
+
+enum uly_dtype { ULY_DTYPE_F32 = 0, ULY_DTYPE_BF16 = 1, ULY_DTYPE_I32 = 2, ULY_DTYPE_I64 = 3, ULY_DTYPE_F64 = 4 };
+enum uly_device { ULY_DEVICE_CPU = 0, ULY_DEVICE_CUDA = 1 };
+enum uly_reduction { ULY_REDUCTION_MEAN = 0, ULY_REDUCTION_SUM = 1, ULY_REDUCTION_NONE = 2 };
+
+/* ---- library ---- */
+const char *uly_last_error(void);
+void uly_clear_error(void);
+const char *uly_version(void);
+const char *uly_blas_corename(void);       /* OpenBLAS kernel family in use, e.g. "Haswell" */
+int uly_has_feature(const char *name);     /* "mpi", "hdf5", "cuda", "openmp" -> 1/0 */
+int uly_set_num_threads(int n);            /* kernels and BLAS; n <= 0 restores the default */
+int uly_get_num_threads(void);
+const char *uly_dtype_name(int dtype);
+int64_t uly_dtype_size(int dtype);
+
+/* ---- memory: bytes held by live tensors and the caching pool ---- */
+int64_t uly_memory_allocated(void);        /* bytes currently held by tensors */
+int64_t uly_memory_peak(void);             /* high-water mark of uly_memory_allocated */
+int64_t uly_memory_reserved(void);         /* allocated + cached free blocks */
+void uly_memory_reset_peak(void);
+void uly_memory_empty_cache(void);         /* return cached blocks to the OS */
+void uly_memory_set_limit(int64_t nbytes); /* allocations beyond it fail cleanly; <= 0: physical RAM */
+int64_t uly_memory_limit(void);
+int64_t uly_tensor_live_count(void);       /* tensor handles alive (leak checks) */
+
+/* ---- random numbers (one global generator: seed + counter, counter-based) ---- */
+void uly_manual_seed(uint64_t seed);
+uint64_t uly_rng_seed(void);
+uint64_t uly_rng_offset(void);
+void uly_rng_set_state(uint64_t seed, uint64_t offset);
+
+/* ---- tensor creation and lifetime ---- */
+uly_tensor *uly_tensor_empty(int ndim, const int64_t *shape, int dtype, int device);
+uly_tensor *uly_tensor_arange(double start, double end, double step, int dtype);
+void uly_tensor_retain(uly_tensor *t);
+void uly_tensor_release(uly_tensor *t);
+
+/* ---- metadata ---- */
+int uly_tensor_ndim(const uly_tensor *t);
+int64_t uly_tensor_size(const uly_tensor *t, int dim);
+int64_t uly_tensor_stride(const uly_tensor *t, int dim);
+int64_t uly_tensor_numel(const uly_tensor *t);
+int64_t uly_tensor_nbytes(const uly_tensor *t);
+int uly_tensor_dtype(const uly_tensor *t);
+int uly_tensor_device(const uly_tensor *t);
+int64_t uly_tensor_storage_offset(const uly_tensor *t);
+int uly_tensor_is_contiguous(const uly_tensor *t);
+void *uly_tensor_data_ptr(const uly_tensor *t);   /* address of element [0,...,0] */
+int uly_tensor_shares_storage(const uly_tensor *a, const uly_tensor *b);
+int uly_tensor_describe(const uly_tensor *t, char *buf, int64_t buflen); /* "f32[2, 3]" */
+
+/* ---- data in and out (converting dtypes; the tensor may be a strided view) ---- */
+int uly_tensor_copy_from(uly_tensor *t, const void *src, int src_dtype, int64_t numel);
+int uly_tensor_copy_to(const uly_tensor *t, void *dst, int dst_dtype, int64_t numel);
+int uly_tensor_fill_(uly_tensor *t, double value);
+int uly_tensor_copy_(uly_tensor *dst, const uly_tensor *src);     /* src broadcast to dst */
+int uly_tensor_uniform_(uly_tensor *t, double lo, double hi);      /* from the global generator */
+int uly_tensor_normal_(uly_tensor *t, double mean, double std);
+int uly_tensor_get_item(const uly_tensor *t, const int64_t *index, double *value);
+int uly_tensor_set_item(uly_tensor *t, const int64_t *index, double value);
+
+/* ---- views (share storage; differentiable) and copies ---- */
+uly_tensor *uly_tensor_view(uly_tensor *t, int ndim, const int64_t *shape);
+uly_tensor *uly_tensor_reshape(uly_tensor *t, int ndim, const int64_t *shape);   /* view if possible */
+uly_tensor *uly_tensor_permute(uly_tensor *t, const int *dims);
+uly_tensor *uly_tensor_transpose(uly_tensor *t, int dim0, int dim1);
+uly_tensor *uly_tensor_narrow(uly_tensor *t, int dim, int64_t start, int64_t length);
+uly_tensor *uly_tensor_select(uly_tensor *t, int dim, int64_t index);            /* drops dim */
+uly_tensor *uly_tensor_expand(uly_tensor *t, int ndim, const int64_t *shape);
+uly_tensor *uly_tensor_contiguous(uly_tensor *t);
+uly_tensor *uly_tensor_clone(uly_tensor *t);
+uly_tensor *uly_tensor_to_dtype(uly_tensor *t, int dtype);
+uly_tensor *uly_tensor_cat(int n, uly_tensor *const *ts, int dim);
+
+/* ---- autograd ---- */
+int uly_tensor_set_requires_grad(uly_tensor *t, int flag);  /* leaves only */
+int uly_tensor_requires_grad(const uly_tensor *t);
+int uly_tensor_is_leaf(const uly_tensor *t);
+uly_tensor *uly_tensor_grad(const uly_tensor *t);           /* NULL without error if none */
+int uly_tensor_set_grad(uly_tensor *t, uly_tensor *grad);   /* grad may be NULL */
+int uly_tensor_zero_grad(uly_tensor *t, int set_to_none);
+uly_tensor *uly_tensor_detach(uly_tensor *t);
+const char *uly_tensor_grad_fn_name(const uly_tensor *t);   /* "MatmulBackward" or NULL */
+int uly_backward(uly_tensor *root, uly_tensor *grad, int retain_graph);
+int uly_grad_enabled(void);
+int uly_set_grad_enabled(int enabled);                      /* returns the previous setting */
+int64_t uly_autograd_live_nodes(void);                      /* graph nodes alive (leak checks) */
+
+/* ---- ops (all differentiable; f32 on the CPU) ---- */
+uly_tensor *uly_add(uly_tensor *a, uly_tensor *b);          /* broadcasting */
+uly_tensor *uly_sub(uly_tensor *a, uly_tensor *b);
+uly_tensor *uly_mul(uly_tensor *a, uly_tensor *b);
+uly_tensor *uly_div(uly_tensor *a, uly_tensor *b);
+uly_tensor *uly_add_scalar(uly_tensor *a, double s);
+uly_tensor *uly_mul_scalar(uly_tensor *a, double s);        /* scale */
+uly_tensor *uly_pow_scalar(uly_tensor *a, double exponent);
+uly_tensor *uly_matmul(uly_tensor *a, uly_tensor *b);       /* [..., M, K] @ [..., K, N], batch dims broadcast */
+uly_tensor *uly_sum(uly_tensor *t, int dim, int keepdim);
+uly_tensor *uly_sum_all(uly_tensor *t);
+uly_tensor *uly_mean(uly_tensor *t, int dim, int keepdim);
+uly_tensor *uly_mean_all(uly_tensor *t);
+uly_tensor *uly_max(uly_tensor *t, int dim, int keepdim, uly_tensor **indices); /* indices: i64, may be NULL */
+uly_tensor *uly_max_all(uly_tensor *t);
+uly_tensor *uly_softmax(uly_tensor *t, int dim);
+uly_tensor *uly_log_softmax(uly_tensor *t, int dim);
+uly_tensor *uly_layernorm(uly_tensor *x, uly_tensor *weight, uly_tensor *bias, double eps); /* last dim; weight/bias may be NULL */
+uly_tensor *uly_rmsnorm(uly_tensor *x, uly_tensor *weight, double eps);
+uly_tensor *uly_gelu(uly_tensor *x, int tanh_approximation);
+uly_tensor *uly_silu(uly_tensor *x);
+uly_tensor *uly_relu(uly_tensor *x);
+uly_tensor *uly_tanh(uly_tensor *x);
+uly_tensor *uly_sigmoid(uly_tensor *x);
+uly_tensor *uly_exp(uly_tensor *x);
+uly_tensor *uly_log(uly_tensor *x);
+uly_tensor *uly_sqrt(uly_tensor *x);
+uly_tensor *uly_swiglu(uly_tensor *gate, uly_tensor *up);   /* silu(gate) * up */
+uly_tensor *uly_embedding(uly_tensor *indices, uly_tensor *weight);  /* i32/i64 [...] , f32 [V, C] */
+uly_tensor *uly_rope(uly_tensor *x, int64_t pos_offset, double theta); /* x [B, T, H, D] */
+uly_tensor *uly_dropout(uly_tensor *x, double p, int training);
+uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t ignore_index, int reduction);
+uly_tensor *uly_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale, int causal);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,131 @@
+/* core/internal.h — private structures shared by the core's .c files: tensors, storage,
+ * autograd nodes, the allocator and error helpers. Never included by kernels or Lua. */
+#ifndef ULY_INTERNAL_H
+#define ULY_INTERNAL_H
+#include <stdint.h>
+#include <stdarg.h>
+#include "uly.h"
+#include "../kernels/cpu/kernels.h"
+
+#define ULY_MAX_DIMS 8
+#define ULY_NODE_MAX_INPUTS 4
+#define ULY_NODE_MAX_SAVED 6
+
+/* ---- errors (error.c) ---- */
+int uly_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));  /* returns -1 */
+void *uly_set_error_null(const char *fmt, ...) __attribute__((format(printf, 1, 2))); /* returns NULL */
+/* "f32[2, 3]" for messages; rotating static buffers, valid for a few calls */
+const char *uly_desc(const uly_tensor *t);
+const char *uly_shape_str(int ndim, const int64_t *shape);
+const char *uly_bytes_str(int64_t nbytes);
+
+/* ---- allocator (alloc.c): 64-byte aligned, cached by size class, counted ---- */
+void *uly_alloc(int64_t nbytes, int64_t *block_bytes);  /* NULL + error on failure */
+void uly_free(void *p, int64_t block_bytes);
+
+/* ---- tensors (tensor.c) ---- */
+typedef struct uly_storage {
+    int64_t refcount;
+    void *data;
+    int64_t block_bytes;   /* what the allocator handed out */
+    int device;
+    uint64_t version;      /* bumped by every in-place write; checked by autograd */
+} uly_storage;
+
+struct uly_node;
+
+struct uly_tensor {
+    int64_t refcount;
+    uly_storage *storage;
+    int64_t offset;                /* in elements */
+    int ndim;
+    int dtype;
+    int64_t shape[ULY_MAX_DIMS];
+    int64_t stride[ULY_MAX_DIMS];  /* in elements */
+    int requires_grad;
+    uly_tensor *grad;              /* leaves: accumulated gradient (owned) */
+    struct uly_node *grad_fn;      /* non-leaves: the op that made it (owned) */
+};
+
+int64_t uly_numel_of(int ndim, const int64_t *shape);
+uly_tensor *uly_new_contiguous(int ndim, const int64_t *shape, int dtype);   /* uninitialised */
+uly_tensor *uly_new_zeros(int ndim, const int64_t *shape, int dtype);
+uly_tensor *uly_new_like(const uly_tensor *t);                                /* contiguous, same shape/dtype */
+uly_tensor *uly_new_view(uly_tensor *base, int ndim, const int64_t *shape, const int64_t *stride, int64_t offset);
+uly_tensor *uly_contiguous_raw(uly_tensor *t);   /* retained t if contiguous, else a copy; no autograd */
+int uly_copy_raw(uly_tensor *dst, const uly_tensor *src);  /* strided, converting, broadcasting; no checks on grad */
+void uly_bump_version(uly_tensor *t);
+static inline float *uly_f32(const uly_tensor *t) { return (float *)t->storage->data + t->offset; }
+static inline void *uly_ptr(const uly_tensor *t) {
+    return (char *)t->storage->data + t->offset * uly_dtype_size(t->dtype);
+}
+int uly_check_tensor(const char *op, const char *arg, const uly_tensor *t);        /* non-NULL */
+int uly_check_float(const char *op, const char *arg, const uly_tensor *t);         /* non-NULL, f32, cpu */
+int uly_same_shape(const uly_tensor *a, const uly_tensor *b);
+int uly_check_inplace(const char *op, const uly_tensor *t);  /* refuses leaves requiring grad while grad is on */
+uint64_t uly_rng_take(uint64_t n);  /* reserve n counters of the global generator (library.c) */
+
+/* ---- autograd (autograd.c, backward.c) ---- */
+enum uly_op {
+    ULY_OP_NONE = 0,
+    ULY_OP_ADD, ULY_OP_SUB, ULY_OP_MUL, ULY_OP_DIV,
+    ULY_OP_ADD_SCALAR, ULY_OP_MUL_SCALAR, ULY_OP_POW_SCALAR,
+    ULY_OP_MATMUL,
+    ULY_OP_SUM, ULY_OP_MAX,
+    ULY_OP_SOFTMAX, ULY_OP_LOG_SOFTMAX,
+    ULY_OP_LAYERNORM, ULY_OP_RMSNORM,
+    ULY_OP_UNARY, ULY_OP_SWIGLU,
+    ULY_OP_EMBEDDING, ULY_OP_ROPE, ULY_OP_DROPOUT, ULY_OP_CROSS_ENTROPY, ULY_OP_ATTENTION,
+    ULY_OP_VIEW, ULY_OP_PERMUTE, ULY_OP_NARROW, ULY_OP_EXPAND, ULY_OP_COPY, ULY_OP_CAT,
+    ULY_OP_COUNT
+};
+
+typedef struct uly_edge {
+    struct uly_node *node;   /* gradient flows into this node's output ... */
+    uly_tensor *leaf;        /* ... or into this leaf's .grad; both NULL: input needs no grad */
+    int ndim;
+    int64_t shape[ULY_MAX_DIMS];  /* the input's shape (gradients have it) */
+} uly_edge;
+
+typedef struct uly_node {
+    int64_t refcount;
+    uint64_t seq;            /* creation order: a topological order of the graph */
+    int op;
+    int n_inputs;
+    uly_edge inputs[ULY_NODE_MAX_INPUTS];
+    int n_saved;
+    uly_tensor *saved[ULY_NODE_MAX_SAVED];
+    uint64_t saved_version[ULY_NODE_MAX_SAVED];
+    double f[4];             /* op scalars (eps, p, scale, ...) */
+    int64_t i[ULY_MAX_DIMS + 4]; /* op integers (dims, offsets, seeds, ...) */
+    int out_ndim;
+    int64_t out_shape[ULY_MAX_DIMS];
+    int released;            /* saved tensors freed after a backward without retain_graph */
+    uly_tensor *grad_out;    /* accumulated gradient of the output during backward */
+} uly_node;
+
+/* Start recording `op` on `n_inputs` inputs: NULL (and no error) when grad mode is off or no
+ * input requires grad. The caller saves tensors, fills f/i, then attaches the output. */
+uly_node *uly_node_begin(int op, int n_inputs, uly_tensor *const *inputs);
+void uly_node_save(uly_node *n, uly_tensor *t);       /* retains t, remembers its version */
+void uly_node_attach(uly_node *n, uly_tensor *out);    /* out takes the node; n may be NULL */
+void uly_node_release(uly_node *n);
+const char *uly_op_name(int op);
+
+/* backward rules (backward.c): gin[i] is the gradient buffer of input i (contiguous, input's
+ * shape, to be ACCUMULATED into) or NULL when input i needs no gradient. */
+typedef int (*uly_backward_fn)(uly_node *n, uly_tensor *gout, uly_tensor **gin);
+extern const uly_backward_fn uly_backward_rules[ULY_OP_COUNT];
+
+/* dst += alpha * src, summing src over the dims where dst is broadcast (f32; any strides) */
+int uly_sum_to(uly_tensor *dst, const uly_tensor *src, float alpha);
+/* the last two dims of t as a GEMM operand, batch strides aligned right to nb dims (ops.c) */
+uly_mat uly_as_mat(const uly_tensor *t, int nb);
+/* visit a shape in row-major order, fn gets runs along the last dim (byte strides; tensor.c) */
+typedef void (*uly_walk_fn)(char *a, char *b, int64_t n, int64_t sa, int64_t sb, void *ctx);
+void uly_walk2(int ndim, const int64_t *shape, char *a, const int64_t *sa, char *b, const int64_t *sb,
+               uly_walk_fn fn, void *ctx);
+/* accumulate src into dst (same shape, any strides, f32) */
+int uly_add_into(uly_tensor *dst, const uly_tensor *src);
+
+#endif

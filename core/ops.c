@@ -1,0 +1,504 @@
+/* core/ops.c — the forward half of every compute op: validate arguments (errors name the op,
+ * shapes and dtypes), allocate the result, call the CPU kernel and record the autograd node.
+ * The backward rules are in backward.c, the view ops in view.c. */
+#include <math.h>
+#include <string.h>
+#include "internal.h"
+#include "../kernels/cpu/kernels.h"
+
+/* ---- elementwise binary ops with broadcasting ---- */
+static int broadcast(const char *op, const uly_tensor *a, const uly_tensor *b, int *ndim, int64_t *shape,
+                     int64_t *sa, int64_t *sb) {
+    int nd = a->ndim > b->ndim ? a->ndim : b->ndim;
+    for (int d = 0; d < nd; d++) {
+        int da = d - (nd - a->ndim), db = d - (nd - b->ndim);
+        int64_t xa = da >= 0 ? a->shape[da] : 1, xb = db >= 0 ? b->shape[db] : 1;
+        if (xa != xb && xa != 1 && xb != 1)
+            return uly_set_error("%s: shapes %s and %s cannot be broadcast (dimension %d: %lld vs %lld)", op,
+                                 uly_desc(a), uly_desc(b), d, (long long)xa, (long long)xb);
+        shape[d] = xa == 1 ? xb : xa;
+        sa[d] = (da >= 0 && xa != 1) ? a->stride[da] : 0;
+        sb[d] = (db >= 0 && xb != 1) ? b->stride[db] : 0;
+    }
+    *ndim = nd;
+    return 0;
+}
+
+static uly_tensor *binary_op(const char *op, int kind, int node_op, uly_tensor *a, uly_tensor *b) {
+    if (uly_check_float(op, "a", a) || uly_check_float(op, "b", b)) return NULL;
+    int nd = 0;
+    int64_t shape[ULY_MAX_DIMS], sa[ULY_MAX_DIMS], sb[ULY_MAX_DIMS];
+    if (broadcast(op, a, b, &nd, shape, sa, sb)) return NULL;
+    uly_tensor *out = uly_new_contiguous(nd, shape, ULY_DTYPE_F32);
+    if (!out) return NULL;
+    binary_forward(uly_f32(out), uly_f32(a), sa, uly_f32(b), sb, nd, shape, kind);
+    uly_tensor *in[2] = {a, b};
+    uly_node *n = uly_node_begin(node_op, 2, in);
+    if (n && (kind == ULY_BINARY_MUL || kind == ULY_BINARY_DIV)) { uly_node_save(n, a); uly_node_save(n, b); }
+    uly_node_attach(n, out);
+    return out;
+}
+
+uly_tensor *uly_add(uly_tensor *a, uly_tensor *b) { return binary_op("add", ULY_BINARY_ADD, ULY_OP_ADD, a, b); }
+uly_tensor *uly_sub(uly_tensor *a, uly_tensor *b) { return binary_op("sub", ULY_BINARY_SUB, ULY_OP_SUB, a, b); }
+uly_tensor *uly_mul(uly_tensor *a, uly_tensor *b) { return binary_op("mul", ULY_BINARY_MUL, ULY_OP_MUL, a, b); }
+uly_tensor *uly_div(uly_tensor *a, uly_tensor *b) { return binary_op("div", ULY_BINARY_DIV, ULY_OP_DIV, a, b); }
+
+/* ---- tensor-scalar ops ---- */
+static uly_tensor *scalar_op(const char *op, int kind, int node_op, uly_tensor *a, double s) {
+    if (uly_check_float(op, "a", a)) return NULL;
+    uly_tensor *ac = uly_contiguous_raw(a);
+    if (!ac) return NULL;
+    uly_tensor *out = uly_new_like(ac);
+    if (out) {
+        scalar_forward(uly_f32(out), uly_f32(ac), uly_tensor_numel(ac), kind, (float)s);
+        uly_node *n = uly_node_begin(node_op, 1, &a);
+        if (n) {
+            n->f[0] = s;
+            if (kind == ULY_SCALAR_POW) uly_node_save(n, ac);
+        }
+        uly_node_attach(n, out);
+    }
+    uly_tensor_release(ac);
+    return out;
+}
+
+uly_tensor *uly_add_scalar(uly_tensor *a, double s) { return scalar_op("add_scalar", ULY_SCALAR_ADD, ULY_OP_ADD_SCALAR, a, s); }
+uly_tensor *uly_mul_scalar(uly_tensor *a, double s) { return scalar_op("mul_scalar", ULY_SCALAR_MUL, ULY_OP_MUL_SCALAR, a, s); }
+uly_tensor *uly_pow_scalar(uly_tensor *a, double e) { return scalar_op("pow", ULY_SCALAR_POW, ULY_OP_POW_SCALAR, a, e); }
+
+/* ---- matmul ---- */
+/* describe the last two dims of t as a matrix, batch dims aligned right to nb dims */
+uly_mat uly_as_mat(const uly_tensor *t, int nb) {
+    uly_mat m = {.p = uly_f32(t), .rs = t->stride[t->ndim - 2], .cs = t->stride[t->ndim - 1]};
+    int tb = t->ndim - 2;
+    for (int d = 0; d < nb; d++) {
+        int td = d - (nb - tb);
+        m.bstride[d] = (td >= 0 && t->shape[td] != 1) ? t->stride[td] : 0;
+    }
+    return m;
+}
+
+uly_tensor *uly_matmul(uly_tensor *a, uly_tensor *b) {
+    if (uly_check_float("matmul", "a", a) || uly_check_float("matmul", "b", b)) return NULL;
+    if (a->ndim < 2 || b->ndim < 2)
+        return uly_set_error_null("matmul: both operands need at least 2 dimensions, got %s @ %s; "
+                                  "use :view(1, n) or :view(n, 1) for vectors", uly_desc(a), uly_desc(b));
+    int64_t M = a->shape[a->ndim - 2], K = a->shape[a->ndim - 1], N = b->shape[b->ndim - 1];
+    if (b->shape[b->ndim - 2] != K)
+        return uly_set_error_null("matmul: inner dimensions differ: %s @ %s (%lld vs %lld)", uly_desc(a), uly_desc(b),
+                                  (long long)K, (long long)b->shape[b->ndim - 2]);
+    /* [..., M, K] @ [K, N] with contiguous a: one GEMM over all rows (through views, so autograd sees it) */
+    if (b->ndim == 2 && a->ndim > 2 && uly_tensor_is_contiguous(a)) {
+        int64_t flat[2] = {uly_tensor_numel(a) / (K ? K : 1), K};
+        if (K == 0) flat[0] = uly_numel_of(a->ndim - 1, a->shape);
+        uly_tensor *a2 = uly_tensor_view(a, 2, flat);
+        uly_tensor *o2 = a2 ? uly_matmul(a2, b) : NULL;
+        uly_tensor_release(a2);
+        if (!o2) return NULL;
+        int64_t oshape[ULY_MAX_DIMS];
+        memcpy(oshape, a->shape, sizeof oshape);
+        oshape[a->ndim - 1] = N;
+        uly_tensor *out = uly_tensor_view(o2, a->ndim, oshape);
+        uly_tensor_release(o2);
+        return out;
+    }
+    int nb = (a->ndim > b->ndim ? a->ndim : b->ndim) - 2;
+    int64_t shape[ULY_MAX_DIMS];
+    for (int d = 0; d < nb; d++) {
+        int da = d - (nb - (a->ndim - 2)), db = d - (nb - (b->ndim - 2));
+        int64_t xa = da >= 0 ? a->shape[da] : 1, xb = db >= 0 ? b->shape[db] : 1;
+        if (xa != xb && xa != 1 && xb != 1)
+            return uly_set_error_null("matmul: batch dimensions of %s and %s cannot be broadcast", uly_desc(a), uly_desc(b));
+        shape[d] = xa == 1 ? xb : xa;
+    }
+    shape[nb] = M;
+    shape[nb + 1] = N;
+    uly_tensor *ac = gemm_operand_ok(M, K, a->stride[a->ndim - 2], a->stride[a->ndim - 1]) ? (a->refcount++, a) : uly_contiguous_raw(a);
+    uly_tensor *bc = gemm_operand_ok(K, N, b->stride[b->ndim - 2], b->stride[b->ndim - 1]) ? (b->refcount++, b) : uly_contiguous_raw(b);
+    uly_tensor *out = (ac && bc) ? uly_new_contiguous(nb + 2, shape, ULY_DTYPE_F32) : NULL;
+    if (out) {
+        gemm_batched(nb, shape, uly_as_mat(ac, nb), uly_as_mat(bc, nb), uly_as_mat(out, nb), M, N, K, 0.0f);
+        uly_tensor *in[2] = {a, b};
+        uly_node *n = uly_node_begin(ULY_OP_MATMUL, 2, in);
+        uly_node_save(n, ac);
+        uly_node_save(n, bc);
+        uly_node_attach(n, out);
+    }
+    uly_tensor_release(ac);
+    uly_tensor_release(bc);
+    return out;
+}
+
+/* ---- reductions ---- */
+static int split_dim(const char *op, const uly_tensor *t, int dim, int64_t *outer, int64_t *n, int64_t *inner) {
+    if (dim < 0 || dim >= t->ndim)
+        return uly_set_error("%s: dimension %d is out of range for %s (%d dimensions)", op, dim + 1, uly_desc(t), t->ndim);
+    *outer = uly_numel_of(dim, t->shape);
+    *n = t->shape[dim];
+    *inner = uly_numel_of(t->ndim - dim - 1, t->shape + dim + 1);
+    return 0;
+}
+
+static void reduced_shape(const uly_tensor *t, int dim, int keepdim, int *ndim, int64_t *shape) {
+    int k = 0;
+    for (int d = 0; d < t->ndim; d++) {
+        if (d != dim) shape[k++] = t->shape[d];
+        else if (keepdim) shape[k++] = 1;
+    }
+    *ndim = k;
+}
+
+/* dim = -1: over everything (result 0-d) */
+static uly_tensor *reduce(const char *op, uly_tensor *t, int dim, int keepdim, int mean, int is_max, uly_tensor **indices) {
+    if (indices) *indices = NULL;
+    if (uly_check_float(op, "input", t)) return NULL;
+    int64_t outer = 1, n = uly_tensor_numel(t), inner = 1, shape[ULY_MAX_DIMS];
+    int nd = 0;
+    if (dim >= 0 || t->ndim == 0) {
+        if (t->ndim == 0) dim = -1;
+        else {
+            if (split_dim(op, t, dim, &outer, &n, &inner)) return NULL;
+            reduced_shape(t, dim, keepdim, &nd, shape);
+        }
+    }
+    if (is_max && n == 0)
+        return uly_set_error_null("%s: cannot take the max over an empty dimension of %s", op, uly_desc(t));
+    uly_tensor *tc = uly_contiguous_raw(t);
+    if (!tc) return NULL;
+    uly_tensor *out = uly_new_contiguous(nd, shape, ULY_DTYPE_F32), *arg = NULL;
+    float scale = mean ? (n ? 1.0f / (float)n : NAN) : 1.0f;
+    if (out && is_max) {
+        arg = uly_new_contiguous(nd, shape, ULY_DTYPE_I64);
+        if (arg) reduce_max_forward(uly_f32(out), uly_ptr(arg), uly_f32(tc), outer, n, inner);
+        else { uly_tensor_release(out); out = NULL; }
+    } else if (out) {
+        reduce_sum_forward(uly_f32(out), uly_f32(tc), outer, n, inner, scale);
+    }
+    if (out) {
+        uly_node *node = uly_node_begin(is_max ? ULY_OP_MAX : ULY_OP_SUM, 1, &t);
+        if (node) {
+            node->i[0] = outer; node->i[1] = n; node->i[2] = inner;
+            node->f[0] = scale;
+            if (is_max) uly_node_save(node, arg);
+        }
+        uly_node_attach(node, out);
+        if (indices && arg) {
+            /* indices count along the reduced dimension; for a full reduction, the flat position */
+            *indices = arg;
+            arg = NULL;
+        }
+    }
+    uly_tensor_release(arg);
+    uly_tensor_release(tc);
+    return out;
+}
+
+uly_tensor *uly_sum(uly_tensor *t, int dim, int keepdim) {
+    if (dim < 0) return uly_set_error_null("sum: dimension %d is out of range", dim + 1);
+    return reduce("sum", t, dim, keepdim, 0, 0, NULL);
+}
+uly_tensor *uly_sum_all(uly_tensor *t) { return reduce("sum", t, -1, 0, 0, 0, NULL); }
+uly_tensor *uly_mean(uly_tensor *t, int dim, int keepdim) {
+    if (dim < 0) return uly_set_error_null("mean: dimension %d is out of range", dim + 1);
+    return reduce("mean", t, dim, keepdim, 1, 0, NULL);
+}
+uly_tensor *uly_mean_all(uly_tensor *t) { return reduce("mean", t, -1, 0, 1, 0, NULL); }
+uly_tensor *uly_max(uly_tensor *t, int dim, int keepdim, uly_tensor **indices) {
+    if (dim < 0) return uly_set_error_null("max: dimension %d is out of range", dim + 1);
+    return reduce("max", t, dim, keepdim, 0, 1, indices);
+}
+uly_tensor *uly_max_all(uly_tensor *t) { return reduce("max", t, -1, 0, 0, 1, NULL); }
+
+/* ---- softmax ---- */
+static uly_tensor *softmax_op(const char *op, uly_tensor *t, int dim, int is_log) {
+    if (uly_check_float(op, "input", t)) return NULL;
+    int64_t outer = 0, n = 0, inner = 0;
+    if (split_dim(op, t, dim, &outer, &n, &inner)) return NULL;
+    uly_tensor *tc = uly_contiguous_raw(t);
+    uly_tensor *out = tc ? uly_new_like(tc) : NULL;
+    if (out) {
+        softmax_forward(uly_f32(out), uly_f32(tc), outer, n, inner, is_log);
+        uly_node *node = uly_node_begin(is_log ? ULY_OP_LOG_SOFTMAX : ULY_OP_SOFTMAX, 1, &t);
+        if (node) { node->i[0] = outer; node->i[1] = n; node->i[2] = inner; uly_node_save(node, out); }
+        uly_node_attach(node, out);
+    }
+    uly_tensor_release(tc);
+    return out;
+}
+uly_tensor *uly_softmax(uly_tensor *t, int dim) { return softmax_op("softmax", t, dim, 0); }
+uly_tensor *uly_log_softmax(uly_tensor *t, int dim) { return softmax_op("log_softmax", t, dim, 1); }
+
+/* ---- normalisation ---- */
+static int check_norm_param(const char *op, const char *arg, const uly_tensor *p, int64_t C) {
+    if (!p) return 0;
+    if (uly_check_float(op, arg, p)) return -1;
+    if (p->ndim != 1 || p->shape[0] != C)
+        return uly_set_error("%s: '%s' is %s but the normalised (last) dimension has size %lld", op, arg, uly_desc(p),
+                             (long long)C);
+    return 0;
+}
+
+uly_tensor *uly_layernorm(uly_tensor *x, uly_tensor *w, uly_tensor *b, double eps) {
+    if (uly_check_float("layernorm", "x", x)) return NULL;
+    if (x->ndim < 1) return uly_set_error_null("layernorm: input %s needs at least one dimension", uly_desc(x));
+    int64_t C = x->shape[x->ndim - 1], rows = C ? uly_tensor_numel(x) / C : 0;
+    if (check_norm_param("layernorm", "weight", w, C) || check_norm_param("layernorm", "bias", b, C)) return NULL;
+    uly_tensor *xc = uly_contiguous_raw(x), *wc = w ? uly_contiguous_raw(w) : NULL, *bc = b ? uly_contiguous_raw(b) : NULL;
+    uly_tensor *out = uly_new_like(x);
+    uly_tensor *mean = uly_new_contiguous(1, &rows, ULY_DTYPE_F32), *rstd = uly_new_contiguous(1, &rows, ULY_DTYPE_F32);
+    if (xc && out && mean && rstd && (!w || wc) && (!b || bc)) {
+        layernorm_forward(uly_f32(out), uly_f32(mean), uly_f32(rstd), uly_f32(xc), wc ? uly_f32(wc) : NULL,
+                          bc ? uly_f32(bc) : NULL, rows, C, (float)eps);
+        uly_tensor *in[3] = {x, w, b};
+        uly_node *n = uly_node_begin(ULY_OP_LAYERNORM, 3, in);
+        if (n) {
+            uly_node_save(n, xc); uly_node_save(n, mean); uly_node_save(n, rstd);
+            if (wc) uly_node_save(n, wc);
+            n->i[0] = rows; n->i[1] = C; n->i[2] = wc != NULL;
+        }
+        uly_node_attach(n, out);
+    } else { uly_tensor_release(out); out = NULL; }
+    uly_tensor_release(xc); uly_tensor_release(wc); uly_tensor_release(bc);
+    uly_tensor_release(mean); uly_tensor_release(rstd);
+    return out;
+}
+
+uly_tensor *uly_rmsnorm(uly_tensor *x, uly_tensor *w, double eps) {
+    if (uly_check_float("rmsnorm", "x", x)) return NULL;
+    if (x->ndim < 1) return uly_set_error_null("rmsnorm: input %s needs at least one dimension", uly_desc(x));
+    int64_t C = x->shape[x->ndim - 1], rows = C ? uly_tensor_numel(x) / C : 0;
+    if (check_norm_param("rmsnorm", "weight", w, C)) return NULL;
+    uly_tensor *xc = uly_contiguous_raw(x), *wc = w ? uly_contiguous_raw(w) : NULL;
+    uly_tensor *out = uly_new_like(x), *rstd = uly_new_contiguous(1, &rows, ULY_DTYPE_F32);
+    if (xc && out && rstd && (!w || wc)) {
+        rmsnorm_forward(uly_f32(out), uly_f32(rstd), uly_f32(xc), wc ? uly_f32(wc) : NULL, rows, C, (float)eps);
+        uly_tensor *in[2] = {x, w};
+        uly_node *n = uly_node_begin(ULY_OP_RMSNORM, 2, in);
+        if (n) {
+            uly_node_save(n, xc); uly_node_save(n, rstd);
+            if (wc) uly_node_save(n, wc);
+            n->i[0] = rows; n->i[1] = C; n->i[2] = wc != NULL;
+        }
+        uly_node_attach(n, out);
+    } else { uly_tensor_release(out); out = NULL; }
+    uly_tensor_release(xc); uly_tensor_release(wc); uly_tensor_release(rstd);
+    return out;
+}
+
+/* ---- activations ---- */
+static uly_tensor *unary_op(const char *op, uly_tensor *x, int kind) {
+    if (uly_check_float(op, "x", x)) return NULL;
+    uly_tensor *xc = uly_contiguous_raw(x);
+    uly_tensor *out = xc ? uly_new_like(xc) : NULL;
+    if (out) {
+        unary_forward(uly_f32(out), uly_f32(xc), uly_tensor_numel(xc), kind);
+        uly_node *n = uly_node_begin(ULY_OP_UNARY, 1, &x);
+        if (n) { n->i[0] = kind; uly_node_save(n, xc); uly_node_save(n, out); }
+        uly_node_attach(n, out);
+    }
+    uly_tensor_release(xc);
+    return out;
+}
+uly_tensor *uly_gelu(uly_tensor *x, int tanh_approx) { return unary_op("gelu", x, tanh_approx ? ULY_UNARY_GELU_TANH : ULY_UNARY_GELU_EXACT); }
+uly_tensor *uly_silu(uly_tensor *x) { return unary_op("silu", x, ULY_UNARY_SILU); }
+uly_tensor *uly_relu(uly_tensor *x) { return unary_op("relu", x, ULY_UNARY_RELU); }
+uly_tensor *uly_tanh(uly_tensor *x) { return unary_op("tanh", x, ULY_UNARY_TANH); }
+uly_tensor *uly_sigmoid(uly_tensor *x) { return unary_op("sigmoid", x, ULY_UNARY_SIGMOID); }
+uly_tensor *uly_exp(uly_tensor *x) { return unary_op("exp", x, ULY_UNARY_EXP); }
+uly_tensor *uly_log(uly_tensor *x) { return unary_op("log", x, ULY_UNARY_LOG); }
+uly_tensor *uly_sqrt(uly_tensor *x) { return unary_op("sqrt", x, ULY_UNARY_SQRT); }
+
+uly_tensor *uly_swiglu(uly_tensor *gate, uly_tensor *up) {
+    if (uly_check_float("swiglu", "gate", gate) || uly_check_float("swiglu", "up", up)) return NULL;
+    if (!uly_same_shape(gate, up))
+        return uly_set_error_null("swiglu: gate %s and up %s must have the same shape", uly_desc(gate), uly_desc(up));
+    uly_tensor *gc = uly_contiguous_raw(gate), *uc = uly_contiguous_raw(up);
+    uly_tensor *out = (gc && uc) ? uly_new_like(gc) : NULL;
+    if (out) {
+        swiglu_forward(uly_f32(out), uly_f32(gc), uly_f32(uc), uly_tensor_numel(gc));
+        uly_tensor *in[2] = {gate, up};
+        uly_node *n = uly_node_begin(ULY_OP_SWIGLU, 2, in);
+        uly_node_save(n, gc);
+        uly_node_save(n, uc);
+        uly_node_attach(n, out);
+    }
+    uly_tensor_release(gc); uly_tensor_release(uc);
+    return out;
+}
+
+/* ---- embedding ---- */
+static int check_index_dtype(const char *op, const char *arg, const uly_tensor *t) {
+    if (uly_check_tensor(op, arg, t)) return -1;
+    if (t->dtype != ULY_DTYPE_I32 && t->dtype != ULY_DTYPE_I64)
+        return uly_set_error("%s: '%s' must hold integer token ids (i32 or i64), got %s; convert with :int()", op, arg,
+                             uly_desc(t));
+    return 0;
+}
+
+uly_tensor *uly_embedding(uly_tensor *idx, uly_tensor *weight) {
+    if (check_index_dtype("embedding", "indices", idx) || uly_check_float("embedding", "weight", weight)) return NULL;
+    if (weight->ndim != 2)
+        return uly_set_error_null("embedding: weight must be [vocab, dim], got %s", uly_desc(weight));
+    if (idx->ndim + 1 > ULY_MAX_DIMS) return uly_set_error_null("embedding: indices %s have too many dimensions", uly_desc(idx));
+    int64_t V = weight->shape[0], C = weight->shape[1], n = uly_tensor_numel(idx);
+    uly_tensor *ic = uly_contiguous_raw(idx), *wc = uly_contiguous_raw(weight);
+    uly_tensor *out = NULL;
+    int bytes = (int)uly_dtype_size(idx->dtype);
+    if (ic && wc) {
+        int64_t bad = embedding_first_bad_index(uly_ptr(ic), bytes, n, V);
+        if (bad >= 0) {
+            double v;
+            int64_t flat[1] = {bad};
+            uly_tensor *f = uly_tensor_view(ic, 1, &n);
+            uly_tensor_get_item(f, flat, &v);
+            uly_tensor_release(f);
+            uly_set_error("embedding: index %.0f at position %lld of %s is out of range for a table of %lld rows "
+                          "(valid ids are 0..%lld)", v, (long long)bad, uly_desc(idx), (long long)V, (long long)V - 1);
+        } else {
+            int64_t shape[ULY_MAX_DIMS];
+            memcpy(shape, idx->shape, sizeof(int64_t) * (size_t)idx->ndim);
+            shape[idx->ndim] = C;
+            out = uly_new_contiguous(idx->ndim + 1, shape, ULY_DTYPE_F32);
+            if (out) {
+                embedding_forward(uly_f32(out), uly_ptr(ic), bytes, uly_f32(wc), n, C);
+                uly_tensor *in[2] = {idx, weight};
+                uly_node *node = uly_node_begin(ULY_OP_EMBEDDING, 2, in);
+                if (node) { uly_node_save(node, ic); node->i[0] = n; node->i[1] = C; }
+                uly_node_attach(node, out);
+            }
+        }
+    }
+    uly_tensor_release(ic); uly_tensor_release(wc);
+    return out;
+}
+
+/* ---- rotary position embedding ---- */
+uly_tensor *uly_rope(uly_tensor *x, int64_t pos_offset, double theta) {
+    if (uly_check_float("rope", "x", x)) return NULL;
+    if (x->ndim != 4 || x->shape[3] % 2)
+        return uly_set_error_null("rope: input must be [batch, seq, heads, head_dim] with an even head_dim, got %s",
+                                  uly_desc(x));
+    if (pos_offset < 0) return uly_set_error_null("rope: position offset %lld is negative", (long long)pos_offset);
+    if (!(theta > 0)) return uly_set_error_null("rope: theta must be positive, got %g", theta);
+    uly_tensor *xc = uly_contiguous_raw(x);
+    uly_tensor *out = xc ? uly_new_like(xc) : NULL;
+    if (out) {
+        rope_forward(uly_f32(out), uly_f32(xc), x->shape[0], x->shape[1], x->shape[2], x->shape[3], pos_offset, (float)theta);
+        uly_node *n = uly_node_begin(ULY_OP_ROPE, 1, &x);
+        if (n) { for (int d = 0; d < 4; d++) n->i[d] = x->shape[d]; n->i[4] = pos_offset; n->f[0] = theta; }
+        uly_node_attach(n, out);
+    }
+    uly_tensor_release(xc);
+    return out;
+}
+
+/* ---- dropout ---- */
+uly_tensor *uly_dropout(uly_tensor *x, double p, int training) {
+    if (uly_check_float("dropout", "x", x)) return NULL;
+    if (!(p >= 0 && p <= 1)) return uly_set_error_null("dropout: probability p = %g is outside [0, 1]", p);
+    if (!training || p == 0) { x->refcount++; return x; }
+    uly_tensor *xc = uly_contiguous_raw(x);
+    uly_tensor *out = xc ? uly_new_like(xc) : NULL;
+    if (out) {
+        int64_t n = uly_tensor_numel(xc);
+        uint64_t seed = uly_rng_seed(), offset = uly_rng_take((uint64_t)n);
+        dropout_forward(uly_f32(out), uly_f32(xc), n, (float)p, seed, offset);
+        uly_node *node = uly_node_begin(ULY_OP_DROPOUT, 1, &x);
+        if (node) { node->i[0] = (int64_t)seed; node->i[1] = (int64_t)offset; node->f[0] = p; }
+        uly_node_attach(node, out);
+    }
+    uly_tensor_release(xc);
+    return out;
+}
+
+/* ---- cross-entropy ---- */
+uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t ignore_index, int reduction) {
+    if (uly_check_float("cross_entropy", "logits", logits) || check_index_dtype("cross_entropy", "targets", targets))
+        return NULL;
+    if (logits->ndim < 1) return uly_set_error_null("cross_entropy: logits %s need a class dimension", uly_desc(logits));
+    int64_t V = logits->shape[logits->ndim - 1], rows = uly_numel_of(logits->ndim - 1, logits->shape);
+    if (uly_tensor_numel(targets) != rows || targets->ndim != logits->ndim - 1)
+        return uly_set_error_null("cross_entropy: targets %s do not match logits %s (expected targets of shape %s)",
+                                  uly_desc(targets), uly_desc(logits), uly_shape_str(logits->ndim - 1, logits->shape));
+    if (reduction < ULY_REDUCTION_MEAN || reduction > ULY_REDUCTION_NONE)
+        return uly_set_error_null("cross_entropy: unknown reduction %d (use mean, sum or none)", reduction);
+    uly_tensor *lc = uly_contiguous_raw(logits), *tc = uly_contiguous_raw(targets);
+    uly_tensor *loss = uly_new_contiguous(1, &rows, ULY_DTYPE_F32), *lse = uly_new_contiguous(1, &rows, ULY_DTYPE_F32);
+    uly_tensor *out = NULL;
+    int bytes = (int)uly_dtype_size(targets->dtype);
+    if (lc && tc && loss && lse) {
+        /* range check (ignore_index excepted) */
+        int64_t bad = -1;
+        double badv = 0;
+        for (int64_t r = 0; r < rows && bad < 0; r++) {
+            int64_t t = bytes == 4 ? ((int32_t *)uly_ptr(tc))[r] : ((int64_t *)uly_ptr(tc))[r];
+            if (t != ignore_index && (t < 0 || t >= V)) { bad = r; badv = (double)t; }
+        }
+        if (bad >= 0) {
+            uly_set_error("cross_entropy: target %.0f at position %lld is out of range for %lld classes "
+                          "(and is not the ignore index %lld)", badv, (long long)bad, (long long)V, (long long)ignore_index);
+        } else {
+            int64_t count = cross_entropy_forward(uly_f32(loss), uly_f32(lse), uly_f32(lc), uly_ptr(tc), bytes, rows, V, ignore_index);
+            double scale = reduction == ULY_REDUCTION_MEAN ? (count ? 1.0 / (double)count : 0.0) : 1.0;
+            if (reduction == ULY_REDUCTION_NONE) {
+                out = uly_tensor_view(loss, targets->ndim, targets->shape);
+            } else {
+                double s = 0;
+                const float *lp = uly_f32(loss);
+                for (int64_t r = 0; r < rows; r++) s += lp[r];
+                out = uly_new_contiguous(0, NULL, ULY_DTYPE_F32);
+                if (out) *uly_f32(out) = (float)(s * scale);
+            }
+            if (out) {
+                uly_tensor *in[2] = {logits, targets};
+                uly_node *n = uly_node_begin(ULY_OP_CROSS_ENTROPY, 2, in);
+                if (n) {
+                    uly_node_save(n, lc); uly_node_save(n, tc); uly_node_save(n, lse);
+                    n->i[0] = rows; n->i[1] = V; n->i[2] = ignore_index; n->i[3] = reduction; n->f[0] = scale;
+                }
+                uly_node_attach(n, out);
+            }
+        }
+    }
+    uly_tensor_release(lc); uly_tensor_release(tc); uly_tensor_release(loss); uly_tensor_release(lse);
+    return out;
+}
+
+/* ---- reference attention ---- */
+uly_tensor *uly_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale, int causal) {
+    if (uly_check_float("attention", "q", q) || uly_check_float("attention", "k", k) || uly_check_float("attention", "v", v))
+        return NULL;
+    if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
+        return uly_set_error_null("attention: q, k, v must be [batch, seq, heads, head_dim], got q %s, k %s, v %s",
+                                  uly_desc(q), uly_desc(k), uly_desc(v));
+    int64_t B = q->shape[0], Tq = q->shape[1], H = q->shape[2], D = q->shape[3], Tk = k->shape[1], Hkv = k->shape[2];
+    if (!uly_same_shape(k, v) || k->shape[0] != B || k->shape[3] != D)
+        return uly_set_error_null("attention: k %s and v %s must both be [%lld, seq, kv_heads, %lld] to match q %s",
+                                  uly_desc(k), uly_desc(v), (long long)B, (long long)D, uly_desc(q));
+    if (Hkv == 0 || H % Hkv)
+        return uly_set_error_null("attention: %lld query heads cannot be grouped over %lld key/value heads "
+                                  "(query heads must be a multiple of kv heads)", (long long)H, (long long)Hkv);
+    if (!(scale > 0)) scale = D ? 1.0 / sqrt((double)D) : 1.0;
+    uly_tensor *qc = uly_contiguous_raw(q), *kc = uly_contiguous_raw(k), *vc = uly_contiguous_raw(v);
+    int64_t pshape[4] = {B, H, Tq, Tk};
+    uly_tensor *probs = (qc && kc && vc) ? uly_new_contiguous(4, pshape, ULY_DTYPE_F32) : NULL;
+    uly_tensor *out = probs ? uly_new_like(qc) : NULL;
+    if (out) {
+        attention_forward(uly_f32(out), uly_f32(probs), uly_f32(qc), uly_f32(kc), uly_f32(vc), B, Tq, Tk, H, Hkv, D,
+                          (float)scale, causal);
+        uly_tensor *in[3] = {q, k, v};
+        uly_node *n = uly_node_begin(ULY_OP_ATTENTION, 3, in);
+        if (n) {
+            uly_node_save(n, qc); uly_node_save(n, kc); uly_node_save(n, vc); uly_node_save(n, probs);
+            n->i[0] = B; n->i[1] = Tq; n->i[2] = Tk; n->i[3] = H; n->i[4] = Hkv; n->i[5] = D; n->i[6] = causal != 0;
+            n->f[0] = scale;
+        }
+        uly_node_attach(n, out);
+    } else if (qc && kc && vc && !probs) {
+        uly_set_error("attention: the reference kernel needs the full [%lld, %lld, %lld, %lld] score matrix: %s",
+                      (long long)B, (long long)H, (long long)Tq, (long long)Tk, uly_last_error());
+    }
+    uly_tensor_release(qc); uly_tensor_release(kc); uly_tensor_release(vc); uly_tensor_release(probs);
+    return out;
+}

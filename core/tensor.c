@@ -1,0 +1,405 @@
+/* core/tensor.c — tensor handles: creation, reference counting, metadata, strided copies with
+ * dtype conversion (f32, bf16, i32, i64, f64), fill, random init and element access. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "internal.h"
+#include "../kernels/cpu/kernels.h"
+
+static int64_t live_tensors;
+int64_t uly_tensor_live_count(void) { return live_tensors; }
+
+/* ---- element conversion ---- */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+static inline double load(const char *p, int dtype) {
+    switch (dtype) {
+    case ULY_DTYPE_F32: return *(const float *)p;
+    case ULY_DTYPE_BF16: return bf16_to_f32(*(const uint16_t *)p);
+    case ULY_DTYPE_I32: return *(const int32_t *)p;
+    case ULY_DTYPE_I64: return (double)*(const int64_t *)p;
+    default: return *(const double *)p;
+    }
+}
+static inline void store(char *p, int dtype, double v) {
+    switch (dtype) {
+    case ULY_DTYPE_F32: *(float *)p = (float)v; break;
+    case ULY_DTYPE_BF16: *(uint16_t *)p = f32_to_bf16((float)v); break;
+    case ULY_DTYPE_I32: *(int32_t *)p = (int32_t)v; break;
+    case ULY_DTYPE_I64: *(int64_t *)p = (int64_t)v; break;
+    default: *(double *)p = v; break;
+    }
+}
+
+int64_t uly_numel_of(int ndim, const int64_t *shape) {
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++) n *= shape[d];
+    return n;
+}
+
+static int valid_dtype(int dtype) { return dtype >= ULY_DTYPE_F32 && dtype <= ULY_DTYPE_F64; }
+
+/* ---- creation and lifetime ---- */
+static uly_tensor *alloc_handle(void) {
+    uly_tensor *t = calloc(1, sizeof *t);
+    if (!t) return uly_set_error_null("out of memory allocating a tensor handle");
+    t->refcount = 1;
+    live_tensors++;
+    return t;
+}
+
+uly_tensor *uly_new_contiguous(int ndim, const int64_t *shape, int dtype) {
+    if (ndim < 0 || ndim > ULY_MAX_DIMS)
+        return uly_set_error_null("tensor: %d dimensions requested, at most %d are supported", ndim, ULY_MAX_DIMS);
+    if (!valid_dtype(dtype)) return uly_set_error_null("tensor: unknown dtype %d", dtype);
+    if (ndim > 0 && !shape) return uly_set_error_null("tensor: shape is NULL");
+    int64_t numel = 1;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] < 0)
+            return uly_set_error_null("tensor: negative size %lld in dimension %d of shape %s", (long long)shape[d],
+                                      d, uly_shape_str(ndim, shape));
+        if (shape[d] && numel > INT64_MAX / 16 / shape[d])
+            return uly_set_error_null("tensor: shape %s has too many elements", uly_shape_str(ndim, shape));
+        numel *= shape[d];
+    }
+    uly_storage *s = calloc(1, sizeof *s);
+    if (!s) return uly_set_error_null("out of memory allocating a storage handle");
+    s->refcount = 1;
+    s->device = ULY_DEVICE_CPU;
+    s->data = uly_alloc(numel * uly_dtype_size(dtype), &s->block_bytes);
+    if (!s->data) {
+        free(s);
+        return uly_set_error_null("tensor %s%s: %s", uly_dtype_name(dtype), uly_shape_str(ndim, shape), uly_last_error());
+    }
+    uly_tensor *t = alloc_handle();
+    if (!t) { uly_free(s->data, s->block_bytes); free(s); return NULL; }
+    t->storage = s;
+    t->ndim = ndim;
+    t->dtype = dtype;
+    int64_t st = 1;
+    for (int d = ndim - 1; d >= 0; d--) {
+        t->shape[d] = shape[d];
+        t->stride[d] = st;
+        st *= shape[d] ? shape[d] : 1;
+    }
+    return t;
+}
+
+uly_tensor *uly_new_zeros(int ndim, const int64_t *shape, int dtype) {
+    uly_tensor *t = uly_new_contiguous(ndim, shape, dtype);
+    if (t) memset(t->storage->data, 0, (size_t)(uly_numel_of(ndim, shape) * uly_dtype_size(dtype)));
+    return t;
+}
+
+uly_tensor *uly_new_like(const uly_tensor *t) { return uly_new_contiguous(t->ndim, t->shape, t->dtype); }
+
+uly_tensor *uly_new_view(uly_tensor *base, int ndim, const int64_t *shape, const int64_t *stride, int64_t offset) {
+    uly_tensor *t = alloc_handle();
+    if (!t) return NULL;
+    t->storage = base->storage;
+    t->storage->refcount++;
+    t->offset = offset;
+    t->ndim = ndim;
+    t->dtype = base->dtype;
+    for (int d = 0; d < ndim; d++) { t->shape[d] = shape[d]; t->stride[d] = stride[d]; }
+    return t;
+}
+
+uly_tensor *uly_tensor_empty(int ndim, const int64_t *shape, int dtype, int device) {
+    if (device == ULY_DEVICE_CUDA)
+        return uly_set_error_null("tensor: device 'cuda' is not available in this build (no CUDA backend); use 'cpu'");
+    if (device != ULY_DEVICE_CPU) return uly_set_error_null("tensor: unknown device %d", device);
+    return uly_new_contiguous(ndim, shape, dtype);
+}
+
+uly_tensor *uly_tensor_arange(double start, double end, double step, int dtype) {
+    if (step == 0 || !isfinite(start) || !isfinite(end) || !isfinite(step))
+        return uly_set_error_null("arange(%g, %g, %g): step must be non-zero and bounds finite", start, end, step);
+    double span = ceil((end - start) / step);
+    int64_t n = span > 0 ? (int64_t)span : 0;
+    uly_tensor *t = uly_new_contiguous(1, &n, dtype);
+    if (!t) return NULL;
+    char *p = t->storage->data;
+    int64_t es = uly_dtype_size(dtype);
+    for (int64_t i = 0; i < n; i++) store(p + i * es, dtype, start + (double)i * step);
+    return t;
+}
+
+void uly_tensor_retain(uly_tensor *t) { if (t) t->refcount++; }
+
+void uly_tensor_release(uly_tensor *t) {
+    if (!t || --t->refcount > 0) return;
+    uly_storage *s = t->storage;
+    if (s && --s->refcount == 0) {
+        uly_free(s->data, s->block_bytes);
+        free(s);
+    }
+    uly_tensor_release(t->grad);
+    uly_node_release(t->grad_fn);
+    live_tensors--;
+    free(t);
+}
+
+/* ---- metadata ---- */
+int uly_tensor_ndim(const uly_tensor *t) { return t ? t->ndim : -1; }
+int64_t uly_tensor_size(const uly_tensor *t, int dim) {
+    if (!t) return uly_set_error("size: tensor is NULL");
+    if (dim < 0 || dim >= t->ndim) return uly_set_error("size: dimension %d out of range for %s", dim, uly_desc(t));
+    return t->shape[dim];
+}
+int64_t uly_tensor_stride(const uly_tensor *t, int dim) {
+    if (!t || dim < 0 || dim >= t->ndim) return uly_set_error("stride: dimension %d out of range for %s", dim, uly_desc(t));
+    return t->stride[dim];
+}
+int64_t uly_tensor_numel(const uly_tensor *t) { return t ? uly_numel_of(t->ndim, t->shape) : 0; }
+int64_t uly_tensor_nbytes(const uly_tensor *t) { return t ? uly_tensor_numel(t) * uly_dtype_size(t->dtype) : 0; }
+int uly_tensor_dtype(const uly_tensor *t) { return t ? t->dtype : -1; }
+int uly_tensor_device(const uly_tensor *t) { return t ? t->storage->device : -1; }
+int64_t uly_tensor_storage_offset(const uly_tensor *t) { return t ? t->offset : 0; }
+void *uly_tensor_data_ptr(const uly_tensor *t) { return t ? uly_ptr(t) : NULL; }
+int uly_tensor_shares_storage(const uly_tensor *a, const uly_tensor *b) { return a && b && a->storage == b->storage; }
+
+int uly_tensor_is_contiguous(const uly_tensor *t) {
+    if (!t) return 0;
+    int64_t st = 1;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        if (t->shape[d] != 1 && t->stride[d] != st) return 0;
+        st *= t->shape[d];
+    }
+    return 1;
+}
+
+int uly_same_shape(const uly_tensor *a, const uly_tensor *b) {
+    if (a->ndim != b->ndim) return 0;
+    for (int d = 0; d < a->ndim; d++)
+        if (a->shape[d] != b->shape[d]) return 0;
+    return 1;
+}
+
+int uly_check_tensor(const char *op, const char *arg, const uly_tensor *t) {
+    if (!t) return uly_set_error("%s: argument '%s' is NULL (a freed or missing tensor)", op, arg);
+    return 0;
+}
+
+int uly_check_float(const char *op, const char *arg, const uly_tensor *t) {
+    if (uly_check_tensor(op, arg, t)) return -1;
+    if (t->dtype != ULY_DTYPE_F32)
+        return uly_set_error("%s: '%s' is %s but the CPU kernel needs f32; convert with :float()", op, arg, uly_desc(t));
+    return 0;
+}
+
+int uly_check_inplace(const char *op, const uly_tensor *t) {
+    if (uly_check_tensor(op, "self", t)) return -1;
+    if (uly_grad_enabled() && t->requires_grad && !t->grad_fn)
+        return uly_set_error("%s: in-place write into a leaf %s that requires grad; do it inside uly.no_grad(...) "
+                             "or on a detached tensor", op, uly_desc(t));
+    return 0;
+}
+
+void uly_bump_version(uly_tensor *t) { t->storage->version++; }
+
+/* ---- strided element walks ---- */
+/* Visit the elements of a shape in row-major order, calling fn on the byte offsets of up to two
+ * strided operands. Inner dimension unrolled into a plain loop. */
+void uly_walk2(int ndim, const int64_t *shape, char *a, const int64_t *sa, char *b, const int64_t *sb,
+               uly_walk_fn fn, void *ctx) {
+    if (uly_numel_of(ndim, shape) == 0) return;
+    if (ndim == 0) { fn(a, b, 1, 0, 0, ctx); return; }
+    int64_t idx[ULY_MAX_DIMS] = {0};
+    int last = ndim - 1;
+    for (;;) {
+        int64_t oa = 0, ob = 0;
+        for (int d = 0; d < last; d++) { oa += idx[d] * sa[d]; ob += idx[d] * sb[d]; }
+        fn(a + oa, b ? b + ob : NULL, shape[last], sa[last], sb[last], ctx);
+        int d = last - 1;
+        while (d >= 0 && ++idx[d] == shape[d]) idx[d--] = 0;
+        if (d < 0) return;
+    }
+}
+
+typedef struct { int da, db; } conv_ctx;
+static void convert_run(char *a, char *b, int64_t n, int64_t sa, int64_t sb, void *vctx) {
+    conv_ctx *c = vctx; /* a = dst, b = src */
+    if (c->da == ULY_DTYPE_F32 && c->db == ULY_DTYPE_F32) {
+        float *d = (float *)a; const float *s = (const float *)b;
+        if (sa == 4 && sb == 4) { memmove(d, s, (size_t)n * 4); return; }
+        for (int64_t i = 0; i < n; i++) *(float *)(a + i * sa) = *(const float *)(b + i * sb);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) store(a + i * sa, c->da, load(b + i * sb, c->db));
+}
+
+static void byte_strides(const uly_tensor *t, int64_t *out) {
+    int64_t es = uly_dtype_size(t->dtype);
+    for (int d = 0; d < t->ndim; d++) out[d] = t->stride[d] * es;
+}
+
+int uly_copy_raw(uly_tensor *dst, const uly_tensor *src) {
+    /* align src to dst's shape (broadcasting from the right) */
+    if (src->ndim > dst->ndim) goto mismatch;
+    int64_t ss[ULY_MAX_DIMS] = {0}, ds[ULY_MAX_DIMS];
+    int64_t sbs[ULY_MAX_DIMS];
+    byte_strides(src, sbs);
+    byte_strides(dst, ds);
+    for (int d = 0; d < src->ndim; d++) {
+        int dd = dst->ndim - src->ndim + d;
+        if (src->shape[d] == dst->shape[dd]) ss[dd] = sbs[d];
+        else if (src->shape[d] == 1) ss[dd] = 0;
+        else goto mismatch;
+    }
+    if (uly_tensor_is_contiguous(dst) && uly_tensor_is_contiguous(src) && uly_same_shape(dst, src) &&
+        dst->dtype == src->dtype) {
+        memmove(uly_ptr(dst), uly_ptr(src), (size_t)uly_tensor_nbytes(dst));
+        return 0;
+    }
+    conv_ctx c = {dst->dtype, src->dtype};
+    uly_walk2(dst->ndim, dst->shape, uly_ptr(dst), ds, uly_ptr(src), ss, convert_run, &c);
+    return 0;
+mismatch:
+    return uly_set_error("copy: source %s cannot be broadcast to destination %s", uly_desc(src), uly_desc(dst));
+}
+
+uly_tensor *uly_contiguous_raw(uly_tensor *t) {
+    if (uly_tensor_is_contiguous(t)) { t->refcount++; return t; }
+    uly_tensor *c = uly_new_like(t);
+    if (!c) return NULL;
+    uly_copy_raw(c, t);
+    return c;
+}
+
+/* ---- data in and out ---- */
+typedef struct { const char *flat; char *flat_out; int flat_dtype, t_dtype; int64_t pos; } flat_ctx;
+static void from_flat_run(char *a, char *b, int64_t n, int64_t sa, int64_t sb, void *vctx) {
+    (void)b; (void)sb;
+    flat_ctx *c = vctx;
+    int64_t es = uly_dtype_size(c->flat_dtype);
+    for (int64_t i = 0; i < n; i++) store(a + i * sa, c->t_dtype, load(c->flat + (c->pos + i) * es, c->flat_dtype));
+    c->pos += n;
+}
+static void to_flat_run(char *a, char *b, int64_t n, int64_t sa, int64_t sb, void *vctx) {
+    (void)b; (void)sb;
+    flat_ctx *c = vctx;
+    int64_t es = uly_dtype_size(c->flat_dtype);
+    for (int64_t i = 0; i < n; i++) store(c->flat_out + (c->pos + i) * es, c->flat_dtype, load(a + i * sa, c->t_dtype));
+    c->pos += n;
+}
+
+static int check_flat(const char *op, const uly_tensor *t, const void *p, int dtype, int64_t numel) {
+    if (uly_check_tensor(op, "tensor", t)) return -1;
+    if (!p) return uly_set_error("%s: buffer pointer is NULL", op);
+    if (!valid_dtype(dtype)) return uly_set_error("%s: unknown buffer dtype %d", op, dtype);
+    if (numel != uly_tensor_numel(t))
+        return uly_set_error("%s: buffer has %lld elements but tensor %s has %lld", op, (long long)numel, uly_desc(t),
+                             (long long)uly_tensor_numel(t));
+    return 0;
+}
+
+int uly_tensor_copy_from(uly_tensor *t, const void *src, int src_dtype, int64_t numel) {
+    if (check_flat("copy_from", t, src, src_dtype, numel) || uly_check_inplace("copy_from", t)) return -1;
+    if (uly_tensor_is_contiguous(t) && src_dtype == t->dtype) {
+        memcpy(uly_ptr(t), src, (size_t)uly_tensor_nbytes(t));
+    } else {
+        int64_t bs[ULY_MAX_DIMS];
+        byte_strides(t, bs);
+        flat_ctx c = {src, NULL, src_dtype, t->dtype, 0};
+        uly_walk2(t->ndim, t->shape, uly_ptr(t), bs, NULL, bs, from_flat_run, &c);
+    }
+    uly_bump_version(t);
+    return 0;
+}
+
+int uly_tensor_copy_to(const uly_tensor *t, void *dst, int dst_dtype, int64_t numel) {
+    if (check_flat("copy_to", t, dst, dst_dtype, numel)) return -1;
+    if (uly_tensor_is_contiguous(t) && dst_dtype == t->dtype) {
+        memcpy(dst, uly_ptr(t), (size_t)uly_tensor_nbytes(t));
+        return 0;
+    }
+    int64_t bs[ULY_MAX_DIMS];
+    byte_strides(t, bs);
+    flat_ctx c = {NULL, dst, dst_dtype, t->dtype, 0};
+    uly_walk2(t->ndim, t->shape, uly_ptr(t), bs, NULL, bs, to_flat_run, &c);
+    return 0;
+}
+
+int uly_tensor_fill_(uly_tensor *t, double value) {
+    if (uly_check_inplace("fill_", t)) return -1;
+    char one[8];
+    store(one, t->dtype, value);
+    uly_tensor *src = uly_new_contiguous(0, NULL, t->dtype);
+    if (!src) return -1;
+    memcpy(src->storage->data, one, (size_t)uly_dtype_size(t->dtype));
+    int rc = uly_copy_raw(t, src);
+    uly_tensor_release(src);
+    uly_bump_version(t);
+    return rc;
+}
+
+int uly_tensor_copy_(uly_tensor *dst, const uly_tensor *src) {
+    if (uly_check_inplace("copy_", dst) || uly_check_tensor("copy_", "src", src)) return -1;
+    if (uly_copy_raw(dst, src)) return -1;
+    uly_bump_version(dst);
+    return 0;
+}
+
+static int random_fill(uly_tensor *t, const char *op, int normal, double a, double b) {
+    if (uly_check_inplace(op, t)) return -1;
+    int64_t n = uly_tensor_numel(t);
+    double *vals = malloc((size_t)(n ? n : 1) * sizeof *vals);
+    if (!vals) return uly_set_error("%s: out of memory for %lld values", op, (long long)n);
+    uint64_t seed = uly_rng_seed(), first = uly_rng_take((uint64_t)n * (normal ? 2 : 1));
+    for (int64_t i = 0; i < n; i++) {
+        if (normal) { /* Box-Muller on two independent counters */
+            double u1 = uly_counter_uniform(seed, first + 2 * (uint64_t)i);
+            double u2 = uly_counter_uniform(seed, first + 2 * (uint64_t)i + 1);
+            vals[i] = a + b * sqrt(-2.0 * log(1.0 - u1)) * cos(6.283185307179586 * u2);
+        } else {
+            vals[i] = a + (b - a) * uly_counter_uniform(seed, first + (uint64_t)i);
+        }
+    }
+    int rc = uly_tensor_copy_from(t, vals, ULY_DTYPE_F64, n);
+    free(vals);
+    return rc;
+}
+
+int uly_tensor_uniform_(uly_tensor *t, double lo, double hi) { return random_fill(t, "uniform_", 0, lo, hi); }
+int uly_tensor_normal_(uly_tensor *t, double mean, double std) { return random_fill(t, "normal_", 1, mean, std); }
+
+static int item_offset(const char *op, const uly_tensor *t, const int64_t *index, int64_t *off) {
+    if (uly_check_tensor(op, "tensor", t)) return -1;
+    if (t->ndim > 0 && !index) return uly_set_error("%s: index is NULL", op);
+    int64_t o = t->offset;
+    for (int d = 0; d < t->ndim; d++) {
+        if (index[d] < 0 || index[d] >= t->shape[d])
+            return uly_set_error("%s: index %lld is out of range for dimension %d of size %lld in %s", op,
+                                 (long long)index[d], d, (long long)t->shape[d], uly_desc(t));
+        o += index[d] * t->stride[d];
+    }
+    *off = o;
+    return 0;
+}
+
+int uly_tensor_get_item(const uly_tensor *t, const int64_t *index, double *value) {
+    int64_t o;
+    if (item_offset("get_item", t, index, &o)) return -1;
+    *value = load((const char *)t->storage->data + o * uly_dtype_size(t->dtype), t->dtype);
+    return 0;
+}
+
+int uly_tensor_set_item(uly_tensor *t, const int64_t *index, double value) {
+    int64_t o;
+    if (uly_check_inplace("set_item", t) || item_offset("set_item", t, index, &o)) return -1;
+    store((char *)t->storage->data + o * uly_dtype_size(t->dtype), t->dtype, value);
+    uly_bump_version(t);
+    return 0;
+}

@@ -1,0 +1,143 @@
+/* kernels/cpu/kernels.h — signatures of the CPU compute kernels (internal, not the FFI surface).
+ *
+ * Contract for every kernel here:
+ *  - float32, row-major, contiguous buffers unless an argument says otherwise;
+ *  - `*_forward` writes (=) its outputs;
+ *  - `*_backward` ACCUMULATES (+=) into every gradient output (dinp, dweight, ...);
+ *    a NULL gradient pointer means "not needed" and is skipped;
+ *  - no allocation of results, no error reporting: the dispatch layer (core/ops.c)
+ *    validates shapes, dtypes and index ranges before calling;
+ *  - multi-threaded with OpenMP where it pays; results never depend on the thread count
+ *    (no racy scatter, reductions in a fixed order per output element).
+ */
+#ifndef ULY_KERNELS_CPU_H
+#define ULY_KERNELS_CPU_H
+#include <stdint.h>
+
+/* ---- elementwise unary (unary.c) ---- */
+enum uly_unary_kind {
+    ULY_UNARY_GELU_TANH = 0, /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+    ULY_UNARY_GELU_EXACT,    /* 0.5 x (1 + erf(x / sqrt 2)) */
+    ULY_UNARY_SILU,          /* x * sigmoid(x) */
+    ULY_UNARY_RELU,
+    ULY_UNARY_TANH,
+    ULY_UNARY_SIGMOID,
+    ULY_UNARY_EXP,
+    ULY_UNARY_LOG,
+    ULY_UNARY_SQRT,
+    ULY_UNARY_COUNT
+};
+/* out[i] = f(inp[i]) for i < n */
+void unary_forward(float *out, const float *inp, int64_t n, int kind);
+/* dinp[i] += dout[i] * f'(inp[i]); `out` is the forward output (may be used, e.g. exp/tanh/sigmoid/sqrt) */
+void unary_backward(float *dinp, const float *dout, const float *inp, const float *out, int64_t n, int kind);
+
+/* swiglu: out = silu(gate) * up, all [n] */
+void swiglu_forward(float *out, const float *gate, const float *up, int64_t n);
+void swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int64_t n);
+
+/* ---- reductions over the middle axis of a contiguous [outer, n, inner] view (reduce.c) ---- */
+/* out[o, i] = scale * sum_j inp[o, j, i]   (out is [outer, inner]) ; mean = sum with scale 1/n */
+void reduce_sum_forward(float *out, const float *inp, int64_t outer, int64_t n, int64_t inner, float scale);
+/* dinp[o, j, i] += scale * dout[o, i] */
+void reduce_sum_backward(float *dinp, const float *dout, int64_t outer, int64_t n, int64_t inner, float scale);
+/* out[o, i] = max_j inp[o, j, i]; argmax[o, i] = the first j reaching it (NaN wins: propagates) */
+void reduce_max_forward(float *out, int64_t *argmax, const float *inp, int64_t outer, int64_t n, int64_t inner);
+/* dinp[o, argmax[o,i], i] += dout[o, i] */
+void reduce_max_backward(float *dinp, const float *dout, const int64_t *argmax, int64_t outer, int64_t n, int64_t inner);
+
+/* ---- softmax / log-softmax over the middle axis of [outer, n, inner] (softmax.c) ---- */
+/* is_log = 0: out = softmax; is_log = 1: out = log_softmax. Numerically stable (max-subtracted). */
+void softmax_forward(float *out, const float *inp, int64_t outer, int64_t n, int64_t inner, int is_log);
+/* from the forward OUTPUT `out`:
+ *   softmax:     dinp += out * (dout - sum_j dout*out)
+ *   log_softmax: dinp += dout - exp(out) * sum_j dout */
+void softmax_backward(float *dinp, const float *dout, const float *out, int64_t outer, int64_t n, int64_t inner, int is_log);
+
+/* ---- normalisation over the last axis, rows x C (norm.c) ---- */
+/* out = (x - mean) * rstd * weight + bias; weight/bias may be NULL (= 1 / 0). Saves mean[rows], rstd[rows]. */
+void layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *weight,
+                       const float *bias, int64_t rows, int64_t C, float eps);
+void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
+                        const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t C);
+/* out = x * rstd * weight, rstd = 1/sqrt(mean(x^2) + eps); weight may be NULL. Saves rstd[rows]. */
+void rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight, int64_t rows, int64_t C, float eps);
+void rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
+                      const float *rstd, int64_t rows, int64_t C);
+
+/* ---- embedding (embedding.c); idx_bytes is 4 (int32) or 8 (int64); indices already range-checked ---- */
+/* out[i, :] = weight[idx[i], :]  for i < n; weight is [V, C] */
+void embedding_forward(float *out, const void *idx, int idx_bytes, const float *weight, int64_t n, int64_t C);
+/* dweight[idx[i], :] += dout[i, :]  (deterministic: threads split the C columns, rows in order) */
+void embedding_backward(float *dweight, const float *dout, const void *idx, int idx_bytes, int64_t n, int64_t C);
+/* index of the first idx[i] outside [0, V), or -1 if all are valid */
+int64_t embedding_first_bad_index(const void *idx, int idx_bytes, int64_t n, int64_t V);
+
+/* ---- rotary position embedding (rope.c) ----
+ * x is [B, T, H, D], D even. Pairs (x[2i], x[2i+1]) are rotated by angle pos * theta^(-2i/D)
+ * with pos = pos_offset + t (t the index along T): the interleaved/complex form of the RoFormer
+ * and Llama papers. */
+void rope_forward(float *out, const float *inp, int64_t B, int64_t T, int64_t H, int64_t D,
+                  int64_t pos_offset, float theta);
+/* dinp += rotation by -angle of dout */
+void rope_backward(float *dinp, const float *dout, int64_t B, int64_t T, int64_t H, int64_t D,
+                   int64_t pos_offset, float theta);
+
+/* ---- dropout with a counter-based RNG (dropout.c) ----
+ * element i is kept iff uniform(seed, offset + i) >= p; kept elements are scaled by 1/(1-p).
+ * The mask depends only on (seed, offset + i), never on the thread count. */
+void dropout_forward(float *out, const float *inp, int64_t n, float p, uint64_t seed, uint64_t offset);
+void dropout_backward(float *dinp, const float *dout, int64_t n, float p, uint64_t seed, uint64_t offset);
+/* the uniform in [0, 1) used above (exposed for specs and for other RNG users) */
+float uly_counter_uniform(uint64_t seed, uint64_t counter);
+
+/* ---- cross-entropy fused with log-softmax (cross_entropy.c) ----
+ * logits [rows, V]; targets [rows] of int32 (target_bytes 4) or int64 (8), already range-checked
+ * except for ignore_index. For each row r with targets[r] != ignore_index:
+ *   loss[r] = lse[r] - logits[r, t],  lse[r] = log sum_j exp(logits[r, j]);
+ * ignored rows get loss 0 and lse 0. Returns the number of non-ignored rows. */
+int64_t cross_entropy_forward(float *loss, float *lse, const float *logits, const void *targets,
+                              int target_bytes, int64_t rows, int64_t V, int64_t ignore_index);
+/* dlogits[r, j] += dloss[r] * (exp(logits[r, j] - lse[r]) - [j == t_r]) for non-ignored rows */
+void cross_entropy_backward(float *dlogits, const float *dloss, const float *logits, const float *lse,
+                            const void *targets, int target_bytes, int64_t rows, int64_t V, int64_t ignore_index);
+
+/* ---- reference attention (attention_ref.c), materialises the full score matrix ----
+ * q [B, Tq, H, D], k and v [B, Tk, Hkv, D], out [B, Tq, H, D], all contiguous; H % Hkv == 0 and
+ * query head h uses K/V head h / (H / Hkv) (grouped-query attention).
+ * probs [B, H, Tq, Tk] receives softmax(scale * q k^T + mask), saved for backward.
+ * causal: query i may see key j iff j <= i + (Tk - Tq) (bottom-right aligned, as FlashAttention);
+ * a query row that sees no key gets probability 0 everywhere and output 0. Uses BLAS sgemm. */
+void attention_forward(float *out, float *probs, const float *q, const float *k, const float *v,
+                       int64_t B, int64_t Tq, int64_t Tk, int64_t H, int64_t Hkv, int64_t D,
+                       float scale, int causal);
+void attention_backward(float *dq, float *dk, float *dv, const float *dout, const float *q,
+                        const float *k, const float *v, const float *probs,
+                        int64_t B, int64_t Tq, int64_t Tk, int64_t H, int64_t Hkv, int64_t D,
+                        float scale, int causal);
+
+/* ---- elementwise binary with broadcasting, and tensor-scalar ops (binary.c) ----
+ * a and b are read through element strides aligned to the output shape (0 = broadcast);
+ * out is contiguous with `shape`. */
+enum uly_binary_kind { ULY_BINARY_ADD = 0, ULY_BINARY_SUB, ULY_BINARY_MUL, ULY_BINARY_DIV };
+void binary_forward(float *out, const float *a, const int64_t *a_strides, const float *b, const int64_t *b_strides,
+                    int ndim, const int64_t *shape, int kind);
+enum uly_scalar_kind { ULY_SCALAR_ADD = 0, ULY_SCALAR_MUL, ULY_SCALAR_POW };
+/* out = a + s, a * s or a ^ s over n contiguous elements */
+void scalar_forward(float *out, const float *a, int64_t n, int kind, float s);
+/* dinp += dout * d(op)/da */
+void scalar_backward(float *dinp, const float *dout, const float *a, int64_t n, int kind, float s);
+/* y += alpha * x over n contiguous elements */
+void axpy_accumulate(float *y, const float *x, int64_t n, float alpha);
+
+/* ---- strided batched GEMM through BLAS (matmul.c) ----
+ * C[b] = beta * C[b] + A[b] @ B[b] for every index b of the batch shape; a matrix operand has
+ * batch strides (0 = broadcast over that batch dim) and row/column strides. A or B must have
+ * a unit row or column stride (the caller makes a contiguous copy otherwise); C must have a
+ * unit column stride. With beta = 1 and a broadcast C (stride 0), batches accumulate in order. */
+typedef struct uly_mat { float *p; int64_t bstride[8]; int64_t rs, cs; } uly_mat;
+int gemm_operand_ok(int64_t rows, int64_t cols, int64_t rs, int64_t cs);
+void gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
+                  int64_t M, int64_t N, int64_t K, float beta);
+
+#endif

@@ -1,0 +1,247 @@
+/* kernels/cpu/reduce.c — sum / max over the middle axis of a contiguous [outer, n, inner] view.
+ *
+ *   reduce_sum_forward:  out[o, i] = scale * sum_j inp[o, j, i]            (out is [outer, inner])
+ *   reduce_sum_backward: dinp[o, j, i] += scale * dout[o, i]                (ACCUMULATES)
+ *   reduce_max_forward:  out[o, i] = max_j inp[o, j, i], argmax[o, i] = first j reaching it;
+ *                        NaN propagates: a NaN makes the result NaN and argmax the first NaN
+ *   reduce_max_backward: dinp[o, argmax[o, i], i] += dout[o, i]             (ACCUMULATES)
+ * A NULL gradient pointer is skipped.
+ *
+ * Sums accumulate in double. The j axis is cut into fixed chunks (a function of the shape
+ * only); each chunk is summed in order and the chunk sums are added in chunk order, so the
+ * result never depends on the thread count. Chunks let a long reduction (e.g. a full sum,
+ * outer = inner = 1) use all threads; their partial sums live in a malloc'ed buffer (if that
+ * fails, the same chunk sums are computed serially per output: same result, fewer threads).
+ */
+#include "kernels.h"
+#include <math.h>
+#include <stdlib.h>
+#include <omp.h>
+
+#define PAR_MIN 32768   /* elements below which a kernel stays single-threaded */
+#define SUM_CHUNK 16384 /* elements of inp per summing task */
+#define IBLK 256        /* inner-axis block for the strided (inner > 1) paths */
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* sum of p[0..len) in double, fixed order for a given (pointer, len) */
+static inline double sum_contig(const float *p, int64_t len)
+{
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < len; j++) s += (double)p[j];
+    return s;
+}
+
+/* acc[0..ilen) = sum over jlen rows (stride inner) of p[j*inner + i] */
+static inline void sum_strided(double *acc, const float *p, int64_t jlen, int64_t inner, int64_t ilen)
+{
+    for (int64_t i = 0; i < ilen; i++) acc[i] = 0.0;
+    for (int64_t j = 0; j < jlen; j++) {
+        const float *row = p + j * inner;
+#pragma omp simd
+        for (int64_t i = 0; i < ilen; i++) acc[i] += (double)row[i];
+    }
+}
+
+void reduce_sum_forward(float *out, const float *inp, int64_t outer, int64_t n, int64_t inner, float scale)
+{
+    if (outer <= 0 || inner <= 0) return;
+    const double sc = (double)scale;
+    const int par = outer * n * inner > PAR_MIN;
+    if (n <= 0) {
+        for (int64_t k = 0; k < outer * inner; k++) out[k] = 0.0f;
+        return;
+    }
+
+    if (inner == 1) {
+        const int64_t nch = (n + SUM_CHUNK - 1) / SUM_CHUNK;
+        double *part = nch > 1 ? malloc((size_t)(outer * nch) * sizeof(double)) : NULL;
+        if (part) {
+#pragma omp parallel for schedule(static) if (par)
+            for (int64_t t = 0; t < outer * nch; t++) {
+                const int64_t o = t / nch, c = t % nch;
+                const int64_t j0 = c * SUM_CHUNK;
+                part[t] = sum_contig(inp + o * n + j0, min64(SUM_CHUNK, n - j0));
+            }
+#pragma omp parallel for schedule(static) if (outer > 4096)
+            for (int64_t o = 0; o < outer; o++) {
+                double s = 0.0;
+                for (int64_t c = 0; c < nch; c++) s += part[o * nch + c];
+                out[o] = (float)(sc * s);
+            }
+            free(part);
+        } else {
+#pragma omp parallel for schedule(static) if (par)
+            for (int64_t o = 0; o < outer; o++) {
+                double s = 0.0;
+                for (int64_t j0 = 0; j0 < n; j0 += SUM_CHUNK)
+                    s += sum_contig(inp + o * n + j0, min64(SUM_CHUNK, n - j0));
+                out[o] = (float)(sc * s);
+            }
+        }
+        return;
+    }
+
+    /* inner > 1: tasks over (o, j-chunk, i-block); i is the contiguous vectorised axis */
+    const int64_t nib = (inner + IBLK - 1) / IBLK;
+    int64_t jch = SUM_CHUNK / min64(inner, IBLK);
+    if (jch < 1) jch = 1;
+    const int64_t nch = (n + jch - 1) / jch;
+    double *part = nch > 1 ? malloc((size_t)(outer * nch * inner) * sizeof(double)) : NULL;
+    if (nch == 1 || part) {
+#pragma omp parallel for schedule(static) if (par)
+        for (int64_t t = 0; t < outer * nch * nib; t++) {
+            const int64_t o = t / (nch * nib), c = (t / nib) % nch, b = t % nib;
+            const int64_t j0 = c * jch, i0 = b * IBLK;
+            const int64_t jlen = min64(jch, n - j0), ilen = min64(IBLK, inner - i0);
+            double acc[IBLK];
+            sum_strided(acc, inp + (o * n + j0) * inner + i0, jlen, inner, ilen);
+            if (nch == 1) {
+                float *dst = out + o * inner + i0;
+                for (int64_t i = 0; i < ilen; i++) dst[i] = (float)(sc * acc[i]);
+            } else {
+                double *dst = part + (o * nch + c) * inner + i0;
+                for (int64_t i = 0; i < ilen; i++) dst[i] = acc[i];
+            }
+        }
+        if (part) {
+#pragma omp parallel for schedule(static) if (outer * nch * inner > PAR_MIN)
+            for (int64_t t = 0; t < outer * nib; t++) {
+                const int64_t o = t / nib, i0 = (t % nib) * IBLK, ilen = min64(IBLK, inner - i0);
+                double acc[IBLK];
+                for (int64_t i = 0; i < ilen; i++) acc[i] = 0.0;
+                for (int64_t c = 0; c < nch; c++) {
+                    const double *src = part + (o * nch + c) * inner + i0;
+#pragma omp simd
+                    for (int64_t i = 0; i < ilen; i++) acc[i] += src[i];
+                }
+                for (int64_t i = 0; i < ilen; i++) out[o * inner + i0 + i] = (float)(sc * acc[i]);
+            }
+            free(part);
+        }
+    } else {
+        /* malloc failed: same chunk sums, added in the same order, parallel over (o, i-block) */
+#pragma omp parallel for schedule(static) if (par)
+        for (int64_t t = 0; t < outer * nib; t++) {
+            const int64_t o = t / nib, i0 = (t % nib) * IBLK, ilen = min64(IBLK, inner - i0);
+            double acc[IBLK], tot[IBLK];
+            for (int64_t i = 0; i < ilen; i++) tot[i] = 0.0;
+            for (int64_t j0 = 0; j0 < n; j0 += jch) {
+                sum_strided(acc, inp + (o * n + j0) * inner + i0, min64(jch, n - j0), inner, ilen);
+                for (int64_t i = 0; i < ilen; i++) tot[i] += acc[i];
+            }
+            for (int64_t i = 0; i < ilen; i++) out[o * inner + i0 + i] = (float)(sc * tot[i]);
+        }
+    }
+}
+
+void reduce_sum_backward(float *dinp, const float *dout, int64_t outer, int64_t n, int64_t inner, float scale)
+{
+    if (!dinp || outer <= 0 || n <= 0 || inner <= 0) return;
+    const int par = outer * n * inner > PAR_MIN;
+    if (inner == 1) {
+        const int64_t JB = 8192, nb = (n + JB - 1) / JB;
+#pragma omp parallel for schedule(static) if (par)
+        for (int64_t t = 0; t < outer * nb; t++) {
+            const int64_t o = t / nb, j0 = (t % nb) * JB, jlen = min64(JB, n - j0);
+            const float v = scale * dout[o];
+            float *d = dinp + o * n + j0;
+#pragma omp simd
+            for (int64_t j = 0; j < jlen; j++) d[j] += v;
+        }
+        return;
+    }
+    int64_t jb = 8192 / inner;
+    if (jb < 1) jb = 1;
+    const int64_t nb = (n + jb - 1) / jb;
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t t = 0; t < outer * nb; t++) {
+        const int64_t o = t / nb, j0 = (t % nb) * jb, jlen = min64(jb, n - j0);
+        const float *g = dout + o * inner;
+        for (int64_t j = j0; j < j0 + jlen; j++) {
+            float *d = dinp + (o * n + j) * inner;
+#pragma omp simd
+            for (int64_t i = 0; i < inner; i++) d[i] += scale * g[i];
+        }
+    }
+}
+
+void reduce_max_forward(float *out, int64_t *argmax, const float *inp, int64_t outer, int64_t n, int64_t inner)
+{
+    if (outer <= 0 || inner <= 0) return;
+    if (n <= 0) {
+        for (int64_t k = 0; k < outer * inner; k++) {
+            out[k] = -INFINITY;
+            if (argmax) argmax[k] = 0;
+        }
+        return;
+    }
+    const int par = outer * n * inner > PAR_MIN;
+    if (inner == 1) {
+#pragma omp parallel for schedule(static) if (par)
+        for (int64_t o = 0; o < outer; o++) {
+            const float *x = inp + o * n;
+            float m = x[0];
+            int64_t a = 0;
+            if (m == m) {
+                for (int64_t j = 1; j < n; j++) {
+                    const float v = x[j];
+                    if (v > m) {
+                        m = v;
+                        a = j;
+                    } else if (v != v) { /* first NaN wins */
+                        m = v;
+                        a = j;
+                        break;
+                    }
+                }
+            }
+            out[o] = m;
+            if (argmax) argmax[o] = a;
+        }
+        return;
+    }
+    const int64_t nib = (inner + IBLK - 1) / IBLK;
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t t = 0; t < outer * nib; t++) {
+        const int64_t o = t / nib, i0 = (t % nib) * IBLK, ilen = min64(IBLK, inner - i0);
+        const float *x = inp + o * n * inner + i0;
+        float best[IBLK];
+        int64_t arg[IBLK];
+        for (int64_t i = 0; i < ilen; i++) {
+            best[i] = x[i];
+            arg[i] = 0;
+        }
+        for (int64_t j = 1; j < n; j++) {
+            const float *row = x + j * inner;
+#pragma omp simd
+            for (int64_t i = 0; i < ilen; i++) {
+                const float v = row[i], b = best[i];
+                /* strictly greater, or the first NaN (a NaN best is never replaced) */
+                const int take = (v > b) | ((v != v) & (b == b));
+                best[i] = take ? v : b;
+                arg[i] = take ? j : arg[i];
+            }
+        }
+        for (int64_t i = 0; i < ilen; i++) {
+            out[o * inner + i0 + i] = best[i];
+            if (argmax) argmax[o * inner + i0 + i] = arg[i];
+        }
+    }
+}
+
+void reduce_max_backward(float *dinp, const float *dout, const int64_t *argmax, int64_t outer, int64_t n, int64_t inner)
+{
+    if (!dinp || outer <= 0 || n <= 0 || inner <= 0) return;
+    /* every (o, i) owns a distinct dinp element: no race */
+    const int64_t IB = 4096, nib = (inner + IB - 1) / IB;
+#pragma omp parallel for schedule(static) if (outer * inner > PAR_MIN)
+    for (int64_t t = 0; t < outer * nib; t++) {
+        const int64_t o = t / nib, i0 = (t % nib) * IB, ilen = min64(IB, inner - i0);
+        for (int64_t i = i0; i < i0 + ilen; i++) {
+            const int64_t k = o * inner + i;
+            dinp[(o * n + argmax[k]) * inner + i] += dout[k];
+        }
+    }
+}

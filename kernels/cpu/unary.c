@@ -1,0 +1,227 @@
+/* kernels/cpu/unary.c — elementwise activations (all ULY_UNARY_* kinds) and SwiGLU.
+ *
+ *   unary_forward:   out[i] = f(inp[i]) for i < n (out may equal inp: in place)
+ *   unary_backward:  dinp[i] += dout[i] * f'(inp[i])   (ACCUMULATES; `out` is the forward
+ *                    output, used by TANH/SIGMOID/EXP/SQRT, recomputed if NULL)
+ *   swiglu_forward:  out = silu(gate) * up, all [n]
+ *   swiglu_backward: dgate += dout * up * silu'(gate), dup += dout * silu(gate)
+ *                    (ACCUMULATES; a NULL gradient pointer is skipped)
+ *
+ * GELU_TANH is evaluated through the identity 0.5 x (1 + tanh(u)) = x * sigmoid(2u),
+ * u = sqrt(2/pi) (x + 0.044715 x^3) (same function, no cancellation near 1 + tanh = 0);
+ * its backward is the exact derivative of that formula. GELU_EXACT uses erff.
+ * LOG backward is dout / x, SQRT backward dout * 0.5 / out.
+ *
+ * exp is a vectorisable Cody-Waite + degree-7 polynomial (Cephes expf, <= 2 ulp, NaN and
+ * +-inf handled, underflows to 0 below ~-103.9) so the sigmoid/SiLU/GELU loops vectorise;
+ * tanh, erf, log and sqrt call libm (scalar: errno semantics block vectorisation).
+ *
+ * Threading: the range is cut into fixed blocks of EW_BLOCK elements (independent of the
+ * thread count) and every element is computed by the same code whatever the number of
+ * threads, so results are bit-identical for any OMP_NUM_THREADS.
+ */
+#include "kernels.h"
+#include <math.h>
+#include <stddef.h>
+#include <omp.h>
+
+#define EW_BLOCK 4096
+/* parallelise only above these sizes (thread start-up would dominate below) */
+#define PAR_CHEAP 131072 /* memory-bound: relu, sqrt */
+#define PAR_EXP 32768    /* exp-based, vectorised */
+#define PAR_LIBM 8192    /* scalar libm call per element: erff, tanhf, logf */
+
+/* ---- vectorisable expf ---- */
+typedef union { float f; uint32_t u; } f32bits;
+
+static inline float uly_expf(float x)
+{
+    /* out-of-range inputs are fixed by the selects at the end (no clamp-then-compute: a
+     * constant-folded overflow path would stop GCC from if-converting and vectorising) */
+    const float magic = 12582912.0f; /* 1.5 * 2^23: round-to-nearest integer trick */
+    f32bits t = { .f = x * 1.44269504088896341f + magic };
+    const float nf = t.f - magic;
+    float r = x - nf * 0.693359375f;
+    r = r - nf * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    /* 2^n split in two factors so that n in [-150, 128] (denormals, overflow) is exact;
+     * unsigned arithmetic: no UB for out-of-range or NaN x (result replaced below) */
+    const int32_t n = (int32_t)(t.u - 0x4B400000u);
+    const int32_t n1 = n >> 1, n2 = n - n1;
+    f32bits s1 = { .u = (uint32_t)(n1 + 127) << 23 };
+    f32bits s2 = { .u = (uint32_t)(n2 + 127) << 23 };
+    f32bits e = { .f = p * s1.f * s2.f };
+    /* branch-free fix-up (bit masks, so GCC keeps the loops straight-line and vectorised):
+     * e^x > FLT_MAX -> +inf, e^x < 2^-150 -> 0; NaN x compares false and stays NaN */
+    const uint32_t big = 0u - (uint32_t)(x > 88.7228394f);
+    const uint32_t tiny = 0u - (uint32_t)(x < -103.972076f);
+    e.u = (e.u & ~(big | tiny)) | (big & 0x7F800000u);
+    return e.f;
+}
+
+static inline float uly_sigmoidf(float x) { return 1.0f / (1.0f + uly_expf(-x)); }
+
+#define GELU_K 0.7978845608028654f  /* sqrt(2/pi) */
+#define GELU_C 0.044715f
+#define INV_SQRT2 0.7071067811865476f
+#define INV_SQRT2PI 0.3989422804014327f /* 1/sqrt(2 pi) */
+
+/* ---- fixed-block driver ---- */
+typedef struct {
+    float *o0, *o1;
+    const float *a, *b, *c;
+} ew_args;
+typedef void (*ew_fn)(const ew_args *p, int64_t lo, int64_t hi);
+
+static void ew_run(ew_fn fn, const ew_args *p, int64_t n, int64_t par_threshold)
+{
+    if (n <= 0) return;
+    const int64_t nb = (n + EW_BLOCK - 1) / EW_BLOCK;
+    const int par = n > par_threshold && nb > 1;
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t blk = 0; blk < nb; blk++) {
+        const int64_t lo = blk * EW_BLOCK;
+        const int64_t hi = lo + EW_BLOCK < n ? lo + EW_BLOCK : n;
+        fn(p, lo, hi);
+    }
+}
+
+/* Defines a block function NAME whose loop body is BODY, with
+ * o0,o1 (outputs) and a,b,c (inputs) in scope and `i` the index. */
+#define EW_FN(NAME, ...)                                                          \
+    static void NAME(const ew_args *p, int64_t lo, int64_t hi)                    \
+    {                                                                             \
+        float *o0 = p->o0, *o1 = p->o1;                                           \
+        const float *a = p->a, *b = p->b, *c = p->c;                              \
+        (void)o0; (void)o1; (void)a; (void)b; (void)c;                            \
+        _Pragma("omp simd")                                                       \
+        for (int64_t i = lo; i < hi; i++) { __VA_ARGS__ }                         \
+    }
+
+/* ---- forward: o0 = f(a) ---- */
+EW_FN(fw_gelu_tanh, {
+    const float x = a[i];
+    const float u = GELU_K * (x + GELU_C * x * x * x);
+    o0[i] = x * uly_sigmoidf(2.0f * u);
+})
+EW_FN(fw_gelu_exact, {
+    const float x = a[i];
+    o0[i] = 0.5f * x * (1.0f + erff(x * INV_SQRT2));
+})
+EW_FN(fw_silu, { const float x = a[i]; o0[i] = x * uly_sigmoidf(x); })
+EW_FN(fw_relu, { const float x = a[i]; o0[i] = x < 0.0f ? 0.0f : x; /* NaN propagates */ })
+EW_FN(fw_tanh, { o0[i] = tanhf(a[i]); })
+EW_FN(fw_sigmoid, { o0[i] = uly_sigmoidf(a[i]); })
+EW_FN(fw_exp, { o0[i] = uly_expf(a[i]); })
+EW_FN(fw_log, { o0[i] = logf(a[i]); })
+EW_FN(fw_sqrt, { o0[i] = sqrtf(a[i]); })
+
+/* ---- backward: o0 += b * f'(a), c = forward output (may be NULL) ---- */
+EW_FN(bw_gelu_tanh, {
+    const float x = a[i];
+    const float x2 = x * x;
+    const float u = GELU_K * (x + GELU_C * x2 * x);
+    const float s = uly_sigmoidf(2.0f * u);
+    const float g = s * (1.0f - s);
+    /* d/dx [x s(2u)] = s + x * s(1-s) * 2 u'(x);  g == 0 guards 0 * inf for huge |x| */
+    const float du2 = 2.0f * GELU_K * (1.0f + 3.0f * GELU_C * x2);
+    const float d = s + (g == 0.0f ? 0.0f : x * g * du2);
+    o0[i] += b[i] * d;
+})
+EW_FN(bw_gelu_exact, {
+    const float x = a[i];
+    const float cdf = 0.5f * (1.0f + erff(x * INV_SQRT2));
+    const float pdf = INV_SQRT2PI * uly_expf(-0.5f * x * x);
+    o0[i] += b[i] * (cdf + x * pdf);
+})
+EW_FN(bw_silu, {
+    const float x = a[i];
+    const float s = uly_sigmoidf(x);
+    o0[i] += b[i] * (s * (1.0f + x * (1.0f - s)));
+})
+EW_FN(bw_relu, { o0[i] += a[i] > 0.0f ? b[i] : 0.0f; })
+EW_FN(bw_tanh_out, { const float y = c[i]; o0[i] += b[i] * (1.0f - y * y); })
+EW_FN(bw_tanh_in, { const float y = tanhf(a[i]); o0[i] += b[i] * (1.0f - y * y); })
+EW_FN(bw_sigmoid_out, { const float y = c[i]; o0[i] += b[i] * (y * (1.0f - y)); })
+EW_FN(bw_sigmoid_in, { const float y = uly_sigmoidf(a[i]); o0[i] += b[i] * (y * (1.0f - y)); })
+EW_FN(bw_exp_out, { o0[i] += b[i] * c[i]; })
+EW_FN(bw_exp_in, { o0[i] += b[i] * uly_expf(a[i]); })
+EW_FN(bw_log, { o0[i] += b[i] / a[i]; })
+EW_FN(bw_sqrt_out, { o0[i] += b[i] * 0.5f / c[i]; })
+EW_FN(bw_sqrt_in, { o0[i] += b[i] * 0.5f / sqrtf(a[i]); })
+
+void unary_forward(float *out, const float *inp, int64_t n, int kind)
+{
+    ew_args p = { .o0 = out, .a = inp };
+    switch (kind) {
+    case ULY_UNARY_GELU_TANH: ew_run(fw_gelu_tanh, &p, n, PAR_EXP); break;
+    case ULY_UNARY_GELU_EXACT: ew_run(fw_gelu_exact, &p, n, PAR_LIBM); break;
+    case ULY_UNARY_SILU: ew_run(fw_silu, &p, n, PAR_EXP); break;
+    case ULY_UNARY_RELU: ew_run(fw_relu, &p, n, PAR_CHEAP); break;
+    case ULY_UNARY_TANH: ew_run(fw_tanh, &p, n, PAR_LIBM); break;
+    case ULY_UNARY_SIGMOID: ew_run(fw_sigmoid, &p, n, PAR_EXP); break;
+    case ULY_UNARY_EXP: ew_run(fw_exp, &p, n, PAR_EXP); break;
+    case ULY_UNARY_LOG: ew_run(fw_log, &p, n, PAR_LIBM); break;
+    case ULY_UNARY_SQRT: ew_run(fw_sqrt, &p, n, PAR_CHEAP); break;
+    default: break;
+    }
+}
+
+void unary_backward(float *dinp, const float *dout, const float *inp, const float *out, int64_t n, int kind)
+{
+    if (!dinp) return;
+    ew_args p = { .o0 = dinp, .a = inp, .b = dout, .c = out };
+    const int have_out = out != NULL;
+    switch (kind) {
+    case ULY_UNARY_GELU_TANH: ew_run(bw_gelu_tanh, &p, n, PAR_EXP); break;
+    case ULY_UNARY_GELU_EXACT: ew_run(bw_gelu_exact, &p, n, PAR_LIBM); break;
+    case ULY_UNARY_SILU: ew_run(bw_silu, &p, n, PAR_EXP); break;
+    case ULY_UNARY_RELU: ew_run(bw_relu, &p, n, PAR_CHEAP); break;
+    case ULY_UNARY_TANH:
+        ew_run(have_out ? bw_tanh_out : bw_tanh_in, &p, n, have_out ? PAR_CHEAP : PAR_LIBM);
+        break;
+    case ULY_UNARY_SIGMOID:
+        ew_run(have_out ? bw_sigmoid_out : bw_sigmoid_in, &p, n, have_out ? PAR_CHEAP : PAR_EXP);
+        break;
+    case ULY_UNARY_EXP: ew_run(have_out ? bw_exp_out : bw_exp_in, &p, n, have_out ? PAR_CHEAP : PAR_EXP); break;
+    case ULY_UNARY_LOG: ew_run(bw_log, &p, n, PAR_CHEAP); break;
+    case ULY_UNARY_SQRT: ew_run(have_out ? bw_sqrt_out : bw_sqrt_in, &p, n, PAR_CHEAP); break;
+    default: break;
+    }
+}
+
+/* ---- SwiGLU ---- */
+EW_FN(fw_swiglu, { const float g = a[i]; o0[i] = g * uly_sigmoidf(g) * b[i]; })
+/* o0 = dgate, o1 = dup, a = gate, b = up, c = dout */
+EW_FN(bw_swiglu_both, {
+    const float g = a[i], d = c[i];
+    const float s = uly_sigmoidf(g);
+    o0[i] += d * b[i] * (s * (1.0f + g * (1.0f - s)));
+    o1[i] += d * (g * s);
+})
+EW_FN(bw_swiglu_gate, {
+    const float g = a[i];
+    const float s = uly_sigmoidf(g);
+    o0[i] += c[i] * b[i] * (s * (1.0f + g * (1.0f - s)));
+})
+EW_FN(bw_swiglu_up, { const float g = a[i]; o1[i] += c[i] * (g * uly_sigmoidf(g)); })
+
+void swiglu_forward(float *out, const float *gate, const float *up, int64_t n)
+{
+    ew_args p = { .o0 = out, .a = gate, .b = up };
+    ew_run(fw_swiglu, &p, n, PAR_EXP);
+}
+
+void swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int64_t n)
+{
+    ew_args p = { .o0 = dgate, .o1 = dup, .a = gate, .b = up, .c = dout };
+    if (dgate && dup) ew_run(bw_swiglu_both, &p, n, PAR_EXP);
+    else if (dgate) ew_run(bw_swiglu_gate, &p, n, PAR_EXP);
+    else if (dup) ew_run(bw_swiglu_up, &p, n, PAR_EXP);
+}

@@ -1,0 +1,57 @@
+-- lua/ulysses/ffi.lua — loads libulysses.so and declares its API to the FFI from
+-- core/include/uly.h itself (the one source of truth), once per process.
+local ffi = require 'ffi'
+
+local M = {}
+
+-- the repository root, found from this file's own path (lua/ulysses/ffi.lua)
+local here = debug.getinfo(1, 'S').source:match('^@(.*)/[^/]*$') or '.'
+M.package_dir = here
+M.root = here:gsub('/lua/ulysses$', '')
+if M.root == here then M.root = here .. '/../..' end
+
+local function readable(path)
+  local f = io.open(path, 'rb')
+  if f then f:close() return true end
+  return false
+end
+
+local function first_existing(env_name, default)
+  local from_env = os.getenv(env_name)
+  if from_env and from_env ~= '' then return readable(from_env) and from_env or nil end
+  return readable(default) and default or nil
+end
+
+-- the header with preprocessor lines and C++ guards removed: what ffi.cdef accepts
+local function header_text(path)
+  local out, skip = {}, false
+  for line in io.lines(path) do
+    if line:match('^#%s*ifdef%s+__cplusplus') then skip = true
+    elseif skip and line:match('^#%s*endif') then skip = false
+    elseif not skip and not line:match('^%s*#') then out[#out + 1] = line end
+  end
+  return table.concat(out, '\n')
+end
+
+M.header_path = first_existing('ULY_HEADER', M.root .. '/core/include/uly.h')
+if not M.header_path then
+  error('ulysses: cannot find core/include/uly.h (looked under ' .. M.root .. '); set ULY_HEADER', 2)
+end
+M.library_path = first_existing('ULY_LIB', M.root .. '/build/libulysses.so')
+if not M.library_path then
+  error('ulysses: cannot find build/libulysses.so under ' .. M.root ..
+        '; build it first (scripts/setup.sh, or cmake -S . -B build && cmake --build build) or set ULY_LIB', 2)
+end
+
+M.header = header_text(M.header_path)
+ffi.cdef(M.header)
+M.C = ffi.load(M.library_path)
+
+-- every function name the header declares (the FFI-surface spec checks they all resolve)
+function M.declared_functions()
+  local names = {}
+  for name in M.header:gmatch('[%w_%*%s]+[%s%*](uly_[%w_]+)%s*%(') do names[#names + 1] = name end
+  return names
+end
+
+return M

@@ -1,0 +1,184 @@
+-- lua/ulysses/init.lua — the package: `local uly = require 'ulysses'`. Tensor constructors,
+-- functional ops, autograd mode, random seed, memory and thread settings. No globals.
+local ffi = require 'ffi'
+local lib = require 'ulysses.ffi'
+local T = require 'ulysses.tensor'
+local C = lib.C
+
+local uly = {
+  C = C,
+  Tensor = T.Tensor,
+  is_tensor = T.is_tensor,
+  library_path = lib.library_path,
+}
+local H, wrap, check, raise = T.handle, T.wrap, T.check, T.raise
+
+uly.version = ffi.string(C.uly_version())
+
+-- split trailing options off constructor arguments: zeros(2, 3, {dtype = 'i32'})
+local function shape_and_opts(what, ...)
+  local n = select('#', ...)
+  local args = { ... }
+  local opts = {}
+  if n > 0 and type(args[n]) == 'table' and #args[n] == 0 and next(args[n]) ~= nil then
+    opts = args[n]
+    args[n] = nil
+    n = n - 1
+  end
+  return T.shape_list(what, unpack(args, 1, n)), opts
+end
+
+function uly.tensor(data, opts) return T.from_table(data, opts) end
+function uly.empty(...) local s, o = shape_and_opts('empty', ...) return T.empty(s, o) end
+
+local function filled(what, value, ...)
+  local s, o = shape_and_opts(what, ...)
+  local rg = o.requires_grad
+  local t = T.empty(s, { dtype = o.dtype, device = o.device })
+  t:fill_(value)
+  if rg then t:requires_grad_(true) end
+  return t
+end
+function uly.zeros(...) return filled('zeros', 0, ...) end
+function uly.ones(...) return filled('ones', 1, ...) end
+function uly.full(shape, value, opts)
+  if type(shape) ~= 'table' then raise('full: shape must be a table such as {2, 3}') end
+  local o = opts or {}
+  local t = T.empty(shape, { dtype = o.dtype, device = o.device })
+  t:fill_(value)
+  if o.requires_grad then t:requires_grad_(true) end
+  return t
+end
+
+local function random(what, fill, ...)
+  local s, o = shape_and_opts(what, ...)
+  local t = T.empty(s, { dtype = o.dtype, device = o.device })
+  fill(t)
+  if o.requires_grad then t:requires_grad_(true) end
+  return t
+end
+function uly.randn(...) return random('randn', function(t) t:normal_(0, 1) end, ...) end
+function uly.rand(...) return random('rand', function(t) t:uniform_(0, 1) end, ...) end
+
+-- arange(stop) or arange(start, stop[, step][, opts]); i64 by default like PyTorch for integers
+function uly.arange(a, b, c, d)
+  local opts = {}
+  local args = { a, b, c, d }
+  for i = 4, 1, -1 do
+    if type(args[i]) == 'table' then opts = args[i]; args[i] = nil; break end
+  end
+  local start, stop, step = args[1], args[2], args[3]
+  if stop == nil then start, stop = 0, start end
+  step = step or 1
+  local integral = start == math.floor(start) and stop == math.floor(stop) and step == math.floor(step)
+  local dtype = T.dtype_code(opts.dtype or (integral and 'i64' or 'f32'))
+  return wrap(C.uly_tensor_arange(start, stop, step, dtype))
+end
+
+function uly.zeros_like(t, opts) return uly.zeros(t:shape(), opts or { dtype = t:dtype() }) end
+function uly.ones_like(t, opts) return uly.ones(t:shape(), opts or { dtype = t:dtype() }) end
+function uly.randn_like(t) return uly.randn(t:shape()) end
+
+---------------------------------------------------------------- functional ops
+function uly.matmul(a, b) return a:matmul(b) end
+function uly.softmax(x, d) return x:softmax(d) end
+function uly.log_softmax(x, d) return x:log_softmax(d) end
+function uly.gelu(x, approximate) return x:gelu(approximate) end
+function uly.silu(x) return x:silu() end
+function uly.swiglu(gate, up) return gate:swiglu(up) end
+function uly.rope(x, offset, theta) return x:rope(offset, theta) end
+function uly.dropout(x, p, training) return x:dropout(p, training) end
+
+function uly.layernorm(x, weight, bias, eps)
+  return wrap(C.uly_layernorm(H(x, 'layernorm'), weight and H(weight, 'layernorm weight') or nil,
+                              bias and H(bias, 'layernorm bias') or nil, eps or 1e-5))
+end
+
+function uly.rmsnorm(x, weight, eps)
+  return wrap(C.uly_rmsnorm(H(x, 'rmsnorm'), weight and H(weight, 'rmsnorm weight') or nil, eps or 1e-6))
+end
+
+function uly.embedding(indices, weight)
+  return wrap(C.uly_embedding(H(indices, 'embedding indices'), H(weight, 'embedding weight')))
+end
+
+local REDUCTIONS = { mean = 0, sum = 1, none = 2 }
+-- cross_entropy(logits [..., V], targets [...] i32/i64, {ignore_index = -100, reduction = 'mean'})
+function uly.cross_entropy(logits, targets, opts)
+  opts = opts or {}
+  local red = REDUCTIONS[opts.reduction or 'mean']
+  if not red then raise("cross_entropy: reduction must be 'mean', 'sum' or 'none', got " .. tostring(opts.reduction)) end
+  return wrap(C.uly_cross_entropy(H(logits, 'cross_entropy logits'), H(targets, 'cross_entropy targets'),
+                                  opts.ignore_index or -100, red))
+end
+
+-- attention(q [B, Tq, H, D], k, v [B, Tk, Hkv, D], {causal = false, scale = 1/sqrt(D)})
+function uly.attention(q, k, v, opts)
+  opts = opts or {}
+  return wrap(C.uly_attention(H(q, 'attention q'), H(k, 'attention k'), H(v, 'attention v'), opts.scale or 0,
+                              opts.causal and 1 or 0))
+end
+
+-- cat({a, b, ...}, dim)
+function uly.cat(list, d)
+  if type(list) ~= 'table' or #list == 0 then raise('cat: expects a non-empty list of tensors') end
+  d = d or 1
+  local nd = list[1]:dim()
+  local cd = d < 0 and nd + d or d - 1
+  if cd < 0 or cd >= nd then raise(string.format('cat: dimension %d out of range for %d dimensions', d, nd)) end
+  local acc = nil
+  local i = 1
+  while i <= #list do
+    local group = ffi.new('uly_tensor*[4]')
+    local n = 0
+    if acc then group[0] = acc._h; n = 1 end
+    while n < 4 and i <= #list do group[n] = H(list[i], 'cat'); n = n + 1; i = i + 1 end
+    acc = wrap(C.uly_tensor_cat(n, group, cd))
+  end
+  return acc
+end
+
+---------------------------------------------------------------- autograd mode
+local function run_with_grad_mode(enabled, fn, ...)
+  local prev = C.uly_set_grad_enabled(enabled)
+  local res = { pcall(fn, ...) }
+  C.uly_set_grad_enabled(prev)
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2, table.maxn(res))
+end
+function uly.no_grad(fn, ...) return run_with_grad_mode(0, fn, ...) end
+function uly.enable_grad(fn, ...) return run_with_grad_mode(1, fn, ...) end
+function uly.is_grad_enabled() return C.uly_grad_enabled() ~= 0 end
+
+---------------------------------------------------------------- library settings
+function uly.manual_seed(seed)
+  if type(seed) ~= 'number' or seed < 0 or seed ~= math.floor(seed) then
+    raise('manual_seed: seed must be a non-negative integer, got ' .. tostring(seed))
+  end
+  C.uly_manual_seed(seed)
+end
+function uly.rng_state() return { seed = C.uly_rng_seed(), offset = C.uly_rng_offset() } end
+function uly.set_rng_state(s) C.uly_rng_set_state(s.seed, s.offset) end
+
+function uly.memory()
+  return {
+    allocated = tonumber(C.uly_memory_allocated()),
+    peak = tonumber(C.uly_memory_peak()),
+    reserved = tonumber(C.uly_memory_reserved()),
+    limit = tonumber(C.uly_memory_limit()),
+  }
+end
+function uly.reset_peak_memory() C.uly_memory_reset_peak() end
+function uly.empty_cache() C.uly_memory_empty_cache() end
+function uly.memory_limit(nbytes)
+  if nbytes then C.uly_memory_set_limit(nbytes) end
+  return tonumber(C.uly_memory_limit())
+end
+function uly.live_tensors() return tonumber(C.uly_tensor_live_count()) end
+
+function uly.set_num_threads(n) C.uly_set_num_threads(n or 0) end
+function uly.get_num_threads() return C.uly_get_num_threads() end
+function uly.blas_corename() return ffi.string(C.uly_blas_corename()) end
+function uly.has(feature) return C.uly_has_feature(feature) ~= 0 end
+
+return uly

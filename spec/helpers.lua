@@ -1,0 +1,136 @@
+-- spec/helpers.lua — shared spec tools: the replayable random seed, float64 references,
+-- tolerant comparisons and the finite-difference gradient check every op's spec uses.
+local uly = require 'ulysses'
+local ffi = require 'ffi'
+
+local M = {}
+
+-- One seed per run: ULY_SEED=<n> replays a run; printed once so a failure can be replayed.
+local seed = tonumber(os.getenv('ULY_SEED') or '') or (os.time() % 100000)
+io.write(string.format('[spec seed %d: rerun with ULY_SEED=%d]\n', seed, seed))
+M.seed = seed
+
+-- reseed the library and Lua's own generator (call in before_each / at the top of a test)
+function M.reseed(offset)
+  uly.manual_seed(seed + (offset or 0))
+  math.randomseed(seed + (offset or 0))
+end
+
+-- flat float64 copy of a tensor's values (row-major) and its element count
+function M.values(t)
+  local n = t:numel()
+  local buf = ffi.new('double[?]', math.max(n, 1))
+  assert(uly.C.uly_tensor_copy_to(t._h, buf, 4, n) == 0)
+  return buf, n
+end
+
+-- max |a - b| / (atol + rtol |b|) over all elements must be <= 1; a, b tensors or flat arrays
+function M.assert_close(actual, expected, rtol, atol, what)
+  rtol, atol = rtol or 1e-5, atol or 1e-6
+  local a, na = M.values(actual)
+  local b, nb
+  if uly.is_tensor(expected) then b, nb = M.values(expected)
+  else b, nb = expected, #expected
+    local arr = ffi.new('double[?]', math.max(nb, 1))
+    for i = 1, nb do arr[i - 1] = expected[i] end
+    b = arr
+  end
+  assert(na == nb, string.format('%s: %d elements vs %d expected', what or 'values', na, nb))
+  for i = 0, na - 1 do
+    local x, y = a[i], b[i]
+    local ok = (x == y) or (x ~= x and y ~= y) or math.abs(x - y) <= atol + rtol * math.abs(y)
+    if not ok then
+      error(string.format('%s: element %d is %.9g, expected %.9g (rtol %g, atol %g)', what or 'values', i + 1, x,
+                          y, rtol, atol), 2)
+    end
+  end
+end
+
+-- sum(y * w) in float64 for fixed weights w (a flat double array)
+local function project(y, w)
+  local v, n = M.values(y)
+  local s = 0
+  for i = 0, n - 1 do s = s + v[i] * w[i] end
+  return s
+end
+
+--[[ Finite-difference gradient check.
+  fn(inputs...) -> tensor; inputs: list of tensors (those with requires_grad are checked).
+  Checks d/dx of L = sum(fn(x) * w) (w random, fixed) against autograd, by central differences
+  in every coordinate for small inputs and along random directions for large ones.
+  opts: eps (1e-2), rtol (2e-2), atol (2e-3), directions (6), max_coords (64) ]]
+function M.gradcheck(fn, inputs, opts)
+  opts = opts or {}
+  local eps, rtol, atol = opts.eps or 1e-2, opts.rtol or 2e-2, opts.atol or 2e-3
+  local y = fn(unpack(inputs))
+  local n = y:numel()
+  local w = ffi.new('double[?]', math.max(n, 1))
+  for i = 0, n - 1 do w[i] = math.random() * 2 - 1 end
+  local wt = uly.empty(y:shape())
+  assert(uly.C.uly_tensor_copy_from(wt._h, w, 4, n) == 0)
+  for _, x in ipairs(inputs) do if x.requires_grad then x:zero_grad() end end
+  local L = (y * wt):sum()
+  L:backward()
+  for k, x in ipairs(inputs) do
+    if x.requires_grad then
+      local g = x.grad
+      assert(g, string.format('input %d: no gradient was computed', k))
+      local gv = M.values(g)
+      local xn = x:numel()
+      local base = M.values(x:detach():contiguous())
+      -- perturb a detached copy through its data pointer, evaluating fn without grad
+      local xd = x:detach():clone()
+      local p = xd:data()
+      local args = {}
+      for j, other in ipairs(inputs) do args[j] = (j == k) and xd or other:detach() end
+      local function L_at() return uly.no_grad(function() return project(fn(unpack(args)), w) end) end
+      local function check_dir(dir, label)
+        for i = 0, xn - 1 do p[i] = base[i] + eps * dir[i] end
+        local lp = L_at()
+        for i = 0, xn - 1 do p[i] = base[i] - eps * dir[i] end
+        local lm = L_at()
+        for i = 0, xn - 1 do p[i] = base[i] end
+        local num = (lp - lm) / (2 * eps)
+        local ana = 0
+        for i = 0, xn - 1 do ana = ana + gv[i] * dir[i] end
+        if math.abs(num - ana) > atol + rtol * math.max(math.abs(num), math.abs(ana)) then
+          error(string.format('gradcheck: input %d %s: autograd gives %.7g, finite differences %.7g (seed %d)', k,
+                              label, ana, num, M.seed), 3)
+        end
+      end
+      local dir = ffi.new('double[?]', math.max(xn, 1))
+      if xn <= (opts.max_coords or 64) then
+        for c = 0, xn - 1 do
+          for i = 0, xn - 1 do dir[i] = 0 end
+          dir[c] = 1
+          check_dir(dir, 'coordinate ' .. (c + 1))
+        end
+      else
+        for r = 1, opts.directions or 6 do
+          for i = 0, xn - 1 do dir[i] = math.random() * 2 - 1 end
+          check_dir(dir, 'random direction ' .. r)
+        end
+      end
+    end
+  end
+end
+
+-- a tensor from a flat Lua list and a shape
+function M.from_flat(list, shape, opts)
+  local t = uly.empty(shape, opts)
+  local n = #list
+  local buf = ffi.new('double[?]', math.max(n, 1))
+  for i = 1, n do buf[i - 1] = list[i] end
+  assert(uly.C.uly_tensor_copy_from(t._h, buf, 4, n) == 0)
+  return t
+end
+
+-- float64 values as a flat Lua list
+function M.list(t)
+  local v, n = M.values(t)
+  local out = {}
+  for i = 0, n - 1 do out[i + 1] = v[i] end
+  return out
+end
+
+return M
