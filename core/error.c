@@ -9,7 +9,12 @@ static _Thread_local char last_error[2048];
 const char *uly_last_error(void) { return last_error; }
 void uly_clear_error(void) { last_error[0] = 0; }
 
-static void set_error_v(const char *fmt, va_list ap) { vsnprintf(last_error, sizeof last_error, fmt, ap); }
+/* format into a scratch buffer first: callers may pass uly_last_error() itself as an argument */
+static void set_error_v(const char *fmt, va_list ap) {
+    char tmp[sizeof last_error];
+    vsnprintf(tmp, sizeof tmp, fmt, ap);
+    memcpy(last_error, tmp, sizeof tmp);
+}
 
 int uly_set_error(const char *fmt, ...) {
     va_list ap;

@@ -184,9 +184,10 @@ static uly_tensor *reduce(const char *op, uly_tensor *t, int dim, int keepdim, i
         }
         uly_node_attach(node, out);
         if (indices && arg) {
-            /* indices count along the reduced dimension; for a full reduction, the flat position */
-            *indices = arg;
-            arg = NULL;
+            /* indices count along the reduced dimension; for a full reduction, the flat position.
+             * A copy: arg is saved for backward and must not be changed by the caller. */
+            *indices = uly_tensor_clone(arg);
+            if (!*indices) { uly_tensor_release(out); out = NULL; }
         }
     }
     uly_tensor_release(arg);
@@ -210,6 +211,17 @@ uly_tensor *uly_max(uly_tensor *t, int dim, int keepdim, uly_tensor **indices) {
 }
 uly_tensor *uly_max_all(uly_tensor *t) { return reduce("max", t, -1, 0, 0, 1, NULL); }
 
+/* save an op's own result for its backward through a second handle on the same storage (same
+ * version counter): saving `out` itself makes out -> node -> out a cycle that is never freed.
+ * On failure (no memory for a handle) the node and out are released and out is set to NULL. */
+static void save_output(uly_node *n, uly_tensor **out) {
+    if (!n) return;
+    uly_tensor *o = *out, *alias = uly_new_view(o, o->ndim, o->shape, o->stride, o->offset);
+    if (!alias) { uly_node_release(n); uly_tensor_release(o); *out = NULL; return; }
+    uly_node_save(n, alias);
+    uly_tensor_release(alias);
+}
+
 /* ---- softmax ---- */
 static uly_tensor *softmax_op(const char *op, uly_tensor *t, int dim, int is_log) {
     if (uly_check_float(op, "input", t)) return NULL;
@@ -220,8 +232,9 @@ static uly_tensor *softmax_op(const char *op, uly_tensor *t, int dim, int is_log
     if (out) {
         softmax_forward(uly_f32(out), uly_f32(tc), outer, n, inner, is_log);
         uly_node *node = uly_node_begin(is_log ? ULY_OP_LOG_SOFTMAX : ULY_OP_SOFTMAX, 1, &t);
-        if (node) { node->i[0] = outer; node->i[1] = n; node->i[2] = inner; uly_node_save(node, out); }
-        uly_node_attach(node, out);
+        if (node) { node->i[0] = outer; node->i[1] = n; node->i[2] = inner; }
+        save_output(node, &out);
+        if (out) uly_node_attach(node, out);
     }
     uly_tensor_release(tc);
     return out;
@@ -294,8 +307,9 @@ static uly_tensor *unary_op(const char *op, uly_tensor *x, int kind) {
     if (out) {
         unary_forward(uly_f32(out), uly_f32(xc), uly_tensor_numel(xc), kind);
         uly_node *n = uly_node_begin(ULY_OP_UNARY, 1, &x);
-        if (n) { n->i[0] = kind; uly_node_save(n, xc); uly_node_save(n, out); }
-        uly_node_attach(n, out);
+        if (n) { n->i[0] = kind; uly_node_save(n, xc); }
+        save_output(n, &out);
+        if (out) uly_node_attach(n, out);
     }
     uly_tensor_release(xc);
     return out;

@@ -204,6 +204,14 @@ int uly_check_inplace(const char *op, const uly_tensor *t) {
     if (uly_grad_enabled() && t->requires_grad && !t->grad_fn)
         return uly_set_error("%s: in-place write into a leaf %s that requires grad; do it inside uly.no_grad(...) "
                              "or on a detached tensor", op, uly_desc(t));
+    /* a view of such a leaf (x[i] = v, x:narrow(...):fill_(v)) writes into the leaf as well */
+    for (const uly_node *n = t->grad_fn; uly_grad_enabled() && n && n->n_inputs == 1; n = n->inputs[0].node) {
+        if (n->op != ULY_OP_VIEW && n->op != ULY_OP_PERMUTE && n->op != ULY_OP_NARROW && n->op != ULY_OP_EXPAND) break;
+        const uly_tensor *leaf = n->inputs[0].leaf;
+        if (leaf && leaf->storage == t->storage)
+            return uly_set_error("%s: in-place write into %s, a view of a leaf %s that requires grad; do it inside "
+                                 "uly.no_grad(...) or on a detached tensor", op, uly_desc(t), uly_desc(leaf));
+    }
     return 0;
 }
 

@@ -7,7 +7,7 @@
 static uly_tensor *record(int op, uly_tensor *in, uly_tensor *out, const int64_t *ints, int n_ints) {
     if (!out) return NULL;
     uly_node *n = uly_node_begin(op, 1, &in);
-    if (n) memcpy(n->i, ints, sizeof(int64_t) * (size_t)n_ints);
+    if (n && n_ints) memcpy(n->i, ints, sizeof(int64_t) * (size_t)n_ints);
     uly_node_attach(n, out);
     return out;
 }

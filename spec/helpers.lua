@@ -6,8 +6,13 @@ local ffi = require 'ffi'
 local M = {}
 
 -- One seed per run: ULY_SEED=<n> replays a run; printed once so a failure can be replayed.
-local seed = tonumber(os.getenv('ULY_SEED') or '') or (os.time() % 100000)
-io.write(string.format('[spec seed %d: rerun with ULY_SEED=%d]\n', seed, seed))
+-- scripts/test.sh picks and prints one seed for the whole run; a spec file run on its own
+-- prints the seed it chose.
+local seed = tonumber(os.getenv('ULY_SEED') or '')
+if not seed then
+  seed = os.time() % 100000
+  io.write(string.format('[spec seed %d: rerun with ULY_SEED=%d]\n', seed, seed))
+end
 M.seed = seed
 
 -- reseed the library and Lua's own generator (call in before_each / at the top of a test)

@@ -7,11 +7,11 @@
  *   reduce_max_backward: dinp[o, argmax[o, i], i] += dout[o, i]             (ACCUMULATES)
  * A NULL gradient pointer is skipped.
  *
- * Sums accumulate in double. The j axis is cut into fixed chunks (a function of the shape
- * only); each chunk is summed in order and the chunk sums are added in chunk order, so the
- * result never depends on the thread count. Chunks let a long reduction (e.g. a full sum,
- * outer = inner = 1) use all threads; their partial sums live in a malloc'ed buffer (if that
- * fails, the same chunk sums are computed serially per output: same result, fewer threads).
+ * Sums accumulate in double. When the output has few elements (e.g. a full sum, outer =
+ * inner = 1) the j axis is also cut into fixed chunks; chunking is a function of the shape
+ * only, each chunk is summed in order and the chunk sums are added in chunk order, so the
+ * result never depends on the thread count. Chunk partials live in a malloc'ed buffer (if
+ * that fails, the same chunk sums are computed serially per output: same result).
  */
 #include "kernels.h"
 #include <math.h>
@@ -21,6 +21,7 @@
 #define PAR_MIN 32768   /* elements below which a kernel stays single-threaded */
 #define SUM_CHUNK 16384 /* elements of inp per summing task */
 #define IBLK 256        /* inner-axis block for the strided (inner > 1) paths */
+#define MIN_TASKS 64    /* below this many (row / column-block) tasks, sums are also split along j */
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -37,7 +38,14 @@ static inline double sum_contig(const float *p, int64_t len)
 static inline void sum_strided(double *acc, const float *p, int64_t jlen, int64_t inner, int64_t ilen)
 {
     for (int64_t i = 0; i < ilen; i++) acc[i] = 0.0;
-    for (int64_t j = 0; j < jlen; j++) {
+    int64_t j = 0;
+    for (; j + 4 <= jlen; j += 4) { /* 4 rows per pass over acc: fewer acc loads/stores */
+        const float *r0 = p + j * inner, *r1 = r0 + inner, *r2 = r1 + inner, *r3 = r2 + inner;
+#pragma omp simd
+        for (int64_t i = 0; i < ilen; i++)
+            acc[i] += ((double)r0[i] + (double)r1[i]) + ((double)r2[i] + (double)r3[i]);
+    }
+    for (; j < jlen; j++) {
         const float *row = p + j * inner;
 #pragma omp simd
         for (int64_t i = 0; i < ilen; i++) acc[i] += (double)row[i];
@@ -55,7 +63,8 @@ void reduce_sum_forward(float *out, const float *inp, int64_t outer, int64_t n, 
     }
 
     if (inner == 1) {
-        const int64_t nch = (n + SUM_CHUNK - 1) / SUM_CHUNK;
+        /* split rows only when there are too few of them to keep threads busy (shape rule) */
+        const int64_t nch = outer >= MIN_TASKS ? 1 : (n + SUM_CHUNK - 1) / SUM_CHUNK;
         double *part = nch > 1 ? malloc((size_t)(outer * nch) * sizeof(double)) : NULL;
         if (part) {
 #pragma omp parallel for schedule(static) if (par)
@@ -87,6 +96,7 @@ void reduce_sum_forward(float *out, const float *inp, int64_t outer, int64_t n, 
     const int64_t nib = (inner + IBLK - 1) / IBLK;
     int64_t jch = SUM_CHUNK / min64(inner, IBLK);
     if (jch < 1) jch = 1;
+    if (outer * nib >= MIN_TASKS) jch = n; /* enough (o, i-block) tasks: no j split */
     const int64_t nch = (n + jch - 1) / jch;
     double *part = nch > 1 ? malloc((size_t)(outer * nch * inner) * sizeof(double)) : NULL;
     if (nch == 1 || part) {
@@ -167,6 +177,41 @@ void reduce_sum_backward(float *dinp, const float *dout, int64_t outer, int64_t 
     }
 }
 
+/* max of a contiguous row and the first index reaching it (first NaN if any).
+ * Pass 1 (vectorised): max and "any NaN"; pass 2: first index, scanned in blocks. */
+static float row_max(const float *x, int64_t n, int64_t *arg)
+{
+    float m = x[0];
+    int has_nan = x[0] != x[0];
+#pragma omp simd reduction(max : m) reduction(| : has_nan)
+    for (int64_t j = 1; j < n; j++) {
+        const float v = x[j];
+        m = v > m ? v : m;
+        has_nan |= v != v;
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += 64) {
+        const int64_t j1 = min64(n, j0 + 64);
+        int hit = 0;
+        if (has_nan) {
+#pragma omp simd reduction(| : hit)
+            for (int64_t j = j0; j < j1; j++) hit |= x[j] != x[j];
+        } else {
+#pragma omp simd reduction(| : hit)
+            for (int64_t j = j0; j < j1; j++) hit |= x[j] == m;
+        }
+        if (hit)
+            for (int64_t j = j0; j < j1; j++)
+                if (has_nan ? x[j] != x[j] : x[j] == m) {
+                    *arg = j;
+                    return x[j];
+                }
+    }
+    /* not reached for gcc; a max-reduction identity of -FLT_MAX (other compilers) could
+     * leave m above an all -inf row: then every element is -inf */
+    *arg = 0;
+    return x[0];
+}
+
 void reduce_max_forward(float *out, int64_t *argmax, const float *inp, int64_t outer, int64_t n, int64_t inner)
 {
     if (outer <= 0 || inner <= 0) return;
@@ -181,23 +226,8 @@ void reduce_max_forward(float *out, int64_t *argmax, const float *inp, int64_t o
     if (inner == 1) {
 #pragma omp parallel for schedule(static) if (par)
         for (int64_t o = 0; o < outer; o++) {
-            const float *x = inp + o * n;
-            float m = x[0];
-            int64_t a = 0;
-            if (m == m) {
-                for (int64_t j = 1; j < n; j++) {
-                    const float v = x[j];
-                    if (v > m) {
-                        m = v;
-                        a = j;
-                    } else if (v != v) { /* first NaN wins */
-                        m = v;
-                        a = j;
-                        break;
-                    }
-                }
-            }
-            out[o] = m;
+            int64_t a;
+            out[o] = row_max(inp + o * n, n, &a);
             if (argmax) argmax[o] = a;
         }
         return;

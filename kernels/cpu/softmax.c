@@ -66,29 +66,29 @@ static void softmax_row(float *y, const float *x, int64_t n, int is_log)
     float m = -INFINITY;
 #pragma omp simd reduction(max : m)
     for (int64_t j = 0; j < n; j++) m = x[j] > m ? x[j] : m;
-
-    if (m == -INFINITY) { /* all -inf (or NaN skipped by the max): fully masked row */
-        int has_nan = 0;
-        for (int64_t j = 0; j < n; j++) has_nan |= x[j] != x[j];
-        const float fill = has_nan ? NAN : (is_log ? -INFINITY : 0.0f);
-        for (int64_t j = 0; j < n; j++) y[j] = fill;
-        return;
-    }
+    /* m == -inf only for a fully masked row: shift by 0 so exp(-inf - 0) = 0 (no -inf + inf).
+     * A fully masked row is detected below as s == 0 (impossible otherwise: the max term
+     * contributes exp(0) = 1); this does not depend on the max reduction's initial value. */
+    const float ms = m == -INFINITY ? 0.0f : m;
     double s = 0.0;
     if (is_log) {
 #pragma omp simd reduction(+ : s)
-        for (int64_t j = 0; j < n; j++) s += (double)uly_expf(x[j] - m);
+        for (int64_t j = 0; j < n; j++) s += (double)uly_expf(x[j] - ms);
+        if (s == 0.0) {
+            for (int64_t j = 0; j < n; j++) y[j] = -INFINITY;
+            return;
+        }
         const float ls = (float)log(s);
 #pragma omp simd
-        for (int64_t j = 0; j < n; j++) y[j] = (x[j] - m) - ls;
+        for (int64_t j = 0; j < n; j++) y[j] = (x[j] - ms) - ls;
     } else {
 #pragma omp simd reduction(+ : s)
         for (int64_t j = 0; j < n; j++) {
-            const float e = uly_expf(x[j] - m);
+            const float e = uly_expf(x[j] - ms);
             y[j] = e;
             s += (double)e;
         }
-        const float inv = (float)(1.0 / s);
+        const float inv = s == 0.0 ? 0.0f : (float)(1.0 / s);
 #pragma omp simd
         for (int64_t j = 0; j < n; j++) y[j] *= inv;
     }
@@ -126,7 +126,7 @@ static void softmax_cols(float *y, const float *x, int64_t n, int64_t inner, int
 #pragma omp simd
         for (int64_t i = 0; i < ilen; i++) {
             const float v = xr[i], b = m[i];
-            m[i] = (v > b) | (v != v) ? v : b; /* NaN sticks */
+            m[i] = ((v > b) | (v != v)) ? v : b; /* NaN sticks */
         }
     }
     /* fully masked column (m == -inf): shift by 0 so exp(-inf - 0) = 0, no NaN */

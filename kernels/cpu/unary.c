@@ -94,15 +94,18 @@ static void ew_run(ew_fn fn, const ew_args *p, int64_t n, int64_t par_threshold)
 
 /* Defines a block function NAME whose loop body is BODY, with
  * o0,o1 (outputs) and a,b,c (inputs) in scope and `i` the index. */
-#define EW_FN(NAME, ...)                                                          \
+#define EW_FN_(NAME, PRAGMA, ...)                                                 \
     static void NAME(const ew_args *p, int64_t lo, int64_t hi)                    \
     {                                                                             \
         float *o0 = p->o0, *o1 = p->o1;                                           \
         const float *a = p->a, *b = p->b, *c = p->c;                              \
         (void)o0; (void)o1; (void)a; (void)b; (void)c;                            \
-        _Pragma("omp simd")                                                       \
+        PRAGMA                                                                    \
         for (int64_t i = lo; i < hi; i++) { __VA_ARGS__ }                         \
     }
+#define EW_FN(NAME, ...) EW_FN_(NAME, _Pragma("omp simd"), __VA_ARGS__)
+/* loops calling scalar libm (erff, tanhf, logf, sqrtf): no simd request */
+#define EW_FN_LIBM(NAME, ...) EW_FN_(NAME, , __VA_ARGS__)
 
 /* ---- forward: o0 = f(a) ---- */
 EW_FN(fw_gelu_tanh, {
@@ -110,17 +113,17 @@ EW_FN(fw_gelu_tanh, {
     const float u = GELU_K * (x + GELU_C * x * x * x);
     o0[i] = x * uly_sigmoidf(2.0f * u);
 })
-EW_FN(fw_gelu_exact, {
+EW_FN_LIBM(fw_gelu_exact, {
     const float x = a[i];
     o0[i] = 0.5f * x * (1.0f + erff(x * INV_SQRT2));
 })
 EW_FN(fw_silu, { const float x = a[i]; o0[i] = x * uly_sigmoidf(x); })
 EW_FN(fw_relu, { const float x = a[i]; o0[i] = x < 0.0f ? 0.0f : x; /* NaN propagates */ })
-EW_FN(fw_tanh, { o0[i] = tanhf(a[i]); })
+EW_FN_LIBM(fw_tanh, { o0[i] = tanhf(a[i]); })
 EW_FN(fw_sigmoid, { o0[i] = uly_sigmoidf(a[i]); })
 EW_FN(fw_exp, { o0[i] = uly_expf(a[i]); })
-EW_FN(fw_log, { o0[i] = logf(a[i]); })
-EW_FN(fw_sqrt, { o0[i] = sqrtf(a[i]); })
+EW_FN_LIBM(fw_log, { o0[i] = logf(a[i]); })
+EW_FN_LIBM(fw_sqrt, { o0[i] = sqrtf(a[i]); })
 
 /* ---- backward: o0 += b * f'(a), c = forward output (may be NULL) ---- */
 EW_FN(bw_gelu_tanh, {
@@ -134,7 +137,7 @@ EW_FN(bw_gelu_tanh, {
     const float d = s + (g == 0.0f ? 0.0f : x * g * du2);
     o0[i] += b[i] * d;
 })
-EW_FN(bw_gelu_exact, {
+EW_FN_LIBM(bw_gelu_exact, {
     const float x = a[i];
     const float cdf = 0.5f * (1.0f + erff(x * INV_SQRT2));
     const float pdf = INV_SQRT2PI * uly_expf(-0.5f * x * x);
@@ -147,14 +150,14 @@ EW_FN(bw_silu, {
 })
 EW_FN(bw_relu, { o0[i] += a[i] > 0.0f ? b[i] : 0.0f; })
 EW_FN(bw_tanh_out, { const float y = c[i]; o0[i] += b[i] * (1.0f - y * y); })
-EW_FN(bw_tanh_in, { const float y = tanhf(a[i]); o0[i] += b[i] * (1.0f - y * y); })
+EW_FN_LIBM(bw_tanh_in, { const float y = tanhf(a[i]); o0[i] += b[i] * (1.0f - y * y); })
 EW_FN(bw_sigmoid_out, { const float y = c[i]; o0[i] += b[i] * (y * (1.0f - y)); })
 EW_FN(bw_sigmoid_in, { const float y = uly_sigmoidf(a[i]); o0[i] += b[i] * (y * (1.0f - y)); })
 EW_FN(bw_exp_out, { o0[i] += b[i] * c[i]; })
 EW_FN(bw_exp_in, { o0[i] += b[i] * uly_expf(a[i]); })
 EW_FN(bw_log, { o0[i] += b[i] / a[i]; })
 EW_FN(bw_sqrt_out, { o0[i] += b[i] * 0.5f / c[i]; })
-EW_FN(bw_sqrt_in, { o0[i] += b[i] * 0.5f / sqrtf(a[i]); })
+EW_FN_LIBM(bw_sqrt_in, { o0[i] += b[i] * 0.5f / sqrtf(a[i]); })
 
 void unary_forward(float *out, const float *inp, int64_t n, int kind)
 {

@@ -46,11 +46,21 @@ end
 M.header = header_text(M.header_path)
 ffi.cdef(M.header)
 M.C = ffi.load(M.library_path)
+-- Pin the library (and so libgomp/OpenBLAS) for the life of the process: lua_close would
+-- otherwise dlclose it while OpenMP/BLAS worker threads are still parked in that code, and the
+-- process crashes on exit. RTLD_NOLOAD | RTLD_NODELETE | RTLD_LAZY, glibc values.
+if ffi.os == 'Linux' then
+  pcall(function()
+    ffi.cdef 'void *dlopen(const char *filename, int flags);'
+    ffi.C.dlopen(M.library_path, 0x00004 + 0x01000 + 0x00001)
+  end)
+end
 
 -- every function name the header declares (the FFI-surface spec checks they all resolve)
 function M.declared_functions()
   local names = {}
-  for name in M.header:gmatch('[%w_%*%s]+[%s%*](uly_[%w_]+)%s*%(') do names[#names + 1] = name end
+  local code = M.header:gsub('/%*.-%*/', ' '):gsub('//[^\n]*', ' ')  -- not names mentioned in comments
+  for name in code:gmatch('[%w_%*%s]+[%s%*](uly_[%w_]+)%s*%(') do names[#names + 1] = name end
   return names
 end
 

@@ -20,6 +20,7 @@ local function shape_and_opts(what, ...)
   local n = select('#', ...)
   local args = { ... }
   local opts = {}
+  while n > 0 and args[n] == nil do n = n - 1 end  -- zeros({2, 3}, nil): a nil opts is no size
   if n > 0 and type(args[n]) == 'table' and #args[n] == 0 and next(args[n]) ~= nil then
     opts = args[n]
     args[n] = nil

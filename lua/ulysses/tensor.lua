@@ -90,7 +90,10 @@ local function cdim(h, d, what, extra)
   if type(d) ~= 'number' or d ~= math.floor(d) then raise(what .. ': dimension must be an integer, got ' .. tostring(d)) end
   local c = d < 0 and nd + d or d - 1
   if c < 0 or c >= nd then
-    raise(string.format('%s: dimension %d is out of range for a tensor with %d dimensions', what, d, nd - (extra or 0)))
+    local desc = ffi.new('char[160]')  -- name the tensor's dtype and shape too
+    C.uly_tensor_describe(h, desc, 160)
+    raise(string.format('%s: dimension %d is out of range for a tensor with %d dimensions (%s)', what, d,
+                        nd - (extra or 0), ffi.string(desc)))
   end
   return c
 end
@@ -321,7 +324,12 @@ function Tensor:select(d, index)
   local h = H(self)
   local cd = cdim(h, d, 'select')
   local size = tonumber(C.uly_tensor_size(h, cd))
+  local given = index
   if index < 0 then index = size + index + 1 end
+  if index < 1 or index > size then -- report the caller's 1-based index, not the C core's 0-based one
+    raise(string.format('select: index %s is out of range for dimension %d of size %d in %s (valid: 1..%d or -%d..-1)',
+                        tostring(given), cd + 1, size, self:describe(), size, size))
+  end
   return wrap(C.uly_tensor_select(h, cd, index - 1))
 end
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# scripts/test.sh — the whole test suite, the one command the README and CI run.
+#  1. builds the Release library (build/) and a Debug + AddressSanitizer/UBSan/LeakSanitizer one
+#     (build-asan/);
+#  2. runs every busted spec (spec/*_spec.lua, under LuaJIT) against the Release build, then the
+#     same specs against the sanitizer build;
+#  3. ends with one line "N passed, N failed" over all runs; exits non-zero on any failure,
+#     error or crash.
+# ULY_SEED=<n> replays the random inputs of a run (the seed is printed first).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+jobs=$(nproc 2>/dev/null || echo 2)
+export ULY_SEED="${ULY_SEED:-$(( $(date +%s) % 100000 ))}"
+echo "test: seed $ULY_SEED (replay with ULY_SEED=$ULY_SEED scripts/test.sh)"
+
+summary=$(mktemp)
+trap 'rm -f "$summary"' EXIT
+export ULY_SUMMARY_FILE="$summary"
+crashed=0
+
+build() { # dir, cmake args...
+  local dir=$1; shift
+  cmake -S . -B "$dir" "$@" >/dev/null && cmake --build "$dir" -j"$jobs" >/dev/null
+}
+
+# one busted run; a run that dies before its closing line counts as one failure
+run_specs() { # label, env...
+  local label=$1; shift
+  echo "== specs: $label"
+  local before after
+  before=$(wc -l <"$summary")
+  env "$@" luajit /usr/bin/busted
+  local rc=$?
+  after=$(wc -l <"$summary")
+  if [ "$after" -eq "$before" ] || { [ $rc -ne 0 ] && ! tail -1 "$summary" | grep -q ' [1-9]'; }; then
+    echo "test: the $label run ended abnormally (exit code $rc)"
+    crashed=$((crashed + 1))
+  fi
+}
+
+if ! build build -DCMAKE_BUILD_TYPE=Release; then echo "test: Release build failed"; echo "0 passed, 1 failed"; exit 1; fi
+run_specs "Release"
+
+if build build-asan -DCMAKE_BUILD_TYPE=Debug -DULY_SANITIZE=ON -DULY_CUDA=OFF; then
+  asan=$(gcc -print-file-name=libasan.so)
+  run_specs "Debug + sanitizers" ULY_LIB=build-asan/libulysses.so LD_PRELOAD="$asan" \
+    ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1
+else
+  echo "test: sanitizer build failed"; crashed=$((crashed + 1))
+fi
+
+read -r passed failed < <(awk '{p += $1; f += $2} END {print p + 0, f + 0}' "$summary")
+failed=$((failed + crashed))
+echo
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

@@ -1,0 +1,56 @@
+-- spec/ffi_spec.lua — the FFI surface: every function core/include/uly.h declares resolves in the
+-- built library, and the library reports its build features.
+local uly = require 'ulysses'
+local lib = require 'ulysses.ffi'
+local ffi = require 'ffi'
+
+describe('ffi surface', function()
+  it('every declared function resolves in the library', function()
+    local names = lib.declared_functions()
+    assert.is_true(#names > 90, 'only ' .. #names .. ' functions found in uly.h')
+    local seen, missing = {}, {}
+    for _, name in ipairs(names) do
+      assert.is_nil(seen[name], 'declared twice: ' .. name)
+      seen[name] = true
+      local ok, fn = pcall(function() return lib.C[name] end)
+      if not ok or fn == nil then missing[#missing + 1] = name end
+    end
+    assert.are.same({}, missing)
+    -- the scan really parses the header: known names are in, the typedef is not
+    for _, name in ipairs({ 'uly_last_error', 'uly_tensor_empty', 'uly_backward', 'uly_attention',
+                            'uly_memory_set_limit', 'uly_tensor_cat', 'uly_rng_set_state' }) do
+      assert.is_true(seen[name], name .. ' not found by declared_functions()')
+    end
+    assert.is_nil(seen.uly_tensor)
+    -- and a name that is not there fails to resolve (the check above can fail)
+    assert.is_false(pcall(function() return lib.C.uly_no_such_function end))
+  end)
+
+  it('declared_functions matches every prototype line of the header', function()
+    local count = 0
+    for line in io.lines(lib.header_path) do
+      if not line:match('^%s*/?%*') and line:match('^[%w_][%w_%s%*]*[%s%*]uly_[%w_]+%s*%(') then count = count + 1 end
+    end
+    assert.are.equal(count, #lib.declared_functions())
+  end)
+
+  it('reports OpenMP, the BLAS core and a version', function()
+    assert.is_true(uly.has('openmp'))
+    assert.is_false(uly.has('no-such-feature'))
+    local core = uly.blas_corename()
+    assert.are.equal('string', type(core))
+    assert.is_true(#core > 0)
+    assert.matches('^%d+%.%d+%.%d+', uly.version)
+    assert.is_true(uly.get_num_threads() >= 1)
+  end)
+
+  it('dtype names and sizes agree with the Lua side', function()
+    local C = lib.C
+    local expect = { [0] = { 'f32', 4 }, { 'bf16', 2 }, { 'i32', 4 }, { 'i64', 8 }, { 'f64', 8 } }
+    for code = 0, 4 do
+      assert.are.equal(expect[code][1], ffi.string(C.uly_dtype_name(code)))
+      assert.are.equal(expect[code][2], tonumber(C.uly_dtype_size(code)))
+    end
+    assert.are.equal('invalid-dtype', ffi.string(C.uly_dtype_name(99)))
+  end)
+end)
