@@ -182,4 +182,15 @@ function uly.get_num_threads() return C.uly_get_num_threads() end
 function uly.blas_corename() return ffi.string(C.uly_blas_corename()) end
 function uly.has(feature) return C.uly_has_feature(feature) ~= 0 end
 
+-- wall-clock seconds from a monotonic clock (for progress lines and benchmarks)
+ffi.cdef [[
+  struct uly_timespec { long tv_sec; long tv_nsec; };
+  int clock_gettime(int clk_id, struct uly_timespec *tp);
+]]
+local ts = ffi.new('struct uly_timespec')
+function uly.clock()
+  ffi.C.clock_gettime(1, ts) -- CLOCK_MONOTONIC
+  return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9
+end
+
 return uly

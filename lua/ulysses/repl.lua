@@ -1,0 +1,143 @@
+-- lua/ulysses/repl.lua — the interactive prompt behind bin/ulysses: evaluates expressions and
+-- statements (multi-line input continues with '>>'), prints results readably (tensors with
+-- shape and dtype), keeps going after errors, and uses GNU readline through the FFI for line
+-- editing and history when the library is present. Also runs scripts (see bin/ulysses).
+local ffi = require 'ffi'
+
+local M = {}
+
+local function usage()
+  io.stderr:write('usage: bin/ulysses [-i] [script.lua [args...]] | -e CODE | -h\n')
+end
+
+-- line input: readline if available, plain io.read otherwise
+local function line_reader()
+  local ok, rl = pcall(function()
+    ffi.cdef [[
+      char *readline(const char *prompt);
+      void add_history(const char *line);
+      int read_history(const char *filename);
+      int write_history(const char *filename);
+      void free(void *ptr);
+    ]]
+    return ffi.load('readline.so.8')
+  end)
+  local interactive = os.getenv('TERM') and os.execute('test -t 0') == 0
+  if ok and interactive then
+    local history = (os.getenv('HOME') or '.') .. '/.ulysses_history'
+    rl.read_history(history)
+    return function(prompt)
+      local p = rl.readline(prompt)
+      if p == nil then return nil end
+      local line = ffi.string(p)
+      ffi.C.free(p)
+      if line:match('%S') then rl.add_history(line); rl.write_history(history) end
+      return line
+    end
+  end
+  return function(prompt)
+    if interactive then io.write(prompt) io.flush() end
+    return io.read('*l')
+  end
+end
+
+-- a readable form of any value
+local function show(v, depth)
+  depth = depth or 0
+  local uly = package.loaded.ulysses
+  if uly and uly.is_tensor(v) then return tostring(v) end
+  if type(v) == 'string' then return string.format('%q', v) end
+  if type(v) ~= 'table' or depth > 1 then return tostring(v) end
+  local mt = getmetatable(v)
+  if mt and mt.__tostring then return tostring(v) end
+  local parts, n = {}, 0
+  for k, x in pairs(v) do
+    n = n + 1
+    if n > 20 then parts[#parts + 1] = '...' break end
+    local key = type(k) == 'string' and k:match('^[%a_][%w_]*$') and k or ('[' .. show(k, 2) .. ']')
+    parts[#parts + 1] = key .. ' = ' .. show(x, depth + 1)
+  end
+  return '{' .. table.concat(parts, ', ') .. '}'
+end
+M.show = show
+
+local function report_error(err)
+  local msg = tostring(err):gsub('\nstack traceback:.*', '')
+  io.stderr:write(msg, '\n')
+end
+
+-- compile `src` as an expression first, then as statements
+local function compile(src, env)
+  local fn, err = loadstring('return ' .. src, '=stdin')
+  if not fn then fn, err = loadstring(src, '=stdin') end
+  if fn then setfenv(fn, env) end
+  return fn, err
+end
+
+local function print_results(ok, ...)
+  if not ok then report_error((...)) return end
+  local n = select('#', ...)
+  for i = 1, n do print(show((select(i, ...)))) end
+end
+
+function M.loop(env)
+  local read = line_reader()
+  local uly = env.uly
+  io.write(string.format('ulysses %s on %s: `uly` is loaded; %d threads, BLAS %s. Ctrl-D quits.\n',
+                         uly.version, jit.version, uly.get_num_threads(), uly.blas_corename()))
+  local buffer
+  while true do
+    local line = read(buffer and '>> ' or 'uly> ')
+    if line == nil then io.write('\n') break end
+    local src = buffer and (buffer .. '\n' .. line) or line
+    local fn, err = compile(src, env)
+    if not fn and err and err:match("<eof>") then
+      buffer = src -- incomplete statement: keep reading
+    else
+      buffer = nil
+      if fn then print_results(xpcall(fn, debug.traceback))
+      elseif src:match('%S') then report_error(err) end
+    end
+  end
+end
+
+-- the global environment scripts and the prompt see: _G plus `uly`
+local function make_env()
+  local uly = require 'ulysses'
+  local env = setmetatable({ uly = uly }, { __index = _G, __newindex = function(t, k, v) rawset(t, k, v) end })
+  return env
+end
+
+function M.main(args)
+  local interactive_after, i = false, 1
+  if args[1] == '-h' or args[1] == '--help' then usage() return 0 end
+  if args[1] == '-e' then
+    if not args[2] then usage() return 2 end
+    local fn, err = compile(args[2], make_env())
+    if not fn then report_error(err) return 1 end
+    local ok, e = xpcall(fn, debug.traceback)
+    if not ok then report_error(e) return 1 end
+    return 0
+  end
+  if args[1] == '-i' then interactive_after, i = true, 2 end
+  local script = args[i]
+  local env = make_env()
+  if script then
+    local fn, err = loadfile(script)
+    if not fn then io.stderr:write(err, '\n') return 1 end
+    -- the script sees the usual `arg` table: arg[0] the script, arg[1..] its arguments
+    _G.arg = { [0] = script }
+    for k = i + 1, #args do _G.arg[k - i] = args[k] end
+    local ok, e = xpcall(function() return fn(unpack(_G.arg)) end, debug.traceback)
+    if not ok then io.stderr:write(tostring(e), '\n') return 1 end
+    if not interactive_after then return 0 end
+  end
+  M.loop(env)
+  return 0
+end
+
+-- run as the program (bin/ulysses), not when required
+if not package.loaded['ulysses.repl'] and arg and arg[0] and arg[0]:match('repl%.lua$') then
+  os.exit(M.main({ ... }) or 0)
+end
+return M

@@ -1,0 +1,59 @@
+-- spec/repl_spec.lua — bin/ulysses: the prompt evaluates expressions and statements, continues
+-- multi-line input, prints tensors readably, survives errors; script and -e modes work.
+local function run(cmd, input)
+  local tmp = os.tmpname()
+  if input then
+    local f = assert(io.open(tmp, 'w'))
+    f:write(input)
+    f:close()
+    cmd = cmd .. ' < ' .. tmp
+  end
+  local p = assert(io.popen(cmd .. ' 2>&1; echo "exit=$?"'))
+  local out = p:read('*a')
+  p:close()
+  os.remove(tmp)
+  return out
+end
+
+describe('bin/ulysses', function()
+  it('evaluates expressions, statements and multi-line blocks, and keeps going after an error', function()
+    local out = run('bin/ulysses', table.concat({
+      'x = uly.ones(2, 3)',
+      'x:sum()',
+      'x:matmul(x)',
+      'for i = 1, 2 do',
+      '  io.write("line", i, "\\n")',
+      'end',
+      'uly.tensor{{1.5, -2}, {3, 4}}',
+      '1 + 41',
+    }, '\n') .. '\n')
+    assert.truthy(out:find('tensor(6.) f32[]', 1, true), out)
+    assert.truthy(out:find('matmul: inner dimensions differ: f32[2, 3] @ f32[2, 3]', 1, true), out)
+    assert.truthy(out:find('line1\nline2', 1, true), out)
+    assert.truthy(out:find('[ 3.0000,  4.0000]]) f32[2, 2]', 1, true), out)
+    assert.truthy(out:find('\n42\n', 1, true), out)
+    assert.truthy(out:find('exit=0', 1, true), out)
+  end)
+
+  it('runs a script with arguments and reports its errors with a non-zero exit', function()
+    local path = os.tmpname() .. '.lua'
+    local f = assert(io.open(path, 'w'))
+    f:write("local uly = require 'ulysses'\nprint(arg[1], uly.arange(tonumber(arg[1])):numel())\n")
+    f:close()
+    local out = run('bin/ulysses ' .. path .. ' 5')
+    assert.truthy(out:find('5\t5', 1, true), out)
+    assert.truthy(out:find('exit=0', 1, true), out)
+    f = assert(io.open(path, 'w'))
+    f:write("local uly = require 'ulysses'\nlocal y = uly.ones(2):view(3)\n")
+    f:close()
+    out = run('bin/ulysses ' .. path)
+    assert.truthy(out:find(':2: view: shape [3] has 3 elements but f32[2] has 2', 1, true), out)
+    assert.truthy(out:find('exit=1', 1, true), out)
+    os.remove(path)
+  end)
+
+  it('runs code given with -e', function()
+    local out = run("bin/ulysses -e 'print(uly.tensor{1, 2, 3}:sum():item())'")
+    assert.truthy(out:find('^6\n'), out)
+  end)
+end)
