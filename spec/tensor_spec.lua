@@ -538,3 +538,19 @@ describe('memory', function()
     assert.matches('freed', fails(function() local r = t:numel() end))
   end)
 end)
+
+describe('raw pointers', function()
+  it('from_ptr copies (and converts) raw memory; copy_to_ptr writes it back', function()
+    local ffi = require 'ffi'
+    local src = ffi.new('double[6]', { 1.5, -2, 3, 4.25, 5, -6 })
+    local t = uly.from_ptr(src, { 2, 3 }, { src_dtype = 'f64' })
+    assert.are.equal('f32', t:dtype())
+    assert.are.same({ { 1.5, -2, 3 }, { 4.25, 5, -6 } }, t:totable())
+    src[0] = 100 -- a copy, not a view
+    assert.are.equal(1.5, t[1][1]:item())
+    local dst = ffi.new('int32_t[6]')
+    t:t():copy_to_ptr(dst, 'i32') -- a transposed view is read in its own row-major order
+    assert.are.same({ 1, 4, -2, 5, 3, -6 }, { dst[0], dst[1], dst[2], dst[3], dst[4], dst[5] })
+    assert.has_error(function() uly.from_ptr(nil, { 2 }) end)
+  end)
+end)

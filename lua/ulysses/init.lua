@@ -30,6 +30,17 @@ local function shape_and_opts(what, ...)
 end
 
 function uly.tensor(data, opts) return T.from_table(data, opts) end
+-- a new tensor holding a copy of raw memory: from_ptr(ptr, {2, 3}, {dtype = 'f32', src_dtype = 'f64'})
+function uly.from_ptr(ptr, shape, opts)
+  opts = opts or {}
+  if type(shape) ~= 'table' then raise('from_ptr: shape must be a table such as {2, 3}') end
+  if ptr == nil then raise('from_ptr: pointer is NULL') end
+  local t = T.empty(shape, { dtype = opts.dtype, device = opts.device })
+  check(C.uly_tensor_copy_from(t._h, ptr, T.dtype_code(opts.src_dtype or opts.dtype), t:numel()))
+  if opts.requires_grad then t:requires_grad_(true) end
+  return t
+end
+
 function uly.empty(...) local s, o = shape_and_opts('empty', ...) return T.empty(s, o) end
 
 local function filled(what, value, ...)

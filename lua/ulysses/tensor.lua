@@ -244,6 +244,11 @@ function Tensor:data()
   return ffi.cast(ct, C.uly_tensor_data_ptr(self._h))
 end
 
+-- copy the values to raw memory of the given dtype (a cdata pointer), converting
+function Tensor:copy_to_ptr(ptr, dtype)
+  check(C.uly_tensor_copy_to(H(self), ptr, dtype_code(dtype or self:dtype()), self:numel()))
+end
+
 function Tensor:fill_(v) check(C.uly_tensor_fill_(H(self), v)) return self end
 function Tensor:zero_() return self:fill_(0) end
 function Tensor:uniform_(a, b) check(C.uly_tensor_uniform_(H(self), a or 0, b or 1)) return self end
@@ -503,7 +508,6 @@ mt.__pow = function(a, b)
   if type(a) == 'number' then raise('number ^ tensor is not supported; use tensor:log() and exp()') end
   return a:pow(b)
 end
-mt.__len = function(a) return a:size(1) end
 
 mt.__index = function(self, k)
   local m = Tensor[k]
