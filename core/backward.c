@@ -214,9 +214,12 @@ static int bw_cross_entropy(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     return 0;
 }
 static int bw_attention(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    attention_backward(opt_f32(gin[0]), opt_f32(gin[1]), opt_f32(gin[2]), uly_f32(g), uly_f32(n->saved[0]),
+    if (attention_backward(opt_f32(gin[0]), opt_f32(gin[1]), opt_f32(gin[2]), uly_f32(g), uly_f32(n->saved[0]),
                        uly_f32(n->saved[1]), uly_f32(n->saved[2]), uly_f32(n->saved[3]), n->i[0], n->i[1], n->i[2],
-                       n->i[3], n->i[4], n->i[5], (float)n->f[0], (int)n->i[6]);
+                       n->i[3], n->i[4], n->i[5], (float)n->f[0], (int)n->i[6]))
+        return uly_set_error("attention backward: out of memory for the [%lld, %lld, %lld] score-gradient scratch; "
+                             "use shorter sequences or fewer heads per rank", (long long)(n->i[3] / n->i[4]),
+                             (long long)n->i[1], (long long)n->i[2]);
     return 0;
 }
 

@@ -4,43 +4,9 @@
 -- of q, k, v; shape errors.
 local uly = require 'ulysses'
 local helpers = require 'helpers'
+local R = require 'reference'
 
 ---------------------------------------------------------------- float64 reference
-local function numel(shape)
-  local n = 1
-  for _, s in ipairs(shape) do n = n * s end
-  return n
-end
-
-local function strides_of(shape)
-  local st, s = {}, 1
-  for d = #shape, 1, -1 do st[d] = s; s = s * shape[d] end
-  return st
-end
-
-local function unravel(p, shape)
-  local idx = {}
-  for d = #shape, 1, -1 do
-    idx[d] = p % shape[d]
-    p = (p - idx[d]) / shape[d]
-  end
-  return idx
-end
-
-local function permute_list(list, shape, perm)
-  local st = strides_of(shape)
-  local oshape = {}
-  for d = 1, #perm do oshape[d] = shape[perm[d]] end
-  local out = {}
-  for p = 0, numel(oshape) - 1 do
-    local idx = unravel(p, oshape)
-    local src = 0
-    for d = 1, #perm do src = src + idx[d] * st[perm[d]] end
-    out[p + 1] = list[src + 1]
-  end
-  return out, oshape
-end
-
 -- out [B, Tq, H, D]; query i sees key j iff not causal or j <= i + Tk - Tq; a row that sees
 -- no key outputs 0. Query head h uses kv head floor(h / (H / Hkv)).
 local function ref_attention(lq, lk, lv, B, Tq, Tk, H, Hkv, D, scale, causal)
@@ -73,8 +39,6 @@ local function ref_attention(lq, lk, lv, B, Tq, Tk, H, Hkv, D, scale, causal)
   end
   return out
 end
-
-local function leaf(t) return t:detach():clone():requires_grad_(true) end
 
 -- sums of D products and of Tk weighted values in f32 (BLAS): a few 1e-7 relative
 local RTOL, ATOL = 2e-5, 2e-6
@@ -119,10 +83,7 @@ describe('attention values', function()
     check(1, 5, 7, 2, 1, 4, { scale = 2.5, causal = true }, 'scale 2.5 causal')
     local d = uly.attention(q, k, v, { scale = 1 / math.sqrt(6) })
     helpers.assert_close(uly.attention(q, k, v), d, 1e-6, 1e-7, 'default scale')
-    local diff = helpers.list(y - d)
-    local m = 0
-    for _, x in ipairs(diff) do m = math.max(m, math.abs(x)) end
-    assert(m > 1e-3, 'the scale option had no effect')
+    assert(R.max_abs(helpers.list(y - d)) > 1e-3, 'the scale option had no effect')
   end)
 
   it('causal, Tq > Tk: queries that see no key output exactly 0', function()
@@ -159,9 +120,9 @@ describe('attention values', function()
     local qb, kb, vb = uly.randn(2, 4, 7, 4), uly.randn(2, 2, 5, 4), uly.randn(2, 2, 5, 4)
     local q, k, v = qb:transpose(2, 3), kb:transpose(2, 3), vb:transpose(2, 3)
     assert.is_false(q:is_contiguous())
-    local lq = permute_list(helpers.list(qb), { 2, 4, 7, 4 }, { 1, 3, 2, 4 })
-    local lk = permute_list(helpers.list(kb), { 2, 2, 5, 4 }, { 1, 3, 2, 4 })
-    local lv = permute_list(helpers.list(vb), { 2, 2, 5, 4 }, { 1, 3, 2, 4 })
+    local lq = R.permute_list(helpers.list(qb), { 2, 4, 7, 4 }, { 1, 3, 2, 4 })
+    local lk = R.permute_list(helpers.list(kb), { 2, 2, 5, 4 }, { 1, 3, 2, 4 })
+    local lv = R.permute_list(helpers.list(vb), { 2, 2, 5, 4 }, { 1, 3, 2, 4 })
     for _, causal in ipairs({ false, true }) do
       helpers.assert_close(uly.attention(q, k, v, { causal = causal }),
                            ref_attention(lq, lk, lv, 2, 7, 5, 4, 2, 4, nil, causal), RTOL, ATOL,
@@ -198,14 +159,15 @@ describe('attention gradients', function()
                      c[5], c[6], tostring(c[7])), function()
       helpers.reseed(40 + k)
       local B, Tq, Tk, H, Hkv, D, causal = unpack(c, 1, 7)
-      local q, kk, v = leaf(uly.randn(B, Tq, H, D)), leaf(uly.randn(B, Tk, Hkv, D)), leaf(uly.randn(B, Tk, Hkv, D))
+      local q, kk, v = R.leaf(uly.randn(B, Tq, H, D)), R.leaf(uly.randn(B, Tk, Hkv, D)),
+                       R.leaf(uly.randn(B, Tk, Hkv, D))
       helpers.gradcheck(function(a, b, d) return uly.attention(a, b, d, { causal = causal }) end, { q, kk, v })
     end)
   end
 
   it('gradcheck with an explicit scale and non-contiguous inputs', function()
     helpers.reseed(50)
-    local q, k, v = leaf(uly.randn(1, 2, 3, 4)), leaf(uly.randn(1, 2, 4, 4)), leaf(uly.randn(1, 2, 4, 4))
+    local q, k, v = R.leaf(uly.randn(1, 2, 3, 4)), R.leaf(uly.randn(1, 2, 4, 4)), R.leaf(uly.randn(1, 2, 4, 4))
     helpers.gradcheck(function(a, b, d)
       return uly.attention(a:transpose(2, 3), b:transpose(2, 3), d:transpose(2, 3), { causal = true, scale = 0.7 })
     end, { q, k, v })
@@ -215,7 +177,7 @@ describe('attention gradients', function()
     helpers.reseed(51)
     for _, T in ipairs({ { 70, 67 }, { 67, 70 } }) do
       local Tq, Tk = T[1], T[2]
-      local q, k, v = leaf(uly.randn(1, Tq, 2, 2)), leaf(uly.randn(1, Tk, 1, 2)), leaf(uly.randn(1, Tk, 1, 2))
+      local q, k, v = R.leaf(uly.randn(1, Tq, 2, 2)), R.leaf(uly.randn(1, Tk, 1, 2)), R.leaf(uly.randn(1, Tk, 1, 2))
       for _, causal in ipairs({ false, true }) do
         helpers.gradcheck(function(a, b, d) return uly.attention(a, b, d, { causal = causal }) end, { q, k, v },
                           { directions = 4 })
@@ -226,14 +188,14 @@ describe('attention gradients', function()
   it('masked queries and never-seen keys get zero gradient', function()
     helpers.reseed(52)
     -- Tq 5, Tk 3, causal: queries 0, 1 see no key; every key is seen by query 4
-    local q, k, v = leaf(uly.randn(1, 5, 2, 4)), leaf(uly.randn(1, 3, 2, 4)), leaf(uly.randn(1, 3, 2, 4))
+    local q, k, v = R.leaf(uly.randn(1, 5, 2, 4)), R.leaf(uly.randn(1, 3, 2, 4)), R.leaf(uly.randn(1, 3, 2, 4))
     uly.attention(q, k, v, { causal = true }):backward(uly.randn(1, 5, 2, 4))
     for i, x in ipairs(helpers.list(q.grad:narrow(2, 1, 2))) do assert(x == 0, 'masked query grad ' .. i) end
     local any = false
     for _, x in ipairs(helpers.list(q.grad:narrow(2, 3, 3))) do if x ~= 0 then any = true end end
     assert.is_true(any)
     -- Tq 3, Tk 3, causal: value row 2 is seen only by query 2
-    local q2, k2, v2 = leaf(uly.randn(1, 3, 1, 4)), leaf(uly.randn(1, 3, 1, 4)), leaf(uly.randn(1, 3, 1, 4))
+    local q2, k2, v2 = R.leaf(uly.randn(1, 3, 1, 4)), R.leaf(uly.randn(1, 3, 1, 4)), R.leaf(uly.randn(1, 3, 1, 4))
     local g = uly.zeros(1, 3, 1, 4)
     g:narrow(2, 1, 2):copy_(uly.randn(1, 2, 1, 4)) -- gradient only on queries 0, 1
     uly.attention(q2, k2, v2, { causal = true }):backward(g)

@@ -2,89 +2,15 @@
 -- unary minus: values against plain-Lua float64 references, gradients by finite differences.
 local uly = require 'ulysses'
 local helpers = require 'helpers'
+local R = require 'reference'
 
 ---------------------------------------------------------------- float64 reference helpers
-local function numel(shape)
-  local n = 1
-  for _, s in ipairs(shape) do n = n * s end
-  return n
-end
-
-local function strides_of(shape)
-  local st, s = {}, 1
-  for d = #shape, 1, -1 do st[d] = s; s = s * shape[d] end
-  return st
-end
-
--- 0-based multi-index of flat position p (0-based) in `shape`
-local function unravel(p, shape)
-  local idx = {}
-  for d = #shape, 1, -1 do
-    idx[d] = p % shape[d]
-    p = (p - idx[d]) / shape[d]
-  end
-  return idx
-end
-
--- values of list (row-major, `shape`) permuted like Tensor:permute(perm) (perm 1-based)
-local function permute_list(list, shape, perm)
-  local st = strides_of(shape)
-  local oshape = {}
-  for d = 1, #perm do oshape[d] = shape[perm[d]] end
-  local out = {}
-  for p = 0, numel(oshape) - 1 do
-    local idx = unravel(p, oshape)
-    local src = 0
-    for d = 1, #perm do src = src + idx[d] * st[perm[d]] end
-    out[p + 1] = list[src + 1]
-  end
-  return out, oshape
-end
-
--- values of list narrowed like Tensor:narrow(dim, start, len) (start 1-based)
-local function narrow_list(list, shape, dim, start, len)
-  local st = strides_of(shape)
-  local oshape = { unpack(shape) }
-  oshape[dim] = len
-  local out = {}
-  for p = 0, numel(oshape) - 1 do
-    local idx = unravel(p, oshape)
-    local src = 0
-    for d = 1, #shape do src = src + (idx[d] + (d == dim and start - 1 or 0)) * st[d] end
-    out[p + 1] = list[src + 1]
-  end
-  return out, oshape
-end
-
 -- broadcast f over two row-major lists; returns the flat result and the output shape
 local function ref_binary(la, sa, lb, sb, f)
-  local nd = math.max(#sa, #sb)
-  local shape = {}
-  for d = 1, nd do
-    local xa = sa[d - (nd - #sa)] or 1
-    local xb = sb[d - (nd - #sb)] or 1
-    assert(xa == xb or xa == 1 or xb == 1, 'reference: shapes do not broadcast')
-    shape[d] = xa == 1 and xb or xa
-  end
-  local sta, stb = strides_of(sa), strides_of(sb)
+  local shape, oa, ob = R.broadcast(sa, sb)
   local out = {}
-  for p = 0, numel(shape) - 1 do
-    local idx = unravel(p, shape)
-    local ia, ib = 0, 0
-    for d = 1, nd do
-      local da, db = d - (nd - #sa), d - (nd - #sb)
-      if da >= 1 and sa[da] ~= 1 then ia = ia + idx[d] * sta[da] end
-      if db >= 1 and sb[db] ~= 1 then ib = ib + idx[d] * stb[db] end
-    end
-    out[p + 1] = f(la[ia + 1], lb[ib + 1])
-  end
+  for p = 1, #oa do out[p] = f(la[oa[p] + 1], lb[ob[p] + 1]) end
   return out, shape
-end
-
-local function map(list, f)
-  local out = {}
-  for i, v in ipairs(list) do out[i] = f(v) end
-  return out
 end
 
 local OPS = {
@@ -102,8 +28,6 @@ local function away_from_zero(...)
   for i = 1, n do v[i] = (v[i] + 0.5) * (math.random() < 0.5 and -1 or 1) end
   return helpers.from_flat(v, t:shape())
 end
-
-local function leaf(t) return t:detach():clone():requires_grad_(true) end
 
 local function same_shape(t, shape)
   local s = t:shape()
@@ -158,14 +82,14 @@ describe('elementwise binary ops: values', function()
       local a, b = abase:t(), bbase:narrow(2, 3, 5)
       assert.is_false(a:is_contiguous())
       assert.is_false(b:is_contiguous())
-      local la = permute_list(helpers.list(abase), { 5, 7 }, { 2, 1 })
-      local lb = narrow_list(helpers.list(bbase), { 7, 9 }, 2, 3, 5)
+      local la = R.permute_list(helpers.list(abase), { 5, 7 }, { 2, 1 })
+      local lb = R.narrow_list(helpers.list(bbase), { 7, 9 }, 2, 3, 5)
       helpers.assert_close(op.t(a, b), (ref_binary(la, { 7, 5 }, lb, { 7, 5 }, op.f)), RTOL, ATOL, 'transposed, narrowed')
       -- 3-D permuted [3, 5, 4] (from [4, 3, 5]) with a broadcast narrowed [5, 1] (from [5, 3])
       local cbase, dbase = away_from_zero(4, 3, 5), away_from_zero(5, 3)
       local c, d = cbase:permute(2, 3, 1), dbase:narrow(2, 2, 1)
-      local lc = permute_list(helpers.list(cbase), { 4, 3, 5 }, { 2, 3, 1 })
-      local ld = narrow_list(helpers.list(dbase), { 5, 3 }, 2, 2, 1)
+      local lc = R.permute_list(helpers.list(cbase), { 4, 3, 5 }, { 2, 3, 1 })
+      local ld = R.narrow_list(helpers.list(dbase), { 5, 3 }, 2, 2, 1)
       local y = op.t(c, d)
       same_shape(y, { 3, 5, 4 })
       helpers.assert_close(y, (ref_binary(lc, { 3, 5, 4 }, ld, { 5, 1 }, op.f)), RTOL, ATOL, 'permuted, broadcast')
@@ -217,12 +141,12 @@ describe('tensor-scalar ops: values', function()
       helpers.reseed(200 + k)
       local x = away_from_zero(7, 5)
       local lx = helpers.list(x)
-      helpers.assert_close(c[2](x), map(lx, c[3]), 2e-6, 1e-6, c[1])
+      helpers.assert_close(c[2](x), R.map(lx, c[3]), 2e-6, 1e-6, c[1])
       local xt = x:t()
-      local lxt = permute_list(lx, { 7, 5 }, { 2, 1 })
+      local lxt = R.permute_list(lx, { 7, 5 }, { 2, 1 })
       local y = c[2](xt)
       same_shape(y, { 5, 7 })
-      helpers.assert_close(y, map(lxt, c[3]), 2e-6, 1e-6, c[1] .. ' transposed')
+      helpers.assert_close(y, R.map(lxt, c[3]), 2e-6, 1e-6, c[1] .. ' transposed')
     end)
   end
 
@@ -230,14 +154,14 @@ describe('tensor-scalar ops: values', function()
     helpers.reseed(220)
     local x = uly.rand(33) + 0.25
     local lx = helpers.list(x)
-    helpers.assert_close(x ^ 0.5, map(lx, math.sqrt), 2e-6, 1e-7, 'x ^ 0.5')
-    helpers.assert_close(x ^ -1.5, map(lx, function(v) return v ^ -1.5 end), 4e-6, 1e-7, 'x ^ -1.5')
+    helpers.assert_close(x ^ 0.5, R.map(lx, math.sqrt), 2e-6, 1e-7, 'x ^ 0.5')
+    helpers.assert_close(x ^ -1.5, R.map(lx, function(v) return v ^ -1.5 end), 4e-6, 1e-7, 'x ^ -1.5')
   end)
 
   it('x ^ 0 is one and x ^ 1 is x', function()
     helpers.reseed(221)
     local x = away_from_zero(4, 3)
-    helpers.assert_close(x ^ 0, map(helpers.list(x), function() return 1 end), 0, 0, 'x ^ 0')
+    helpers.assert_close(x ^ 0, R.map(helpers.list(x), function() return 1 end), 0, 0, 'x ^ 0')
     helpers.assert_close(x ^ 1, x, 0, 0, 'x ^ 1')
   end)
 
@@ -253,27 +177,27 @@ describe('elementwise gradients', function()
   for k, op in ipairs(OPS) do
     it(op.name .. ': gradcheck, same shape [3, 5]', function()
       helpers.reseed(300 + k)
-      local a, b = leaf(away_from_zero(3, 5)), leaf(away_from_zero(3, 5))
+      local a, b = R.leaf(away_from_zero(3, 5)), R.leaf(away_from_zero(3, 5))
       helpers.gradcheck(op.t, { a, b })
     end)
 
     it(op.name .. ': gradcheck with broadcast [3, 1, 5] and [4, 1] (grads sum over broadcast dims)', function()
       helpers.reseed(310 + k)
-      local a, b = leaf(away_from_zero(3, 1, 5)), leaf(away_from_zero(4, 1))
+      local a, b = R.leaf(away_from_zero(3, 1, 5)), R.leaf(away_from_zero(4, 1))
       helpers.gradcheck(op.t, { a, b })
       helpers.gradcheck(function(x, y) return op.t(y, x) end, { a, b })
     end)
 
     it(op.name .. ': gradcheck with a 0-d operand', function()
       helpers.reseed(320 + k)
-      local a, s = leaf(away_from_zero(2, 7)), leaf(uly.tensor(0.8))
+      local a, s = R.leaf(away_from_zero(2, 7)), R.leaf(uly.tensor(0.8))
       helpers.gradcheck(op.t, { a, s })
       helpers.gradcheck(function(x, y) return op.t(y, x) end, { a, s })
     end)
 
     it(op.name .. ': gradcheck through non-contiguous views', function()
       helpers.reseed(330 + k)
-      local a, b = leaf(away_from_zero(5, 4)), leaf(away_from_zero(4, 7))
+      local a, b = R.leaf(away_from_zero(5, 4)), R.leaf(away_from_zero(4, 7))
       -- a:t() is [4, 5]; b narrowed to columns 2..6 is [4, 5]
       helpers.gradcheck(function(x, y) return op.t(x:t(), y:narrow(2, 2, 5)) end, { a, b })
     end)
@@ -281,11 +205,11 @@ describe('elementwise gradients', function()
 
   it('broadcast gradients equal the number of broadcast copies (add) and the summed partner (mul)', function()
     helpers.reseed(340)
-    local a, b = leaf(uly.randn(3, 1, 5)), leaf(uly.randn(4, 1))
+    local a, b = R.leaf(uly.randn(3, 1, 5)), R.leaf(uly.randn(4, 1))
     ;(a + b):sum():backward()
     -- every element of a is used 4 times, every element of b 3 * 5 = 15 times
-    helpers.assert_close(a.grad, map(helpers.list(a), function() return 4 end), 0, 0, 'd(a+b)/da')
-    helpers.assert_close(b.grad, map(helpers.list(b), function() return 15 end), 0, 0, 'd(a+b)/db')
+    helpers.assert_close(a.grad, R.map(helpers.list(a), function() return 4 end), 0, 0, 'd(a+b)/da')
+    helpers.assert_close(b.grad, R.map(helpers.list(b), function() return 15 end), 0, 0, 'd(a+b)/db')
     a:zero_grad(); b:zero_grad()
     ;(a * b):sum():backward()
     local la, lb = helpers.list(a), helpers.list(b)
@@ -303,9 +227,9 @@ describe('elementwise gradients', function()
 
   it('x * x (the same tensor twice): gradient is 2x, and gradcheck agrees', function()
     helpers.reseed(350)
-    local x = leaf(uly.randn(3, 7))
+    local x = R.leaf(uly.randn(3, 7))
     ;(x * x):sum():backward()
-    helpers.assert_close(x.grad, map(helpers.list(x), function(v) return 2 * v end), 1e-6, 1e-7, 'd(x*x)/dx')
+    helpers.assert_close(x.grad, R.map(helpers.list(x), function(v) return 2 * v end), 1e-6, 1e-7, 'd(x*x)/dx')
     helpers.gradcheck(function(v) return v * v end, { x })
     helpers.gradcheck(function(v) return v + v end, { x })
     helpers.gradcheck(function(v) return v - v:t():t() * 0.5 end, { x })
@@ -313,12 +237,12 @@ describe('elementwise gradients', function()
 
   it('x / x and x - x have zero gradient', function()
     helpers.reseed(351)
-    local x = leaf(away_from_zero(2, 5))
+    local x = R.leaf(away_from_zero(2, 5))
     ;(x / x):sum():backward()
-    helpers.assert_close(x.grad, map(helpers.list(x), function() return 0 end), 0, 1e-6, 'd(x/x)/dx')
+    helpers.assert_close(x.grad, R.map(helpers.list(x), function() return 0 end), 0, 1e-6, 'd(x/x)/dx')
     x:zero_grad()
     ;(x - x):sum():backward()
-    helpers.assert_close(x.grad, map(helpers.list(x), function() return 0 end), 0, 0, 'd(x-x)/dx')
+    helpers.assert_close(x.grad, R.map(helpers.list(x), function() return 0 end), 0, 0, 'd(x-x)/dx')
   end)
 
   local SCALAR_GRADS = {
@@ -335,7 +259,7 @@ describe('elementwise gradients', function()
   for k, c in ipairs(SCALAR_GRADS) do
     it('gradcheck ' .. c[1] .. ' (also through a transposed view)', function()
       helpers.reseed(360 + k)
-      local x = leaf(away_from_zero(3, 5))
+      local x = R.leaf(away_from_zero(3, 5))
       helpers.gradcheck(c[2], { x })
       helpers.gradcheck(function(v) return c[2](v:t()) end, { x })
     end)
@@ -343,22 +267,22 @@ describe('elementwise gradients', function()
 
   it('gradcheck x ^ 0.5 and x ^ -1.5 on positive values', function()
     helpers.reseed(380)
-    local x = leaf(uly.rand(4, 5) + 0.5)
+    local x = R.leaf(uly.rand(4, 5) + 0.5)
     helpers.gradcheck(function(v) return v ^ 0.5 end, { x })
     helpers.gradcheck(function(v) return v ^ -1.5 end, { x })
   end)
 
   it('scalar-op gradients have the exact closed form', function()
     helpers.reseed(381)
-    local x = leaf(uly.rand(6) + 0.5)
+    local x = R.leaf(uly.rand(6) + 0.5)
     local lx = helpers.list(x)
     ;(x ^ 3):sum():backward()
-    helpers.assert_close(x.grad, map(lx, function(v) return 3 * v * v end), 1e-5, 1e-6, 'd(x^3)')
+    helpers.assert_close(x.grad, R.map(lx, function(v) return 3 * v * v end), 1e-5, 1e-6, 'd(x^3)')
     x:zero_grad()
     ;(5 / x):sum():backward()
-    helpers.assert_close(x.grad, map(lx, function(v) return -5 / (v * v) end), 1e-5, 1e-6, 'd(5/x)')
+    helpers.assert_close(x.grad, R.map(lx, function(v) return -5 / (v * v) end), 1e-5, 1e-6, 'd(5/x)')
     x:zero_grad()
     ;(-x * 2 + 1):sum():backward()
-    helpers.assert_close(x.grad, map(lx, function() return -2 end), 0, 0, 'd(-2x+1)')
+    helpers.assert_close(x.grad, R.map(lx, function() return -2 end), 0, 0, 'd(-2x+1)')
   end)
 end)

@@ -3,85 +3,20 @@
 -- against a naive float64 Lua matmul, gradients by finite differences, shape errors.
 local uly = require 'ulysses'
 local helpers = require 'helpers'
+local R = require 'reference'
 
 ---------------------------------------------------------------- float64 reference
-local function numel(shape)
-  local n = 1
-  for _, s in ipairs(shape) do n = n * s end
-  return n
-end
-
-local function strides_of(shape)
-  local st, s = {}, 1
-  for d = #shape, 1, -1 do st[d] = s; s = s * shape[d] end
-  return st
-end
-
-local function unravel(p, shape)
-  local idx = {}
-  for d = #shape, 1, -1 do
-    idx[d] = p % shape[d]
-    p = (p - idx[d]) / shape[d]
-  end
-  return idx
-end
-
-local function permute_list(list, shape, perm)
-  local st = strides_of(shape)
-  local oshape = {}
-  for d = 1, #perm do oshape[d] = shape[perm[d]] end
-  local out = {}
-  for p = 0, numel(oshape) - 1 do
-    local idx = unravel(p, oshape)
-    local src = 0
-    for d = 1, #perm do src = src + idx[d] * st[perm[d]] end
-    out[p + 1] = list[src + 1]
-  end
-  return out, oshape
-end
-
-local function narrow_list(list, shape, dim, start, len)
-  local st = strides_of(shape)
-  local oshape = { unpack(shape) }
-  oshape[dim] = len
-  local out = {}
-  for p = 0, numel(oshape) - 1 do
-    local idx = unravel(p, oshape)
-    local src = 0
-    for d = 1, #shape do src = src + (idx[d] + (d == dim and start - 1 or 0)) * st[d] end
-    out[p + 1] = list[src + 1]
-  end
-  return out, oshape
-end
-
 -- [..., M, K] @ [..., K, N] with right-aligned broadcast batch dims, naive triple loop in float64
 local function ref_matmul(la, sa, lb, sb)
   local M, K, N = sa[#sa - 1], sa[#sa], sb[#sb]
   assert(sb[#sb - 1] == K, 'reference: inner dimensions differ')
-  local ba, bb = #sa - 2, #sb - 2
-  local nb = math.max(ba, bb)
-  local bshape = {}
-  for d = 1, nb do
-    local xa, xb = sa[d - (nb - ba)] or 1, sb[d - (nb - bb)] or 1
-    if d - (nb - ba) < 1 then xa = 1 end
-    if d - (nb - bb) < 1 then xb = 1 end
-    assert(xa == xb or xa == 1 or xb == 1)
-    bshape[d] = xa == 1 and xb or xa
-  end
-  local sta, stb = strides_of(sa), strides_of(sb)
+  local bshape, oa, ob = R.broadcast(sa, sb, #sa - 2, #sb - 2)
   local out = {}
-  for bi = 0, numel(bshape) - 1 do
-    local idx = unravel(bi, bshape)
-    local oa, ob = 0, 0
-    for d = 1, nb do
-      local da, db = d - (nb - ba), d - (nb - bb)
-      if da >= 1 and sa[da] ~= 1 then oa = oa + idx[d] * sta[da] end
-      if db >= 1 and sb[db] ~= 1 then ob = ob + idx[d] * stb[db] end
-    end
+  for bi = 1, #oa do
     for i = 0, M - 1 do
       for j = 0, N - 1 do
         local s = 0
-        for k = 0, K - 1 do s = s + la[oa + i * K + k + 1] * lb[ob + k * N + j + 1] end
+        for k = 0, K - 1 do s = s + la[oa[bi] + i * K + k + 1] * lb[ob[bi] + k * N + j + 1] end
         out[#out + 1] = s
       end
     end
@@ -100,8 +35,6 @@ local function check_matmul(a, b, la, sa, lb, sb, what)
   helpers.assert_close(y, ref, 1e-5, 2e-5, what)
   return y
 end
-
-local function leaf(t) return t:detach():clone():requires_grad_(true) end
 
 describe('matmul values', function()
   local SIZES = {
@@ -157,7 +90,7 @@ describe('matmul values', function()
     local xb = uly.randn(7, 2, 33)
     local xt = xb:transpose(1, 2)
     assert.is_false(xt:is_contiguous())
-    local lxt = permute_list(helpers.list(xb), { 7, 2, 33 }, { 2, 1, 3 })
+    local lxt = R.permute_list(helpers.list(xb), { 7, 2, 33 }, { 2, 1, 3 })
     check_matmul(xt, w, lxt, { 2, 7, 33 }, lw, { 33, 5 }, 'linear, transposed input')
     -- 4-D input [2, 3, 1, 7] @ [7, 1]
     local x4, w1 = uly.randn(2, 3, 1, 7), uly.randn(7, 1)
@@ -167,14 +100,14 @@ describe('matmul values', function()
   it('transposed operands: a:t(), b:t(), both, and batched transpose', function()
     helpers.reseed(25)
     local abase, bbase = uly.randn(33, 7), uly.randn(5, 33)
-    local la = permute_list(helpers.list(abase), { 33, 7 }, { 2, 1 })
-    local lb = permute_list(helpers.list(bbase), { 5, 33 }, { 2, 1 })
+    local la = R.permute_list(helpers.list(abase), { 33, 7 }, { 2, 1 })
+    local lb = R.permute_list(helpers.list(bbase), { 5, 33 }, { 2, 1 })
     local a2, b2 = uly.randn(7, 33), uly.randn(33, 5)
     check_matmul(abase:t(), b2, la, { 7, 33 }, helpers.list(b2), { 33, 5 }, 'a:t() @ b')
     check_matmul(a2, bbase:t(), helpers.list(a2), { 7, 33 }, lb, { 33, 5 }, 'a @ b:t()')
     check_matmul(abase:t(), bbase:t(), la, { 7, 33 }, lb, { 33, 5 }, 'a:t() @ b:t()')
     local q, kk = uly.randn(3, 7, 4), uly.randn(3, 5, 4)
-    local lk = permute_list(helpers.list(kk), { 3, 5, 4 }, { 1, 3, 2 })
+    local lk = R.permute_list(helpers.list(kk), { 3, 5, 4 }, { 1, 3, 2 })
     check_matmul(q, kk:transpose(2, 3), helpers.list(q), { 3, 7, 4 }, lk, { 3, 4, 5 }, 'q @ k^T batched')
     -- a [1, K] row transposed from a column and a [K, 1] column transposed from a row
     local col, row = uly.randn(7, 1), uly.randn(1, 7)
@@ -187,8 +120,8 @@ describe('matmul values', function()
     -- [7, 5] with row stride 12; [5, 6] with row stride 10
     local a = abase:narrow(1, 2, 7):narrow(2, 3, 5)
     local b = bbase:narrow(1, 4, 5):narrow(2, 2, 6)
-    local la = narrow_list(narrow_list(helpers.list(abase), { 9, 12 }, 1, 2, 7), { 7, 12 }, 2, 3, 5)
-    local lb = narrow_list(narrow_list(helpers.list(bbase), { 8, 10 }, 1, 4, 5), { 5, 10 }, 2, 2, 6)
+    local la = R.narrow_list(R.narrow_list(helpers.list(abase), { 9, 12 }, 1, 2, 7), { 7, 12 }, 2, 3, 5)
+    local lb = R.narrow_list(R.narrow_list(helpers.list(bbase), { 8, 10 }, 1, 4, 5), { 5, 10 }, 2, 2, 6)
     check_matmul(a, b, la, { 7, 5 }, lb, { 5, 6 }, 'narrowed')
     -- neither row nor column stride is 1: select(3, 2) of [7, 5, 2] has strides (10, 2)
     local cbase = uly.randn(7, 5, 2)
@@ -198,7 +131,7 @@ describe('matmul values', function()
     for i = 0, 34 do lc[i + 1] = lcb[i * 2 + 2] end
     check_matmul(c, b, lc, { 7, 5 }, lb, { 5, 6 }, 'strided a')
     local d = uly.randn(7, 3)
-    check_matmul(c:t(), d, permute_list(lc, { 7, 5 }, { 2, 1 }), { 5, 7 }, helpers.list(d), { 7, 3 }, 'strided a:t()')
+    check_matmul(c:t(), d, R.permute_list(lc, { 7, 5 }, { 2, 1 }), { 5, 7 }, helpers.list(d), { 7, 3 }, 'strided a:t()')
   end)
 
   it('expanded (stride-0) batch operands', function()
@@ -215,63 +148,63 @@ end)
 describe('matmul gradients', function()
   it('gradcheck 2-D with odd sizes [7, 5] @ [5, 3] and [1, 7] @ [7, 1]', function()
     helpers.reseed(40)
-    helpers.gradcheck(uly.matmul, { leaf(uly.randn(7, 5)), leaf(uly.randn(5, 3)) })
-    helpers.gradcheck(uly.matmul, { leaf(uly.randn(1, 7)), leaf(uly.randn(7, 1)) })
+    helpers.gradcheck(uly.matmul, { R.leaf(uly.randn(7, 5)), R.leaf(uly.randn(5, 3)) })
+    helpers.gradcheck(uly.matmul, { R.leaf(uly.randn(1, 7)), R.leaf(uly.randn(7, 1)) })
   end)
 
   it('gradcheck K = 1: [7, 1] @ [1, 5]', function()
     helpers.reseed(41)
-    helpers.gradcheck(uly.matmul, { leaf(uly.randn(7, 1)), leaf(uly.randn(1, 5)) })
+    helpers.gradcheck(uly.matmul, { R.leaf(uly.randn(7, 1)), R.leaf(uly.randn(1, 5)) })
   end)
 
   it('gradcheck batched [3, 4, 5] @ [3, 5, 2]', function()
     helpers.reseed(42)
-    helpers.gradcheck(uly.matmul, { leaf(uly.randn(3, 4, 5)), leaf(uly.randn(3, 5, 2)) })
+    helpers.gradcheck(uly.matmul, { R.leaf(uly.randn(3, 4, 5)), R.leaf(uly.randn(3, 5, 2)) })
   end)
 
   it('gradcheck broadcast batch [2, 1, 3, 4] @ [5, 4, 6] (b has 120 elements: random directions)', function()
     helpers.reseed(43)
-    helpers.gradcheck(uly.matmul, { leaf(uly.randn(2, 1, 3, 4)), leaf(uly.randn(5, 4, 6)) }, { directions = 10 })
+    helpers.gradcheck(uly.matmul, { R.leaf(uly.randn(2, 1, 3, 4)), R.leaf(uly.randn(5, 4, 6)) }, { directions = 10 })
     -- all coordinates with a smaller b: [2, 1, 3, 4] @ [3, 4, 2]
-    helpers.gradcheck(uly.matmul, { leaf(uly.randn(2, 1, 3, 4)), leaf(uly.randn(3, 4, 2)) })
+    helpers.gradcheck(uly.matmul, { R.leaf(uly.randn(2, 1, 3, 4)), R.leaf(uly.randn(3, 4, 2)) })
   end)
 
   it('gradcheck the Linear case [2, 3, 5] @ [5, 4], contiguous and transposed input', function()
     helpers.reseed(44)
-    local x, w = leaf(uly.randn(2, 3, 5)), leaf(uly.randn(5, 4))
+    local x, w = R.leaf(uly.randn(2, 3, 5)), R.leaf(uly.randn(5, 4))
     helpers.gradcheck(uly.matmul, { x, w })
-    local xt = leaf(uly.randn(3, 2, 5))
+    local xt = R.leaf(uly.randn(3, 2, 5))
     helpers.gradcheck(function(a, b) return a:transpose(1, 2):matmul(b) end, { xt, w })
   end)
 
   it('gradcheck transposed operands', function()
     helpers.reseed(45)
-    local a, b = leaf(uly.randn(5, 7)), leaf(uly.randn(3, 5))
+    local a, b = R.leaf(uly.randn(5, 7)), R.leaf(uly.randn(3, 5))
     helpers.gradcheck(function(x, y) return x:t():matmul(y:t()) end, { a, b })
-    local q, k = leaf(uly.randn(2, 3, 4)), leaf(uly.randn(2, 5, 4))
+    local q, k = R.leaf(uly.randn(2, 3, 4)), R.leaf(uly.randn(2, 5, 4))
     helpers.gradcheck(function(x, y) return x:matmul(y:transpose(2, 3)) end, { q, k })
   end)
 
   it('gradcheck narrowed and strided operands', function()
     helpers.reseed(46)
-    local a, b = leaf(uly.randn(6, 8)), leaf(uly.randn(5, 7, 2))
+    local a, b = R.leaf(uly.randn(6, 8)), R.leaf(uly.randn(5, 7, 2))
     helpers.gradcheck(function(x, y) return x:narrow(1, 2, 4):narrow(2, 3, 5):matmul(y:select(3, 2)) end, { a, b })
   end)
 
   it('gradcheck an expanded weight (gradient summed over the batch)', function()
     helpers.reseed(47)
-    local a, w = leaf(uly.randn(3, 2, 4)), leaf(uly.randn(4, 3))
+    local a, w = R.leaf(uly.randn(3, 2, 4)), R.leaf(uly.randn(4, 3))
     helpers.gradcheck(function(x, y) return x:matmul(y:view(1, 4, 3):expand(3, 4, 3)) end, { a, w })
   end)
 
   it('gradients equal G B^T and A^T G', function()
     helpers.reseed(48)
-    local a, b = leaf(uly.randn(7, 5)), leaf(uly.randn(5, 3))
+    local a, b = R.leaf(uly.randn(7, 5)), R.leaf(uly.randn(5, 3))
     local g = uly.randn(7, 3)
     a:matmul(b):backward(g)
     local la, lb, lg = helpers.list(a), helpers.list(b), helpers.list(g)
-    local lbt = permute_list(lb, { 5, 3 }, { 2, 1 })
-    local lat = permute_list(la, { 7, 5 }, { 2, 1 })
+    local lbt = R.permute_list(lb, { 5, 3 }, { 2, 1 })
+    local lat = R.permute_list(la, { 7, 5 }, { 2, 1 })
     helpers.assert_close(a.grad, (ref_matmul(lg, { 7, 3 }, lbt, { 3, 5 })), 1e-5, 1e-6, 'dA')
     helpers.assert_close(b.grad, (ref_matmul(lat, { 5, 7 }, lg, { 7, 3 })), 1e-5, 1e-6, 'dB')
   end)

@@ -3,128 +3,83 @@
 -- (large inputs stay finite); values against plain-Lua float64 references, gradchecks.
 local uly = require 'ulysses'
 local helpers = require 'helpers'
+local R = require 'reference'
 
 ---------------------------------------------------------------- float64 reference helpers
-local function numel(shape)
-  local n = 1
-  for _, s in ipairs(shape) do n = n * s end
-  return n
-end
-
-local function strides_of(shape)
-  local st, s = {}, 1
-  for d = #shape, 1, -1 do st[d] = s; s = s * shape[d] end
-  return st
-end
-
-local function unravel(p, shape)
-  local idx = {}
-  for d = #shape, 1, -1 do
-    idx[d] = p % shape[d]
-    p = (p - idx[d]) / shape[d]
-  end
-  return idx
-end
-
-local function permute_list(list, shape, perm)
-  local st = strides_of(shape)
-  local oshape = {}
-  for d = 1, #perm do oshape[d] = shape[perm[d]] end
-  local out = {}
-  for p = 0, numel(oshape) - 1 do
-    local idx = unravel(p, oshape)
-    local src = 0
-    for d = 1, #perm do src = src + idx[d] * st[perm[d]] end
-    out[p + 1] = list[src + 1]
-  end
-  return out, oshape
-end
-
-local function narrow_list(list, shape, dim, start, len)
-  local st = strides_of(shape)
-  local oshape = { unpack(shape) }
-  oshape[dim] = len
-  local out = {}
-  for p = 0, numel(oshape) - 1 do
-    local idx = unravel(p, oshape)
-    local src = 0
-    for d = 1, #shape do src = src + (idx[d] + (d == dim and start - 1 or 0)) * st[d] end
-    out[p + 1] = list[src + 1]
-  end
-  return out, oshape
-end
-
--- the lines along dim d (1-based): calls f(values) for each, in row-major order of the rest;
--- returns the list of f's results and the reduced shape (keepdim or not)
-local function along(list, shape, d, keepdim, f)
-  local st = strides_of(shape)
-  local rshape, kshape = {}, {}
-  for i = 1, #shape do
-    if i ~= d then rshape[#rshape + 1] = shape[i] end
-    kshape[i] = i == d and 1 or shape[i]
-  end
-  local out = {}
-  for p = 0, numel(kshape) - 1 do
-    local idx = unravel(p, kshape)
+-- the lines along dim d (1-based), in row-major order of the other dims: calls
+-- visit(k, line, base, step) for the k-th line (1-based), whose values are
+-- list[base + j * step + 1], j = 0 .. shape[d] - 1; returns the keepdim shape
+local function each_line(list, shape, d, visit)
+  local st = R.strides_of(shape)
+  local kshape = {}
+  for i = 1, #shape do kshape[i] = i == d and 1 or shape[i] end
+  for p = 0, R.numel(kshape) - 1 do
+    local idx = R.unravel(p, kshape)
     local base = 0
     for i = 1, #shape do base = base + idx[i] * st[i] end
     local line = {}
     for j = 0, shape[d] - 1 do line[j + 1] = list[base + j * st[d] + 1] end
-    out[p + 1] = f(line)
+    visit(p + 1, line, base, st[d])
   end
-  return out, keepdim and kshape or rshape
+  return kshape
 end
 
-local function lsum(v) local s = 0 for _, x in ipairs(v) do s = s + x end return s end
-local function lmean(v) return lsum(v) / #v end
+-- calls f(values) for each line along dim d (1-based); returns the list of f's results and the
+-- reduced shape (keepdim or not)
+local function along(list, shape, d, keepdim, f)
+  local out = {}
+  local kshape = each_line(list, shape, d, function(k, line) out[k] = f(line) end)
+  if keepdim then return out, kshape end
+  local rshape = {}
+  for i = 1, #shape do
+    if i ~= d then rshape[#rshape + 1] = shape[i] end
+  end
+  return out, rshape
+end
+
+-- scatter a per-line function back to full shape: g(line) returns a list of the same length
+local function along_full(list, shape, d, g)
+  local out = {}
+  each_line(list, shape, d, function(_, line, base, step)
+    local res = g(line)
+    for j = 0, #line - 1 do out[base + j * step + 1] = res[j + 1] end
+  end)
+  return out
+end
+
+local function lmean(v) return R.lsum(v) / #v end
 local function lmax(v)
   local m, a = v[1], 1
   for j = 2, #v do if v[j] > m then m, a = v[j], j end end
   return m, a
 end
 
--- scatter a per-line function back to full shape: g(line) returns a list of the same length
-local function along_full(list, shape, d, g)
-  local st = strides_of(shape)
-  local kshape = {}
-  for i = 1, #shape do kshape[i] = i == d and 1 or shape[i] end
-  local out = {}
-  for p = 0, numel(kshape) - 1 do
-    local idx = unravel(p, kshape)
-    local base = 0
-    for i = 1, #shape do base = base + idx[i] * st[i] end
-    local line = {}
-    for j = 0, shape[d] - 1 do line[j + 1] = list[base + j * st[d] + 1] end
-    local res = g(line)
-    for j = 0, shape[d] - 1 do out[base + j * st[d] + 1] = res[j + 1] end
-  end
-  return out
-end
-
-local function ref_softmax(v)
+-- the max m of v and s = sum exp(v - m), shared by the softmax references
+local function max_and_expsum(v)
   local m = lmax(v)
   local s = 0
   for _, x in ipairs(v) do s = s + math.exp(x - m) end
+  return m, s
+end
+
+local function ref_softmax(v)
+  local m, s = max_and_expsum(v)
   local out = {}
   for j, x in ipairs(v) do out[j] = math.exp(x - m) / s end
   return out
 end
 
 local function ref_log_softmax(v)
-  local m = lmax(v)
-  local s = 0
-  for _, x in ipairs(v) do s = s + math.exp(x - m) end
+  local m, s = max_and_expsum(v)
   local out = {}
   for j, x in ipairs(v) do out[j] = x - m - math.log(s) end
   return out
 end
 
-local function leaf(t) return t:detach():clone():requires_grad_(true) end
-
 -- values whose pairwise gaps are >= 0.1, so that a finite-difference step of 1e-2 never moves
 -- the argmax: a random permutation of 0.1 * (0 .. n-1), shifted
 local function separated(shape)
-  local n = numel(shape)
+  local n = R.numel(shape)
   local v = {}
   for i = 1, n do v[i] = (i - 1) * 0.1 - n * 0.05 end
   for i = n, 2, -1 do
@@ -142,19 +97,26 @@ local function noncontig_cases()
     {
       'transposed [5, 7]', { 7, 5 },
       function(b) return b:t() end,
-      function(l) return permute_list(l, { 7, 5 }, { 2, 1 }) end, { 5, 7 },
+      function(l) return R.permute_list(l, { 7, 5 }, { 2, 1 }) end, { 5, 7 },
     },
     {
       'permuted [5, 3, 7]', { 3, 7, 5 },
       function(b) return b:permute(3, 1, 2) end,
-      function(l) return permute_list(l, { 3, 7, 5 }, { 3, 1, 2 }) end, { 5, 3, 7 },
+      function(l) return R.permute_list(l, { 3, 7, 5 }, { 3, 1, 2 }) end, { 5, 3, 7 },
     },
     {
       'narrowed [3, 4, 5]', { 3, 7, 5 },
       function(b) return b:narrow(2, 2, 4) end,
-      function(l) return narrow_list(l, { 3, 7, 5 }, 2, 2, 4) end, { 3, 4, 5 },
+      function(l) return R.narrow_list(l, { 3, 7, 5 }, 2, 2, 4) end, { 3, 4, 5 },
     },
   }
+end
+
+-- one case of noncontig_cases() made from a fresh randn base: the view, its values (row-major)
+-- and its shape
+local function noncontig_input(c)
+  local base = uly.randn(c[2])
+  return c[3](base), c[4](helpers.list(base)), c[5]
 end
 
 describe('sum / mean / max over one dim', function()
@@ -168,7 +130,7 @@ describe('sum / mean / max over one dim', function()
         for _, dd in ipairs({ d, d - nd - 1 }) do
           for _, keep in ipairs({ false, true }) do
             local what = string.format('dim %d keepdim %s', dd, tostring(keep))
-            local rs, rshape = along(lx, shape, d, keep, lsum)
+            local rs, rshape = along(lx, shape, d, keep, R.lsum)
             local s = x:sum(dd, keep)
             assert.are.same(rshape, s:shape(), 'sum shape ' .. what)
             helpers.assert_close(s, rs, 1e-6, 1e-6, 'sum ' .. what)
@@ -193,15 +155,12 @@ describe('sum / mean / max over one dim', function()
   for ci, c in ipairs(noncontig_cases()) do
     it('every dim of a non-contiguous ' .. c[1] .. ' input', function()
       helpers.reseed(20 + ci)
-      local base = uly.randn(c[2])
-      local x = c[3](base)
+      local x, lx, shape = noncontig_input(c)
       assert.is_false(x:is_contiguous())
-      local shape = c[5]
-      local lx = c[4](helpers.list(base))
       for d = 1, #shape do
         for _, keep in ipairs({ false, true }) do
           local what = string.format('%s dim %d keepdim %s', c[1], d, tostring(keep))
-          helpers.assert_close(x:sum(d, keep), (along(lx, shape, d, keep, lsum)), 1e-6, 1e-6, 'sum ' .. what)
+          helpers.assert_close(x:sum(d, keep), (along(lx, shape, d, keep, R.lsum)), 1e-6, 1e-6, 'sum ' .. what)
           helpers.assert_close(x:mean(d, keep), (along(lx, shape, d, keep, lmean)), 1e-6, 1e-6, 'mean ' .. what)
           local v, i = x:max(d, keep)
           helpers.assert_close(v, (along(lx, shape, d, keep, function(l) return (lmax(l)) end)), 0, 0, 'max ' .. what)
@@ -260,7 +219,7 @@ describe('full reductions', function()
         assert.are.equal(0, t:dim())
         assert.are.equal(1, t:numel())
       end
-      helpers.assert_close(s, { lsum(lx) }, 1e-6, 1e-6, 'sum')
+      helpers.assert_close(s, { R.lsum(lx) }, 1e-6, 1e-6, 'sum')
       helpers.assert_close(m, { lmean(lx) }, 1e-6, 1e-6, 'mean')
       helpers.assert_close(mx, { (lmax(lx)) }, 0, 0, 'max')
     end)
@@ -269,10 +228,8 @@ describe('full reductions', function()
   it('full reductions of non-contiguous inputs', function()
     helpers.reseed(45)
     for _, c in ipairs(noncontig_cases()) do
-      local base = uly.randn(c[2])
-      local x = c[3](base)
-      local lx = c[4](helpers.list(base))
-      helpers.assert_close(x:sum(), { lsum(lx) }, 1e-6, 1e-6, 'sum ' .. c[1])
+      local x, lx = noncontig_input(c)
+      helpers.assert_close(x:sum(), { R.lsum(lx) }, 1e-6, 1e-6, 'sum ' .. c[1])
       helpers.assert_close(x:mean(), { lmean(lx) }, 1e-6, 1e-6, 'mean ' .. c[1])
       helpers.assert_close(x:max(), { (lmax(lx)) }, 0, 0, 'max ' .. c[1])
     end
@@ -305,10 +262,7 @@ describe('softmax and log_softmax', function()
   for ci, c in ipairs(noncontig_cases()) do
     it('over every dim of a non-contiguous ' .. c[1] .. ' input', function()
       helpers.reseed(60 + ci)
-      local base = uly.randn(c[2])
-      local x = c[3](base)
-      local shape = c[5]
-      local lx = c[4](helpers.list(base))
+      local x, lx, shape = noncontig_input(c)
       for d = 1, #shape do
         helpers.assert_close(x:softmax(d), along_full(lx, shape, d, ref_softmax), 1e-5, 1e-7, c[1] .. ' softmax ' .. d)
         helpers.assert_close(x:log_softmax(d), along_full(lx, shape, d, ref_log_softmax), 1e-5, 1e-6,
@@ -346,7 +300,7 @@ end)
 describe('reduction and softmax gradients', function()
   it('gradcheck sum and mean over every dim, keepdim or not, and full', function()
     helpers.reseed(80)
-    local x = leaf(uly.randn(3, 5, 3))
+    local x = R.leaf(uly.randn(3, 5, 3))
     for d = -3, 3 do
       if d ~= 0 then
         for _, keep in ipairs({ false, true }) do
@@ -361,7 +315,7 @@ describe('reduction and softmax gradients', function()
 
   it('gradcheck sum, mean and softmax through non-contiguous views', function()
     helpers.reseed(81)
-    local x = leaf(uly.randn(3, 7, 2))
+    local x = R.leaf(uly.randn(3, 7, 2))
     for d = 1, 3 do
       helpers.gradcheck(function(t) return t:permute(3, 1, 2):sum(d) end, { x })
       helpers.gradcheck(function(t) return t:narrow(2, 2, 5):mean(d, true) end, { x })
@@ -372,7 +326,7 @@ describe('reduction and softmax gradients', function()
 
   it('gradcheck max over every dim and full max (well-separated values)', function()
     helpers.reseed(82)
-    local x = leaf(separated({ 3, 5, 3 }))
+    local x = R.leaf(separated({ 3, 5, 3 }))
     for d = -3, 3 do
       if d ~= 0 then
         helpers.gradcheck(function(t) return (t:max(d)) end, { x })
@@ -380,12 +334,12 @@ describe('reduction and softmax gradients', function()
       end
     end
     helpers.gradcheck(function(t) return t:max() end, { x })
-    helpers.gradcheck(function(t) return (t:t():max(1)) end, { leaf(separated({ 4, 7 })) })
+    helpers.gradcheck(function(t) return (t:t():max(1)) end, { R.leaf(separated({ 4, 7 })) })
   end)
 
   it('max gradient is one-hot at the first maximum, also with ties', function()
     helpers.reseed(83)
-    local x = leaf(uly.tensor({ { 1, 4, 4, 0 }, { 2, 2, 2, 2 }, { -3, -1, -2, -1 } }))
+    local x = R.leaf(uly.tensor({ { 1, 4, 4, 0 }, { 2, 2, 2, 2 }, { -3, -1, -2, -1 } }))
     local v = x:max(2)
     v:backward(uly.tensor({ 10, 20, 30 }))
     helpers.assert_close(x.grad, { 0, 10, 0, 0, 20, 0, 0, 0, 0, 30, 0, 0 }, 0, 0, 'one-hot grad')
@@ -396,21 +350,21 @@ describe('reduction and softmax gradients', function()
 
   it('gradcheck softmax and log_softmax over every dim', function()
     helpers.reseed(84)
-    local x = leaf(uly.randn(3, 5, 3))
+    local x = R.leaf(uly.randn(3, 5, 3))
     for d = -3, 3 do
       if d ~= 0 then
         helpers.gradcheck(function(t) return t:softmax(d) end, { x })
         helpers.gradcheck(function(t) return t:log_softmax(d) end, { x })
       end
     end
-    local v = leaf(uly.randn(33))
+    local v = R.leaf(uly.randn(33))
     helpers.gradcheck(function(t) return t:softmax(1) end, { v })
     helpers.gradcheck(function(t) return t:log_softmax(1) end, { v })
   end)
 
   it('softmax and log_softmax gradients have the closed form', function()
     helpers.reseed(85)
-    local x = leaf(uly.randn(2, 7))
+    local x = R.leaf(uly.randn(2, 7))
     local g = uly.randn(2, 7)
     local lg = helpers.list(g)
     local y = x:softmax(2)
@@ -435,7 +389,7 @@ describe('reduction and softmax gradients', function()
 
   it('softmax of large inputs has a finite gradient', function()
     helpers.reseed(86)
-    local x = leaf(uly.randn(4, 5) * 1e4)
+    local x = R.leaf(uly.randn(4, 5) * 1e4)
     x:softmax(2):backward(uly.randn(4, 5))
     for _, v in ipairs(helpers.list(x.grad)) do assert(v == v and math.abs(v) < math.huge, 'non-finite gradient') end
     x:zero_grad()

@@ -25,7 +25,6 @@
  */
 #include "kernels.h"
 #include <cblas.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
@@ -179,12 +178,12 @@ static void bwd_keys(float *dk, float *dv, const float *dS_group, size_t dS_stri
     }
 }
 
-void attention_backward(float *dq, float *dk, float *dv, const float *dout, const float *q,
+int attention_backward(float *dq, float *dk, float *dv, const float *dout, const float *q,
                         const float *k, const float *v, const float *probs,
                         int64_t B, int64_t Tq, int64_t Tk, int64_t H, int64_t Hkv, int64_t D,
                         float scale, int causal) {
-    if (B <= 0 || Tq <= 0 || Tk <= 0 || H <= 0 || Hkv <= 0 || D <= 0) return; /* no gradient flows */
-    if (!dq && !dk && !dv) return;
+    if (B <= 0 || Tq <= 0 || Tk <= 0 || H <= 0 || Hkv <= 0 || D <= 0) return 0; /* no gradient flows */
+    if (!dq && !dk && !dv) return 0;
     att_dims a = {B, Tq, Tk, H, Hkv, D, H / Hkv, H * D, Hkv * D, scale, causal};
     const int64_t rep = a.rep, ngroups = B * Hkv;
     const int64_t nrb = (Tq + RB - 1) / RB, nkb = (Tk + CB - 1) / CB;
@@ -204,11 +203,7 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout, cons
             nbatch = 1;
             scratch = aligned_alloc(64, (size_t)rep * stride * sizeof(float));
         }
-        if (!scratch) {
-            fprintf(stderr, "attention_backward: out of memory for the %lld x %lld x %lld dS scratch\n",
-                    (long long)rep, (long long)Tq, (long long)Tk);
-            abort();
-        }
+        if (!scratch) return -1; /* the caller reports it; no gradient was written */
     }
     int saved = blas_single_begin();
     for (int64_t bg0 = 0; bg0 < ngroups; bg0 += nbatch) {
@@ -232,4 +227,5 @@ void attention_backward(float *dq, float *dk, float *dv, const float *dout, cons
     }
     blas_single_end(saved);
     free(scratch);
+    return 0;
 }

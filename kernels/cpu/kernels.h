@@ -111,7 +111,8 @@ void cross_entropy_backward(float *dlogits, const float *dloss, const float *log
 void attention_forward(float *out, float *probs, const float *q, const float *k, const float *v,
                        int64_t B, int64_t Tq, int64_t Tk, int64_t H, int64_t Hkv, int64_t D,
                        float scale, int causal);
-void attention_backward(float *dq, float *dk, float *dv, const float *dout, const float *q,
+/* returns 0, or -1 (nothing written) when its dS scratch cannot be allocated */
+int attention_backward(float *dq, float *dk, float *dv, const float *dout, const float *q,
                         const float *k, const float *v, const float *probs,
                         int64_t B, int64_t Tq, int64_t Tk, int64_t H, int64_t Hkv, int64_t D,
                         float scale, int causal);

@@ -17,6 +17,7 @@
  *   column-block-wise instead (same result).
  */
 #include "kernels.h"
+#include "vecmath.h"
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,8 +26,6 @@
 #define PAR_MIN 16384 /* rows * C below which a kernel stays single-threaded */
 #define NCHUNK 128    /* maximum number of row chunks for the dweight / dbias partials */
 #define CBLK 512      /* column block of the malloc-failure fallback */
-
-static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* ---------------- LayerNorm ---------------- */
 

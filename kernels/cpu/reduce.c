@@ -14,6 +14,7 @@
  * that fails, the same chunk sums are computed serially per output: same result).
  */
 #include "kernels.h"
+#include "vecmath.h"
 #include <math.h>
 #include <stdlib.h>
 #include <omp.h>
@@ -22,8 +23,6 @@
 #define SUM_CHUNK 16384 /* elements of inp per summing task */
 #define IBLK 256        /* inner-axis block for the strided (inner > 1) paths */
 #define MIN_TASKS 64    /* below this many (row / column-block) tasks, sums are also split along j */
-
-static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* sum of p[0..len) in double, fixed order for a given (pointer, len) */
 static inline double sum_contig(const float *p, int64_t len)

@@ -12,15 +12,17 @@
  * its backward is the exact derivative of that formula. GELU_EXACT uses erff.
  * LOG backward is dout / x, SQRT backward dout * 0.5 / out.
  *
- * exp is a vectorisable Cody-Waite + degree-7 polynomial (Cephes expf, <= 2 ulp, NaN and
- * +-inf handled, underflows to 0 below ~-103.9) so the sigmoid/SiLU/GELU loops vectorise;
- * tanh, erf, log and sqrt call libm (scalar: errno semantics block vectorisation).
+ * exp is uly_expf (vecmath.h), a vectorisable Cody-Waite + degree-7 polynomial (Cephes expf,
+ * <= 2 ulp, NaN and +-inf handled, underflows to 0 below ~-103.9) so the sigmoid/SiLU/GELU
+ * loops vectorise; tanh, erf, log and sqrt call libm (scalar: errno semantics block
+ * vectorisation).
  *
  * Threading: the range is cut into fixed blocks of EW_BLOCK elements (independent of the
  * thread count) and every element is computed by the same code whatever the number of
  * threads, so results are bit-identical for any OMP_NUM_THREADS.
  */
 #include "kernels.h"
+#include "vecmath.h"
 #include <math.h>
 #include <stddef.h>
 #include <omp.h>
@@ -31,40 +33,7 @@
 #define PAR_EXP 32768    /* exp-based, vectorised */
 #define PAR_LIBM 8192    /* scalar libm call per element: erff, tanhf, logf */
 
-/* ---- vectorisable expf ---- */
-typedef union { float f; uint32_t u; } f32bits;
-
-static inline float uly_expf(float x)
-{
-    /* out-of-range inputs are fixed by the selects at the end (no clamp-then-compute: a
-     * constant-folded overflow path would stop GCC from if-converting and vectorising) */
-    const float magic = 12582912.0f; /* 1.5 * 2^23: round-to-nearest integer trick */
-    f32bits t = { .f = x * 1.44269504088896341f + magic };
-    const float nf = t.f - magic;
-    float r = x - nf * 0.693359375f;
-    r = r - nf * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    /* 2^n split in two factors so that n in [-150, 128] (denormals, overflow) is exact;
-     * unsigned arithmetic: no UB for out-of-range or NaN x (result replaced below) */
-    const int32_t n = (int32_t)(t.u - 0x4B400000u);
-    const int32_t n1 = n >> 1, n2 = n - n1;
-    f32bits s1 = { .u = (uint32_t)(n1 + 127) << 23 };
-    f32bits s2 = { .u = (uint32_t)(n2 + 127) << 23 };
-    f32bits e = { .f = p * s1.f * s2.f };
-    /* branch-free fix-up (bit masks, so GCC keeps the loops straight-line and vectorised):
-     * e^x > FLT_MAX -> +inf, e^x < 2^-150 -> 0; NaN x compares false and stays NaN */
-    const uint32_t big = 0u - (uint32_t)(x > 88.7228394f);
-    const uint32_t tiny = 0u - (uint32_t)(x < -103.972076f);
-    e.u = (e.u & ~(big | tiny)) | (big & 0x7F800000u);
-    return e.f;
-}
-
+/* ---- exp-based helpers (uly_expf: vecmath.h) ---- */
 static inline float uly_sigmoidf(float x) { return 1.0f / (1.0f + uly_expf(-x)); }
 
 #define GELU_K 0.7978845608028654f  /* sqrt(2/pi) */

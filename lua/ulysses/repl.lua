@@ -138,6 +138,6 @@ end
 
 -- run as the program (bin/ulysses), not when required
 if not package.loaded['ulysses.repl'] and arg and arg[0] and arg[0]:match('repl%.lua$') then
-  os.exit(M.main({ ... }) or 0)
+  os.exit(M.main({ ... }) or 0, true) -- true: close the Lua state, so tensors are released
 end
 return M
