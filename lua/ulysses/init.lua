@@ -43,23 +43,17 @@ end
 
 function uly.empty(...) local s, o = shape_and_opts('empty', ...) return T.empty(s, o) end
 
-local function filled(what, value, ...)
-  local s, o = shape_and_opts(what, ...)
-  local rg = o.requires_grad
-  local t = T.empty(s, { dtype = o.dtype, device = o.device })
+local function filled(value, shape, opts)
+  local t = T.empty(shape, { dtype = opts.dtype, device = opts.device })
   t:fill_(value)
-  if rg then t:requires_grad_(true) end
+  if opts.requires_grad then t:requires_grad_(true) end
   return t
 end
-function uly.zeros(...) return filled('zeros', 0, ...) end
-function uly.ones(...) return filled('ones', 1, ...) end
+function uly.zeros(...) local s, o = shape_and_opts('zeros', ...) return filled(0, s, o) end
+function uly.ones(...) local s, o = shape_and_opts('ones', ...) return filled(1, s, o) end
 function uly.full(shape, value, opts)
   if type(shape) ~= 'table' then raise('full: shape must be a table such as {2, 3}') end
-  local o = opts or {}
-  local t = T.empty(shape, { dtype = o.dtype, device = o.device })
-  t:fill_(value)
-  if o.requires_grad then t:requires_grad_(true) end
-  return t
+  return filled(value, shape, opts or {})
 end
 
 local function random(what, fill, ...)

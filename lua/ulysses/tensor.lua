@@ -186,13 +186,11 @@ function M.from_table(data, opts)
   elseif type(data) == 'table' then flatten(data, shape, 1, flat)
   else raise('tensor: expected a number or a nested table of numbers, got ' .. type(data)) end
   local n = #flat
-  local t = M.empty(shape, opts)
+  local t = M.empty(shape, { dtype = opts.dtype, device = opts.device })
   local buf = ffi.new('double[?]', math.max(n, 1))
   for i = 1, n do buf[i - 1] = flat[i] end
-  local rg = C.uly_tensor_requires_grad(t._h)
-  if rg ~= 0 then C.uly_tensor_set_requires_grad(t._h, 0) end
   check(C.uly_tensor_copy_from(t._h, buf, 4, n))
-  if rg ~= 0 then C.uly_tensor_set_requires_grad(t._h, 1) end
+  if opts.requires_grad then t:requires_grad_(true) end
   return t
 end
 
