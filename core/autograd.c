@@ -259,7 +259,8 @@ static int run_node(uly_node *n, int retain_graph) {
     }
     uly_tensor_release(n->grad_out);
     n->grad_out = NULL;
-    if (!retain_graph && !rc) { release_saved(n); n->released = 1; }
+    /* a node that saved nothing (views, add, ...) stays usable, as a view reused in a new forward */
+    if (!retain_graph && !rc && n->n_saved) { release_saved(n); n->released = 1; }
     return rc;
 }
 

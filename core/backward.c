@@ -13,11 +13,37 @@ static void acc_run(char *a, char *b, int64_t n, int64_t sa, int64_t sb, void *v
     for (int64_t i = 0; i < n; i++) *(float *)(b + i * sb) += alpha * *(const float *)(a + i * sa);
 }
 
+/* dst += alpha * src where src is contiguous and dst's last two dims are transposed (stride[-2]
+ * == 1), as when a gradient flows back through t() or transpose(): walk 32x32 tiles so both
+ * sides stay in cache instead of striding through dst a whole row apart per element */
+static int transposed_add(uly_tensor *dst, const uly_tensor *src, float alpha) {
+    int nd = dst->ndim;
+    if (nd < 2 || !uly_same_shape(dst, src) || !uly_tensor_is_contiguous(src) || dst->stride[nd - 2] != 1) return 0;
+    int64_t R = dst->shape[nd - 2], Cc = dst->shape[nd - 1], cs = dst->stride[nd - 1];
+    int64_t batches = uly_numel_of(nd - 2, dst->shape);
+    if (R < 32 || Cc < 32) return 0;
+    const float *s0 = uly_f32(src);
+    float *d0 = uly_f32(dst);
+    for (int64_t b = 0; b < batches; b++) {
+        int64_t rem = b, off = 0;
+        for (int d = nd - 3; d >= 0; d--) { off += (rem % dst->shape[d]) * dst->stride[d]; rem /= dst->shape[d]; }
+        const float *sb = s0 + b * R * Cc;
+        float *db = d0 + off;
+        #pragma omp parallel for collapse(2) if (R * Cc >= 65536)
+        for (int64_t i0 = 0; i0 < R; i0 += 32)
+            for (int64_t j0 = 0; j0 < Cc; j0 += 32)
+                for (int64_t j = j0; j < j0 + 32 && j < Cc; j++)
+                    for (int64_t i = i0; i < i0 + 32 && i < R; i++) db[i + j * cs] += alpha * sb[i * Cc + j];
+    }
+    return 1;
+}
+
 int uly_sum_to(uly_tensor *dst, const uly_tensor *src, float alpha) {
     if (uly_same_shape(dst, src) && uly_tensor_is_contiguous(dst) && uly_tensor_is_contiguous(src)) {
         axpy_accumulate(uly_f32(dst), uly_f32(src), uly_tensor_numel(src), alpha);
         return 0;
     }
+    if (transposed_add(dst, src, alpha)) return 0;
     int64_t sa[ULY_MAX_DIMS], sb[ULY_MAX_DIMS];
     for (int d = 0; d < src->ndim; d++) {
         int dd = d - (src->ndim - dst->ndim);
