@@ -2,7 +2,7 @@
 -- embedded-text model falls well below its starting value, and it prints a sample.
 describe('train.lua', function()
   it('lowers the loss on the embedded text and samples from the model', function()
-    local p = assert(io.popen('bin/ulysses train.lua --steps 75 --sample 16 --seed 7 2>&1'))
+    local p = assert(io.popen('bin/ulysses train.lua --steps 100 --sample 16 --seed 7 2>&1'))
     local out = p:read('*a')
     p:close()
     local losses = {}
