@@ -198,4 +198,5 @@ function uly.clock()
   return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9
 end
 
+uly.nn = require 'ulysses.nn'
 return uly
