@@ -44,7 +44,7 @@ function Module:extend(name)
 end
 
 function Module:__init() end
-function Module:forward() raise(self.__name .. ': forward is not implemented', 2) end
+function Module:forward() raise(self.__name .. ' has no forward(); define ' .. self.__name .. ':forward(...) in the subclass', 2) end
 function Module:__call(...) return self:forward(...) end
 
 -- register a parameter: a float tensor that requires grad; returns it
