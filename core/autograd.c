@@ -251,9 +251,7 @@ static int run_node(uly_node *n, int retain_graph) {
         if (!tmp[k]) continue;
         if (!rc) {
             uly_tensor *dst = edge_grad(&n->inputs[k]);
-            float *d = uly_f32(dst), *s = uly_f32(tmp[k]);
-            int64_t m = uly_tensor_numel(dst);
-            for (int64_t i = 0; i < m; i++) d[i] += s[i];
+            axpy_accumulate(uly_f32(dst), uly_f32(tmp[k]), uly_tensor_numel(dst), 1.0f);
         }
         uly_tensor_release(tmp[k]);
     }
@@ -288,7 +286,7 @@ int uly_backward(uly_tensor *root, uly_tensor *grad, int retain_graph) {
         memcpy(e.shape, root->shape, sizeof e.shape);
         uly_tensor *dst = edge_grad(&e);
         if (!dst) rc = -1;
-        else { float *d = uly_f32(dst), *s = uly_f32(g0); for (int64_t i = 0; i < uly_tensor_numel(dst); i++) d[i] += s[i]; }
+        else axpy_accumulate(uly_f32(dst), uly_f32(g0), uly_tensor_numel(dst), 1.0f);
         uly_tensor_release(g0);
         uly_set_grad_enabled(prev);
         return rc;
