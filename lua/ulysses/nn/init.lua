@@ -265,4 +265,5 @@ function SwiGLU:__init(C, hidden, opts)
 end
 function SwiGLU:forward(x) return self.w2(self.w1(x):swiglu(self.w3(x))) end
 
+require('ulysses.nn.transformer')(nn, U)
 return nn

@@ -1,0 +1,151 @@
+-- models/common.lua — what GPT and Llama share: config merging with presets and validation,
+-- the loss, parameter/FLOP accounting and generation with a KV cache.
+local uly = require 'ulysses'
+
+local M = {}
+
+-- merge a preset (cfg.preset or 'tiny') with the caller's overrides; check required keys
+function M.config(name, presets, defaults, cfg)
+  cfg = cfg or {}
+  if type(cfg) ~= 'table' then error(name .. ': expects a config table, e.g. ' .. name .. "{preset = 'tiny'}", 3) end
+  local preset_name = cfg.preset or 'tiny'
+  local preset = presets[preset_name]
+  if not preset then
+    local names = {}
+    for k in pairs(presets) do names[#names + 1] = k end
+    table.sort(names)
+    error(string.format("%s: unknown preset '%s' (known: %s)", name, tostring(preset_name), table.concat(names, ', ')), 3)
+  end
+  local out = {}
+  for k, v in pairs(defaults) do out[k] = v end
+  for k, v in pairs(preset) do out[k] = v end
+  for k, v in pairs(cfg) do out[k] = v end
+  out.preset = preset_name
+  for _, k in ipairs({ 'vocab', 'layers', 'heads', 'dim', 'seq' }) do
+    local v = out[k]
+    if type(v) ~= 'number' or v < 1 or v % 1 ~= 0 then
+      error(string.format('%s: config.%s must be a positive integer, got %s', name, k, tostring(v)), 3)
+    end
+  end
+  if out.dim % out.heads ~= 0 then
+    error(string.format('%s: dim %d is not divisible by heads %d', name, out.dim, out.heads), 3)
+  end
+  return out
+end
+
+-- a plain copy of the config without functions (for checkpoints and logs)
+function M.plain_config(cfg)
+  local out = {}
+  for k, v in pairs(cfg) do
+    if type(v) ~= 'function' and type(v) ~= 'userdata' and type(v) ~= 'cdata' then out[k] = v end
+  end
+  return out
+end
+
+-- check token ids [B, T] (i32/i64) and the position range against the context length
+function M.check_input(name, idx, pos, seq)
+  if not uly.is_tensor(idx) or idx:dim() ~= 2 then
+    error(string.format('%s: expects token ids of shape [B, T], got %s', name,
+                        uly.is_tensor(idx) and idx:describe() or type(idx)), 4)
+  end
+  local dt = idx:dtype()
+  if dt ~= 'i32' and dt ~= 'i64' then
+    error(string.format('%s: token ids must be i32 or i64, got %s', name, idx:describe()), 4)
+  end
+  if seq and pos + idx:size(2) > seq then
+    error(string.format('%s: positions %d..%d exceed the context length seq = %d', name, pos,
+                        pos + idx:size(2) - 1, seq), 4)
+  end
+end
+
+-- mean cross-entropy of logits [B, T, V] against targets [B, T] (ignore_index masked)
+function M.loss(model, idx, targets, opts)
+  opts = opts or {}
+  local logits = model:forward(idx, opts)
+  return uly.cross_entropy(logits, targets, { ignore_index = opts.ignore_index or -1,
+                                              reduction = opts.reduction })
+end
+
+-- Model FLOPs per token for training (forward + backward = 3x forward), the convention of
+-- ../shared/ENVIRONMENT.md: 6 * N_matmul + 12 * L * C_attn * T, with the attention term
+-- counted over the full T x T (a causal kernel skipping the masked half does half of it).
+function M.flops_per_token(n_matmul, layers, attn_dim, T)
+  return 6 * n_matmul + 12 * layers * attn_dim * T
+end
+
+-- sample one token id from logits (a Lua list of V numbers) with temperature and top-k
+local function sample_from(logits, temperature, top_k, u)
+  local V = #logits
+  if temperature <= 0 then -- greedy
+    local best = 1
+    for i = 2, V do if logits[i] > logits[best] then best = i end end
+    return best - 1
+  end
+  local idx = {}
+  for i = 1, V do idx[i] = i end
+  if top_k and top_k > 0 and top_k < V then
+    table.sort(idx, function(a, b) return logits[a] > logits[b] end)
+    for i = top_k + 1, V do idx[i] = nil end
+  end
+  local m = -math.huge
+  for _, i in ipairs(idx) do if logits[i] > m then m = logits[i] end end
+  local w, total = {}, 0
+  for j, i in ipairs(idx) do
+    w[j] = math.exp((logits[i] - m) / temperature)
+    total = total + w[j]
+  end
+  local r, acc = u * total, 0
+  for j, i in ipairs(idx) do
+    acc = acc + w[j]
+    if r < acc then return i - 1 end
+  end
+  return idx[#idx] - 1
+end
+M.sample_from = sample_from
+
+-- generate(model, prompt i32 [1, P], {max_new_tokens = 100, temperature = 1, top_k = 0,
+-- cache = true}) -> list of new token ids. With the KV cache each new token runs the model
+-- on one position: O(T) attention per token. cache = false recomputes the whole prefix
+-- (O(T^2); kept for checking the cache). Uses the global generator (uly.manual_seed).
+function M.generate(model, prompt, opts)
+  opts = opts or {}
+  local n_new = opts.max_new_tokens or 100
+  local temperature = opts.temperature or 1.0
+  local cfg = model.config
+  local P = prompt:size(2)
+  if P + n_new > cfg.seq then
+    error(string.format('generate: prompt %d + %d new tokens exceed the context length %d', P, n_new, cfg.seq), 2)
+  end
+  local was_training = model.training
+  model:eval()
+  local out = {}
+  uly.no_grad(function()
+    local caches
+    if opts.cache ~= false then
+      caches = {}
+      local Hkv, D = cfg.kv_heads or cfg.heads, cfg.dim / cfg.heads
+      for l = 1, cfg.layers do caches[l] = uly.nn.KVCache(1, P + n_new, Hkv, D) end
+    end
+    local ids = {}
+    for i = 1, P do ids[i] = prompt[1][i]:item() end
+    local next_input, pos = prompt, 0
+    for _ = 1, n_new do
+      local logits
+      if caches then
+        logits = model:forward(next_input, { pos = pos, caches = caches })
+        pos = pos + next_input:size(2)
+      else
+        logits = model:forward(uly.tensor({ ids }, { dtype = 'i32' }))
+      end
+      local last = logits[1][logits:size(2)]:totable()
+      local tok = sample_from(last, temperature, opts.top_k, uly.rand(1):item())
+      out[#out + 1] = tok
+      ids[#ids + 1] = tok
+      next_input = uly.tensor({ { tok } }, { dtype = 'i32' })
+    end
+  end)
+  model:train(was_training)
+  return out
+end
+
+return M

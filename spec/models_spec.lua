@@ -1,0 +1,287 @@
+-- spec/models_spec.lua — the transformer modules (SelfAttention, Block, KVCache) against
+-- references built from the foundation's ops and finite differences; GPT and Llama: shapes,
+-- parameter names, counts (GPT-2 124M and Llama 3.2 1B exactly), seeded init, errors,
+-- generation with the KV cache equal to recomputing the prefix, and a model that learns.
+local uly = require 'ulysses'
+local helpers = require 'helpers'
+local nn = uly.nn
+local GPT = require 'models.gpt'
+local Llama = require 'models.llama'
+
+-- attention from first principles: per head, softmax(q k^T * scale + causal mask) v, with
+-- K/V head g = floor(h / (H / Hkv)); q [B, T, H, D], k, v [B, T, Hkv, D]
+local function attention_from_ops(q, k, v, causal)
+  local B, T, H, D = q:size(1), q:size(2), q:size(3), q:size(4)
+  local Tk, Hkv = k:size(2), k:size(3)
+  local mask = uly.zeros(T, Tk)
+  if causal then
+    for i = 1, T do for j = 1, Tk do if j > i + (Tk - T) then mask[i][j] = -1e9 end end end
+  end
+  local rows = {}
+  for b = 1, B do
+    local heads = {}
+    for h = 1, H do
+      local g = math.floor((h - 1) / (H / Hkv)) + 1
+      local qh = q:select(1, b):select(2, h)                    -- [T, D]
+      local kh, vh = k:select(1, b):select(2, g), v:select(1, b):select(2, g)
+      local p = (qh:matmul(kh:t()) * (1 / math.sqrt(D)) + mask):softmax(2)
+      heads[h] = p:matmul(vh):view(T, 1, D)
+    end
+    rows[b] = uly.cat(#heads == 1 and heads or (function()
+      local acc = heads[1]
+      for h = 2, H do acc = uly.cat({ acc, heads[h] }, 2) end
+      return { acc }
+    end)(), 2):view(1, T, H, D)
+  end
+  local out = rows[1]
+  for b = 2, B do out = uly.cat({ out, rows[b] }, 1) end
+  return out
+end
+
+local function ids(B, T, V)
+  local t = {}
+  for b = 1, B do
+    t[b] = {}
+    for i = 1, T do t[b][i] = math.random(0, V - 1) end
+  end
+  return uly.tensor(t, { dtype = 'i32' })
+end
+
+describe('nn.SelfAttention', function()
+  before_each(function() helpers.reseed() end)
+
+  it('equals attention written from matmul/softmax, with RoPE and grouped K/V heads', function()
+    local C, H, Hkv, B, T = 24, 6, 2, 2, 5
+    local attn = nn.SelfAttention(C, { heads = H, kv_heads = Hkv, rope = true, bias = true })
+    local x = uly.randn(B, T, C)
+    local D = C / H
+    local qkv = x:matmul(attn.wqkv.weight) + attn.wqkv.bias
+    local q = qkv:narrow(3, 1, H * D):contiguous():view(B, T, H, D):rope(0, 10000)
+    local k = qkv:narrow(3, H * D + 1, Hkv * D):contiguous():view(B, T, Hkv, D):rope(0, 10000)
+    local v = qkv:narrow(3, (H + Hkv) * D + 1, Hkv * D):contiguous():view(B, T, Hkv, D)
+    local expected = attention_from_ops(q, k, v, true):reshape(B, T, C):matmul(attn.proj.weight) + attn.proj.bias
+    helpers.assert_close(attn(x), expected, 1e-4, 1e-5, 'SelfAttention')
+  end)
+
+  it('uses global positions: a suffix at pos = offset sees the same RoPE angles', function()
+    local attn = nn.SelfAttention(16, { heads = 4, kv_heads = 1, rope = true, causal = false })
+    local x = uly.randn(1, 6, 16)
+    -- non-causal attention over only the suffix with its true offset vs offset 0 differ
+    local a = attn(x:narrow(2, 4, 3):contiguous(), { pos = 3 })
+    local b = attn(x:narrow(2, 4, 3):contiguous(), { pos = 0 })
+    -- RoPE is relative: scores are equal, so outputs agree whatever the offset
+    helpers.assert_close(a, b, 1e-4, 1e-5, 'relative RoPE')
+    -- but the keys themselves differ (the offset is really applied)
+    local k3 = x:narrow(2, 4, 3):contiguous():view(1, 3, 4, 4):rope(3, 10000)
+    local k0 = x:narrow(2, 4, 3):contiguous():view(1, 3, 4, 4):rope(0, 10000)
+    assert.is_true(((k3 - k0) * (k3 - k0)):sum():item() > 1e-4)
+  end)
+
+  it('calls a pluggable attend(q, k, v, opts) with the shapes and options', function()
+    local seen
+    local attn = nn.SelfAttention(8, { heads = 4, kv_heads = 2, window = 3, attend = function(q, k, v, o)
+      seen = { q = q:shape(), k = k:shape(), causal = o.causal, scale = o.scale, window = o.window, pos = o.pos }
+      return nn.reference_attend(q, k, v, o)
+    end })
+    attn(uly.randn(2, 5, 8), { pos = 7 })
+    assert.are.same({ 2, 5, 4, 2 }, seen.q)
+    assert.are.same({ 2, 5, 2, 2 }, seen.k)
+    assert.is_true(seen.causal)
+    assert.are.equal(3, seen.window)
+    assert.are.equal(7, seen.pos)
+    assert.is_true(math.abs(seen.scale - 1 / math.sqrt(2)) < 1e-12)
+  end)
+
+  it('gradcheck through SelfAttention (input and weights, GQA + RoPE)', function()
+    local attn = nn.SelfAttention(8, { heads = 4, kv_heads = 2, rope = true })
+    local x = uly.randn(2, 3, 8, { requires_grad = true })
+    local w = attn.wqkv.weight:detach():clone():requires_grad_()
+    local pw = attn.proj.weight:detach():clone():requires_grad_()
+    helpers.gradcheck(function(xx, ww, pp)
+      attn.wqkv.weight, attn.proj.weight = ww, pp
+      return attn(xx)
+    end, { x, w, pw })
+  end)
+
+  it('rejects bad head counts with a clear message', function()
+    assert.has_error(function() nn.SelfAttention(10, { heads = 4 }) end,
+                     'nn: SelfAttention: dim 10 is not divisible by heads 4')
+    assert.has_error(function() nn.SelfAttention(12, { heads = 6, kv_heads = 4 }) end,
+                     'nn: SelfAttention: heads 6 is not a multiple of kv_heads 4')
+  end)
+end)
+
+describe('nn.Block', function()
+  before_each(function() helpers.reseed(1) end)
+
+  it('is x + attn(norm1(x)) then + mlp(norm2(x)) for both flavours', function()
+    for _, opts in ipairs({ { heads = 2, norm = 'layernorm', mlp = 'gelu' },
+                            { heads = 4, kv_heads = 2, norm = 'rmsnorm', mlp = 'swiglu', hidden = 20, rope = true, bias = false } }) do
+      local blk = nn.Block(16, opts)
+      local x = uly.randn(2, 5, 16)
+      local h = x + blk.attn(blk.norm1(x))
+      local expected = h + blk.mlp(blk.norm2(h))
+      helpers.assert_close(blk(x), expected, 1e-5, 1e-6, opts.norm)
+    end
+  end)
+
+  it('gradcheck through a Llama-style block', function()
+    local blk = nn.Block(8, { heads = 2, kv_heads = 1, norm = 'rmsnorm', mlp = 'swiglu', hidden = 12, rope = true, bias = false })
+    local x = uly.randn(1, 4, 8, { requires_grad = true })
+    helpers.gradcheck(function(xx) return blk(xx) end, { x })
+  end)
+
+  it('scales the residual projections for depth (GPT-2 init)', function()
+    local m = GPT { preset = 'tiny', layers = 8, dim = 64, heads = 2 }
+    local function std(t)
+      local v, n = helpers.values(t)
+      local s = 0
+      for i = 0, n - 1 do s = s + v[i] * v[i] end
+      return math.sqrt(s / n)
+    end
+    local expect = 0.02 / math.sqrt(16)
+    assert.is_true(math.abs(std(m.blocks[3].attn.proj.weight) - expect) < 0.15 * expect)
+    assert.is_true(math.abs(std(m.blocks[3].mlp.proj.weight) - expect) < 0.15 * expect)
+    assert.is_true(math.abs(std(m.blocks[3].attn.wqkv.weight) - 0.02) < 0.1 * 0.02)
+  end)
+end)
+
+describe('models', function()
+  before_each(function() helpers.reseed(2) end)
+
+  it('GPT: logits [B, T, V], tied embeddings, learned positions, stable names', function()
+    local m = GPT { preset = 'tiny' }
+    local x = ids(2, 7, 256)
+    local logits = m(x)
+    assert.are.same({ 2, 7, 256 }, logits:shape())
+    -- by hand: wte[x] + wpe[0..6] -> blocks -> ln_f -> @ wte^T
+    local h = uly.embedding(x, m.wte.weight) + m.wpe.weight:narrow(1, 1, 7)
+    for _, b in m.blocks:named_children() do h = b(h) end
+    helpers.assert_close(logits, m.ln_f(h):matmul(m.wte.weight:t()), 1e-5, 1e-6, 'GPT forward')
+    local names = {}
+    for n in m:named_parameters() do names[#names + 1] = n end
+    assert.are.equal('wte.weight', names[1])
+    assert.are.equal('blocks.2.attn.wqkv.weight', names[#names - 14 + 3])
+    assert.are.equal('ln_f.bias', names[#names])
+    local names2 = {}
+    for n in GPT { preset = 'tiny' }:named_parameters() do names2[#names2 + 1] = n end
+    assert.are.same(names, names2)
+  end)
+
+  it('Llama: GQA, untied or tied output, RMSNorm, names', function()
+    local m = Llama { preset = 'tiny' }
+    local x = ids(2, 6, 256)
+    assert.are.same({ 2, 6, 256 }, m(x):shape())
+    assert.are.same({ 32, (4 + 2 * 2) * 8 }, m.layers[1].attn.wqkv.weight:shape())
+    local tied = Llama { preset = 'tiny', tied = true }
+    assert.is_nil(tied.output)
+    assert.are.equal(m:num_parameters() - 256 * 32, tied:num_parameters())
+    local has = {}
+    for n in m:named_parameters() do has[n] = true end
+    assert.is_true(has['layers.2.mlp.w3.weight'] and has['output.weight'] and has['norm.weight'])
+  end)
+
+  it('parameter counts: formulas match the built models and the published sizes', function()
+    for _, cfg in ipairs({ { preset = 'tiny' }, { preset = 'small' }, { preset = 'tiny', bias = false, hidden = 40 } }) do
+      assert.are.equal(GPT.count_parameters(cfg), GPT(cfg):num_parameters())
+    end
+    for _, cfg in ipairs({ { preset = 'tiny' }, { preset = 'tiny', tied = true, kv_heads = 1 }, { preset = 'small' } }) do
+      assert.are.equal(Llama.count_parameters(cfg), Llama(cfg):num_parameters())
+    end
+    assert.are.equal(124439808, GPT.count_parameters { preset = 'gpt2' })     -- GPT-2 small
+    assert.are.equal(1235814400, Llama.count_parameters { preset = '1b' })    -- Llama 3.2 1B
+    -- FLOPs per token: 6 N + 12 L C T
+    local m = GPT { preset = 'tiny' }
+    local C, L, V = 32, 2, 256
+    assert.are.equal(6 * (12 * L * C * C + V * C) + 12 * L * C * 64, m:flops_per_token())
+    assert.are.equal(m:flops_per_token(64), m:flops_per_token())
+  end)
+
+  it('initialisation is reproducible under manual_seed', function()
+    uly.manual_seed(42)
+    local a = Llama { preset = 'tiny' }
+    uly.manual_seed(42)
+    local b = Llama { preset = 'tiny' }
+    local pb = b:parameters()
+    for i, p in ipairs(a:parameters()) do helpers.assert_close(p, pb[i], 0, 0) end
+  end)
+
+  it('loss is the mean cross-entropy with ignored targets, and near log V at init', function()
+    local m = Llama { preset = 'tiny' }
+    local x, y = ids(2, 8, 256), ids(2, 8, 256)
+    y[1][8] = -1
+    local loss = m:loss(x, y)
+    local ref = uly.cross_entropy(m(x), y, { ignore_index = -1 })
+    helpers.assert_close(loss, ref, 1e-6, 1e-6)
+    assert.is_true(math.abs(loss:item() - math.log(256)) < 0.2)
+  end)
+
+  it('errors name the model and what is wrong', function()
+    assert.has_error(function() GPT { preset = 'huge' } end)
+    local ok, err = pcall(GPT, { preset = 'huge' })
+    assert.is_false(ok)
+    assert.truthy(err:find("unknown preset 'huge'", 1, true) and err:find('gpt2', 1, true))
+    ok, err = pcall(Llama, { preset = 'tiny', dim = 30 })
+    assert.truthy(err:find('dim 30 is not divisible by heads 4', 1, true))
+    local m = GPT { preset = 'tiny' }
+    ok, err = pcall(m.forward, m, ids(1, 65, 256))
+    assert.truthy(err:find('exceed the context length seq = 64', 1, true))
+    ok, err = pcall(m.forward, m, uly.randn(1, 4))
+    assert.truthy(err:find('token ids must be i32 or i64', 1, true))
+  end)
+
+  it('generation with the KV cache equals recomputing the whole prefix', function()
+    for _, Model in ipairs({ GPT, Llama }) do
+      local m = Model { preset = 'tiny' }
+      local prompt = ids(1, 5, 256)
+      -- logits step by step through the cache equal the full forward's rows
+      local caches = {}
+      for l = 1, m.config.layers do
+        caches[l] = nn.KVCache(1, 12, m.config.kv_heads or m.config.heads, m.config.dim / m.config.heads)
+      end
+      local seq = ids(1, 12, 256)
+      local full = uly.no_grad(function() return m(seq) end)
+      uly.no_grad(function()
+        local first = m(seq:narrow(2, 1, 5):contiguous(), { pos = 0, caches = caches })
+        helpers.assert_close(first, full:narrow(2, 1, 5), 1e-5, 1e-5, 'prefix')
+        for t = 6, 12 do
+          local step = m(seq:narrow(2, t, 1):contiguous(), { pos = t - 1, caches = caches })
+          helpers.assert_close(step, full:narrow(2, t, 1), 1e-4, 1e-5, 'cached step ' .. t)
+        end
+      end)
+      uly.manual_seed(9)
+      local a = m:generate(prompt, { max_new_tokens = 20, temperature = 0.8, top_k = 10 })
+      uly.manual_seed(9)
+      local b = m:generate(prompt, { max_new_tokens = 20, temperature = 0.8, top_k = 10, cache = false })
+      assert.are.same(a, b)
+      assert.are.equal(20, #a)
+    end
+  end)
+
+  it('top-k sampling never returns a token outside the k largest logits', function()
+    local common = require 'models.common'
+    local logits = { 0.1, 5, -2, 4.9, 3, 0 }
+    for i = 1, 200 do
+      local t = common.sample_from(logits, 1.5, 2, (i - 0.5) / 200)
+      assert.is_true(t == 1 or t == 3)
+    end
+    assert.are.equal(1, common.sample_from(logits, 0, 0, 0.7))  -- temperature 0: greedy
+  end)
+
+  it('a tiny GPT overfits one batch (loss falls by half in 60 steps of SGD)', function()
+    local m = GPT { preset = 'tiny' }
+    local x, y = ids(2, 16, 256), ids(2, 16, 256)
+    local first, last
+    for step = 1, 60 do
+      m:zero_grad()
+      local loss = m:loss(x, y)
+      loss:backward()
+      if step == 1 then first = loss:item() end
+      last = loss:item()
+      uly.no_grad(function()
+        for _, p in ipairs(m:parameters()) do p:copy_(p - p.grad * 0.5) end
+      end)
+    end
+    assert.is_true(last < first / 2, string.format('loss %.3f -> %.3f', first, last))
+  end)
+end)
