@@ -1,144 +1,293 @@
--- train.lua — the main job. For now (until the nn/optim/data issue lands) it trains a small
--- byte-level, one-block causal transformer written directly with tensor ops and autograd, on
--- an embedded default text (Genesis 1, King James Version), with Adam implemented here in a
--- few lines, then samples from it. Run: bin/ulysses train.lua [--steps N] [--seed S]
+-- train.lua — the main entry point: trains a GPT or Llama model on an HDF5 token dataset.
+--   bin/ulysses train.lua [--flag value ...]          (luajit train.lua ... works too)
+--   bin/ulysses train.lua --help                      lists every flag and its default
+-- Flags can also come from a Lua config file (--config run.lua returning a table); flags on the
+-- command line override it. One progress line per step (tokens/s, FLOP/s, MFU, memory, ETA),
+-- validation loss at intervals, a CSV log and an SVG loss plot in --out, rotating HDF5
+-- checkpoints, exact resume (--resume auto|PATH) and a sample from the model at the end.
+-- Without --data it trains on data/kjv.h5 if present, else on an embedded text (Genesis 1-3).
+local here = debug.getinfo(1, 'S').source:match('^@(.*)/[^/]*$') or '.'
+package.path = here .. '/lua/?.lua;' .. here .. '/lua/?/init.lua;' .. here .. '/?.lua;' .. package.path
 local uly = require 'ulysses'
 
-local TEXT = [[
-In the beginning God created the heaven and the earth. And the earth was without form, and void;
-and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters.
-And God said, Let there be light: and there was light. And God saw the light, that it was good: and
-God divided the light from the darkness. And God called the light Day, and the darkness he called
-Night. And the evening and the morning were the first day. And God said, Let there be a firmament in
-the midst of the waters, and let it divide the waters from the waters. And God made the firmament,
-and divided the waters which were under the firmament from the waters which were above the
-firmament: and it was so. And God called the firmament Heaven. And the evening and the morning were
-the second day. And God said, Let the waters under the heaven be gathered together unto one place,
-and let the dry land appear: and it was so. And God called the dry land Earth; and the gathering
-together of the waters called he Seas: and God saw that it was good. And God said, Let the earth
-bring forth grass, the herb yielding seed, and the fruit tree yielding fruit after his kind, whose
-seed is in itself, upon the earth: and it was so. And the earth brought forth grass, and herb
-yielding seed after his kind, and the tree yielding fruit, whose seed was in itself, after his
-kind: and God saw that it was good. And the evening and the morning were the third day.
-]]
-
--- flags
-local cfg = { steps = 300, seed = 1337, batch = 16, seq = 64, dim = 64, heads = 4, lr = 3e-3, sample = 240 }
-local i = 1
-while i <= #arg do
-  local key = arg[i]:match('^%-%-(%w+)$')
-  if not key or cfg[key] == nil or not tonumber(arg[i + 1]) then
-    io.stderr:write('usage: bin/ulysses train.lua [--steps N] [--seed S] [--batch B] [--seq T] [--dim C] '
-                    .. '[--heads H] [--lr LR] [--sample N]\n')
-    os.exit(2)
-  end
-  cfg[key] = tonumber(arg[i + 1])
-  i = i + 2
-end
-uly.manual_seed(cfg.seed)
-math.randomseed(cfg.seed)
-
-local V, C, H, T, B = 256, cfg.dim, cfg.heads, cfg.seq, cfg.batch
-local D = C / H
-local bytes = { TEXT:byte(1, -1) }
-
--- parameters (GPT-2 style initialisation: N(0, 0.02), residual projections scaled down)
-local function param(...) return uly.randn(...):scale(0.02):detach():requires_grad_() end
-local P = {
-  wte = param(V, C), wpe = param(T, C),
-  ln1_w = uly.ones(C, { requires_grad = true }), ln1_b = uly.zeros(C, { requires_grad = true }),
-  wqkv = param(C, 3 * C), wo = uly.randn(C, C):scale(0.02 / math.sqrt(2)):detach():requires_grad_(),
-  ln2_w = uly.ones(C, { requires_grad = true }), ln2_b = uly.zeros(C, { requires_grad = true }),
-  w1 = param(C, 4 * C), w2 = uly.randn(4 * C, C):scale(0.02 / math.sqrt(2)):detach():requires_grad_(),
-  lnf_w = uly.ones(C, { requires_grad = true }), lnf_b = uly.zeros(C, { requires_grad = true }),
+local FLAGS = { -- name, default, help (the type is the default's; nil default = string)
+  { 'config', '', 'Lua file returning a table of these flags' },
+  { 'model', 'gpt', 'gpt | llama' },
+  { 'preset', 'small', 'model preset (models/gpt.lua, models/llama.lua)' },
+  { 'layers', 0, 'override the preset (0 = keep)' },
+  { 'heads', 0, 'override the preset' },
+  { 'kv_heads', 0, 'Llama K/V heads (0 = preset)' },
+  { 'dim', 0, 'override the preset' },
+  { 'hidden', 0, 'MLP width (0 = preset/default)' },
+  { 'dropout', 0, 'dropout probability' },
+  { 'seq', 256, 'sequence length T (tokens per window)' },
+  { 'batch', 16, 'windows per micro-batch' },
+  { 'accum', 1, 'micro-batches per optimizer step (gradient accumulation)' },
+  { 'steps', 300, 'optimizer steps' },
+  { 'lr', 1e-3, 'peak learning rate' },
+  { 'min_lr', 1e-4, 'final learning rate of the cosine schedule' },
+  { 'warmup', 30, 'linear warmup steps' },
+  { 'schedule', 'cosine', 'cosine | constant' },
+  { 'wd', 0.1, 'AdamW weight decay (matrices only)' },
+  { 'beta2', 0.95, 'AdamW beta2' },
+  { 'clip', 1.0, 'clip the global gradient norm (0 = off)' },
+  { 'data', '', "HDF5 dataset from datasets/prepare.lua; 'embedded' = Genesis 1 (default: data/kjv.h5 if present, else embedded)" },
+  { 'eval_every', 100, 'validation every N steps (0 = only at the end)' },
+  { 'eval_batches', 8, 'validation batches per evaluation' },
+  { 'out', 'runs/train', 'run directory: log.csv, loss.svg, ckpt/' },
+  { 'stop_after', 0, 'stop after this step, writing a checkpoint (0 = run to --steps); continue with --resume auto' },
+  { 'ckpt_every', 0, 'checkpoint every N steps (0 = only at the end)' },
+  { 'keep', 3, 'checkpoints kept' },
+  { 'resume', '', "'auto' (latest in OUT/ckpt) or a checkpoint path" },
+  { 'seed', 1337, 'seed for initialisation, data order and dropout' },
+  { 'threads', 0, 'threads for kernels and BLAS (0 = all cores)' },
+  { 'peak_gflops', 0, 'peak for MFU (0 = 217 GFLOP/s per thread, the AVX-512 FMA peak of one core here)' },
+  { 'log_every', 0, 'seconds between progress lines (0 = every step)' },
+  { 'sample', 200, 'tokens to generate at the end (0 = none)' },
+  { 'prompt', '', 'text prompt for the sample (default: the start of the validation split)' },
+  { 'temperature', 0.8, 'sampling temperature (0 = greedy)' },
+  { 'top_k', 40, 'sample among the k most likely tokens (0 = all)' },
 }
 
--- x: i32 [b, t] -> logits [b, t, V]
-local function forward(x)
-  local b, t = x:size(1), x:size(2)
-  local h = uly.embedding(x, P.wte) + P.wpe:narrow(1, 1, t)                 -- [b, t, C]
-  local a = uly.layernorm(h, P.ln1_w, P.ln1_b):matmul(P.wqkv)               -- [b, t, 3C]
-  local q = a:narrow(3, 1, C):reshape(b, t, H, D)
-  local k = a:narrow(3, C + 1, C):reshape(b, t, H, D)
-  local v = a:narrow(3, 2 * C + 1, C):reshape(b, t, H, D)
-  local att = uly.attention(q, k, v, { causal = true }):reshape(b, t, C)
-  h = h + att:matmul(P.wo)
-  h = h + uly.layernorm(h, P.ln2_w, P.ln2_b):matmul(P.w1):gelu('tanh'):matmul(P.w2)
-  return uly.layernorm(h, P.lnf_w, P.lnf_b):matmul(P.wte:t())               -- tied embedding
-end
-
-local function batch()
-  local xs, ys = {}, {}
-  for r = 1, B do
-    local s = math.random(1, #bytes - T - 1)
-    local xr, yr = {}, {}
-    for j = 0, T - 1 do xr[j + 1] = bytes[s + j]; yr[j + 1] = bytes[s + j + 1] end
-    xs[r], ys[r] = xr, yr
+local function usage(msg)
+  local lines = { 'usage: bin/ulysses train.lua [--flag value ...]', '' }
+  for _, f in ipairs(FLAGS) do
+    lines[#lines + 1] = string.format('  --%-13s %-12s %s', f[1], tostring(f[2]), f[3])
   end
-  return uly.tensor(xs, { dtype = 'i32' }), uly.tensor(ys, { dtype = 'i32' })
+  if msg then io.stderr:write('train.lua: ', msg, '\n\n') end
+  io.stderr:write(table.concat(lines, '\n'), '\n')
+  os.exit(msg and 2 or 0)
 end
 
--- Adam, in tensor ops under no_grad
-local state = {}
-for name, p in pairs(P) do state[name] = { m = uly.zeros_like(p), v = uly.zeros_like(p) } end
-local function adam_step(step, lr)
-  local b1, b2, eps = 0.9, 0.95, 1e-8
+-- flags -> cfg (defaults < config file < command line), values typed like the defaults
+local function parse_flags(argv)
+  local cfg, kinds, given = {}, {}, {}
+  for _, f in ipairs(FLAGS) do cfg[f[1]], kinds[f[1]] = f[2], type(f[2]) end
+  local i = 1
+  while i <= #argv do
+    local a = argv[i]
+    if a == '--help' or a == '-h' then usage() end
+    local key, inline = a:match('^%-%-([%w_]+)=(.*)$')
+    key = key or a:match('^%-%-([%w_]+)$')
+    if not key then usage('unexpected argument ' .. a) end
+    if kinds[key] == nil then usage('unknown flag --' .. key) end
+    local v = inline
+    if not v then
+      i = i + 1
+      v = argv[i]
+      if v == nil then usage('--' .. key .. ' needs a value') end
+    end
+    if kinds[key] == 'number' then
+      local n = tonumber(v)
+      if not n then usage(string.format('--%s expects a number, got %q', key, v)) end
+      v = n
+    end
+    given[key] = v
+    i = i + 1
+  end
+  if given.config and given.config ~= '' then
+    local chunk, err = loadfile(given.config, 't', {})
+    if not chunk then usage('cannot read config file: ' .. err) end
+    local ok, t = pcall(chunk)
+    if not ok or type(t) ~= 'table' then usage('config file ' .. given.config .. ' must return a table') end
+    for k, v in pairs(t) do
+      if kinds[k] == nil then usage(string.format('config file %s: unknown key %s', given.config, tostring(k))) end
+      if type(v) ~= kinds[k] then usage(string.format('config file %s: %s must be a %s', given.config, k, kinds[k])) end
+      cfg[k] = v
+    end
+  end
+  for k, v in pairs(given) do cfg[k] = v end
+  return cfg
+end
+
+local EMBEDDED_TEXT = [[
+In the beginning God created the heaven and the earth. And the earth was without form, and void; and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters.
+And God said, Let there be light: and there was light. And God saw the light, that it was good: and God divided the light from the darkness. And God called the light Day, and the darkness he called Night. And the evening and the morning were the first day.
+And God said, Let there be a firmament in the midst of the waters, and let it divide the waters from the waters. And God made the firmament, and divided the waters which were under the firmament from the waters which were above the firmament: and it was so. And God called the firmament Heaven. And the evening and the morning were the second day.
+And God said, Let the waters under the heaven be gathered together unto one place, and let the dry land appear: and it was so. And God called the dry land Earth; and the gathering together of the waters called he Seas: and God saw that it was good.
+And God said, Let the earth bring forth grass, the herb yielding seed, and the fruit tree yielding fruit after his kind, whose seed is in itself, upon the earth: and it was so. And the earth brought forth grass, and herb yielding seed after his kind, and the tree yielding fruit, whose seed was in itself, after his kind: and God saw that it was good. And the evening and the morning were the third day.
+And God said, Let there be lights in the firmament of the heaven to divide the day from the night; and let them be for signs, and for seasons, and for days, and years: And let them be for lights in the firmament of the heaven to give light upon the earth: and it was so.
+And God made two great lights; the greater light to rule the day, and the lesser light to rule the night: he made the stars also. And God set them in the firmament of the heaven to give light upon the earth, And to rule over the day and over the night, and to divide the light from the darkness: and God saw that it was good. And the evening and the morning were the fourth day.
+And God said, Let the waters bring forth abundantly the moving creature that hath life, and fowl that may fly above the earth in the open firmament of heaven. And God created great whales, and every living creature that moveth, which the waters brought forth abundantly, after their kind, and every winged fowl after his kind: and God saw that it was good.
+And God blessed them, saying, Be fruitful, and multiply, and fill the waters in the seas, and let fowl multiply in the earth. And the evening and the morning were the fifth day.
+And God said, Let the earth bring forth the living creature after his kind, cattle, and creeping thing, and beast of the earth after his kind: and it was so. And God made the beast of the earth after his kind, and cattle after their kind, and every thing that creepeth upon the earth after his kind: and God saw that it was good.
+And God said, Let us make man in our image, after our likeness: and let them have dominion over the fish of the sea, and over the fowl of the air, and over the cattle, and over all the earth, and over every creeping thing that creepeth upon the earth. So God created man in his own image, in the image of God created he him; male and female created he them.
+And God blessed them, and God said unto them, Be fruitful, and multiply, and replenish the earth, and subdue it: and have dominion over the fish of the sea, and over the fowl of the air, and over every living thing that moveth upon the earth.
+And God said, Behold, I have given you every herb bearing seed, which is upon the face of all the earth, and every tree, in the which is the fruit of a tree yielding seed; to you it shall be for meat. And to every beast of the earth, and to every fowl of the air, and to every thing that creepeth upon the earth, wherein there is life, I have given every green herb for meat: and it was so.
+And God saw every thing that he had made, and, behold, it was very good. And the evening and the morning were the sixth day.
+]]
+
+local function file_exists(path)
+  local f = io.open(path, 'rb')
+  if f then f:close() return true end
+  return false
+end
+
+-- the dataset to train on: --data, else data/kjv.h5, else the embedded text prepared into OUT
+local function resolve_data(cfg)
+  if cfg.data ~= '' and cfg.data ~= 'embedded' then
+    if not file_exists(cfg.data) then
+      usage(string.format('--data %s: no such file (prepare one with datasets/prepare.sh, see datasets/README.md)', cfg.data))
+    end
+    return cfg.data
+  end
+  if cfg.data == '' and file_exists(here .. '/data/kjv.h5') then return here .. '/data/kjv.h5' end
+  local path = cfg.out .. '/embedded.h5'
+  if not file_exists(path) then
+    local txt = cfg.out .. '/embedded.txt'
+    local f = assert(io.open(txt, 'wb'))
+    f:write(EMBEDDED_TEXT)
+    f:close()
+    local prepare = dofile(here .. '/datasets/prepare.lua')
+    prepare { kind = 'text', inputs = { txt }, out = path, valid = 0.1, name = 'genesis-1', quiet = true }
+  end
+  print(string.format('data: %s (embedded Genesis 1; run datasets/fetch.sh kjv && datasets/prepare.sh kjv for the whole Bible)', path))
+  return path
+end
+
+local function build_model(cfg, vocab)
+  local Model = cfg.model == 'llama' and require 'models.llama' or cfg.model == 'gpt' and require 'models.gpt'
+  if not Model then usage("--model must be 'gpt' or 'llama', got " .. cfg.model) end
+  local mc = { preset = cfg.preset, vocab = vocab, seq = cfg.seq, dropout = cfg.dropout }
+  for _, k in ipairs({ 'layers', 'heads', 'kv_heads', 'dim', 'hidden' }) do
+    if cfg[k] > 0 then mc[k] = cfg[k] end
+  end
+  if cfg.model == 'gpt' then mc.kv_heads = nil end
+  local ok, model = pcall(Model, mc)
+  if not ok then usage(tostring(model)) end
+  return model
+end
+
+local function mkdir_p(path) os.execute('mkdir -p "' .. path:gsub('"', '\\"') .. '"') end
+
+local cfg = parse_flags(arg)
+if cfg.threads > 0 then uly.set_num_threads(cfg.threads) end
+mkdir_p(cfg.out)
+uly.manual_seed(cfg.seed)
+
+local data_path = resolve_data(cfg)
+local train_data = uly.data.open(data_path, { seq = cfg.seq, batch = cfg.batch, split = 'train', seed = cfg.seed })
+local valid_data = uly.data.open(data_path, { seq = cfg.seq, batch = cfg.batch, split = 'valid', random = false })
+local model = build_model(cfg, train_data.vocab_size)
+local opt = uly.optim.AdamW(model:parameters(), { lr = cfg.lr, betas = { 0.9, cfg.beta2 }, weight_decay = cfg.wd })
+local schedule = cfg.schedule == 'constant' and uly.optim.schedule.constant { lr = cfg.lr, warmup = cfg.warmup }
+  or uly.optim.schedule.cosine { lr = cfg.lr, warmup = math.min(cfg.warmup, cfg.steps), steps = cfg.steps, min_lr = cfg.min_lr }
+
+-- resume: model, optimizer, RNG, data position and step from a checkpoint
+local ckpt_dir = cfg.out .. '/ckpt'
+local start_step = 0
+if cfg.resume ~= '' then
+  local path = cfg.resume == 'auto' and uly.checkpoint.latest(ckpt_dir) or cfg.resume
+  if path then
+    local info = uly.checkpoint.load(path, { model = model, optim = opt })
+    start_step = info.step
+    if info.data then train_data:set_state(info.data) end
+    print(string.format('resumed from %s at step %d', path, start_step))
+  else
+    print('resume: no checkpoint in ' .. ckpt_dir .. ', starting fresh')
+  end
+end
+
+local tokens_per_step = cfg.batch * cfg.seq * cfg.accum
+local threads = uly.get_num_threads()
+local peak = cfg.peak_gflops > 0 and cfg.peak_gflops * 1e9 or 217e9 * threads
+local peak_label = cfg.peak_gflops > 0 and 'given peak' or string.format('%d-thread AVX-512 FMA peak', threads)
+local flops_per_token = model:flops_per_token(cfg.seq)
+local mc = model.config
+print(string.format('model: %s %s, %d layers, %d heads%s, dim %d, %.2f M parameters, %.1f MFLOP/token (6N + 12LCT)',
+                    mc.model, mc.preset, mc.layers, mc.heads, mc.kv_heads and (', ' .. mc.kv_heads .. ' kv') or '',
+                    mc.dim, model:num_parameters() / 1e6, flops_per_token / 1e6))
+print(string.format('data: %s, %s, vocab %d, %d train / %d valid tokens, unigram entropy %.3f bits/token',
+                    data_path, train_data.kind, train_data.vocab_size, train_data.n_tokens, valid_data.n_tokens,
+                    train_data.entropy_bits or 0 / 0))
+print(string.format('run: %d steps x %d tokens (batch %d x seq %d x accum %d), lr %.2g %s, %d threads, BLAS %s',
+                    cfg.steps, tokens_per_step, cfg.batch, cfg.seq, cfg.accum, cfg.lr, cfg.schedule, threads,
+                    uly.blas_corename()))
+
+local log_path = cfg.out .. '/log.csv'
+local writer = uly.log.Writer(log_path, { fields = { 'step', 'loss', 'val_loss', 'lr', 'grad_norm', 'tokens_per_s', 'seconds' },
+                                          append = start_step > 0 })
+local progress = uly.log.Progress { total_steps = cfg.steps, tokens_per_step = tokens_per_step,
+                                    flops_per_token = flops_per_token, peak_flops = peak, peak_label = peak_label,
+                                    every = cfg.log_every, start_step = start_step }
+
+local function evaluate()
+  model:eval()
+  local total, n = 0, 0
   uly.no_grad(function()
-    for name, p in pairs(P) do
-      local g, s = p.grad, state[name]
-      s.m:copy_(s.m * b1 + g * (1 - b1))
-      s.v:copy_(s.v * b2 + (g * g) * (1 - b2))
-      local mhat, vhat = s.m / (1 - b1 ^ step), s.v / (1 - b2 ^ step)
-      p:copy_(p - (mhat / (vhat:sqrt() + eps)) * lr)
-      p:zero_grad()
+    for x, y in valid_data:batches() do
+      total = total + model:loss(x, y):item() * x:numel()
+      n = n + x:numel()
+      if n >= cfg.eval_batches * cfg.batch * cfg.seq then break end
     end
   end)
+  model:train()
+  return total / n
 end
 
-local nparams = 0
-for _, p in pairs(P) do nparams = nparams + p:numel() end
-print(string.format('ulysses demo: 1-block causal transformer, %d parameters, C=%d H=%d T=%d B=%d, %d bytes of text',
-                    nparams, C, H, T, B, #bytes))
-local clock = uly.clock
-local t0 = clock()
-for step = 1, cfg.steps do
-  local x, y = batch()
-  local logits = forward(x)
-  local loss = uly.cross_entropy(logits, y)
-  loss:backward()
-  local lr = cfg.lr * math.min(1, step / 20)
-  adam_step(step, lr)
-  if step == 1 or step % 25 == 0 or step == cfg.steps then
-    local elapsed = clock() - t0
-    print(string.format('step %4d  loss %.4f  lr %.2e  %.0f tok/s  mem %.1f MiB', step, loss:item(), lr,
-                        step * B * T / math.max(elapsed, 1e-9), uly.memory().allocated / 2 ^ 20))
+local function save_checkpoint(step)
+  local path = uly.checkpoint.save_rotating(ckpt_dir, step, {
+    model = model, optim = opt, step = step, config = require('models.common').plain_config(model.config),
+    data = train_data:state(), extra = { data_path = data_path } }, cfg.keep)
+  return path
+end
+
+local params = model:parameters()
+local t_start = uly.clock()
+local val_loss
+local last_step = cfg.stop_after > 0 and math.min(cfg.stop_after, cfg.steps) or cfg.steps
+for step = start_step + 1, last_step do
+  local t0 = uly.clock()
+  opt.lr = schedule(step)
+  opt:zero_grad()
+  local loss_sum = 0
+  for _ = 1, cfg.accum do
+    local x, y = train_data:next()
+    local loss = model:loss(x, y)
+    loss_sum = loss_sum + loss:item()
+    if cfg.accum > 1 then loss = loss * (1 / cfg.accum) end
+    loss:backward()
   end
+  local loss = loss_sum / cfg.accum
+  local norm = cfg.clip > 0 and uly.optim.clip_grad_norm(params, cfg.clip) or uly.optim.grad_norm(params)
+  if loss ~= loss or norm ~= norm or norm == math.huge then
+    io.stderr:write(string.format('train.lua: step %d: loss %s, gradient norm %s; stopping (lower --lr, or check the data)\n',
+                                  step, tostring(loss), tostring(norm)))
+    os.exit(1)
+  end
+  opt:step()
+  local dt = uly.clock() - t0
+  progress:step { step = step, loss = loss, lr = opt.lr, dt = dt, memory = uly.memory().allocated }
+  val_loss = nil
+  if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == last_step then
+    val_loss = evaluate()
+    progress:eval { step = step, loss = val_loss, bpt = val_loss / math.log(2) }
+  end
+  writer:write { step = step, loss = loss, val_loss = val_loss, lr = opt.lr, grad_norm = norm,
+                 tokens_per_s = tokens_per_step / dt, seconds = uly.clock() - t_start }
+  if (cfg.ckpt_every > 0 and step % cfg.ckpt_every == 0) or step == last_step then save_checkpoint(step) end
 end
+writer:close()
 
--- sample with temperature 0.8 and top-k 20
-local function sample(prompt, n)
-  local ctx = { prompt:byte(1, -1) }
-  uly.no_grad(function()
-    for _ = 1, n do
-      local window = {}
-      for j = math.max(1, #ctx - T + 1), #ctx do window[#window + 1] = ctx[j] end
-      local logits = forward(uly.tensor({ window }, { dtype = 'i32' }))
-      local last = logits:select(2, -1):select(1, 1):scale(1 / 0.8)
-      local probs = last:softmax(1):totable()
-      local order = {}
-      for c = 1, V do order[c] = c end
-      table.sort(order, function(a, b2) return probs[a] > probs[b2] end)
-      local total = 0
-      for r = 1, 20 do total = total + probs[order[r]] end
-      local u, acc = math.random() * total, 0
-      local pick = order[1]
-      for r = 1, 20 do
-        acc = acc + probs[order[r]]
-        if u <= acc then pick = order[r] break end
-      end
-      ctx[#ctx + 1] = pick - 1
-    end
-  end)
-  return string.char(unpack(ctx))
+local summary = progress:summary()
+if summary and train_data.entropy_bits then
+  print(string.format('unigram entropy of the training data: %.3f bits/token; validation: %s bits/token',
+                      train_data.entropy_bits, val_loss and string.format('%.3f', val_loss / math.log(2)) or 'n/a'))
 end
-print('sample: ' .. sample('And God said', cfg.sample):gsub('\n', ' '))
+uly.log.plot_csv(log_path, cfg.out .. '/loss.svg', {
+  title = string.format('%s %s on %s', mc.model, mc.preset, data_path:match('([^/]+)$')),
+  hlines = train_data.entropy_bits and { { y = train_data.entropy_bits * math.log(2), label = 'unigram entropy' } } or nil })
+print(string.format('log: %s  plot: %s  checkpoints: %s', log_path, cfg.out .. '/loss.svg', ckpt_dir))
+
+if cfg.sample > 0 then
+  local prompt
+  if cfg.prompt ~= '' then prompt = train_data:encode(cfg.prompt)
+  else
+    local x = valid_data:batches()()
+    prompt = x:narrow(1, 1, 1):narrow(2, 1, math.min(16, cfg.seq - 1)):contiguous()
+  end
+  local n = math.min(cfg.sample, cfg.seq - prompt:size(2))
+  local ids = model:generate(prompt, { max_new_tokens = n, temperature = cfg.temperature, top_k = cfg.top_k })
+  print('sample (temperature ' .. cfg.temperature .. ', top-k ' .. cfg.top_k .. '):')
+  print(train_data:decode(prompt) .. '|' .. train_data:decode(ids))
+end

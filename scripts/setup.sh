@@ -11,6 +11,7 @@ packages=(
   libopenblas-dev
   libopenmpi-dev openmpi-bin
   libhdf5-openmpi-dev libhdf5-dev hdf5-tools
+  gzip xz-utils ca-certificates
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -140,6 +140,39 @@ uly_tensor *uly_dropout(uly_tensor *x, double p, int training);
 uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t ignore_index, int reduction);
 uly_tensor *uly_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale, int causal);
 
+/* ---- optimizers (core/optim.c, kernels/cpu/optim.c): one call updates a list of n f32
+ *      parameters in place from their .grad; state tensors have each parameter's shape.
+ *      Parameters without a grad are skipped. step is 1-based (bias correction). ---- */
+int uly_adamw_step(uly_tensor *const *params, uly_tensor *const *exp_avg, uly_tensor *const *exp_avg_sq,
+                   const double *weight_decay, int n, double lr, double beta1, double beta2,
+                   double eps, int64_t step);
+int uly_sgd_step(uly_tensor *const *params, uly_tensor *const *momentum_buf, const double *weight_decay,
+                 int n, double lr, double momentum, double dampening, int nesterov, int64_t step);
+double uly_grad_norm(uly_tensor *const *params, int n);    /* global L2 norm of the grads; -1 on error */
+int uly_grad_scale_(uly_tensor *const *params, int n, double scale); /* grads *= scale */
+
+/* ---- HDF5 files (core/h5.c): datasets, hyperslab reads, attributes, atomic commit.
+ *      Files are int64_t handles (> 0); names are paths inside the file ("optim/exp_avg/w").
+ *      File-level dtypes: ULY_H5_U8 and the tensor dtypes above. ---- */
+enum uly_h5_dtype { ULY_H5_U8 = 100 };
+int64_t uly_h5_create(const char *path);                     /* truncates; -1 on error */
+int64_t uly_h5_open(const char *path, int writable);         /* checks it is an HDF5 file */
+int uly_h5_close(int64_t file);
+int uly_h5_exists(int64_t file, const char *name);           /* 1/0; -1 on error */
+int uly_h5_list(int64_t file, const char *group, char *buf, int64_t buflen); /* dataset paths, '\n'-separated; needed length if buflen too small */
+int uly_h5_info(int64_t file, const char *name, int *ndim, int64_t *shape, int *dtype); /* shape: 8 slots */
+int uly_h5_write(int64_t file, const char *name, const void *data, int dtype, int ndim, const int64_t *shape); /* new dataset (parents made); data in dtype */
+int uly_h5_write_tensor(int64_t file, const char *name, const uly_tensor *t); /* stored in t's dtype (bf16 as u16 + attribute) */
+int uly_h5_read(int64_t file, const char *name, int ndim, const int64_t *start, const int64_t *count,
+                void *out, int out_dtype);                   /* hyperslab start/count (NULL: whole), converted */
+int uly_h5_read_tensor(int64_t file, const char *name, uly_tensor *dst); /* shape must match exactly */
+int uly_h5_set_attr_string(int64_t file, const char *object, const char *key, const char *value); /* object "" or "/" = file */
+int uly_h5_get_attr_string(int64_t file, const char *object, const char *key, char *buf, int64_t buflen); /* needed length if too small */
+int uly_h5_set_attr_f64(int64_t file, const char *object, const char *key, double value);
+int uly_h5_get_attr_f64(int64_t file, const char *object, const char *key, double *value);
+int uly_h5_attr_type(int64_t file, const char *object, const char *key); /* 0 absent, 1 string, 2 number, 3 other; -1 error */
+int uly_file_commit(const char *tmp_path, const char *final_path); /* fsync tmp, rename over final, fsync dir */
+
 #ifdef __cplusplus
 }
 #endif

@@ -141,4 +141,21 @@ int gemm_operand_ok(int64_t rows, int64_t cols, int64_t rs, int64_t cs);
 void gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
                   int64_t M, int64_t N, int64_t K, float beta);
 
+/* ==== optimizers (optim.c) — begin ==========================================================
+ * In place over ONE contiguous f32 parameter of n elements; g is its gradient, m / v / buf its
+ * state (same n). The caller (core/optim.c) computes the scalars in double and validates. */
+/* p *= decay; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= step_size * m / (sqrt(v)/bc2_sqrt + eps)
+ * with decay = 1 - lr wd, step_size = lr / (1 - b1^step), bc2_sqrt = sqrt(1 - b2^step) */
+void optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float decay, float beta1,
+                 float beta2, float step_size, float bc2_sqrt, float eps);
+/* d = g + wd p; buf = init ? d : momentum buf + (1 - dampening) d; p -= lr (nesterov ? d + momentum buf : buf);
+ * buf == NULL: no momentum, p -= lr d */
+void optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float weight_decay, float momentum,
+               float dampening, int nesterov, int init);
+/* sum of x[i]^2 in double; fixed chunks added in order: the same value at any thread count */
+double optim_sumsq(const float *x, int64_t n);
+/* x *= s */
+void optim_scale(float *x, int64_t n, float s);
+/* ==== optimizers — end ==================================================================== */
+
 #endif

@@ -1,0 +1,144 @@
+-- bench/train.lua — training-step throughput of the models, side by side with PyTorch.
+--
+-- For each shape (T x B) it builds the model, runs `warmup` steps, then times `steps` steps of
+-- forward (model:loss), backward and AdamW, and prints the median step with its split, tokens/s,
+-- achieved model GFLOP/s (FLOPs per token = 6 N_matmul + 12 L C T, attention counted over the full
+-- T x T as in ../shared/ENVIRONMENT.md), MFU against the FMA peak (217 GFLOP/s per thread with
+-- AVX-512) and the allocator's peak memory. With --torch it then runs the PyTorch peer
+-- (../shared/peers/torch_gpt_bench.py, same model, shapes and thread count) and prints the ratio
+-- from this one run. It never asserts on time.
+--
+-- Run:  OPENBLAS_CORETYPE=SkylakeX bin/ulysses bench/train.lua [--shapes 256x32,1024x8,4096x2]
+--         [--model gpt|llama] [--preset small] [--steps 10] [--warmup 3] [--threads 2] [--torch]
+local uly = require 'ulysses'
+
+local opts = { shapes = '256x32,1024x8,4096x2', model = 'gpt', preset = 'small', steps = 10, warmup = 3,
+               threads = 2, torch = false, corpus = '' }
+do
+  local i = 1
+  while i <= #arg do
+    local k = arg[i]:match('^%-%-([%w_]+)$')
+    if k == 'torch' then opts.torch = true; i = i + 1
+    elseif k and opts[k] ~= nil then
+      opts[k] = type(opts[k]) == 'number' and tonumber(arg[i + 1]) or arg[i + 1]; i = i + 2
+    else
+      io.stderr:write('usage: bin/ulysses bench/train.lua [--shapes TxB,...] [--model gpt|llama] [--preset P] '
+                      .. '[--steps N] [--warmup N] [--threads N] [--torch] [--corpus FILE]\n')
+      os.exit(2)
+    end
+  end
+end
+uly.set_num_threads(opts.threads)
+local Model = require('models.' .. opts.model)
+
+local function median(list)
+  local s = {}
+  for i, v in ipairs(list) do s[i] = v end
+  table.sort(s)
+  local n = #s
+  return n % 2 == 1 and s[(n + 1) / 2] or (s[n / 2] + s[n / 2 + 1]) / 2
+end
+
+local function random_tokens(B, T, V)
+  local t = uly.empty(B, T, { dtype = 'i32' })
+  local p = t:data()
+  for i = 0, B * T - 1 do p[i] = math.random(0, V - 1) end
+  return t
+end
+
+local peak_per_thread = 217e9
+local function bench_shape(T, B)
+  uly.manual_seed(0)
+  math.randomseed(0)
+  local model = Model { preset = opts.preset, seq = T }
+  local opt = uly.optim.AdamW(model:parameters(), { lr = 3e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1 })
+  local V = model.config.vocab
+  uly.reset_peak_memory()
+  local tt, tf, tb, to = {}, {}, {}, {}
+  for i = 1, opts.warmup + opts.steps do
+    local x, y = random_tokens(B, T, V), random_tokens(B, T, V)
+    local t0 = uly.clock()
+    local loss = model:loss(x, y)
+    loss:item()
+    local t1 = uly.clock()
+    opt:zero_grad()
+    loss:backward()
+    local t2 = uly.clock()
+    opt:step()
+    local t3 = uly.clock()
+    loss = nil
+    if i > opts.warmup then
+      tt[#tt + 1], tf[#tf + 1], tb[#tb + 1], to[#to + 1] = t3 - t0, t1 - t0, t2 - t1, t3 - t2
+    end
+  end
+  local med = median(tt)
+  local fpt = model:flops_per_token(T)
+  local tps = B * T / med
+  return { T = T, B = B, step_ms = med * 1e3, fwd_ms = median(tf) * 1e3, bwd_ms = median(tb) * 1e3,
+           opt_ms = median(to) * 1e3, tps = tps, gflops = fpt * tps / 1e9,
+           mfu = fpt * tps / (peak_per_thread * opts.threads), peak_mib = uly.memory().peak / 2 ^ 20,
+           params = model:num_parameters(), fpt = fpt }
+end
+
+local model_cfg = Model { preset = opts.preset, seq = 8 }.config
+
+local function run_torch(T, B)
+  local script = (require 'ulysses.ffi').root .. '/../shared/peers/torch_gpt_bench.py'
+  local corpus = opts.corpus
+  if corpus == '' then
+    for _, c in ipairs({ 'data/raw/kjv.txt', '/usr/share/common-licenses/GPL-3' }) do
+      local f = io.open(c, 'rb')
+      if f then f:close(); corpus = c; break end
+    end
+  end
+  local c = model_cfg
+  local cmd = string.format('CORPUS=%s /usr/bin/python3 %s %d %d %d %d %d %d %d %d 2>&1', corpus, script, T, B,
+                            opts.steps, opts.warmup, c.layers, c.heads, c.dim, c.vocab)
+  local p = io.popen(cmd)
+  local out = p:read('*a')
+  p:close()
+  local line = out:match('RESULT[^\n]*')
+  if not line then return nil, out:sub(-400) end
+  return { tps = tonumber(line:match('tokens/s=([%d%.]+)')), gflops = tonumber(line:match('GFLOP/s=([%d%.]+)')),
+           step_ms = tonumber(line:match('median_step_ms=([%d%.]+)')), rss = tonumber(line:match('peak_rss_MB=(%d+)')),
+           version = line:match('torch=(%S+)') }
+end
+
+local c = model_cfg
+print(string.format('bench/train.lua: %s preset %s (L%d H%d C%d V%d), %d threads, BLAS %s, %d warm-up + %d timed steps, AdamW',
+                    opts.model, opts.preset, c.layers, c.heads, c.dim, c.vocab, opts.threads, uly.blas_corename(),
+                    opts.warmup, opts.steps))
+print('command: OPENBLAS_CORETYPE=' .. (os.getenv('OPENBLAS_CORETYPE') or '(unset)') .. ' bin/ulysses bench/train.lua '
+      .. table.concat(arg, ' '))
+print('FLOPs/token = 6 N_matmul + 12 L C T (attention over the full T x T); MFU vs '
+      .. string.format('%.0f GFLOP/s (%d x 217, AVX-512 FMA)', peak_per_thread * opts.threads / 1e9, opts.threads))
+print()
+print(string.format('%-11s %10s %9s %9s %9s %10s %9s %6s %10s', 'T x B', 'step ms', 'fwd ms', 'bwd ms', 'opt ms',
+                    'tok/s', 'GFLOP/s', 'MFU', 'peak MiB'))
+local rows = {}
+for shape in opts.shapes:gmatch('[^,]+') do
+  local T, B = shape:match('^(%d+)x(%d+)$')
+  if not T then io.stderr:write('bad shape ' .. shape .. ' (want TxB)\n') os.exit(2) end
+  local r = bench_shape(tonumber(T), tonumber(B))
+  rows[#rows + 1] = r
+  print(string.format('%-11s %10.1f %9.1f %9.1f %9.1f %10.0f %9.1f %5.1f%% %10.0f', shape, r.step_ms, r.fwd_ms, r.bwd_ms,
+                      r.opt_ms, r.tps, r.gflops, 100 * r.mfu, r.peak_mib))
+  io.stdout:flush()
+  collectgarbage()
+  uly.empty_cache()
+end
+
+if opts.torch then
+  print()
+  print(string.format('%-11s %12s %12s %10s %12s %8s', 'T x B', 'ours tok/s', 'torch tok/s', 'ratio', 'torch GF/s', 'RSS MB'))
+  for _, r in ipairs(rows) do
+    local t, err = run_torch(r.T, r.B)
+    if not t then
+      print(string.format('%dx%d: PyTorch run failed: %s', r.T, r.B, err))
+    else
+      print(string.format('%-11s %12.0f %12.0f %9.2fx %12.1f %8d  (torch %s)', r.T .. 'x' .. r.B, r.tps, t.tps,
+                          r.tps / t.tps, t.gflops, t.rss or 0, t.version))
+    end
+    io.stdout:flush()
+  end
+end

@@ -1,0 +1,294 @@
+-- spec/checkpoint_spec.lua — uly.checkpoint: bit-exact round trips of an nn model, AdamW and SGD
+-- state, the RNG and saved tables; load checks (shapes, missing/extra parameters, optimizer kind)
+-- that leave the model untouched; corrupt, truncated and missing files; saves that fail midway
+-- leaving the previous checkpoint and no temporary file; rotation and latest().
+local uly = require 'ulysses'
+local helpers = require 'helpers'
+local ckpt = uly.checkpoint
+local h5 = uly.h5
+local nn = uly.nn
+
+local function shq(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+
+local tmpdir
+local function path(name) return tmpdir .. '/' .. name end
+
+local function dir_entries(dir)
+  local out = {}
+  local p = assert(io.popen('ls -A ' .. shq(dir)))
+  for line in p:lines() do out[#out + 1] = line end
+  p:close()
+  table.sort(out)
+  return out
+end
+
+local function values(t)
+  local v, n = helpers.values(t)
+  local out = {}
+  for i = 0, n - 1 do out[i + 1] = v[i] end
+  return out
+end
+
+-- name -> flat values of every parameter
+local function snapshot(model)
+  local out = {}
+  for name, p in model:named_parameters() do out[name] = values(p) end
+  return out
+end
+
+local function error_of(fn)
+  local ok, err = pcall(fn)
+  assert(not ok, 'expected an error')
+  return tostring(err)
+end
+
+local function make_model(hidden)
+  return nn.Sequential(nn.Linear(5, hidden or 7), nn.LayerNorm(hidden or 7), nn.Linear(hidden or 7, 3))
+end
+
+local function train(model, opt, steps)
+  for _ = 1, steps do
+    opt:zero_grad()
+    local loss = model(uly.randn(4, 5)):pow(2):mean()
+    loss:backward()
+    opt:step()
+  end
+end
+
+local describe_h5 = h5.available and describe or pending
+
+describe_h5('uly.checkpoint', function()
+  setup(function()
+    tmpdir = os.tmpname()
+    os.remove(tmpdir)
+    assert(os.execute('mkdir -p ' .. shq(tmpdir)))
+  end)
+  teardown(function()
+    ckpt._test_hook = nil
+    if tmpdir then os.execute('rm -rf ' .. shq(tmpdir)) end
+  end)
+  before_each(function() helpers.reseed(7301) end)
+
+  it('round-trips model and AdamW state bit-exactly into a differently initialised model', function()
+    local model = make_model()
+    local opt = uly.optim.AdamW(model:parameters(), { lr = 2e-3, weight_decay = 0.05 })
+    train(model, opt, 2)
+    local p = path('adamw.h5')
+    ckpt.save(p, { model = model, optim = opt, step = 2 })
+
+    helpers.reseed(99)
+    local fresh = make_model()
+    local opt2 = uly.optim.AdamW(fresh:parameters(), { lr = 1, weight_decay = 0.05 })
+    assert.are_not.same(snapshot(model), snapshot(fresh))
+    local info = ckpt.load(p, { model = fresh, optim = opt2 })
+    assert.are.equal(2, info.step)
+    assert.are.equal('AdamW', info.optim_kind)
+    assert.are.same(snapshot(model), snapshot(fresh))
+    assert.are.equal(2, opt2.step_count)
+    assert.are.equal(2e-3, opt2.lr)
+    for _, key in ipairs({ 'exp_avg', 'exp_avg_sq' }) do
+      for i = 1, #opt.params do assert.are.same(values(opt.state[key][i]), values(opt2.state[key][i])) end
+    end
+    -- training continues identically from the loaded state
+    helpers.reseed(5)
+    train(model, opt, 1)
+    helpers.reseed(5)
+    train(fresh, opt2, 1)
+    assert.are.same(snapshot(model), snapshot(fresh))
+    -- the layout h5py / h5dump users see
+    local f = h5.open(p)
+    local names = f:list()
+    assert.is_truthy(f:exists('model/1.weight'))
+    assert.is_truthy(f:exists('optim/exp_avg_sq/3.bias'))
+    assert.are.equal(6 * 3, #names)
+    assert.are.equal('ulysses-checkpoint', f:attr('', 'format'))
+    f:close()
+  end)
+
+  it('round-trips SGD momentum buffers', function()
+    local model = make_model()
+    local opt = uly.optim.SGD(model:parameters(), { lr = 0.1, momentum = 0.9 })
+    train(model, opt, 2)
+    local p = path('sgd.h5')
+    ckpt.save(p, { model = model, optim = opt, step = 2 })
+    local fresh = make_model()
+    local opt2 = uly.optim.SGD(fresh:parameters(), { lr = 0.5, momentum = 0.9 })
+    ckpt.load(p, { model = fresh, optim = opt2 })
+    for i = 1, #opt.params do
+      assert.are.same(values(opt.state.momentum_buf[i]), values(opt2.state.momentum_buf[i]))
+    end
+    assert.are.equal(0.1, opt2.lr)
+    -- loading SGD state into AdamW is refused before anything changes
+    local other = make_model()
+    local before = snapshot(other)
+    local err = error_of(function()
+      ckpt.load(p, { model = other, optim = uly.optim.AdamW(other:parameters()) })
+    end)
+    assert.matches('optimizer kind: SGD in the file, AdamW here', err, 1, true)
+    assert.are.same(before, snapshot(other))
+  end)
+
+  it('restores the random generator and returns config, data and extra exactly', function()
+    local model = make_model()
+    uly.randn(17) -- move the generator along
+    local config = { layers = 4, lr = 0.1, name = 'gpt "small"\nv2', flags = { true, false }, betas = { 0.9, 0.95 },
+                     ['odd key'] = 1 / 3, big = 2 ^ 53 + 2, tiny = 5e-324 }
+    local data = { epoch = 3, position = 123456789012, files = { 'a.h5', 'b.h5' } }
+    local p = path('rng.h5')
+    ckpt.save(p, { model = model, step = 41, config = config, data = data, extra = { note = 'x' } })
+    local after_save = values(uly.randn(8))
+    uly.manual_seed(1)
+    uly.randn(3)
+    local info = ckpt.load(p, { model = make_model() })
+    assert.are.same(after_save, values(uly.randn(8)))
+    assert.are.same(config, info.config)
+    assert.are.same(data, info.data)
+    assert.are.same({ note = 'x' }, info.extra)
+    assert.are.equal(41, info.step)
+    assert.are.equal(uly.version, info.library_version)
+  end)
+
+  it('serialises tables deterministically and refuses what it cannot save', function()
+    local t = { z = 1, a = { 3, 2, 1 }, [10] = 'ten', [true] = 0.1 }
+    assert.are.equal('{[10]="ten",a={3,2,1},z=1,[true]=0.10000000000000001}', ckpt.serialize(t))
+    assert.are.same(t, ckpt.deserialize(ckpt.serialize(t)))
+    assert.are.equal(ckpt.serialize({ b = 1, a = 2 }), ckpt.serialize({ a = 2, b = 1 }))
+    local inf = ckpt.deserialize(ckpt.serialize({ 1 / 0, -1 / 0 }))
+    assert.are.same({ math.huge, -math.huge }, inf)
+    assert.matches('config.fn is a function', error_of(function() ckpt.serialize({ fn = print }, 'config') end))
+    local cyc = {}
+    cyc.self = cyc
+    assert.matches('refers to itself', error_of(function() ckpt.serialize(cyc, 'config') end))
+    -- saved strings are evaluated with no globals
+    assert.matches('could not be evaluated', error_of(function() ckpt.deserialize('os.exit(1)', 'config') end))
+  end)
+
+  it('refuses a wrong shape, naming the parameter and both shapes, and leaves the model unchanged', function()
+    local p = path('shape.h5')
+    ckpt.save(p, { model = make_model(7), step = 1 })
+    local wrong = make_model(8)
+    local before = snapshot(wrong)
+    local err = error_of(function() ckpt.load(p, { model = wrong }) end)
+    assert.matches('shape mismatch: 1.weight is [5, 7] in the file, [5, 8] in the model', err, 1, true)
+    assert.matches('3.weight is [7, 3] in the file, [8, 3] in the model', err, 1, true)
+    assert.matches(p, err, 1, true)
+    assert.matches('checkpoint_spec.lua:%d+:', err)
+    assert.are.same(before, snapshot(wrong))
+  end)
+
+  it('lists missing and unexpected parameters; strict = false loads the common ones', function()
+    local p = path('names.h5')
+    local small = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7))
+    ckpt.save(p, { model = small })
+    local bigger = make_model()
+    local before = snapshot(bigger)
+    local err = error_of(function() ckpt.load(p, { model = bigger }) end)
+    assert.matches('missing in the file: 3.weight, 3.bias', err, 1, true)
+    assert.are.same(before, snapshot(bigger))
+    local smaller = nn.Sequential(nn.Linear(5, 7))
+    err = error_of(function() ckpt.load(p, { model = smaller }) end)
+    assert.matches('in the file but not in the model: 2.bias, 2.weight', err, 1, true)
+    ckpt.load(p, { model = bigger, strict = false })
+    local loaded = snapshot(bigger)
+    assert.are.same(snapshot(small)['1.weight'], loaded['1.weight'])
+    assert.are.same(before['3.weight'], loaded['3.weight'])
+  end)
+
+  it('refuses a dtype mismatch when strict and converts it otherwise', function()
+    local Holder = nn.Module:extend('Holder')
+    function Holder:__init(dtype) self:param('w', uly.tensor({ 0.5, -1.25, 3 }, { dtype = dtype })) end
+    local p = path('dtype.h5')
+    ckpt.save(p, { model = Holder('f32') })
+    local wide = Holder('f64')
+    uly.no_grad(function() wide.w:fill_(0) end)
+    local err = error_of(function() ckpt.load(p, { model = wide }) end)
+    assert.matches('dtype mismatch: w is f32 in the file, f64 in the model', err, 1, true)
+    assert.are.same({ 0, 0, 0 }, values(wide.w))
+    ckpt.load(p, { model = wide, strict = false })
+    assert.are.same({ 0.5, -1.25, 3 }, values(wide.w))
+  end)
+
+  it('refuses optimizer parameters that are not in the model', function()
+    local model = make_model()
+    local opt = uly.optim.AdamW({ model[1].weight, uly.zeros(2, 2, { requires_grad = true }) })
+    local p = path('stray.h5')
+    local err = error_of(function() ckpt.save(p, { model = model, optim = opt }) end)
+    assert.matches('optimizer parameter 2 %(f32%[2, 2%]%) is not a parameter of the model', err)
+    for _, name in ipairs(dir_entries(tmpdir)) do assert.is_nil(name:find('stray', 1, true), name) end
+  end)
+
+  it('reports corrupt, truncated and missing checkpoints while an older one still loads', function()
+    local dir = path('run_corrupt')
+    local model = make_model()
+    local good = ckpt.save_rotating(dir, 1, { model = model })
+    local fh = assert(io.open(good, 'rb'))
+    local bytes = fh:read('*a')
+    fh:close()
+    local newest = dir .. '/step_000002.h5'
+    fh = assert(io.open(newest, 'wb'))
+    fh:write(bytes:sub(1, math.floor(#bytes / 2)))
+    fh:close()
+    assert.are.equal(newest, ckpt.latest(dir))
+    local err = error_of(function() ckpt.load(newest, { model = make_model() }) end)
+    assert.matches(newest, err, 1, true)
+    assert.matches('truncated', err)
+    local text = dir .. '/notes.h5'
+    fh = assert(io.open(text, 'wb'))
+    fh:write('not a checkpoint\n')
+    fh:close()
+    assert.matches('is not an HDF5 file', error_of(function() ckpt.load(text, { model = make_model() }) end))
+    assert.matches('No such file', error_of(function() ckpt.load(dir .. '/step_000009.h5', { model = model }) end))
+    local plain = dir .. '/plain.h5'
+    local f = h5.create(plain)
+    f:close()
+    assert.matches('is it a ulysses checkpoint', error_of(function() ckpt.load(plain, { model = model }) end))
+    local fresh = make_model()
+    ckpt.load(good, { model = fresh })
+    assert.are.same(snapshot(model), snapshot(fresh))
+  end)
+
+  it('a save that fails midway leaves the previous checkpoint intact and no temporary file', function()
+    local dir = path('run_fail')
+    local model = make_model()
+    local p = ckpt.save_rotating(dir, 5, { model = model, config = { tag = 'old' } })
+    local old = snapshot(model)
+    train(model, uly.optim.SGD(model:parameters(), { lr = 0.5 }), 1)
+    local writes = 0
+    ckpt._test_hook = function(name)
+      writes = writes + 1
+      if writes == 3 then error('forced failure after ' .. name, 0) end
+    end
+    local err = error_of(function() ckpt.save(p, { model = model, config = { tag = 'new' } }) end)
+    ckpt._test_hook = nil
+    assert.matches('forced failure after model/2.weight', err, 1, true)
+    assert.are.same({ 'step_000005.h5' }, dir_entries(dir))
+    -- a value that cannot be serialised, and a parameter name that cannot be a dataset
+    assert.matches('config.f is a function', error_of(function()
+      ckpt.save(p, { model = model, config = { f = print } })
+    end))
+    local Bad = nn.Module:extend('Bad')
+    function Bad:__init() self:param('a/b', uly.zeros(2)) end
+    assert.matches("parameter name \"a/b\" cannot be a dataset name", error_of(function()
+      ckpt.save(p, { model = Bad() })
+    end), 1, true)
+    assert.are.same({ 'step_000005.h5' }, dir_entries(dir))
+    local fresh = make_model()
+    local info = ckpt.load(p, { model = fresh })
+    assert.are.same({ tag = 'old' }, info.config)
+    assert.are.same(old, snapshot(fresh))
+  end)
+
+  it('save_rotating keeps the newest K by step and latest() finds the newest', function()
+    local dir = path('runs/a/run_rotate') -- parents are created
+    assert.is_nil(ckpt.latest(dir))
+    local model = nn.Linear(2, 2)
+    for _, step in ipairs({ 1, 2, 999999, 3, 1000000 }) do ckpt.save_rotating(dir, step, { model = model }, 2) end
+    assert.are.same({ 'step_1000000.h5', 'step_999999.h5' }, dir_entries(dir))
+    assert.are.equal(dir .. '/step_1000000.h5', ckpt.latest(dir))
+    assert.are.equal(1000000, ckpt.load(ckpt.latest(dir), { model = model }).step)
+    ckpt.save_rotating(dir, 7, { model = model, step = 123 }) -- default keep = 3; the dir's step wins
+    assert.are.same({ 'step_000007.h5', 'step_1000000.h5', 'step_999999.h5' }, dir_entries(dir))
+    assert.are.equal(7, ckpt.load(dir .. '/step_000007.h5', { model = model }).step)
+    assert.matches('keep must be an integer >= 1', error_of(function() ckpt.save_rotating(dir, 8, { model = model }, 0) end))
+  end)
+end)

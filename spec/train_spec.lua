@@ -1,0 +1,119 @@
+-- spec/train_spec.lua — train.lua end to end on the embedded text: it trains (the loss falls),
+-- prints progress/eval/summary lines, writes the CSV log, the SVG plot and a checkpoint, samples
+-- from the model; resuming (10 steps + checkpoint + 10 steps) is bit-for-bit the 20-step run,
+-- dropout included; bad flags and missing data give clear messages.
+local uly = require 'ulysses'
+
+local function tmpdir()
+  local p = os.tmpname()
+  os.remove(p)
+  assert(os.execute('mkdir -p ' .. p) == 0)
+  return p
+end
+
+local function run(args)
+  local p = assert(io.popen('bin/ulysses train.lua ' .. args .. ' 2>&1; echo "exit=$?"'))
+  local out = p:read('*a')
+  p:close()
+  return out, tonumber(out:match('exit=(%d+)%s*$'))
+end
+
+local TINY = '--data embedded --preset tiny --seq 32 --batch 8 --warmup 5 --lr 3e-3 --min_lr 3e-4 --threads 2 '
+
+local function read_file(path)
+  local f = io.open(path, 'rb')
+  if not f then return nil end
+  local s = f:read('*a')
+  f:close()
+  return s
+end
+
+describe('train.lua', function()
+  it('trains on the embedded text with progress, eval, log, plot, checkpoint and a sample', function()
+    local dir = tmpdir()
+    local out, code = run(TINY .. '--steps 60 --eval_every 20 --sample 24 --prompt "And God said" --out ' .. dir)
+    assert.are.equal(0, code, out)
+    -- one progress line per step with every field
+    local steps, losses = 0, {}
+    for line in out:gmatch('[^\n]+') do
+      if line:match('^step ') then
+        steps = steps + 1
+        for _, field in ipairs({ 'loss ', 'lr ', 'tok/s', 'FLOP/s', 'MFU ', 'mem ' }) do
+          assert.truthy(line:find(field, 1, true), 'missing ' .. field .. ' in: ' .. line)
+        end
+        assert.truthy(line:find('ETA ', 1, true) or line:find('done in', 1, true), line)
+        losses[#losses + 1] = tonumber(line:match('loss (%d+%.%d+)'))
+      end
+    end
+    assert.are.equal(60, steps, out)
+    assert.truthy(losses[1] > 5.0, out)                    -- ~ln 256 at initialisation
+    assert.truthy(losses[#losses] < losses[1] - 2.0, out)  -- learned the byte statistics and more
+    local evals = 0
+    for _ in out:gmatch('eval step') do evals = evals + 1 end
+    assert.are.equal(3, evals, out)
+    assert.truthy(out:find('unigram entropy of the training data', 1, true), out)
+    assert.truthy(out:find('--- summary ---', 1, true), out)
+    assert.truthy(out:find('\nAnd God said|', 1, true), out)
+    -- the CSV log has one row per step; the plot is an SVG with a polyline
+    local rows = uly.log.read_csv(dir .. '/log.csv')
+    assert.are.equal(60, #rows)
+    assert.are.equal(60, rows[60].step)
+    assert.truthy(rows[20].val_loss and rows[60].val_loss and not rows[19].val_loss)
+    local svg = read_file(dir .. '/loss.svg')
+    assert.truthy(svg and svg:find('<svg', 1, true) and svg:find('<polyline', 1, true))
+    -- a checkpoint holding every parameter by name
+    local f = uly.h5.open(dir .. '/ckpt/step_000060.h5')
+    assert.truthy(f:exists('model/blocks.2.attn.wqkv.weight'))
+    assert.truthy(f:exists('optim/exp_avg/wte.weight'))
+    assert.are.equal(60, f:attr('/', 'step'))
+    f:close()
+  end)
+
+  it('resumes bit-for-bit: 10 steps + checkpoint + 10 steps equals 20 steps (with dropout)', function()
+    local a, b = tmpdir(), tmpdir()
+    local common = TINY .. '--steps 20 --dropout 0.1 --eval_every 0 --sample 0 '
+    local out, code = run(common .. '--out ' .. a)
+    assert.are.equal(0, code, out)
+    out, code = run(common .. '--stop_after 10 --out ' .. b)
+    assert.are.equal(0, code, out)
+    assert.is_nil(read_file(b .. '/ckpt/step_000020.h5'))
+    out, code = run(common .. '--resume auto --out ' .. b)
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('resumed from ' .. b .. '/ckpt/step_000010.h5 at step 10', 1, true), out)
+    -- the logs agree step by step (the resumed run appended to its log)
+    local ra, rb = uly.log.read_csv(a .. '/log.csv'), uly.log.read_csv(b .. '/log.csv')
+    assert.are.equal(20, #ra)
+    assert.are.equal(20, #rb)
+    for i = 1, 20 do assert.are.equal(ra[i].loss, rb[i].loss, 'loss at step ' .. i) end
+    -- and every tensor of the final checkpoints is identical, bit for bit
+    local fa, fb = uly.h5.open(a .. '/ckpt/step_000020.h5'), uly.h5.open(b .. '/ckpt/step_000020.h5')
+    local names = fa:list('/')
+    assert.are.same(names, fb:list('/'))
+    assert.truthy(#names > 30)
+    for _, name in ipairs(names) do
+      local ta, tb = fa:read(name), fb:read(name)
+      local n = ta:numel()
+      local pa, pb = ta:data(), tb:data()
+      for i = 0, n - 1 do
+        if pa[i] ~= pb[i] then error(string.format('%s differs at %d: %.9g vs %.9g', name, i, pa[i], pb[i])) end
+      end
+    end
+    fa:close()
+    fb:close()
+  end)
+
+  it('says what is wrong with bad flags and missing data', function()
+    local out, code = run('--no_such_flag 1')
+    assert.are.equal(2, code)
+    assert.truthy(out:find('unknown flag --no_such_flag', 1, true), out)
+    out, code = run('--steps many')
+    assert.are.equal(2, code)
+    assert.truthy(out:find('--steps expects a number, got "many"', 1, true), out)
+    out, code = run('--data /nonexistent/x.h5')
+    assert.are.equal(2, code)
+    assert.truthy(out:find('--data /nonexistent/x.h5: no such file', 1, true), out)
+    out, code = run('--help')
+    assert.are.equal(0, code)
+    assert.truthy(out:find('--resume', 1, true), out)
+  end)
+end)
