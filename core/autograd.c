@@ -2,8 +2,10 @@
  * the op, edges to the nodes or leaves of its inputs, and the tensors saved for backward.
  * Nodes carry a creation sequence number, so sorting the reachable nodes by decreasing seq
  * replays the recorded tape backwards. The backward rules themselves live in backward.c. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include "internal.h"
 
 static int grad_enabled = 1;
@@ -212,11 +214,74 @@ oom:
     return NULL;
 }
 
+/* ---- backward profiler: wall time per backward rule (uly_profile_*) ---- */
+static int profile_on;
+static double profile_seconds[ULY_OP_COUNT];
+static int64_t profile_calls[ULY_OP_COUNT];
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+void uly_profile_enable(int on) { profile_on = on != 0; }
+void uly_profile_reset(void) {
+    memset(profile_seconds, 0, sizeof profile_seconds);
+    memset(profile_calls, 0, sizeof profile_calls);
+}
+int64_t uly_profile_report(char *buf, int64_t buflen) {
+    int64_t used = 0;
+    for (int op = 0; op < ULY_OP_COUNT; op++) {
+        if (!profile_calls[op]) continue;
+        char line[160];
+        int n = snprintf(line, sizeof line, "%s %lld %.9f\n", uly_op_name(op), (long long)profile_calls[op],
+                         profile_seconds[op]);
+        if (buf && used + n < buflen) memcpy(buf + used, line, (size_t)n);
+        used += n;
+    }
+    if (buf && used < buflen) buf[used] = 0;
+    return used + 1;
+}
+
 /* the buffer that input edge e accumulates into (created zeroed on first use) */
 static uly_tensor *edge_grad(uly_edge *e) {
     uly_tensor **slot = e->node ? &e->node->grad_out : &e->leaf->grad;
     if (!*slot) *slot = uly_new_zeros(e->ndim, e->shape, ULY_DTYPE_F32);
+    else if (e->node && e->node->grad_out_borrowed) { /* about to accumulate: take a private copy */
+        uly_tensor *own = uly_new_contiguous(e->ndim, e->shape, ULY_DTYPE_F32);
+        if (!own) return NULL;
+        memcpy(uly_f32(own), uly_f32(*slot), (size_t)uly_tensor_numel(own) * sizeof(float));
+        uly_tensor_release(*slot);
+        *slot = own;
+        e->node->grad_out_borrowed = 0;
+    }
     return *slot;
+}
+
+/* Ops whose gradient for input k is the output gradient itself, reshaped (views, and add/sub's
+ * first input without broadcasting): when that input's node has no gradient yet, hand it a view
+ * of g instead of zeroing a buffer and copying g into it. */
+static int passes_gradient_through(const uly_node *n, int k) {
+    const uly_edge *e = &n->inputs[k];
+    if (!e->node || e->node->grad_out) return 0;
+    switch (n->op) {
+    case ULY_OP_VIEW: return 1;
+    case ULY_OP_ADD: case ULY_OP_SUB:
+        if (n->op == ULY_OP_SUB && k == 1) return 0;
+        if (e->ndim != n->out_ndim) return 0;
+        for (int d = 0; d < e->ndim; d++) if (e->shape[d] != n->out_shape[d]) return 0;
+        return 1;
+    default: return 0;
+    }
+}
+
+static int pass_gradient(uly_edge *e, uly_tensor *g) {
+    int64_t stride[ULY_MAX_DIMS], s = 1;
+    for (int d = e->ndim - 1; d >= 0; d--) { stride[d] = s; s *= e->shape[d]; }
+    uly_tensor *v = uly_new_view(g, e->ndim, e->shape, stride, g->offset);
+    if (!v) return -1;
+    e->node->grad_out = v;
+    e->node->grad_out_borrowed = 1;
+    return 0;
 }
 
 static int run_node(uly_node *n, int retain_graph) {
@@ -233,9 +298,15 @@ static int run_node(uly_node *n, int retain_graph) {
                                  (unsigned long long)n->saved_version[k]);
     uly_tensor *gin[ULY_NODE_MAX_INPUTS] = {0}, *tmp[ULY_NODE_MAX_INPUTS] = {0};
     int rc = 0;
+    int pending = 0;
     for (int k = 0; k < n->n_inputs && !rc; k++) {
         uly_edge *e = &n->inputs[k];
         if (!e->node && !e->leaf) continue;
+        if (uly_tensor_is_contiguous(n->grad_out) && passes_gradient_through(n, k)) {
+            rc = pass_gradient(e, n->grad_out);
+            continue;
+        }
+        pending++;
         gin[k] = edge_grad(e);
         if (!gin[k]) { rc = -1; break; }
         for (int j = 0; j < k; j++) /* the same input twice (x * x): accumulate separately, add after */
@@ -246,7 +317,8 @@ static int run_node(uly_node *n, int retain_graph) {
                 break;
             }
     }
-    if (!rc) rc = uly_backward_rules[n->op](n, n->grad_out, gin);
+    double t0 = profile_on ? now_seconds() : 0;
+    if (!rc && pending) rc = uly_backward_rules[n->op](n, n->grad_out, gin);
     for (int k = 0; k < n->n_inputs; k++) {
         if (!tmp[k]) continue;
         if (!rc) {
@@ -257,6 +329,8 @@ static int run_node(uly_node *n, int retain_graph) {
     }
     uly_tensor_release(n->grad_out);
     n->grad_out = NULL;
+    n->grad_out_borrowed = 0;
+    if (profile_on) { profile_seconds[n->op] += now_seconds() - t0; profile_calls[n->op]++; }
     /* a node that saved nothing (views, add, ...) stays usable, as a view reused in a new forward */
     if (!retain_graph && !rc && n->n_saved) { release_saved(n); n->released = 1; }
     return rc;
@@ -300,12 +374,17 @@ int uly_backward(uly_tensor *root, uly_tensor *grad, int retain_graph) {
     } else {
         uly_tensor_release(root->grad_fn->grad_out);
         root->grad_fn->grad_out = g0;
+        root->grad_fn->grad_out_borrowed = 0;
         for (int64_t k = 0; k < count && !rc; k++) {
             if (!order[k]->grad_out) continue; /* no gradient reached this node */
             rc = run_node(order[k], retain_graph);
         }
     }
-    for (int64_t k = 0; k < count; k++) { uly_tensor_release(order[k]->grad_out); order[k]->grad_out = NULL; }
+    for (int64_t k = 0; k < count; k++) {
+        uly_tensor_release(order[k]->grad_out);
+        order[k]->grad_out = NULL;
+        order[k]->grad_out_borrowed = 0;
+    }
     free(order);
     uly_set_grad_enabled(prev);
     return rc;

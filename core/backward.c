@@ -38,11 +38,39 @@ static int transposed_add(uly_tensor *dst, const uly_tensor *src, float alpha) {
     return 1;
 }
 
+/* dst[c] += alpha * sum_r src[r, c] for contiguous src [R, C] and dst [C] (a bias gradient):
+ * threads split the columns, each column summed in row order, so any thread count gives the
+ * same bits */
+static int column_sum_into(uly_tensor *dst, const uly_tensor *src, float alpha) {
+    int64_t C = uly_tensor_numel(dst), n = uly_tensor_numel(src);
+    if (!uly_tensor_is_contiguous(dst) || !uly_tensor_is_contiguous(src) || C == 0 || n % C) return 0;
+    int k = dst->ndim, j = src->ndim; /* dst's shape must be src's trailing dims (leading 1s allowed) */
+    while (k > 0 && j > 0) { if (dst->shape[k - 1] != src->shape[j - 1]) return 0; k--; j--; }
+    while (k > 0) { if (dst->shape[k - 1] != 1) return 0; k--; }
+    int64_t R = n / C;
+    const float *s0 = uly_f32(src);
+    float *d0 = uly_f32(dst);
+    enum { BLOCK = 64 };
+    int64_t blocks = (C + BLOCK - 1) / BLOCK;
+    #pragma omp parallel for schedule(static) if (n >= 65536)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t c0 = b * BLOCK, w = C - c0 < BLOCK ? C - c0 : BLOCK;
+        float acc[BLOCK] = {0};
+        for (int64_t r = 0; r < R; r++) {
+            const float *row = s0 + r * C + c0;
+            for (int64_t c = 0; c < w; c++) acc[c] += row[c];
+        }
+        for (int64_t c = 0; c < w; c++) d0[c0 + c] += alpha * acc[c];
+    }
+    return 1;
+}
+
 int uly_sum_to(uly_tensor *dst, const uly_tensor *src, float alpha) {
     if (uly_same_shape(dst, src) && uly_tensor_is_contiguous(dst) && uly_tensor_is_contiguous(src)) {
         axpy_accumulate(uly_f32(dst), uly_f32(src), uly_tensor_numel(src), alpha);
         return 0;
     }
+    if (src->ndim > dst->ndim && column_sum_into(dst, src, alpha)) return 0;
     if (transposed_add(dst, src, alpha)) return 0;
     int64_t sa[ULY_MAX_DIMS], sb[ULY_MAX_DIMS];
     for (int d = 0; d < src->ndim; d++) {

@@ -102,6 +102,7 @@ typedef struct uly_node {
     int64_t out_shape[ULY_MAX_DIMS];
     int released;            /* saved tensors freed after a backward without retain_graph */
     uly_tensor *grad_out;    /* accumulated gradient of the output during backward */
+    int grad_out_borrowed;   /* grad_out shares a downstream gradient's storage: read-only, cloned on write */
 } uly_node;
 
 /* Start recording `op` on `n_inputs` inputs: NULL (and no error) when grad mode is off or no

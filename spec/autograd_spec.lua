@@ -310,6 +310,49 @@ describe('graph shapes', function()
     helpers.gradcheck(function(s, t) local yy = s * t return yy + yy * s end, { p, q })
   end)
 
+  it('gradients handed through add/view by reference are copied before anything accumulates into them', function()
+    -- u = h + k runs first in backward and lends its gradient to both h and k; w = h * 3 then
+    -- accumulates into h: the lent buffer must be copied, not written, since k still reads it
+    local x = uly.tensor({ 1, 2, 3, 4 }, { requires_grad = true })
+    local y = uly.tensor({ 5, 6, 7, 8 }, { requires_grad = true })
+    local h = x * 2
+    local k = y * 1             -- runs after w in backward and reads the gradient u lent to it
+    local w = h * 3
+    local u = h + k
+    local v = u:view(2, 2)
+    local L = w:sum() + (v * uly.tensor({ { 1, 10 }, { 100, 1000 } })):sum()
+    L:backward()
+    assert_close(x.grad, { 2 * (3 + 1), 2 * (3 + 10), 2 * (3 + 100), 2 * (3 + 1000) }, 0, 0)
+    assert_close(y.grad, { 1, 10, 100, 1000 }, 0, 0)
+    -- the same node twice through a pass-through op: s = h + h
+    x:zero_grad()
+    local h2 = x * 2
+    ;(h2 + h2):view(2, 2):sum():backward()
+    assert_close(x.grad, { 4, 4, 4, 4 }, 0, 0)
+    -- a - b lends only to a; b gets -g
+    x:zero_grad(); y:zero_grad()
+    local d = (x * 1) - (y * 1)
+    d:sum():backward()
+    assert_close(x.grad, { 1, 1, 1, 1 }, 0, 0)
+    assert_close(y.grad, { -1, -1, -1, -1 }, 0, 0)
+  end)
+
+  it('profile_backward times every backward rule by op', function()
+    local a = uly.randn(8, 4, { requires_grad = true })
+    local b = uly.randn(4, 3, { requires_grad = true })
+    local loss = (a:matmul(b):gelu() + 1):sum()
+    local rows = uly.profile_backward(function() loss:backward() end)
+    local by = {}
+    for _, r in ipairs(rows) do by[r.op] = r end
+    assert.are.equal(1, by.MatmulBackward.calls)
+    assert.are.equal(1, by.UnaryBackward.calls)
+    assert.is_true(by.MatmulBackward.seconds >= 0)
+    assert.is_nil(by.AttentionBackward)
+    -- off again afterwards: a second backward adds nothing to a fresh report
+    local rows2 = uly.profile_backward(function() end)
+    assert.are.same({}, rows2)
+  end)
+
   it('a deep chain of 10000 ops backward without stack overflow', function()
     local x = uly.tensor({ 1.5, -0.5 }, { requires_grad = true })
     full_gc()

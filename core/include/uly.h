@@ -105,6 +105,9 @@ int uly_backward(uly_tensor *root, uly_tensor *grad, int retain_graph);
 int uly_grad_enabled(void);
 int uly_set_grad_enabled(int enabled);                      /* returns the previous setting */
 int64_t uly_autograd_live_nodes(void);                      /* graph nodes alive (leak checks) */
+void uly_profile_enable(int on);                            /* time every backward rule by op */
+void uly_profile_reset(void);
+int64_t uly_profile_report(char *buf, int64_t buflen);      /* "Op calls seconds" lines; returns the length needed */
 
 /* ---- ops (all differentiable; f32 on the CPU) ---- */
 uly_tensor *uly_add(uly_tensor *a, uly_tensor *b);          /* broadcasting */

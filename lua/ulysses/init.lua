@@ -198,10 +198,29 @@ function uly.clock()
   return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9
 end
 
+-- uly.profile_backward(fn, ...) runs fn with the backward profiler on and returns a list of
+-- { op = 'MatmulBackward', calls = n, seconds = s }, slowest first, then fn's results
+function uly.profile_backward(fn, ...)
+  C.uly_profile_reset()
+  C.uly_profile_enable(1)
+  local res = { pcall(fn, ...) }
+  C.uly_profile_enable(0)
+  if not res[1] then error(res[2], 2) end
+  local n = tonumber(C.uly_profile_report(nil, 0))
+  local buf = ffi.new('char[?]', n)
+  C.uly_profile_report(buf, n)
+  local rows = {}
+  for op, calls, secs in ffi.string(buf):gmatch('(%S+) (%d+) (%S+)\n') do
+    rows[#rows + 1] = { op = op, calls = tonumber(calls), seconds = tonumber(secs) }
+  end
+  table.sort(rows, function(a, b) return a.seconds > b.seconds end)
+  return rows, unpack(res, 2)
+end
+
 uly.nn = require 'ulysses.nn'
 
 -- submodules loaded on first use (uly.optim, uly.data, ...), so `require 'ulysses'` stays cheap
-local lazy = { optim = true, data = true, checkpoint = true, h5 = true, log = true, generate = true }
+local lazy = { optim = true, data = true, checkpoint = true, h5 = true, log = true, generate = true, dist = true }
 setmetatable(uly, { __index = function(t, k)
   if lazy[k] then
     local m = require('ulysses.' .. k)
