@@ -30,6 +30,7 @@ static const char *op_names[ULY_OP_COUNT] = {
     [ULY_OP_UNARY] = "UnaryBackward", [ULY_OP_SWIGLU] = "SwiGLUBackward", [ULY_OP_EMBEDDING] = "EmbeddingBackward",
     [ULY_OP_ROPE] = "RoPEBackward", [ULY_OP_DROPOUT] = "DropoutBackward",
     [ULY_OP_CROSS_ENTROPY] = "CrossEntropyBackward", [ULY_OP_ATTENTION] = "AttentionBackward",
+    [ULY_OP_ULYSSES_QKV] = "UlyssesQKVBackward", [ULY_OP_ULYSSES_OUT] = "UlyssesOutBackward",
     [ULY_OP_VIEW] = "ViewBackward", [ULY_OP_PERMUTE] = "PermuteBackward", [ULY_OP_NARROW] = "NarrowBackward",
     [ULY_OP_EXPAND] = "ExpandBackward", [ULY_OP_COPY] = "CopyBackward", [ULY_OP_CAT] = "CatBackward",
 };

@@ -3,7 +3,8 @@
 #  1. builds the Release library (build/) and a Debug + AddressSanitizer/UBSan/LeakSanitizer one
 #     (build-asan/);
 #  2. runs every busted spec (spec/*_spec.lua, under LuaJIT) against the Release build, then the
-#     same specs against the sanitizer build;
+#     #mpi specs under mpirun with 1, 2 and 4 ranks (Release build only), then the plain specs
+#     against the sanitizer build;
 #  3. ends with one line "N passed, N failed" over all runs; exits non-zero on any failure,
 #     error or crash.
 # ULY_SEED=<n> replays the random inputs of a run (the seed is printed first).
@@ -38,8 +39,37 @@ run_specs() { # label, env...
   fi
 }
 
+# The #mpi specs (`busted --run=mpi`, see .busted) under mpirun: every rank runs them, rank 0
+# prints the closing line and writes the summary, the other ranks print only their failures,
+# and a failure on any rank makes mpirun exit non-zero, which counts as a failure here. Run
+# against the Release build only: Open MPI under AddressSanitizer reports its own allocations
+# and the noise would hide real findings (the plain specs cover comm.c as a world of one rank).
+mpi_env=(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+         OMPI_MCA_hwloc_base_binding_policy=none OMPI_MCA_mpi_yield_when_idle=1
+         OMPI_MCA_btl_base_warn_component_unused=0)
+run_mpi_specs() {
+  if ! command -v mpirun >/dev/null 2>&1; then echo "== #mpi specs skipped: no mpirun"; return; fi
+  if ! LUA_PATH='lua/?.lua;lua/?/init.lua;;' luajit -e "os.exit(require('ulysses').has('mpi') and 0 or 1)"; then
+    echo "== #mpi specs skipped: libulysses was built without MPI"; return
+  fi
+  local np before after rc
+  for np in 1 2 4; do
+    echo "== specs: #mpi on $np ranks"
+    before=$(wc -l <"$summary")
+    env "${mpi_env[@]}" timeout 300 mpirun --allow-run-as-root --oversubscribe --bind-to none \
+      --mca mpi_yield_when_idle 1 -np "$np" luajit /usr/bin/busted --run=mpi
+    rc=$?
+    after=$(wc -l <"$summary")
+    if [ "$after" -eq "$before" ] || { [ $rc -ne 0 ] && ! tail -1 "$summary" | grep -q ' [1-9]'; }; then
+      echo "test: the #mpi run on $np ranks failed on some rank or ended abnormally (exit code $rc)"
+      crashed=$((crashed + 1))
+    fi
+  done
+}
+
 if ! build build -DCMAKE_BUILD_TYPE=Release; then echo "test: Release build failed"; echo "0 passed, 1 failed"; exit 1; fi
 run_specs "Release"
+run_mpi_specs
 
 if build build-asan -DCMAKE_BUILD_TYPE=Debug -DULY_SANITIZE=ON -DULY_CUDA=OFF; then
   asan=$(gcc -print-file-name=libasan.so)

@@ -176,6 +176,62 @@ int uly_h5_get_attr_f64(int64_t file, const char *object, const char *key, doubl
 int uly_h5_attr_type(int64_t file, const char *object, const char *key); /* 0 absent, 1 string, 2 number, 3 other; -1 error */
 int uly_file_commit(const char *tmp_path, const char *final_path); /* fsync tmp, rename over final, fsync dir */
 
+/* ---- communication (core/comm.c): Open MPI when the library is built with it and the process
+ *      runs under mpirun; otherwise a world of size 1 whose collectives are local copies.
+ *      Groups: the world, this rank's sequence-parallel group (sp consecutive ranks) and its
+ *      data-parallel group (ranks with the same sp_rank). Counts are in elements of `dtype`.
+ *      Every collective first checks that all ranks of the group call the same collective with
+ *      consistent sizes, and gives up after uly_dist_set_timeout seconds with a clear error. ---- */
+typedef struct uly_comm uly_comm;
+enum uly_comm_op { ULY_REDUCE_SUM = 0, ULY_REDUCE_AVG = 1, ULY_REDUCE_MAX = 2 };
+enum uly_comm_kind { ULY_COMM_ALL_TO_ALL = 0, ULY_COMM_ALL_REDUCE = 1, ULY_COMM_ALL_GATHER = 2,
+                     ULY_COMM_REDUCE_SCATTER = 3, ULY_COMM_BROADCAST = 4, ULY_COMM_BARRIER = 5, ULY_COMM_KINDS = 6 };
+int uly_dist_init(int sp_size);               /* idempotent; world size must be a multiple of sp_size */
+int uly_dist_initialized(void);
+int uly_dist_finalize(void);
+int uly_dist_abort(const char *message);      /* prints "ulysses: rank R: message" and ends every rank */
+void uly_dist_set_timeout(double seconds);    /* per collective; <= 0: wait forever */
+uly_comm *uly_dist_world(void);               /* borrowed handles, valid until finalize */
+uly_comm *uly_dist_sp_group(void);
+uly_comm *uly_dist_dp_group(void);
+int uly_comm_rank(const uly_comm *c);
+int uly_comm_size(const uly_comm *c);
+int uly_comm_world_rank_of(const uly_comm *c, int rank);  /* a group rank's world rank */
+const char *uly_comm_name(const uly_comm *c);             /* "world", "sp", "dp" */
+int uly_comm_all_to_all_v(uly_comm *c, const void *send, const int64_t *send_counts, const int64_t *send_displs,
+                          void *recv, const int64_t *recv_counts, const int64_t *recv_displs, int dtype);
+/* one peer's part of a strided exchange (no packing copies): starting `base` elements into the
+ * buffer, `count` repetitions `stride` elements apart, each made of `nruns` (<= 3) runs of
+ * length[k] elements at offset[k] within the repetition; the peer's elements are taken in that order */
+typedef struct uly_comm_layout {
+    int64_t base, count, stride;
+    int nruns;
+    int64_t offset[3], length[3];
+} uly_comm_layout;
+int uly_comm_all_to_all_layout(uly_comm *c, const void *send, const uly_comm_layout *send_layouts,
+                               void *recv, const uly_comm_layout *recv_layouts, int dtype); /* one layout per group rank */
+int uly_comm_all_reduce_(uly_comm *c, uly_tensor *t, int op);            /* in place, contiguous */
+int uly_comm_all_gather(uly_comm *c, const uly_tensor *in, uly_tensor *out); /* out: [size * in.shape[0], ...] */
+int uly_comm_reduce_scatter(uly_comm *c, const uly_tensor *in, uly_tensor *out, int op); /* in: [size * out.shape[0], ...] */
+int uly_comm_broadcast_(uly_comm *c, uly_tensor *t, int root);
+int uly_comm_barrier(uly_comm *c);
+int uly_comm_check_same(uly_comm *c, const char *what, const int64_t *values, int n); /* error (on every rank) lists each rank's values */
+int64_t uly_comm_bytes(int kind, int world_peer, int sent); /* bytes this rank sent (sent=1) to / received (0) from a peer */
+double uly_comm_seconds(int kind);                         /* wall time spent inside collectives of a kind */
+int64_t uly_comm_calls(int kind);
+void uly_comm_reset_stats(void);
+
+/* ---- Ulysses sequence parallelism (core/ulysses.c): the two all-to-alls as autograd ops over
+ *      a sequence-parallel group; splits give the first n % P ranks one extra token / head ---- */
+int uly_ulysses_split(int64_t n, int parts, int index, int64_t *start, int64_t *length);
+int uly_ulysses_heads(int64_t heads, int64_t kv_heads, int parts, int index, int64_t *q_start, int64_t *q_count,
+                      int64_t *kv_start, int64_t *kv_count);  /* this rank's query heads and the K/V heads they use */
+uly_tensor *uly_ulysses_qkv_to_heads(uly_comm *sp, uly_tensor *qkv, int64_t heads, int64_t kv_heads, int64_t seq_total);
+                                       /* [B, n_r, H + 2G, D] -> [B, N, Hq_r + 2 Gk_r, D], one exchange */
+uly_tensor *uly_ulysses_heads_to_seq(uly_comm *sp, uly_tensor *o, int64_t heads, int64_t seq_total);
+                                       /* [B, N, Hq_r, D] -> [B, n_r, H, D] */
+int64_t uly_ulysses_copies(void);      /* packing copies the exchanges made so far (none on the forward path) */
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,304 @@
+-- lua/ulysses/dist.lua — uly.dist: the process grid and collectives on CPU tensors (core/comm.c).
+--
+--   local dist = uly.dist
+--   local g = dist.init{ sp = 2 }   -- { rank, world, sp_rank, sp_size, dp_rank, dp_size,
+--                                   --   world_group, sp_group, dp_group }
+--   g.sp_group:all_reduce_(t, 'sum')
+--
+-- Under mpirun the world is split into sequence-parallel (SP) groups of `sp` consecutive ranks
+-- and data-parallel (DP) groups of the ranks with the same SP rank. Without mpirun the process
+-- is a world of one rank, MPI is never started, and the collectives are identities.
+-- Ranks are 0-based everywhere here, like MPI's (group:rank(), dist.rank(), roots, stats peers).
+-- Every collective first checks that all ranks of the group are in the same collective with
+-- consistent sizes (a mismatch raises the same error on every rank) and gives up after
+-- dist.set_timeout seconds (default 600, or ULY_COMM_TIMEOUT) instead of hanging; after a
+-- timeout the job cannot continue: end it with dist.abort (dist.run does this for you).
+local ffi = require 'ffi'
+local lib = require 'ulysses.ffi'
+local T = require 'ulysses.tensor'
+local C = lib.C
+local H, wrap, check, raise = T.handle, T.wrap, T.check, T.raise
+
+local dist = {}
+
+local KINDS = { [0] = 'all_to_all', 'all_reduce', 'all_gather', 'reduce_scatter', 'broadcast', 'barrier' }
+local N_KINDS = 6
+local OPS = { sum = 0, avg = 1, max = 2 }
+local i64arr = ffi.typeof('int64_t[?]')
+local tensor_ptrs = ffi.typeof('uly_tensor *[?]')
+
+local function pack(...) return { n = select('#', ...), ... } end
+
+---------------------------------------------------------------- groups
+local Group = {}
+Group.__index = Group
+Group.__tostring = function(g)
+  return string.format('dist group %s: rank %d of %d', g:name(), g:rank(), g:size())
+end
+
+local function new_group(ptr)
+  if ptr == nil then raise(T.last_error()) end
+  return setmetatable({ _c = ptr }, Group)
+end
+
+function Group:rank() return C.uly_comm_rank(self._c) end
+function Group:size() return C.uly_comm_size(self._c) end
+function Group:name() return ffi.string(C.uly_comm_name(self._c)) end
+-- the world rank of a (0-based) rank of this group
+function Group:world_rank(r) return C.uly_comm_world_rank_of(self._c, r or self:rank()) end
+
+local function op_code(op, what)
+  local code = OPS[op or 'sum']
+  if not code then raise(string.format("%s: unknown reduction '%s' (use 'sum', 'avg' or 'max')", what, tostring(op))) end
+  return code
+end
+
+-- in place over the group; t must be contiguous
+function Group:all_reduce_(t, op)
+  check(C.uly_comm_all_reduce_(self._c, H(t, 'all_reduce_'), op_code(op, 'all_reduce_')))
+  return t
+end
+
+-- a new tensor: every rank's t stacked along dim 1 in rank order ([size * n, ...]; a scalar gives [size])
+function Group:all_gather(t)
+  t = H(t, 'all_gather') and t:contiguous()
+  local shape = t:shape()
+  if #shape == 0 then shape = { 1 } end
+  shape[1] = shape[1] * self:size()
+  local out = T.empty(shape, { dtype = t:dtype() })
+  check(C.uly_comm_all_gather(self._c, t._h, out._h))
+  return out
+end
+
+-- a new tensor: this rank's block (of dim 1, split in size equal parts) of the reduction of every rank's t
+function Group:reduce_scatter(t, op)
+  local code = op_code(op, 'reduce_scatter')
+  t = H(t, 'reduce_scatter') and t:contiguous()
+  local shape = t:shape()
+  if #shape == 0 then raise('reduce_scatter: needs at least one dimension to split, got a scalar') end
+  shape[1] = math.floor(shape[1] / self:size())  -- an indivisible size is reported by the core on every rank
+  local out = T.empty(shape, { dtype = t:dtype() })
+  check(C.uly_comm_reduce_scatter(self._c, t._h, out._h, code))
+  return out
+end
+
+-- in place: every rank gets the root's (0-based group rank) values
+function Group:broadcast_(t, root)
+  check(C.uly_comm_broadcast_(self._c, H(t, 'broadcast_'), root or 0))
+  return t
+end
+
+function Group:barrier() check(C.uly_comm_barrier(self._c)) end
+
+local function counts_array(list, size, what)
+  if type(list) ~= 'table' or #list ~= size then
+    raise(string.format('all_to_all_v: %s must be a list of %d element counts (one per rank of the group), got %s',
+                        what, size, type(list) == 'table' and (#list .. ' entries') or type(list)))
+  end
+  local counts, displs, total = i64arr(size), i64arr(size), 0
+  for j = 1, size do
+    local n = list[j]
+    if type(n) ~= 'number' or n < 0 or n ~= math.floor(n) then
+      raise(string.format('all_to_all_v: %s[%d] = %s is not a non-negative integer', what, j, tostring(n)))
+    end
+    counts[j - 1], displs[j - 1] = n, total
+    total = total + n
+  end
+  return counts, displs, total
+end
+
+-- send_tensor holds the blocks for ranks 0, 1, ... back to back (send_counts elements each);
+-- the result (recv_tensor, or a new 1-D tensor) holds the blocks from ranks 0, 1, ... back to back
+function Group:all_to_all_v(send, send_counts, recv_counts, recv)
+  local size = self:size()
+  H(send, 'all_to_all_v send')
+  local scounts, sdispls, stotal = counts_array(send_counts, size, 'send_counts')
+  local rcounts, rdispls, rtotal = counts_array(recv_counts, size, 'recv_counts')
+  if send:device() ~= 'cpu' then raise('all_to_all_v: the send tensor is on the GPU; collectives here take CPU tensors') end
+  send = send:contiguous()
+  if send:numel() ~= stotal then
+    raise(string.format('all_to_all_v: the send tensor %s has %d elements but send_counts add up to %d',
+                        send:describe(), send:numel(), stotal))
+  end
+  if recv == nil then
+    recv = T.empty({ rtotal }, { dtype = send:dtype() })
+  else
+    H(recv, 'all_to_all_v recv')
+    if recv:dtype() ~= send:dtype() or not recv:is_contiguous() or recv:numel() ~= rtotal or recv:device() ~= 'cpu' then
+      raise(string.format('all_to_all_v: the receive tensor %s must be a contiguous CPU %s tensor of %d elements ' ..
+                          '(recv_counts add up to %d)', recv:describe(), send:dtype(), rtotal, rtotal))
+    end
+  end
+  check(C.uly_comm_all_to_all_v(self._c, send:data_ptr(), scounts, sdispls, recv:data_ptr(), rcounts, rdispls,
+                                C.uly_tensor_dtype(send._h)))
+  return recv
+end
+
+-- raises the same error on every rank when the ranks' lists of integers differ
+function Group:check_same(what, values)
+  if type(values) ~= 'table' then raise('check_same: values must be a list of integers') end
+  local n = #values
+  local arr = i64arr(math.max(n, 1))
+  for i = 1, n do
+    local v = values[i]
+    if type(v) ~= 'number' or v ~= math.floor(v) then
+      raise(string.format('check_same: value %d (%s) is not an integer', i, tostring(v)))
+    end
+    arr[i - 1] = v
+  end
+  check(C.uly_comm_check_same(self._c, tostring(what or 'a value'), arr, n))
+end
+
+---------------------------------------------------------------- the grid
+local function grid()
+  local w, sp, dp = new_group(C.uly_dist_world()), new_group(C.uly_dist_sp_group()), new_group(C.uly_dist_dp_group())
+  return {
+    rank = w:rank(), world = w:size(),
+    sp_rank = sp:rank(), sp_size = sp:size(),
+    dp_rank = dp:rank(), dp_size = dp:size(),
+    world_group = w, sp_group = sp, dp_group = dp,
+  }
+end
+
+-- dist.init{ sp = P }: idempotent for the same sp; the grid is fixed for the life of the process
+function dist.init(opts)
+  opts = opts or {}
+  if type(opts) ~= 'table' then raise('dist.init: expected an options table such as { sp = 4 }') end
+  local sp = opts.sp or 1
+  if type(sp) ~= 'number' or sp ~= math.floor(sp) then raise('dist.init: sp must be an integer, got ' .. tostring(sp)) end
+  check(C.uly_dist_init(sp))
+  return grid()
+end
+
+function dist.initialized() return C.uly_dist_initialized() ~= 0 end
+
+-- the grid of an initialised process
+function dist.grid()
+  if not dist.initialized() then raise('dist.grid: call dist.init{ sp = P } first') end
+  return grid()
+end
+
+-- world rank and size; before dist.init they come from mpirun's environment (or 0 and 1)
+function dist.rank()
+  if dist.initialized() then return C.uly_comm_rank(C.uly_dist_world()) end
+  return tonumber(os.getenv('OMPI_COMM_WORLD_RANK')) or 0
+end
+
+function dist.world_size()
+  if dist.initialized() then return C.uly_comm_size(C.uly_dist_world()) end
+  return tonumber(os.getenv('OMPI_COMM_WORLD_SIZE')) or 1
+end
+
+function dist.is_main() return dist.rank() == 0 end
+
+function dist.print0(...)
+  if dist.is_main() then
+    print(...)
+    io.stdout:flush()
+  end
+end
+
+-- { [kind] = { calls, seconds, sent, received, peers = { [world_rank] = { sent, received } } } }
+-- Bytes of payload only; a rank's transfers to itself are never counted, so peers lists
+-- every other world rank (zeros included) and never this one.
+function dist.stats()
+  local out, me, world = {}, dist.rank(), dist.world_size()
+  for k = 0, N_KINDS - 1 do
+    local s = { calls = tonumber(C.uly_comm_calls(k)), seconds = C.uly_comm_seconds(k), sent = 0, received = 0, peers = {} }
+    for p = 0, world - 1 do
+      if p ~= me then
+        local sent, received = tonumber(C.uly_comm_bytes(k, p, 1)), tonumber(C.uly_comm_bytes(k, p, 0))
+        s.peers[p] = { sent = sent, received = received }
+        s.sent, s.received = s.sent + sent, s.received + received
+      end
+    end
+    out[KINDS[k]] = s
+  end
+  return out
+end
+
+function dist.reset_stats() C.uly_comm_reset_stats() end
+
+-- seconds each collective may wait for the other ranks; <= 0 waits forever
+function dist.set_timeout(seconds)
+  if type(seconds) ~= 'number' then raise('dist.set_timeout: expected a number of seconds') end
+  C.uly_dist_set_timeout(seconds)
+end
+
+-- prints "ulysses: rank R: msg" and ends every rank of the job (exit status 1)
+function dist.abort(msg) C.uly_dist_abort(tostring(msg or 'aborted')) end
+
+-- shuts MPI down (also done automatically at exit); the grid cannot be set up again under MPI
+function dist.finalize() C.uly_dist_finalize() end
+
+-- fn(...) under xpcall: a Lua error prints its message and traceback as "ulysses: rank R: ..."
+-- and aborts the whole job, so no other rank is left waiting in a collective
+function dist.run(fn, ...)
+  local args = pack(...)
+  local res = pack(xpcall(function() return fn(unpack(args, 1, args.n)) end,
+                          function(e) return debug.traceback(tostring(e), 2) end))
+  if not res[1] then dist.abort(res[2]) end
+  return unpack(res, 2, res.n)
+end
+
+---------------------------------------------------------------- gradients
+local BUCKET_BYTES = 64 * 2 ^ 20
+local grad_buffers = setmetatable({}, { __mode = 'k' })  -- params[1] -> flat buffer plan
+
+local function same_list(plan, params, bucket_elems)
+  if plan.n ~= #params or plan.bucket_elems ~= bucket_elems then return false end
+  for i = 1, plan.n do if plan.params[i] ~= params[i] then return false end end
+  return true
+end
+
+-- a flat f32 buffer with a view per parameter and a view per bucket, reused while the list is the same
+local function grad_plan(params, bucket_elems)
+  local plan = grad_buffers[params[1]]
+  if plan and same_list(plan, params, bucket_elems) then return plan end
+  local total = 0
+  for i, p in ipairs(params) do
+    H(p, 'all_reduce_grads: parameter ' .. i)
+    total = total + p:numel()
+  end
+  plan = { n = #params, bucket_elems = bucket_elems, params = setmetatable({}, { __mode = 'v' }),
+           views = {}, buckets = {}, handles = tensor_ptrs(math.max(#params, 1)) }
+  plan.flat = T.empty({ math.max(total, 1) }, { dtype = 'f32' })
+  local off = 0
+  for i, p in ipairs(params) do
+    plan.params[i] = p
+    plan.views[i] = plan.flat:narrow(1, off + 1, p:numel()):view(p:shape())
+    off = off + p:numel()
+  end
+  for start = 0, total - 1, bucket_elems do
+    plan.buckets[#plan.buckets + 1] = plan.flat:narrow(1, start + 1, math.min(bucket_elems, total - start))
+  end
+  grad_buffers[params[1]] = plan
+  return plan
+end
+
+-- Sums every parameter's grad over `group` (default: the world) with one all-reduce per bucket
+-- of opts.bucket_bytes (default 64 MiB) of a flat f32 buffer, then multiplies by opts.scale
+-- (e.g. 1 / dp_size). A parameter without a grad contributes zeros and gets a zero-based grad.
+function dist.all_reduce_grads(params, group, opts)
+  opts = opts or {}
+  if type(params) ~= 'table' then raise('all_reduce_grads: expected a list of parameters') end
+  if #params == 0 then return end
+  group = group or grid().world_group
+  if getmetatable(group) ~= Group then raise('all_reduce_grads: the group must be a dist group (e.g. grid.dp_group)') end
+  local bucket_bytes = opts.bucket_bytes or BUCKET_BYTES
+  local plan = grad_plan(params, math.max(1, math.floor(bucket_bytes / 4)))
+  for i, p in ipairs(params) do
+    local g = p.grad
+    if g then plan.views[i]:copy_(g) else plan.views[i]:zero_() end
+  end
+  for _, b in ipairs(plan.buckets) do group:all_reduce_(b, 'sum') end
+  for i, p in ipairs(params) do
+    local g = p.grad
+    if g then g:copy_(plan.views[i]) else check(C.uly_tensor_set_grad(p._h, plan.views[i]:clone()._h)) end
+    plan.handles[i - 1] = p._h
+  end
+  local scale = opts.scale or 1
+  if scale ~= 1 then check(C.uly_grad_scale_(plan.handles, #params, scale)) end
+end
+
+return dist
