@@ -544,6 +544,17 @@ int uly_comm_all_to_all_v(uly_comm *c, const void *send, const int64_t *send_cou
     return call_end(&k, rc);
 }
 
+/* a rank whose all-to-all arguments failed its own checks still joins the header round, so
+ * every rank of the group returns the same error instead of waiting for it */
+int uly_comm_all_to_all_refuse(uly_comm *c, const char *why) {
+    call k;
+    if (call_begin(&k, c, ULY_COMM_ALL_TO_ALL)) return -1;
+    bad(&k, "%s", why);
+    k.h.a = c->size;
+    agree(&k);
+    return -1;
+}
+
 /* ---------------------------------------------------------------- strided (layout) all-to-all */
 
 static int64_t layout_numel(const uly_comm_layout *L) {

@@ -13,6 +13,7 @@
  *    g(h) = h / (H / G), a contiguous range [g0, g0 + Gk): with G < P (or uneven head groups)
  *    several ranks get the same K/V head, and its sender sends it to each of them. In backward
  *    those copies' gradients are summed at the sender. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "internal.h"
@@ -129,13 +130,13 @@ uly_tensor *uly_ulysses_qkv_to_heads(uly_comm *c, uly_tensor *qkv, int64_t heads
     plan p;
     if (plan_make(&p, c, qkv->shape[0], seq_total, heads, kv_heads, qkv->shape[3])) return NULL;
     if (qkv->shape[1] != p.ntok[p.r]) {
-        uly_tensor *e = uly_set_error_null("%s: rank %d of %d holds %lld tokens, but splitting the sequence of %lld "
-                                           "tokens gives it %lld (tokens [%lld, %lld)); shard the data with "
-                                           "uly.data's shard option or pass the global length", op, p.r, p.P,
-                                           (long long)qkv->shape[1], (long long)seq_total, (long long)p.ntok[p.r],
-                                           (long long)p.tok0[p.r], (long long)(p.tok0[p.r] + p.ntok[p.r]));
+        char why[200];
+        snprintf(why, sizeof why, "%s: holds %lld tokens, but splitting the sequence of %lld over %d ranks gives it "
+                 "%lld; shard with uly.data's shard option", op, (long long)qkv->shape[1], (long long)seq_total, p.P,
+                 (long long)p.ntok[p.r]);
         plan_free(&p);
-        return e;
+        uly_comm_all_to_all_refuse(c, why);
+        return NULL;
     }
     uly_tensor *src = uly_contiguous_raw(qkv);
     if (src && src != qkv) copies++;
@@ -159,12 +160,13 @@ uly_tensor *uly_ulysses_heads_to_seq(uly_comm *c, uly_tensor *o, int64_t heads, 
     plan p;
     if (plan_make(&p, c, o->shape[0], seq_total, heads, 1, o->shape[3])) return NULL;
     if (o->shape[1] != seq_total || o->shape[2] != p.hq[p.r]) {
-        uly_tensor *e = uly_set_error_null("%s: rank %d expects [%lld, %lld, %lld, %lld] (the whole sequence for its "
-                                           "%lld of %lld heads), got %s", op, p.r, (long long)p.B, (long long)seq_total,
-                                           (long long)p.hq[p.r], (long long)p.D, (long long)p.hq[p.r], (long long)heads,
-                                           uly_desc(o));
+        char why[200];
+        snprintf(why, sizeof why, "%s: expects [%lld, %lld, %lld, %lld] (the whole sequence for its %lld of %lld heads), "
+                 "got %s", op, (long long)p.B, (long long)seq_total, (long long)p.hq[p.r], (long long)p.D,
+                 (long long)p.hq[p.r], (long long)heads, uly_desc(o));
         plan_free(&p);
-        return e;
+        uly_comm_all_to_all_refuse(c, why);
+        return NULL;
     }
     uly_tensor *src = uly_contiguous_raw(o);
     if (src && src != o) copies++;

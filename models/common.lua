@@ -58,12 +58,53 @@ function M.check_input(name, idx, pos, seq)
   end
 end
 
--- mean cross-entropy of logits [B, T, V] against targets [B, T] (ignore_index masked)
+-- the attention a config asks for: cfg.attend (default: the reference kernel), wrapped in
+-- nn.DistributedAttention over the sequence-parallel group when cfg.sp is set
+function M.attention_for(cfg)
+  local attend = cfg.attend or uly.nn.reference_attend
+  if not cfg.sp then return attend, nil end
+  if type(cfg.sp) ~= 'number' or cfg.sp < 1 or cfg.sp % 1 ~= 0 then
+    error('config.sp must be a positive integer (ranks per sequence-parallel group), got ' .. tostring(cfg.sp), 4)
+  end
+  local grid = uly.dist.init { sp = cfg.sp }
+  return uly.nn.DistributedAttention(attend, grid.sp_group), grid
+end
+
+-- number of targets that are not ignore_index
+local function count_valid(targets, ignore_index)
+  local t = targets:contiguous():to('i64')
+  local p, n, valid = t:data(), t:numel(), 0
+  for i = 0, n - 1 do if p[i] ~= ignore_index then valid = valid + 1 end end
+  return valid
+end
+
+-- Cross-entropy of logits [B, T, V] against targets [B, T] (ignore_index masked), the mean over
+-- the valid targets. Under sequence/data parallelism (the model has a grid) every rank returns
+-- its share: the sum over its own targets divided by the count over ALL ranks, so the shares
+-- add up to the global token-weighted mean and the gradients need one SUM all-reduce over the
+-- world (uly.dist.all_reduce_grads). A rank whose targets are all ignored contributes 0, never NaN.
 function M.loss(model, idx, targets, opts)
   opts = opts or {}
   local logits = model:forward(idx, opts)
-  return uly.cross_entropy(logits, targets, { ignore_index = opts.ignore_index or -1,
-                                              reduction = opts.reduction })
+  local ignore = opts.ignore_index or -1
+  local grid = model.grid
+  if not grid or grid.world == 1 or opts.reduction then
+    return uly.cross_entropy(logits, targets, { ignore_index = ignore, reduction = opts.reduction })
+  end
+  local total = uly.tensor({ count_valid(targets, ignore) }, { dtype = 'f64' })
+  grid.world_group:all_reduce_(total, 'sum')
+  local sum = uly.cross_entropy(logits, targets, { ignore_index = ignore, reduction = 'sum' })
+  return sum * (1 / math.max(total:item(), 1))
+end
+
+-- the global loss value from each rank's share (one small all-reduce; the share itself if alone)
+function M.global_loss(model, loss)
+  local v = type(loss) == 'number' and loss or loss:item()
+  local grid = model.grid
+  if not grid or grid.world == 1 then return v end
+  local t = uly.tensor({ v }, { dtype = 'f64' })
+  grid.world_group:all_reduce_(t, 'sum')
+  return t:item()
 end
 
 -- Model FLOPs per token for training (forward + backward = 3x forward), the convention of

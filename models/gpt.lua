@@ -32,11 +32,13 @@ function GPT:__init(cfg)
   local C, L = cfg.dim, cfg.layers
   self:add('wte', nn.Embedding(cfg.vocab, C, { std = cfg.std }))          -- [V, C], also the output head
   self:add('wpe', nn.Embedding(cfg.seq, C, { std = cfg.pos_std }))        -- [seq, C]
+  local attend, grid = common.attention_for(cfg)
+  self.grid = grid                                                      -- set under sequence parallelism
   local blocks = nn.ModuleList()
   for _ = 1, L do
     blocks:append(nn.Block(C, {
       heads = cfg.heads, norm = 'layernorm', mlp = 'gelu', hidden = cfg.hidden or 4 * C,
-      bias = cfg.bias, attend = cfg.attend, window = cfg.window, dropout = cfg.dropout, eps = cfg.eps,
+      bias = cfg.bias, attend = attend, window = cfg.window, dropout = cfg.dropout, eps = cfg.eps,
       std = cfg.std, proj_std = cfg.std / math.sqrt(2 * L) }))              -- GPT-2: residual init / sqrt(2L)
   end
   self:add('blocks', blocks)
@@ -53,7 +55,7 @@ function GPT:forward(idx, ctx)
   if self.training and cfg.dropout > 0 then h = h:dropout(cfg.dropout, true) end
   local caches = ctx and ctx.caches
   for l, block in self.blocks:named_children() do
-    h = block(h, { pos = pos, cache = caches and caches[l] })
+    h = block(h, { pos = pos, cache = caches and caches[l], seq_total = ctx and ctx.seq_total })
   end
   return self.ln_f(h):matmul(self.wte.weight:t())                        -- [B, T, V]
 end

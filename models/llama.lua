@@ -43,11 +43,13 @@ function Llama:__init(cfg)
   self.config = cfg
   local C, L = cfg.dim, cfg.layers
   self:add('tok_embeddings', nn.Embedding(cfg.vocab, C, { std = cfg.std }))
+  local attend, grid = common.attention_for(cfg)
+  self.grid = grid                                                      -- set under sequence parallelism
   local layers = nn.ModuleList()
   for _ = 1, L do
     layers:append(nn.Block(C, {
       heads = cfg.heads, kv_heads = cfg.kv_heads, norm = 'rmsnorm', mlp = 'swiglu', hidden = cfg.hidden,
-      rope = true, rope_theta = cfg.rope_theta, bias = false, attend = cfg.attend, window = cfg.window,
+      rope = true, rope_theta = cfg.rope_theta, bias = false, attend = attend, window = cfg.window,
       dropout = cfg.dropout, eps = cfg.eps, std = cfg.std, proj_std = cfg.std / math.sqrt(2 * L) }))
   end
   self:add('layers', layers)
@@ -63,7 +65,7 @@ function Llama:forward(idx, ctx)
   local h = self.tok_embeddings(idx)                                       -- [B, T, C]
   local caches = ctx and ctx.caches
   for l, layer in self.layers:named_children() do
-    h = layer(h, { pos = pos, cache = caches and caches[l] })
+    h = layer(h, { pos = pos, cache = caches and caches[l], seq_total = ctx and ctx.seq_total })
   end
   h = self.norm(h)
   if cfg.tied then return h:matmul(self.tok_embeddings.weight:t()) end    -- [B, T, V]

@@ -52,16 +52,18 @@ run_mpi_specs() {
   if ! LUA_PATH='lua/?.lua;lua/?/init.lua;;' luajit -e "os.exit(require('ulysses').has('mpi') and 0 or 1)"; then
     echo "== #mpi specs skipped: libulysses was built without MPI"; return
   fi
-  local np before after rc
-  for np in 1 2 4; do
-    echo "== specs: #mpi on $np ranks"
+  local run np sp before after rc
+  # ranks:sp — SP over 1, 2 and 4 ranks, then DP 2 x SP 2 (ULY_TEST_SP sets the grid of the specs)
+  for run in 1:1 2:2 4:4 4:2; do
+    np=${run%:*} sp=${run#*:}
+    echo "== specs: #mpi on $np ranks, sequence-parallel groups of $sp"
     before=$(wc -l <"$summary")
-    env "${mpi_env[@]}" timeout 300 mpirun --allow-run-as-root --oversubscribe --bind-to none \
-      --mca mpi_yield_when_idle 1 -np "$np" luajit /usr/bin/busted --run=mpi
+    env "${mpi_env[@]}" ULY_TEST_SP="$sp" timeout 300 mpirun --allow-run-as-root --oversubscribe --bind-to none \
+      --mca mpi_yield_when_idle 1 -x ULY_TEST_SP -np "$np" luajit /usr/bin/busted --run=mpi
     rc=$?
     after=$(wc -l <"$summary")
     if [ "$after" -eq "$before" ] || { [ $rc -ne 0 ] && ! tail -1 "$summary" | grep -q ' [1-9]'; }; then
-      echo "test: the #mpi run on $np ranks failed on some rank or ended abnormally (exit code $rc)"
+      echo "test: the #mpi run on $np ranks (sp $sp) failed on some rank or ended abnormally (exit code $rc)"
       crashed=$((crashed + 1))
     fi
   done

@@ -301,4 +301,32 @@ function dist.all_reduce_grads(params, group, opts)
   if scale ~= 1 then check(C.uly_grad_scale_(plan.handles, #params, scale)) end
 end
 
+---------------------------------------------------------------- Ulysses exchanges
+-- dist.split(n, parts, index) -> start, length (0-based start; the first n % parts parts get
+-- one extra): how a sequence of n tokens (or n heads) is shared out
+function dist.split(n, parts, index)
+  local s, l = ffi.new('int64_t[1]'), ffi.new('int64_t[1]')
+  check(C.uly_ulysses_split(n, parts, index, s, l))
+  return tonumber(s[0]), tonumber(l[0])
+end
+
+-- dist.heads(H, G, parts, index) -> { q_start, q_count, kv_start, kv_count } (0-based starts)
+function dist.heads(heads, kv_heads, parts, index)
+  local v = ffi.new('int64_t[4]')
+  check(C.uly_ulysses_heads(heads, kv_heads, parts, index, v, v + 1, v + 2, v + 3))
+  return { q_start = tonumber(v[0]), q_count = tonumber(v[1]), kv_start = tonumber(v[2]), kv_count = tonumber(v[3]) }
+end
+
+-- sequence-sharded qkv [B, n_r, H + 2G, D] -> head-sharded [B, N, Hq_r + 2 Gk_r, D] (autograd)
+function dist.qkv_to_heads(group, qkv, heads, kv_heads, seq_total)
+  return wrap(C.uly_ulysses_qkv_to_heads(group._c, H(qkv, 'qkv_to_heads'), heads, kv_heads, seq_total))
+end
+
+-- head-sharded attention output [B, N, Hq_r, D] -> sequence-sharded [B, n_r, H, D] (autograd)
+function dist.heads_to_seq(group, o, heads, seq_total)
+  return wrap(C.uly_ulysses_heads_to_seq(group._c, H(o, 'heads_to_seq'), heads, seq_total))
+end
+
+function dist.exchange_copies() return tonumber(C.uly_ulysses_copies()) end
+
 return dist

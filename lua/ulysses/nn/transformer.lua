@@ -60,12 +60,23 @@ return function(nn, U)
     self:add('proj', Linear(C, C, { bias = opts.bias, std = opts.proj_std or opts.std }))
   end
 
-  -- x [B, T, C] -> [B, T, C]; ctx = { pos = first position (0), cache = nn.KVCache or nil }
+  -- x [B, T, C] -> [B, T, C]; ctx = { pos = first position (0), cache = nn.KVCache or nil,
+  -- seq_total = the whole sequence's length under sequence parallelism }
   function SelfAttention:forward(x, ctx)
     local B, T = x:size(1), x:size(2)
     local H, Hkv, D = self.heads, self.kv_heads, self.head_dim
     local pos = ctx and ctx.pos or 0
     local qkv = self.wqkv(x):view(B, T, H + 2 * Hkv, D)          -- [B, T, H + 2Hkv, D]
+    if type(self.attend) == 'table' and self.attend.forward_qkv then
+      -- sequence parallel: Q, K, V leave in one exchange; RoPE is applied after it, on the
+      -- whole sequence (positions are global either way)
+      if ctx and ctx.cache then raise('SelfAttention: a KV cache cannot be used with sequence-parallel attention', 2) end
+      local y = self.attend:forward_qkv(qkv, { heads = H, kv_heads = Hkv, causal = self.causal,
+                                               scale = 1 / math.sqrt(D), window = self.window,
+                                               rope_theta = self.rope and self.rope_theta or nil,
+                                               seq_total = ctx and ctx.seq_total, seq_start = ctx and ctx.seq_start or 0 })
+      return self.proj(y:reshape(B, T, H * D))
+    end
     local q = qkv:narrow(3, 1, H)                                   -- [B, T, H, D]
     local k = qkv:narrow(3, H + 1, Hkv)                             -- [B, T, Hkv, D]
     local v = qkv:narrow(3, H + Hkv + 1, Hkv)
@@ -80,6 +91,89 @@ return function(nn, U)
   function SelfAttention:extra_repr()
     return string.format('dim=%d, heads=%d, kv_heads=%d%s%s', self.dim, self.heads, self.kv_heads,
                          self.rope and ', rope' or '', self.causal and ', causal' or '')
+  end
+
+  ---------------------------------------------------------------- DistributedAttention
+  -- DistributedAttention(local_attend, group): DeepSpeed-Ulysses around any local attention.
+  -- Each rank holds n_r tokens of every head; one all-to-all gives it the whole sequence for its
+  -- share of the heads (and the K/V heads those use), local_attend runs on that, and a second
+  -- all-to-all restores the sequence sharding. A model becomes sequence-parallel by swapping its
+  -- attend for this (and its data loader for a sharded one); nothing else changes.
+  local DistributedAttention = {}
+  DistributedAttention.__index = DistributedAttention
+  nn.DistributedAttention = setmetatable(DistributedAttention, { __call = function(cls, local_attend, group)
+    if type(local_attend) ~= 'function' and not (type(local_attend) == 'table' and getmetatable(local_attend)) then
+      raise('DistributedAttention: expects a local attention function attend(q, k, v, opts)', 3)
+    end
+    if type(group) ~= 'table' or not group._c then
+      raise('DistributedAttention: expects a process group (uly.dist.init{sp = P}.sp_group)', 3)
+    end
+    return setmetatable({ local_attend = local_attend, group = group }, cls)
+  end })
+
+  -- local q heads [h0, h0 + hq) against K/V heads [g0, g0 + gk): one call when the grouping is
+  -- uniform, else one call per K/V head over the query heads that use it
+  local function attend_local(self, q, k, v, hd, group_size, opts)
+    local hq, gk = hd.q_count, hd.kv_count
+    local uniform = hq % gk == 0
+    for i = 0, hq - 1 do
+      if not uniform then break end
+      uniform = math.floor(i / (hq / gk)) == math.floor((hd.q_start + i) / group_size) - hd.kv_start
+    end
+    if uniform then return self.local_attend(q, k, v, opts) end
+    local parts, i = {}, 0
+    for j = 0, gk - 1 do
+      local first = i
+      while i < hq and math.floor((hd.q_start + i) / group_size) - hd.kv_start == j do i = i + 1 end
+      if i > first then
+        parts[#parts + 1] = self.local_attend(q:narrow(3, first + 1, i - first), k:narrow(3, j + 1, 1),
+                                              v:narrow(3, j + 1, 1), opts)
+      end
+    end
+    local out = parts[1]
+    for p = 2, #parts do out = U().cat({ out, parts[p] }, 3) end
+    return out
+  end
+
+  -- qkv [B, n_r, H + 2G, D] (this rank's tokens) -> attention output [B, n_r, H, D]
+  -- opts: heads, kv_heads, seq_total (N, required), seq_start (the sequence's first position),
+  -- rope_theta (apply RoPE after the exchange), causal, scale, window
+  function DistributedAttention:forward_qkv(qkv, opts)
+    local dist = U().dist
+    local N = opts.seq_total
+    if not N then -- the sum of the shards (one small collective; pass ctx.seq_total to skip it)
+      local t = U().tensor({ qkv:size(2) }, { dtype = 'i64' })
+      self.group:all_reduce_(t, 'sum')
+      N = t:item()
+    end
+    local H, G = opts.heads, opts.kv_heads
+    local P, r = self.group:size(), self.group:rank()
+    local hd = dist.heads(H, G, P, r)
+    local recv = dist.qkv_to_heads(self.group, qkv, H, G, N)               -- [B, N, hq + 2gk, D]
+    local y
+    if hd.q_count == 0 then
+      y = recv:narrow(3, 1, 0)                                              -- no heads here: still in the graph
+    else
+      local q = recv:narrow(3, 1, hd.q_count)
+      local k = recv:narrow(3, hd.q_count + 1, hd.kv_count)
+      local v = recv:narrow(3, hd.q_count + hd.kv_count + 1, hd.kv_count)
+      if opts.rope_theta then
+        q, k = q:rope(opts.seq_start or 0, opts.rope_theta), k:rope(opts.seq_start or 0, opts.rope_theta)
+      end
+      y = attend_local(self, q, k, v, hd, H / G, { causal = opts.causal, scale = opts.scale, window = opts.window,
+                                                   pos = opts.seq_start or 0 })
+    end
+    return dist.heads_to_seq(self.group, y, H, N)                         -- [B, n_r, H, D]
+  end
+
+  -- the DeepSpeed-style call with separate (already rotated) q [B, n_r, H, D], k, v [B, n_r, G, D]:
+  -- packs them into one buffer (a copy) and runs the same exchange
+  function DistributedAttention:__call(q, k, v, opts)
+    opts = opts or {}
+    local qkv = U().cat({ q, k, v }, 3)
+    return self:forward_qkv(qkv, { heads = q:size(3), kv_heads = k:size(3), seq_total = opts.seq_total,
+                                   causal = opts.causal, scale = opts.scale, window = opts.window,
+                                   seq_start = opts.pos })
   end
 
   ---------------------------------------------------------------- Block

@@ -1,0 +1,207 @@
+-- spec/ulysses_spec.lua — DeepSpeed-Ulysses sequence parallelism, run by scripts/test.sh under
+-- mpirun at P = 1, 2, 4 and a DP 2 x SP 2 grid (#mpi): the loss and every parameter gradient of
+-- GPT and Llama (GQA) match the single-process run; the same with uneven heads, K/V heads fewer
+-- than P, a head grouping that is not uniform per rank, ranks without any head, and N not
+-- divisible by P; the bytes each rank sends to each peer per layer equal the formula exactly,
+-- forward and backward; the forward makes no packing copy; mismatches fail on every rank.
+local uly = require 'ulysses'
+local helpers = require 'helpers'
+local dist = uly.dist
+local nn = uly.nn
+local GPT = require 'models.gpt'
+local Llama = require 'models.llama'
+local common = require 'models.common'
+
+-- the grid every #mpi spec file uses: ULY_TEST_SP (set by scripts/test.sh), else SP over all
+-- ranks, or 2 x 2 with 4 ranks
+local function grid()
+  local world = tonumber(os.getenv('OMPI_COMM_WORLD_SIZE') or '1')
+  return dist.init { sp = tonumber(os.getenv('ULY_TEST_SP') or '') or (world == 4 and 2 or world) }
+end
+
+-- the split rule, written out independently of the C code: first n % P parts get one more
+local function split(n, P, j)
+  local base, extra = math.floor(n / P), n % P
+  local len = base + (j < extra and 1 or 0)
+  return j * base + math.min(j, extra), len
+end
+
+local function batch(B, N, V, seed)
+  math.randomseed(seed)
+  local xt, yt = {}, {}
+  for b = 1, B do
+    xt[b], yt[b] = {}, {}
+    for t = 1, N do
+      xt[b][t] = math.random(0, V - 1)
+      yt[b][t] = (t % 5 == 0) and -1 or math.random(0, V - 1)   -- some targets ignored
+    end
+  end
+  return uly.tensor(xt, { dtype = 'i32' }), uly.tensor(yt, { dtype = 'i32' })
+end
+
+local function copy_cfg(cfg, extra)
+  local out = {}
+  for k, v in pairs(cfg) do out[k] = v end
+  for k, v in pairs(extra or {}) do out[k] = v end
+  return out
+end
+
+-- the single-process model vs the sequence-parallel one on the same batch: returns the loss
+-- difference and the largest gradient difference relative to each tensor's largest entry
+local function compare(Model, cfg, N)
+  local g = grid()
+  local P, r = g.sp_size, g.sp_rank
+  local x, y = batch(2, N, cfg.vocab or 256, 11)
+  uly.manual_seed(7)
+  local ref = Model(cfg)
+  uly.manual_seed(7)
+  local m = Model(copy_cfg(cfg, { sp = P }))
+  local ref_loss = ref:loss(x, y)
+  ref_loss:backward()
+  local lo, n = split(N, P, r)
+  local loss = m:loss(x:narrow(2, lo + 1, n):contiguous(), y:narrow(2, lo + 1, n):contiguous(), { pos = lo, seq_total = N })
+  loss:backward()
+  dist.all_reduce_grads(m:parameters(), g.world_group)
+  local global = common.global_loss(m, loss)
+  local worst, where = 0, nil
+  local rp = ref:parameters()
+  local k = 0
+  for name, p in m:named_parameters() do
+    k = k + 1
+    local a, na = helpers.values(p.grad)
+    local b = helpers.values(rp[k].grad)
+    local scale = 0
+    for i = 0, na - 1 do scale = math.max(scale, math.abs(b[i])) end
+    for i = 0, na - 1 do
+      local e = math.abs(a[i] - b[i]) / math.max(scale, 1e-30)
+      if e > worst then worst, where = e, name end
+    end
+  end
+  return math.abs(global - ref_loss:item()) / ref_loss:item(), worst, where
+end
+
+describe('Ulysses sequence parallelism #mpi', function()
+  local TOL = 1e-5   -- reached: loss within 1e-7 relative, gradients within 1e-6 of each tensor's largest entry
+
+  local cases = {
+    { 'GPT (4 heads)', GPT, { preset = 'tiny', heads = 4, dim = 32, seq = 16 }, 16 },
+    { 'Llama with GQA (4 heads, 2 K/V heads)', Llama, { preset = 'tiny', heads = 4, kv_heads = 2, dim = 32, hidden = 48, seq = 16 }, 16 },
+    { 'uneven heads (6 heads, 2 K/V) and N = 13', Llama, { preset = 'tiny', heads = 6, kv_heads = 2, dim = 48, hidden = 48, seq = 16 }, 13 },
+    { 'a non-uniform head grouping (10 heads, 2 K/V), N = 11', Llama, { preset = 'tiny', heads = 10, kv_heads = 2, dim = 40, hidden = 48, seq = 16 }, 11 },
+    { 'fewer heads than ranks (GPT, 2 heads) and N = 10', GPT, { preset = 'tiny', heads = 2, dim = 32, seq = 16 }, 10 },
+    { 'K/V heads fewer than P (8 heads, 2 K/V) and N = 9', Llama, { preset = 'tiny', heads = 8, kv_heads = 2, dim = 32, hidden = 48, seq = 16 }, 9 },
+  }
+  for _, c in ipairs(cases) do
+    it('matches the single-process loss and gradients: ' .. c[1], function()
+      local dl, dg, where = compare(c[2], c[3], c[4])
+      assert.is_true(dl <= TOL, string.format('loss differs by %.3g relative', dl))
+      assert.is_true(dg <= TOL, string.format('gradient of %s differs by %.3g', tostring(where), dg))
+    end)
+  end
+
+  it('sends and receives exactly the formula per peer per layer, forward and backward', function()
+    local g = grid()
+    local P, r = g.sp_size, g.sp_rank
+    for _, shape in ipairs({ { H = 4, G = 4, N = 12 }, { H = 8, G = 2, N = 10 }, { H = 6, G = 2, N = 7 } }) do
+      local H, G, N, D, B = shape.H, shape.G, shape.N, 4, 2
+      local attn = nn.SelfAttention(H * D, { heads = H, kv_heads = G, rope = true,
+                                              attend = nn.DistributedAttention(nn.reference_attend, g.sp_group) })
+      local lo, n = split(N, P, r)
+      local x = uly.randn(B, n, H * D, { requires_grad = true })
+      -- the formula: rank j gets query heads hq_j and the K/V heads they use gk_j
+      local function heads(j)
+        local h0, hq = split(H, P, j)
+        if hq == 0 then return 0, 0 end
+        local grp = H / G
+        return hq, math.floor((h0 + hq - 1) / grp) - math.floor(h0 / grp) + 1
+      end
+      local hq_r = heads(r)
+      local gk_r = select(2, heads(r))
+      local fwd_sent, fwd_recv = {}, {}
+      for j = 0, P - 1 do
+        local hq_j, gk_j = heads(j)
+        local _, n_j = split(N, P, j)
+        -- Q, K, V of my tokens for j's heads, then the output of my heads for j's tokens
+        fwd_sent[j] = 4 * (B * n * (hq_j + 2 * gk_j) * D + B * n_j * hq_r * D)
+        fwd_recv[j] = 4 * (B * n_j * (hq_r + 2 * gk_r) * D + B * n * hq_j * D)
+      end
+      dist.reset_stats()
+      local copies0 = dist.exchange_copies()
+      local y = attn(x, { seq_total = N })
+      local fwd = dist.stats().all_to_all
+      assert.are.equal(copies0, dist.exchange_copies())   -- no packing copy on the forward path
+      assert.are.equal(2, fwd.calls)                       -- Q, K and V in ONE exchange, then O
+      local total = 0
+      for j = 0, P - 1 do
+        local peer = fwd.peers[g.sp_group:world_rank(j)]
+        if j == r then
+          assert.is_nil(peer and peer.sent ~= 0 and peer or nil)
+        else
+          assert.are.equal(fwd_sent[j], peer.sent, 'bytes to rank ' .. j)
+          assert.are.equal(fwd_recv[j], peer.received, 'bytes from rank ' .. j)
+          total = total + fwd_sent[j]
+        end
+      end
+      assert.are.equal(total, fwd.sent)
+      dist.reset_stats()
+      y:sum():backward()
+      local bwd = dist.stats().all_to_all
+      assert.are.equal(2, bwd.calls)
+      for j = 0, P - 1 do
+        if j ~= r then   -- backward is the same exchange reversed
+          local peer = bwd.peers[g.sp_group:world_rank(j)]
+          assert.are.equal(fwd_recv[j], peer.sent, 'backward bytes to rank ' .. j)
+          assert.are.equal(fwd_sent[j], peer.received, 'backward bytes from rank ' .. j)
+        end
+      end
+      assert.are.equal(copies0 + 2, dist.exchange_copies())  -- backward: one staging buffer per exchange
+    end
+  end)
+
+  it('with heads divisible by P and G >= P the total is 4 B N C / P elements, (P-1)/P of it sent', function()
+    local g = grid()
+    local P = g.sp_size
+    local H, G, N, D, B = 4, 4, 8, 4, 1
+    local attn = nn.SelfAttention(H * D, { heads = H, kv_heads = G,
+                                            attend = nn.DistributedAttention(nn.reference_attend, g.sp_group) })
+    local _, n = split(N, P, g.sp_rank)
+    dist.reset_stats()
+    attn(uly.randn(B, n, H * D), { seq_total = N })
+    local C = H * D
+    assert.are.equal(4 * (4 * B * N * C / P) * (P - 1) / P, dist.stats().all_to_all.sent)
+  end)
+
+  it('a rank with the wrong number of tokens fails on every rank with the same message', function()
+    local g = grid()
+    local P, r = g.sp_size, g.sp_rank
+    if P == 1 then return end
+    local N = 8
+    local _, n = split(N, P, r)
+    if r == P - 1 then n = n + 1 end   -- the last rank holds one token too many
+    local ok, err = pcall(dist.qkv_to_heads, g.sp_group, uly.randn(1, n, 6, 4), 2, 2, N)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find('holds ' .. (split(N, P, P - 1) and select(2, split(N, P, P - 1)) + 1) .. ' tokens', 1, true), err)
+    assert.truthy(tostring(err):find('rank ' .. (P - 1), 1, true), err)
+    -- and ranks that disagree on the number of heads are caught by the exchange's size check
+    local heads = r == 0 and 4 or 2
+    ok, err = pcall(dist.qkv_to_heads, g.sp_group, uly.randn(1, select(2, split(N, P, r)), heads + 4, 4), heads, 2, N)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find('all_to_all on group sp', 1, true), err)
+    -- the group is still usable afterwards
+    local t = uly.tensor({ 1 })
+    g.sp_group:all_reduce_(t, 'sum')
+    assert.are.equal(P, t:item())
+  end)
+end)
+
+describe('Ulysses without MPI', function()
+  it('splits tokens and heads with the first n % P parts one longer', function()
+    assert.are.same({ 0, 3 }, { dist.split(10, 4, 0) })
+    assert.are.same({ 6, 2 }, { dist.split(10, 4, 2) })
+    assert.are.same({ q_start = 3, q_count = 3, kv_start = 0, kv_count = 2 }, dist.heads(10, 2, 4, 1))
+    assert.are.same({ q_start = 4, q_count = 0, kv_start = 0, kv_count = 0 }, dist.heads(4, 2, 5, 4))
+    local ok, err = pcall(dist.heads, 6, 4, 2, 0)
+    assert.is_false(ok)
+    assert.truthy(err:find('not a multiple', 1, true))
+  end)
+end)
