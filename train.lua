@@ -5,7 +5,10 @@
 -- command line override it. One progress line per step (tokens/s, FLOP/s, MFU, memory, ETA),
 -- validation loss at intervals, a CSV log and an SVG loss plot in --out, rotating HDF5
 -- checkpoints, exact resume (--resume auto|PATH) and a sample from the model at the end.
--- Without --data it trains on data/kjv.h5 if present, else on an embedded text (Genesis 1-3).
+-- Without --data it trains on data/kjv.h5 if present, else on an embedded text (Genesis 1).
+-- Under mpirun (mpirun -np 4 luajit train.lua --sp 2) the ranks form data-parallel x sequence-
+-- parallel groups: each rank reads only its slice of every window, attention goes through
+-- nn.DistributedAttention, gradients are summed once over all ranks, rank 0 prints and saves.
 local here = debug.getinfo(1, 'S').source:match('^@(.*)/[^/]*$') or '.'
 package.path = here .. '/lua/?.lua;' .. here .. '/lua/?/init.lua;' .. here .. '/?.lua;' .. package.path
 local uly = require 'ulysses'
@@ -40,7 +43,8 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'keep', 3, 'checkpoints kept' },
   { 'resume', '', "'auto' (latest in OUT/ckpt) or a checkpoint path" },
   { 'seed', 1337, 'seed for initialisation, data order and dropout' },
-  { 'threads', 0, 'threads for kernels and BLAS (0 = all cores)' },
+  { 'threads', 0, 'threads for kernels and BLAS (0 = all cores; under mpirun: cores / ranks)' },
+  { 'sp', 0, 'ranks per sequence-parallel group under mpirun (0 = all ranks; world / sp groups do data parallelism)' },
   { 'peak_gflops', 0, 'peak for MFU (0 = 217 GFLOP/s per thread, the AVX-512 FMA peak of one core here)' },
   { 'log_every', 0, 'seconds between progress lines (0 = every step)' },
   { 'sample', 200, 'tokens to generate at the end (0 = none)' },
@@ -124,7 +128,7 @@ local function file_exists(path)
 end
 
 -- the dataset to train on: --data, else data/kjv.h5, else the embedded text prepared into OUT
-local function resolve_data(cfg)
+local function resolve_data(cfg, quiet)
   if cfg.data ~= '' and cfg.data ~= 'embedded' then
     if not file_exists(cfg.data) then
       usage(string.format('--data %s: no such file (prepare one with datasets/prepare.sh, see datasets/README.md)', cfg.data))
@@ -141,14 +145,17 @@ local function resolve_data(cfg)
     local prepare = dofile(here .. '/datasets/prepare.lua')
     prepare { kind = 'text', inputs = { txt }, out = path, valid = 0.1, name = 'genesis-1', quiet = true }
   end
-  print(string.format('data: %s (embedded Genesis 1; run datasets/fetch.sh kjv && datasets/prepare.sh kjv for the whole Bible)', path))
+  if not quiet then
+    print(string.format('data: %s (embedded Genesis 1; datasets/prepare.sh kjv gets the whole Bible)', path))
+  end
   return path
 end
 
 local function build_model(cfg, vocab)
   local Model = cfg.model == 'llama' and require 'models.llama' or cfg.model == 'gpt' and require 'models.gpt'
   if not Model then usage("--model must be 'gpt' or 'llama', got " .. cfg.model) end
-  local mc = { preset = cfg.preset, vocab = vocab, seq = cfg.seq, dropout = cfg.dropout }
+  local mc = { preset = cfg.preset, vocab = vocab, seq = cfg.seq, dropout = cfg.dropout,
+               sp = cfg.world > 1 and cfg.sp or nil }
   for _, k in ipairs({ 'layers', 'heads', 'kv_heads', 'dim', 'hidden' }) do
     if cfg[k] > 0 then mc[k] = cfg[k] end
   end
@@ -160,134 +167,188 @@ end
 
 local function mkdir_p(path) os.execute('mkdir -p "' .. path:gsub('"', '\\"') .. '"') end
 
-local cfg = parse_flags(arg)
-if cfg.threads > 0 then uly.set_num_threads(cfg.threads) end
-mkdir_p(cfg.out)
-uly.manual_seed(cfg.seed)
-
-local data_path = resolve_data(cfg)
-local train_data = uly.data.open(data_path, { seq = cfg.seq, batch = cfg.batch, split = 'train', seed = cfg.seed })
-local valid_data = uly.data.open(data_path, { seq = cfg.seq, batch = cfg.batch, split = 'valid', random = false })
-local model = build_model(cfg, train_data.vocab_size)
-local opt = uly.optim.AdamW(model:parameters(), { lr = cfg.lr, betas = { 0.9, cfg.beta2 }, weight_decay = cfg.wd })
-local schedule = cfg.schedule == 'constant' and uly.optim.schedule.constant { lr = cfg.lr, warmup = cfg.warmup }
-  or uly.optim.schedule.cosine { lr = cfg.lr, warmup = math.min(cfg.warmup, cfg.steps), steps = cfg.steps, min_lr = cfg.min_lr }
-
--- resume: model, optimizer, RNG, data position and step from a checkpoint
-local ckpt_dir = cfg.out .. '/ckpt'
-local start_step = 0
-if cfg.resume ~= '' then
-  local path = cfg.resume == 'auto' and uly.checkpoint.latest(ckpt_dir) or cfg.resume
-  if path then
-    local info = uly.checkpoint.load(path, { model = model, optim = opt })
-    start_step = info.step
-    if info.data then train_data:set_state(info.data) end
-    print(string.format('resumed from %s at step %d', path, start_step))
+local function main()
+  local cfg = parse_flags(arg)
+  local launched = tonumber(os.getenv('OMPI_COMM_WORLD_SIZE') or '1')
+  cfg.world = launched
+  local grid
+  if launched > 1 then
+    if cfg.sp == 0 then cfg.sp = launched end
+    local ok, g = pcall(uly.dist.init, { sp = cfg.sp })
+    if not ok then usage((tostring(g):gsub('^[^:]*:%d+: ', ''))) end
+    grid = g
   else
-    print('resume: no checkpoint in ' .. ckpt_dir .. ', starting fresh')
+    cfg.sp = 1
   end
-end
+  local rank = grid and grid.rank or 0
+  local main_rank = rank == 0
+  local function say(...) if main_rank then print(...) end end
+  if cfg.threads > 0 then uly.set_num_threads(cfg.threads)
+  elseif launched > 1 then uly.set_num_threads(math.max(1, math.floor(uly.get_num_threads() / launched))) end
+  if main_rank then mkdir_p(cfg.out) end
+  if grid then grid.world_group:barrier() end
+  uly.manual_seed(cfg.seed)
 
-local tokens_per_step = cfg.batch * cfg.seq * cfg.accum
-local threads = uly.get_num_threads()
-local peak = cfg.peak_gflops > 0 and cfg.peak_gflops * 1e9 or 217e9 * threads
-local peak_label = cfg.peak_gflops > 0 and 'given peak' or string.format('%d-thread AVX-512 FMA peak', threads)
-local flops_per_token = model:flops_per_token(cfg.seq)
-local mc = model.config
-print(string.format('model: %s %s, %d layers, %d heads%s, dim %d, %.2f M parameters, %.1f MFLOP/token (6N + 12LCT)',
+  -- rank 0 resolves the data first (and prepares the embedded text if needed), then the others
+  local data_path = main_rank and resolve_data(cfg) or nil
+  if grid then grid.world_group:barrier() end
+  data_path = data_path or resolve_data(cfg, true)
+  local shard = grid and { rank = grid.sp_rank, size = grid.sp_size } or nil
+  local dp_rank = grid and grid.dp_rank or 0
+  local train_data = uly.data.open(data_path, { seq = cfg.seq, batch = cfg.batch, split = 'train',
+                                                seed = cfg.seed + 7919 * dp_rank, shard = shard })
+  local valid_data = uly.data.open(data_path, { seq = cfg.seq, batch = cfg.batch, split = 'valid', random = false,
+                                                shard = shard })
+  local model = build_model(cfg, train_data.vocab_size)
+  local ctx = { pos = train_data.offset or 0, seq_total = cfg.seq }
+  local opt = uly.optim.AdamW(model:parameters(), { lr = cfg.lr, betas = { 0.9, cfg.beta2 }, weight_decay = cfg.wd })
+  local schedule = cfg.schedule == 'constant' and uly.optim.schedule.constant { lr = cfg.lr, warmup = cfg.warmup }
+    or uly.optim.schedule.cosine { lr = cfg.lr, warmup = math.min(cfg.warmup, cfg.steps), steps = cfg.steps, min_lr = cfg.min_lr }
+  local common = require 'models.common'
+
+  -- resume: model, optimizer, RNG, data position and step from a checkpoint
+  local ckpt_dir = cfg.out .. '/ckpt'
+  local start_step = 0
+  if cfg.resume ~= '' then
+    local path = cfg.resume == 'auto' and uly.checkpoint.latest(ckpt_dir) or cfg.resume
+    if path then
+      local info = uly.checkpoint.load(path, { model = model, optim = opt })
+      start_step = info.step
+      if info.data then train_data:set_state(info.data) end
+      local offsets = info.extra and info.extra.rng_offsets
+      if offsets and offsets[rank + 1] then uly.set_rng_state { seed = info.rng.seed, offset = offsets[rank + 1] } end
+      say(string.format('resumed from %s at step %d', path, start_step))
+    else
+      say('resume: no checkpoint in ' .. ckpt_dir .. ', starting fresh')
+    end
+  end
+
+  local tokens_per_step = cfg.batch * cfg.seq * cfg.accum * (grid and grid.dp_size or 1)
+  local threads = uly.get_num_threads() * launched
+  local peak = cfg.peak_gflops > 0 and cfg.peak_gflops * 1e9 or 217e9 * math.min(threads, 2)
+  local peak_label = cfg.peak_gflops > 0 and 'given peak' or
+    string.format('%d-core AVX-512 FMA peak', math.min(threads, 2))
+  local flops_per_token = model:flops_per_token(cfg.seq)
+  local mc = model.config
+  say(string.format('model: %s %s, %d layers, %d heads%s, dim %d, %.2f M parameters, %.1f MFLOP/token (6N + 12LCT)',
                     mc.model, mc.preset, mc.layers, mc.heads, mc.kv_heads and (', ' .. mc.kv_heads .. ' kv') or '',
                     mc.dim, model:num_parameters() / 1e6, flops_per_token / 1e6))
-print(string.format('data: %s, %s, vocab %d, %d train / %d valid tokens, unigram entropy %.3f bits/token',
+  say(string.format('data: %s, %s, vocab %d, %d train / %d valid tokens, unigram entropy %.3f bits/token',
                     data_path, train_data.kind, train_data.vocab_size, train_data.n_tokens, valid_data.n_tokens,
                     train_data.entropy_bits or 0 / 0))
-print(string.format('run: %d steps x %d tokens (batch %d x seq %d x accum %d), lr %.2g %s, %d threads, BLAS %s',
-                    cfg.steps, tokens_per_step, cfg.batch, cfg.seq, cfg.accum, cfg.lr, cfg.schedule, threads,
-                    uly.blas_corename()))
+  say(string.format('run: %d steps x %d tokens (batch %d x seq %d x accum %d%s), lr %.2g %s, %d threads, BLAS %s',
+                    cfg.steps, tokens_per_step, cfg.batch, cfg.seq, cfg.accum,
+                    grid and string.format(' x dp %d; %d ranks = dp %d x sp %d', grid.dp_size, grid.world, grid.dp_size,
+                                           grid.sp_size) or '',
+                    cfg.lr, cfg.schedule, threads, uly.blas_corename()))
 
-local log_path = cfg.out .. '/log.csv'
-local writer = uly.log.Writer(log_path, { fields = { 'step', 'loss', 'val_loss', 'lr', 'grad_norm', 'tokens_per_s', 'seconds' },
-                                          append = start_step > 0 })
-local progress = uly.log.Progress { total_steps = cfg.steps, tokens_per_step = tokens_per_step,
-                                    flops_per_token = flops_per_token, peak_flops = peak, peak_label = peak_label,
-                                    every = cfg.log_every, start_step = start_step }
+  local log_path = cfg.out .. '/log.csv'
+  local writer = main_rank and uly.log.Writer(log_path, {
+    fields = { 'step', 'loss', 'val_loss', 'lr', 'grad_norm', 'tokens_per_s', 'seconds' }, append = start_step > 0 })
+  local progress = uly.log.Progress { total_steps = cfg.steps, tokens_per_step = tokens_per_step,
+                                      flops_per_token = flops_per_token, peak_flops = peak, peak_label = peak_label,
+                                      every = cfg.log_every, rank = rank }
 
-local function evaluate()
-  model:eval()
-  local total, n = 0, 0
-  uly.no_grad(function()
-    for x, y in valid_data:batches() do
-      total = total + model:loss(x, y):item() * x:numel()
-      n = n + x:numel()
-      if n >= cfg.eval_batches * cfg.batch * cfg.seq then break end
+  local function evaluate()
+    model:eval()
+    local total, n = 0, 0
+    uly.no_grad(function()
+      local vctx = { pos = valid_data.offset or 0, seq_total = cfg.seq }
+      for x, y in valid_data:batches() do
+        total = total + common.global_loss(model, model:loss(x, y, vctx)) * x:size(1)
+        n = n + x:size(1)
+        if n >= cfg.eval_batches * cfg.batch then break end
+      end
+    end)
+    model:train()
+    return total / n
+  end
+
+  local function save_checkpoint(step)
+    local offsets = { tonumber(uly.rng_state().offset) }
+    if grid then
+      local t = uly.tensor(offsets, { dtype = 'f64' })
+      offsets = grid.world_group:all_gather(t):totable()
     end
-  end)
-  model:train()
-  return total / n
+    if not main_rank then return end
+    return uly.checkpoint.save_rotating(ckpt_dir, step, {
+      model = model, optim = opt, step = step, config = common.plain_config(model.config),
+      data = train_data:state(), extra = { data_path = data_path, rng_offsets = offsets } }, cfg.keep)
+  end
+
+  local function comm_totals()
+    if not grid then return 0, 0 end
+    local bytes, secs = 0, 0
+    for _, s in pairs(uly.dist.stats()) do bytes, secs = bytes + s.sent, secs + s.seconds end
+    return bytes, secs
+  end
+
+  local params = model:parameters()
+  local t_start = uly.clock()
+  local val_loss
+  local last_step = cfg.stop_after > 0 and math.min(cfg.stop_after, cfg.steps) or cfg.steps
+  for step = start_step + 1, last_step do
+    local t0 = uly.clock()
+    local bytes0, secs0 = comm_totals()
+    opt.lr = schedule(step)
+    opt:zero_grad()
+    local loss_sum = 0
+    for _ = 1, cfg.accum do
+      local x, y = train_data:next()
+      local loss = model:loss(x, y, ctx)
+      loss_sum = loss_sum + loss:item()
+      if cfg.accum > 1 then loss = loss * (1 / cfg.accum) end
+      loss:backward()
+    end
+    if grid then uly.dist.all_reduce_grads(params, grid.world_group) end
+    local loss = common.global_loss(model, loss_sum / cfg.accum)
+    local norm = cfg.clip > 0 and uly.optim.clip_grad_norm(params, cfg.clip) or uly.optim.grad_norm(params)
+    if loss ~= loss or norm ~= norm or norm == math.huge then
+      error(string.format('step %d: loss %s, gradient norm %s; stopping (lower --lr, or check the data)',
+                          step, tostring(loss), tostring(norm)), 0)
+    end
+    opt:step()
+    local dt = uly.clock() - t0
+    local bytes1, secs1 = comm_totals()
+    progress:step { step = step, loss = loss, lr = opt.lr, dt = dt, memory = uly.memory().allocated,
+                    extra = grid and { comm_bytes = bytes1 - bytes0, comm_time = secs1 - secs0 } or nil }
+    val_loss = nil
+    if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == last_step then
+      val_loss = evaluate()
+      progress:eval { step = step, loss = val_loss, bpt = val_loss / math.log(2) }
+    end
+    if writer then
+      writer:write { step = step, loss = loss, val_loss = val_loss, lr = opt.lr, grad_norm = norm,
+                     tokens_per_s = tokens_per_step / dt, seconds = uly.clock() - t_start }
+    end
+    if (cfg.ckpt_every > 0 and step % cfg.ckpt_every == 0) or step == last_step then save_checkpoint(step) end
+  end
+  if not main_rank then return end
+  writer:close()
+
+  local summary = progress:summary()
+  if summary and train_data.entropy_bits then
+    print(string.format('unigram entropy of the training data: %.3f bits/token; validation: %s bits/token',
+                        train_data.entropy_bits, val_loss and string.format('%.3f', val_loss / math.log(2)) or 'n/a'))
+  end
+  uly.log.plot_csv(log_path, cfg.out .. '/loss.svg', {
+    title = string.format('%s %s on %s', mc.model, mc.preset, data_path:match('([^/]+)$')),
+    hlines = train_data.entropy_bits and { { y = train_data.entropy_bits * math.log(2), label = 'unigram entropy' } } or nil })
+  print(string.format('log: %s  plot: %s  checkpoints: %s', log_path, cfg.out .. '/loss.svg', ckpt_dir))
+
+  if cfg.sample > 0 then
+    local prompt
+    if cfg.prompt ~= '' then prompt = train_data:encode(cfg.prompt)
+    else
+      local full = uly.data.open(data_path, { seq = cfg.seq, batch = 1, split = 'valid', random = false })
+      local x = full:batches()()
+      prompt = x:narrow(2, 1, math.min(16, cfg.seq - 1)):contiguous()
+    end
+    local n = math.min(cfg.sample, cfg.seq - prompt:size(2))
+    local ids = model:generate(prompt, { max_new_tokens = n, temperature = cfg.temperature, top_k = cfg.top_k })
+    print('sample (temperature ' .. cfg.temperature .. ', top-k ' .. cfg.top_k .. '):')
+    print(train_data:decode(prompt) .. '|' .. train_data:decode(ids))
+  end
 end
 
-local function save_checkpoint(step)
-  local path = uly.checkpoint.save_rotating(ckpt_dir, step, {
-    model = model, optim = opt, step = step, config = require('models.common').plain_config(model.config),
-    data = train_data:state(), extra = { data_path = data_path } }, cfg.keep)
-  return path
-end
-
-local params = model:parameters()
-local t_start = uly.clock()
-local val_loss
-local last_step = cfg.stop_after > 0 and math.min(cfg.stop_after, cfg.steps) or cfg.steps
-for step = start_step + 1, last_step do
-  local t0 = uly.clock()
-  opt.lr = schedule(step)
-  opt:zero_grad()
-  local loss_sum = 0
-  for _ = 1, cfg.accum do
-    local x, y = train_data:next()
-    local loss = model:loss(x, y)
-    loss_sum = loss_sum + loss:item()
-    if cfg.accum > 1 then loss = loss * (1 / cfg.accum) end
-    loss:backward()
-  end
-  local loss = loss_sum / cfg.accum
-  local norm = cfg.clip > 0 and uly.optim.clip_grad_norm(params, cfg.clip) or uly.optim.grad_norm(params)
-  if loss ~= loss or norm ~= norm or norm == math.huge then
-    io.stderr:write(string.format('train.lua: step %d: loss %s, gradient norm %s; stopping (lower --lr, or check the data)\n',
-                                  step, tostring(loss), tostring(norm)))
-    os.exit(1)
-  end
-  opt:step()
-  local dt = uly.clock() - t0
-  progress:step { step = step, loss = loss, lr = opt.lr, dt = dt, memory = uly.memory().allocated }
-  val_loss = nil
-  if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == last_step then
-    val_loss = evaluate()
-    progress:eval { step = step, loss = val_loss, bpt = val_loss / math.log(2) }
-  end
-  writer:write { step = step, loss = loss, val_loss = val_loss, lr = opt.lr, grad_norm = norm,
-                 tokens_per_s = tokens_per_step / dt, seconds = uly.clock() - t_start }
-  if (cfg.ckpt_every > 0 and step % cfg.ckpt_every == 0) or step == last_step then save_checkpoint(step) end
-end
-writer:close()
-
-local summary = progress:summary()
-if summary and train_data.entropy_bits then
-  print(string.format('unigram entropy of the training data: %.3f bits/token; validation: %s bits/token',
-                      train_data.entropy_bits, val_loss and string.format('%.3f', val_loss / math.log(2)) or 'n/a'))
-end
-uly.log.plot_csv(log_path, cfg.out .. '/loss.svg', {
-  title = string.format('%s %s on %s', mc.model, mc.preset, data_path:match('([^/]+)$')),
-  hlines = train_data.entropy_bits and { { y = train_data.entropy_bits * math.log(2), label = 'unigram entropy' } } or nil })
-print(string.format('log: %s  plot: %s  checkpoints: %s', log_path, cfg.out .. '/loss.svg', ckpt_dir))
-
-if cfg.sample > 0 then
-  local prompt
-  if cfg.prompt ~= '' then prompt = train_data:encode(cfg.prompt)
-  else
-    local x = valid_data:batches()()
-    prompt = x:narrow(1, 1, 1):narrow(2, 1, math.min(16, cfg.seq - 1)):contiguous()
-  end
-  local n = math.min(cfg.sample, cfg.seq - prompt:size(2))
-  local ids = model:generate(prompt, { max_new_tokens = n, temperature = cfg.temperature, top_k = cfg.top_k })
-  print('sample (temperature ' .. cfg.temperature .. ', top-k ' .. cfg.top_k .. '):')
-  print(train_data:decode(prompt) .. '|' .. train_data:decode(ids))
-end
+uly.dist.run(main)

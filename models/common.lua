@@ -67,6 +67,7 @@ function M.attention_for(cfg)
     error('config.sp must be a positive integer (ranks per sequence-parallel group), got ' .. tostring(cfg.sp), 4)
   end
   local grid = uly.dist.init { sp = cfg.sp }
+  if cfg.sp == 1 then return attend, grid end   -- data parallelism only: attention stays local
   return uly.nn.DistributedAttention(attend, grid.sp_group), grid
 end
 
@@ -159,6 +160,16 @@ function M.generate(model, prompt, opts)
   end
   local was_training = model.training
   model:eval()
+  -- a sequence-parallel model generates on one rank: its attention runs locally meanwhile
+  local swapped = {}
+  local function unshard(m)
+    if type(m.attend) == 'table' and m.attend.local_attend then
+      swapped[#swapped + 1] = { m, m.attend }
+      m.attend = m.attend.local_attend
+    end
+    for _, c in m:named_children() do unshard(c) end
+  end
+  unshard(model)
   local out = {}
   uly.no_grad(function()
     local caches
@@ -185,6 +196,7 @@ function M.generate(model, prompt, opts)
       next_input = uly.tensor({ { tok } }, { dtype = 'i32' })
     end
   end)
+  for _, e in ipairs(swapped) do e[1].attend = e[2] end
   model:train(was_training)
   return out
 end
