@@ -258,6 +258,7 @@ function M.save(path, what)
     end
   end
   if what.step ~= nil and type(what.step) ~= 'number' then raise('checkpoint.save: step must be a number') end
+  M._mkdir_p(path:match('^(.*)/[^/]*$') or '')   -- the checkpoint's directory, made if missing
   tmp_counter = tmp_counter + 1
   local tmp = string.format('%s.tmp.%d.%d', path, getpid, tmp_counter)
   local f
@@ -472,6 +473,17 @@ local function checkpoints_in(dir)
   return found
 end
 
+-- make dir and any missing parents (mkdir -p); existing ones are fine
+function M._mkdir_p(dir)
+  if dir == '' or list_dir(dir) then return end
+  local prefix = dir:sub(1, 1) == '/' and '/' or ''
+  for part in dir:gmatch('[^/]+') do
+    prefix = prefix .. part
+    dir_api.mkdir(prefix, tonumber('755', 8))
+    prefix = prefix .. '/'
+  end
+end
+
 function M.latest(dir)
   if type(dir) ~= 'string' then raise('checkpoint.latest: dir must be a string') end
   local found = checkpoints_in(dir)
@@ -488,14 +500,7 @@ function M.save_rotating(dir, step, what, keep)
     raise('checkpoint.save_rotating: keep must be an integer >= 1, got ' .. tostring(keep))
   end
   if type(what) ~= 'table' then raise('checkpoint.save_rotating: expects a table {model = m, optim = opt, ...}') end
-  if not list_dir(dir) then  -- make it and any missing parents (mkdir -p)
-    local prefix = dir:sub(1, 1) == '/' and '/' or ''
-    for part in dir:gmatch('[^/]+') do
-      prefix = prefix .. part
-      dir_api.mkdir(prefix, tonumber('755', 8))
-      prefix = prefix .. '/'
-    end
-  end
+  M._mkdir_p(dir)
   local copy = {}
   for k, v in pairs(what) do copy[k] = v end
   copy.step = step
