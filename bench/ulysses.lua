@@ -30,6 +30,8 @@
 --     bin/ulysses bench/ulysses.lua [--exchange-n 4096,16384,65536] [--layer-n 2048,8192]
 --     [--models llama,gpt] [--reps 5] [--layer-reps 3] [--threads T]
 -- With P > 1 each rank uses 1 thread unless --threads says otherwise (P = 1: the library default).
+-- The layer's local attention is nn.flash_attend when the library has it (then --layer-n may go
+-- past 8192), else the reference kernel, which stores N^2 probabilities per head: N <= 8192 only.
 local ffi = require 'ffi'
 local uly = require 'ulysses'
 local dist, nn = uly.dist, uly.nn
@@ -254,7 +256,7 @@ local function main()
   local cores = sysconf_cores()
   local flash = nn.flash_attend
   local attend, attend_name = flash or nn.reference_attend, flash and 'nn.flash_attend' or 'nn.reference_attend'
-  local layer_n = int_list(opts['layer-n'] or (flash and '4096,16384' or '2048,8192'), '--layer-n')
+  local layer_n = int_list(opts['layer-n'] or '2048,8192', '--layer-n')
   if not flash then
     for _, N in ipairs(layer_n) do
       if N > 8192 then
@@ -276,11 +278,13 @@ local function main()
   local over = cores and P * threads > cores
   dist.print0(string.format('== bench/ulysses.lua   P = %d (one SP group of %d ranks)', P, P))
   dist.print0('command: ' .. cmd)
-  dist.print0(string.format('ulysses %s, BLAS core %s, %d thread(s) per rank, %s cores%s', uly.version,
-                            uly.blas_corename(), threads, tostring(cores),
+  local why = opts.threads and ' (--threads)' or (P > 1 and ' (set to 1 because P > 1)' or ' (library default)')
+  dist.print0(string.format('ulysses %s, BLAS core %s, %d thread(s) per rank%s, %s cores%s', uly.version,
+                            uly.blas_corename(), threads, why, tostring(cores),
                             over and string.format(' -> OVERSUBSCRIBED (%d ranks x %d threads): timings are not ' ..
                                                    'representative', P, threads) or ''))
-  dist.print0('local attention in the layer: ' .. attend_name .. '; f32; times: median over reps of the slowest rank')
+  dist.print0('local attention in the layer: ' .. attend_name .. '; f32; times: per column, the median over reps of the ' ..
+                'slowest rank')
   for _, m in ipairs(models) do
     dist.print0(string.format('model %-5s: C = %d, H = %d, G = %d (K/V heads), D = %d, B = %d, %s, %s, hidden %d%s',
                               m.name, m.C, m.H, m.G, m.C / m.H, m.B, m.norm, m.mlp, m.hidden, m.rope and ', rope' or ''))
