@@ -23,6 +23,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'dim', 0, 'override the preset' },
   { 'hidden', 0, 'MLP width (0 = preset/default)' },
   { 'dropout', 0, 'dropout probability' },
+  { 'checkpoint', 0, '1: recompute each block in backward instead of keeping its activations' },
   { 'seq', 256, 'sequence length T (tokens per window)' },
   { 'batch', 16, 'windows per micro-batch' },
   { 'accum', 1, 'micro-batches per optimizer step (gradient accumulation)' },
@@ -155,7 +156,7 @@ local function build_model(cfg, vocab)
   local Model = cfg.model == 'llama' and require 'models.llama' or cfg.model == 'gpt' and require 'models.gpt'
   if not Model then usage("--model must be 'gpt' or 'llama', got " .. cfg.model) end
   local mc = { preset = cfg.preset, vocab = vocab, seq = cfg.seq, dropout = cfg.dropout,
-               sp = cfg.world > 1 and cfg.sp or nil }
+               sp = cfg.world > 1 and cfg.sp or nil, checkpoint = cfg.checkpoint ~= 0 }
   for _, k in ipairs({ 'layers', 'heads', 'kv_heads', 'dim', 'hidden' }) do
     if cfg[k] > 0 then mc[k] = cfg[k] end
   end

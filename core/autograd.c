@@ -30,9 +30,10 @@ static const char *op_names[ULY_OP_COUNT] = {
     [ULY_OP_UNARY] = "UnaryBackward", [ULY_OP_SWIGLU] = "SwiGLUBackward", [ULY_OP_EMBEDDING] = "EmbeddingBackward",
     [ULY_OP_ROPE] = "RoPEBackward", [ULY_OP_DROPOUT] = "DropoutBackward",
     [ULY_OP_CROSS_ENTROPY] = "CrossEntropyBackward", [ULY_OP_ATTENTION] = "AttentionBackward",
-    [ULY_OP_ULYSSES_QKV] = "UlyssesQKVBackward", [ULY_OP_ULYSSES_OUT] = "UlyssesOutBackward",
+    [ULY_OP_CUSTOM] = "CustomBackward", [ULY_OP_ULYSSES_QKV] = "UlyssesQKVBackward", [ULY_OP_ULYSSES_OUT] = "UlyssesOutBackward",
     [ULY_OP_VIEW] = "ViewBackward", [ULY_OP_PERMUTE] = "PermuteBackward", [ULY_OP_NARROW] = "NarrowBackward",
     [ULY_OP_EXPAND] = "ExpandBackward", [ULY_OP_COPY] = "CopyBackward", [ULY_OP_CAT] = "CatBackward",
+    [ULY_OP_FLASH_ATTENTION] = "FlashAttentionBackward",
 };
 const char *uly_op_name(int op) { return (op >= 0 && op < ULY_OP_COUNT && op_names[op]) ? op_names[op] : "?"; }
 
@@ -90,6 +91,7 @@ void uly_node_release(uly_node *n) {
     while (top) {
         uly_node *x = stack[--top];
         if (--x->refcount > 0) continue;
+        uly_custom_note_freed(x);
         release_saved(x);
         uly_tensor_release(x->grad_out);
         for (int k = 0; k < x->n_inputs; k++) {

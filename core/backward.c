@@ -342,7 +342,8 @@ const uly_backward_fn uly_backward_rules[ULY_OP_COUNT] = {
     [ULY_OP_LAYERNORM] = bw_layernorm, [ULY_OP_RMSNORM] = bw_rmsnorm, [ULY_OP_UNARY] = bw_unary,
     [ULY_OP_SWIGLU] = bw_swiglu, [ULY_OP_EMBEDDING] = bw_embedding, [ULY_OP_ROPE] = bw_rope,
     [ULY_OP_DROPOUT] = bw_dropout, [ULY_OP_CROSS_ENTROPY] = bw_cross_entropy, [ULY_OP_ATTENTION] = bw_attention,
-    [ULY_OP_ULYSSES_QKV] = uly_bw_ulysses_qkv, [ULY_OP_ULYSSES_OUT] = uly_bw_ulysses_out,
+    [ULY_OP_CUSTOM] = uly_bw_custom, [ULY_OP_ULYSSES_QKV] = uly_bw_ulysses_qkv, [ULY_OP_ULYSSES_OUT] = uly_bw_ulysses_out,
     [ULY_OP_VIEW] = bw_view, [ULY_OP_PERMUTE] = bw_permute, [ULY_OP_NARROW] = bw_narrow,
     [ULY_OP_EXPAND] = bw_expand, [ULY_OP_COPY] = bw_copy, [ULY_OP_CAT] = bw_cat,
+    [ULY_OP_FLASH_ATTENTION] = uly_bw_flash_attention,
 };

@@ -77,7 +77,8 @@ enum uly_op {
     ULY_OP_UNARY, ULY_OP_SWIGLU,
     ULY_OP_EMBEDDING, ULY_OP_ROPE, ULY_OP_DROPOUT, ULY_OP_CROSS_ENTROPY, ULY_OP_ATTENTION,
     ULY_OP_VIEW, ULY_OP_PERMUTE, ULY_OP_NARROW, ULY_OP_EXPAND, ULY_OP_COPY, ULY_OP_CAT,
-    ULY_OP_ULYSSES_QKV, ULY_OP_ULYSSES_OUT,
+    ULY_OP_ULYSSES_QKV, ULY_OP_ULYSSES_OUT, ULY_OP_CUSTOM,
+    ULY_OP_FLASH_ATTENTION,
     ULY_OP_COUNT
 };
 
@@ -119,8 +120,11 @@ const char *uly_op_name(int op);
 typedef int (*uly_backward_fn)(uly_node *n, uly_tensor *gout, uly_tensor **gin);
 extern const uly_backward_fn uly_backward_rules[ULY_OP_COUNT];
 int uly_comm_all_to_all_refuse(uly_comm *c, const char *why);  /* comm.c */
+int uly_bw_custom(uly_node *n, uly_tensor *gout, uly_tensor **gin);     /* custom.c */
+void uly_custom_note_freed(const uly_node *n);
 int uly_bw_ulysses_qkv(uly_node *n, uly_tensor *gout, uly_tensor **gin);  /* ulysses.c */
 int uly_bw_ulysses_out(uly_node *n, uly_tensor *gout, uly_tensor **gin);
+int uly_bw_flash_attention(uly_node *n, uly_tensor *gout, uly_tensor **gin);  /* flash.c */
 
 /* dst += alpha * src, summing src over the dims where dst is broadcast (f32; any strides) */
 int uly_sum_to(uly_tensor *dst, const uly_tensor *src, float alpha);

@@ -84,18 +84,34 @@ end
 -- its share: the sum over its own targets divided by the count over ALL ranks, so the shares
 -- add up to the global token-weighted mean and the gradients need one SUM all-reduce over the
 -- world (uly.dist.all_reduce_grads). A rank whose targets are all ignored contributes 0, never NaN.
+-- With config.tile the vocabulary projection and the cross-entropy run over slices of `tile`
+-- positions (nn.chunked), so the logits of the whole sequence never exist at once.
 function M.loss(model, idx, targets, opts)
   opts = opts or {}
-  local logits = model:forward(idx, opts)
   local ignore = opts.ignore_index or -1
   local grid = model.grid
-  if not grid or grid.world == 1 or opts.reduction then
-    return uly.cross_entropy(logits, targets, { ignore_index = ignore, reduction = opts.reduction })
+  local tile = model.config.tile
+  local distributed = grid and grid.world > 1
+  if not tile or tile >= idx:size(2) or opts.reduction then
+    local logits = model:forward(idx, opts)
+    if not distributed or opts.reduction then
+      return uly.cross_entropy(logits, targets, { ignore_index = ignore, reduction = opts.reduction })
+    end
+    local total = uly.tensor({ count_valid(targets, ignore) }, { dtype = 'f64' })
+    grid.world_group:all_reduce_(total, 'sum')
+    return uly.cross_entropy(logits, targets, { ignore_index = ignore, reduction = 'sum' }) * (1 / math.max(total:item(), 1))
   end
-  local total = uly.tensor({ count_valid(targets, ignore) }, { dtype = 'f64' })
-  grid.world_group:all_reduce_(total, 'sum')
-  local sum = uly.cross_entropy(logits, targets, { ignore_index = ignore, reduction = 'sum' })
-  return sum * (1 / math.max(total:item(), 1))
+  local h = model:features(idx, opts)                                    -- [B, T, C]
+  local sum = uly.nn.chunked(function(hs, ts)
+    return uly.cross_entropy(model:head(hs), ts, { ignore_index = ignore, reduction = 'sum' })
+  end, h, { dim = 2, size = tile, with = { targets }, reduce = 'sum' })
+  local count = count_valid(targets, ignore)
+  if distributed then
+    local total = uly.tensor({ count }, { dtype = 'f64' })
+    grid.world_group:all_reduce_(total, 'sum')
+    count = total:item()
+  end
+  return sum * (1 / math.max(count, 1))
 end
 
 -- the global loss value from each rank's share (one small all-reduce; the share itself if alone)

@@ -38,15 +38,16 @@ function GPT:__init(cfg)
   for _ = 1, L do
     blocks:append(nn.Block(C, {
       heads = cfg.heads, norm = 'layernorm', mlp = 'gelu', hidden = cfg.hidden or 4 * C,
-      bias = cfg.bias, attend = attend, window = cfg.window, dropout = cfg.dropout, eps = cfg.eps,
+      bias = cfg.bias, attend = attend, window = cfg.window, dropout = cfg.dropout, eps = cfg.eps, checkpoint = cfg.checkpoint, tile = cfg.tile,
       std = cfg.std, proj_std = cfg.std / math.sqrt(2 * L) }))              -- GPT-2: residual init / sqrt(2L)
   end
   self:add('blocks', blocks)
   self:add('ln_f', nn.LayerNorm(C, { eps = cfg.eps }))
 end
 
--- idx i32 [B, T] -> logits [B, T, V]; ctx = { pos = offset of idx's first token, caches = per-layer nn.KVCache }
-function GPT:forward(idx, ctx)
+-- idx i32 [B, T] -> final hidden states [B, T, C]; ctx = { pos = offset of idx's first token,
+-- caches = per-layer nn.KVCache, seq_total = the whole sequence under sequence parallelism }
+function GPT:features(idx, ctx)
   local cfg = self.config
   local pos = ctx and ctx.pos or 0
   common.check_input('GPT', idx, pos, cfg.seq)
@@ -57,8 +58,13 @@ function GPT:forward(idx, ctx)
   for l, block in self.blocks:named_children() do
     h = block(h, { pos = pos, cache = caches and caches[l], seq_total = ctx and ctx.seq_total })
   end
-  return self.ln_f(h):matmul(self.wte.weight:t())                        -- [B, T, V]
+  return self.ln_f(h)                                                     -- [B, T, C]
 end
+
+-- the output head: h [.., C] -> logits [.., V] (tied: the token embedding transposed)
+function GPT:head(h) return h:matmul(self.wte.weight:t()) end
+
+function GPT:forward(idx, ctx) return self:head(self:features(idx, ctx)) end
 
 GPT.loss = common.loss
 

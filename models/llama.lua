@@ -50,15 +50,16 @@ function Llama:__init(cfg)
     layers:append(nn.Block(C, {
       heads = cfg.heads, kv_heads = cfg.kv_heads, norm = 'rmsnorm', mlp = 'swiglu', hidden = cfg.hidden,
       rope = true, rope_theta = cfg.rope_theta, bias = false, attend = attend, window = cfg.window,
-      dropout = cfg.dropout, eps = cfg.eps, std = cfg.std, proj_std = cfg.std / math.sqrt(2 * L) }))
+      dropout = cfg.dropout, eps = cfg.eps, checkpoint = cfg.checkpoint, tile = cfg.tile, std = cfg.std, proj_std = cfg.std / math.sqrt(2 * L) }))
   end
   self:add('layers', layers)
   self:add('norm', nn.RMSNorm(C, { eps = cfg.eps }))
   if not cfg.tied then self:add('output', nn.Linear(C, cfg.vocab, { bias = false, std = cfg.std })) end
 end
 
--- idx i32 [B, T] -> logits [B, T, V]; ctx = { pos = global offset of idx's first token, caches }
-function Llama:forward(idx, ctx)
+-- idx i32 [B, T] -> final hidden states [B, T, C]; ctx = { pos = global offset of idx's first
+-- token, caches, seq_total }
+function Llama:features(idx, ctx)
   local cfg = self.config
   local pos = ctx and ctx.pos or 0
   common.check_input('Llama', idx, pos, cfg.seq)
@@ -67,10 +68,16 @@ function Llama:forward(idx, ctx)
   for l, layer in self.layers:named_children() do
     h = layer(h, { pos = pos, cache = caches and caches[l], seq_total = ctx and ctx.seq_total })
   end
-  h = self.norm(h)
-  if cfg.tied then return h:matmul(self.tok_embeddings.weight:t()) end    -- [B, T, V]
+  return self.norm(h)                                                     -- [B, T, C]
+end
+
+-- the output head: h [.., C] -> logits [.., V]
+function Llama:head(h)
+  if self.config.tied then return h:matmul(self.tok_embeddings.weight:t()) end
   return self.output(h)
 end
+
+function Llama:forward(idx, ctx) return self:head(self:features(idx, ctx)) end
 
 Llama.loss = common.loss
 

@@ -349,6 +349,27 @@ describe('data loader', function()
     end
   end)
 
+  it('packs documents: per-position ids of the whole window, no target across a boundary, sharded too', function()
+    -- dna.h5 train: A C G T A C G T A A | G G G G  (doc 0 = 11 tokens incl. the separator, doc 1 = 4)
+    local L = uly.data.open(dna_h5, { seq = 13, batch = 1, random = false, documents = true })
+    local x, y, docs = L:next()
+    assert.are.same({ 0, 1, 2, 3, 0, 1, 2, 3, 0, 0, 5, 2, 2 }, list_of(x))
+    assert.are.same({ 1, 2, 3, 0, 1, 2, 3, 0, 0, 5, -1, 2, 2 }, list_of(y))   -- '|' -> G is not a target
+    assert.are.same({ 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1 }, list_of(docs))
+    -- a shard gets the whole window's ids and its own masked targets
+    local full = list_of(y)
+    for r = 0, 2 do
+      local S = uly.data.open(dna_h5, { seq = 13, batch = 1, random = false, documents = true, shard = { rank = r, size = 3 } })
+      local xs, ys, ds = S:next()
+      assert.are.same(list_of(docs), list_of(ds))
+      assert.are.same(slice(full, S.offset + 1, S.hi), list_of(ys))
+    end
+    -- text files have no document table
+    local ok, err = pcall(uly.data.open, tiny_h5, { seq = 4, documents = true })
+    assert.is_false(ok)
+    assert.truthy(err:find('train_doc_offsets', 1, true), err)
+  end)
+
   it('decodes and encodes text bytes and DNA letters', function()
     local t = uly.data.open(tiny_h5, { seq = 4 })
     local ids = t:encode('Hi\n')

@@ -96,6 +96,8 @@ describe('Ulysses sequence parallelism #mpi', function()
     { 'fewer heads than ranks (GPT, 2 heads) and N = 10', GPT, { preset = 'tiny', heads = 2, dim = 32, seq = 16 }, 10 },
     { 'K/V heads fewer than P (8 heads, 2 K/V) and N = 9', Llama, { preset = 'tiny', heads = 8, kv_heads = 2, dim = 32, hidden = 48, seq = 16 }, 9 },
   }
+  cases[#cases + 1] = { 'with activation checkpointing (the replay repeats the exchanges)', GPT,
+                         { preset = 'tiny', heads = 4, dim = 32, seq = 16, checkpoint = true }, 14 }
   cases[#cases + 1] = { 'a shard whose targets are all ignored (no NaN, the others unchanged)', Llama,
                          { preset = 'tiny', heads = 4, kv_heads = 2, dim = 32, hidden = 48, seq = 16 }, 12, true }
   for _, c in ipairs(cases) do

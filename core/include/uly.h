@@ -101,7 +101,15 @@ int uly_tensor_set_grad(uly_tensor *t, uly_tensor *grad);   /* grad may be NULL 
 int uly_tensor_zero_grad(uly_tensor *t, int set_to_none);
 uly_tensor *uly_tensor_detach(uly_tensor *t);
 const char *uly_tensor_grad_fn_name(const uly_tensor *t);   /* "MatmulBackward" or NULL */
-int uly_backward(uly_tensor *root, uly_tensor *grad, int retain_graph);
+int uly_backward(uly_tensor *root, uly_tensor *grad, int retain_graph);  /* reentrant: a custom backward may call it */
+/* custom nodes (core/custom.c): a view of `output` (computed without recording) whose backward
+ * calls fn(id, grad_output, grad_inputs); grad_inputs[k]: input k's gradient buffer to accumulate
+ * into, or NULL. fn returns 0, or -1 after uly_fail(message). */
+typedef int (*uly_custom_backward)(int64_t id, uly_tensor *grad_output, uly_tensor **grad_inputs);
+uly_tensor *uly_custom_op(int n_inputs, uly_tensor *const *inputs, uly_tensor *output, uly_custom_backward fn, int64_t id);
+int uly_custom_released(int64_t *ids, int cap);             /* ids of freed custom nodes since the last call */
+int uly_fail(const char *message);                          /* set uly_last_error(); returns -1 */
+int uly_tensor_accumulate_(uly_tensor *dst, uly_tensor *src); /* dst += src (src summed over broadcast dims) */
 int uly_grad_enabled(void);
 int uly_set_grad_enabled(int enabled);                      /* returns the previous setting */
 int64_t uly_autograd_live_nodes(void);                      /* graph nodes alive (leak checks) */
@@ -231,6 +239,29 @@ uly_tensor *uly_ulysses_qkv_to_heads(uly_comm *sp, uly_tensor *qkv, int64_t head
 uly_tensor *uly_ulysses_heads_to_seq(uly_comm *sp, uly_tensor *o, int64_t heads, int64_t seq_total);
                                        /* [B, N, Hq_r, D] -> [B, n_r, H, D] */
 int64_t uly_ulysses_copies(void);      /* packing copies the exchanges made so far (none on the forward path) */
+
+/* ---- flash attention (kernels/cpu/flash_attention.c, core/flash.c): memory-efficient attention,
+ *      O(N D) memory (the output and one log-sum-exp per row are all it saves for backward).
+ *      q [B, Tq, H, D], k and v [B, Tk, Hkv, D] f32, H a multiple of Hkv (GQA, K/V not repeated);
+ *      strided views (e.g. narrows of a fused QKV buffer) are read in place when their last dim is
+ *      contiguous. Returns [B, Tq, H, D] contiguous; scale <= 0 means 1/sqrt(D). Differentiable.
+ *      Mask (NULL: dense); with i' = i + Tk - Tq, query i sees key j iff every set condition holds:
+ *        causal        j <= i'
+ *        window        i' - window_left <= j <= i' + window_right  (-1: unbounded on that side)
+ *        block_layout  layout[i / block_size, j / block_size] == 1; i32/i64 0/1 tensor
+ *                      [ceil(Tq / block_size), ceil(Tk / block_size)]
+ *        documents     q_doc[b, i] == k_doc[b, j]; integer ids [B, Tq] and [B, Tk], both or neither
+ *      A query that sees no key outputs 0 (gradient 0). Fully hidden 64 x 64 tiles are skipped. ---- */
+typedef struct uly_attn_mask {
+    int causal;
+    int64_t window_left, window_right;
+    const uly_tensor *block_layout;
+    int64_t block_size;
+    const uly_tensor *q_doc, *k_doc;
+} uly_attn_mask;
+uly_tensor *uly_flash_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale, const uly_attn_mask *mask);
+int64_t uly_flash_attention_tiles(void);        /* score tiles computed by forwards since the reset (work done) */
+void uly_flash_attention_reset_tiles(void);
 
 #ifdef __cplusplus
 }

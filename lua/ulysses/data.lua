@@ -3,6 +3,8 @@
 --
 --   local data = uly.data.open('data/kjv.h5', {seq = 1024, batch = 8, split = 'train'})
 --   local x, y = data:next()          -- i32 [B, T_local]; y is x shifted by one on the global sequence
+--   (documents = true: x, y, docs = data:next(), docs i32 [B, T] the document id of every position
+--    of the whole window, numbered from 0; targets that would cross a document boundary are -1)
 --
 -- Random windows come from the loader's own counter-based generator (splitmix64 of the seed and
 -- the draw index), so loader:state() / loader:set_state() resume exactly and every sequence-parallel
@@ -68,7 +70,8 @@ M._draw = draw
 ---------------------------------------------------------------- option checks
 local function is_int(v) return type(v) == 'number' and v == math.floor(v) and v > -2 ^ 53 and v < 2 ^ 53 end
 
-local KNOWN = { seq = true, batch = true, split = true, seed = true, shuffle = true, random = true, shard = true }
+local KNOWN = { seq = true, batch = true, split = true, seed = true, shuffle = true, random = true, shard = true,
+                documents = true }
 
 local function check_opts(opts)
   if type(opts) ~= 'table' then
@@ -76,7 +79,7 @@ local function check_opts(opts)
   end
   for k in pairs(opts) do
     if not KNOWN[k] then
-      raise(string.format("data.open: unknown option '%s' (known: batch, seed, seq, shard, shuffle, split)", tostring(k)))
+      raise(string.format("data.open: unknown option '%s' (known: batch, documents, seed, seq, shard, shuffle, split)", tostring(k)))
     end
   end
   if not (is_int(opts.seq) and opts.seq >= 1) then
@@ -201,7 +204,47 @@ function M.open(path, opts)
     _draws = 0, _position = 0, _epoch = 0,
   }, Loader)
   self._windows = math.floor((n - 1) / seq)
+  if opts.documents then
+    -- packed documents: the split's document starts, for per-token document ids and masks
+    local dinfo = f:info(split .. '_doc_offsets')
+    if not dinfo then
+      f:close()
+      raise(string.format("data.open: documents = true needs the dataset '%s_doc_offsets' in '%s' (DNA files made by " ..
+                          'datasets/prepare.lua have it; text files are one document)', split, path))
+    end
+    local nd = dinfo.shape[1]
+    self._doc_starts = ffi.new('int64_t[?]', nd + 1)
+    f:read_ptr(split .. '_doc_offsets', { 0 }, { nd }, self._doc_starts, 'i64')
+    self._doc_starts[nd] = n + 1           -- a sentinel past the end
+    self._n_docs = nd
+    self.documents = true
+  end
   return self
+end
+
+-- the index of the document holding token p (binary search over the document starts)
+function Loader:_doc_of(p)
+  local s = self._doc_starts
+  local lo, hi = 0, self._n_docs - 1
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if s[mid] <= p then lo = mid else hi = mid - 1 end
+  end
+  return lo
+end
+
+-- document ids of window `start` (positions 0..T-1, numbered from 0 within the window) into row
+-- `row` of dp; targets that cross into another document are ignored (-1) in this rank's y
+function Loader:_fill_docs(start, dp, yp, row)
+  local T_, s = self.seq, self._doc_starts
+  local d0 = self:_doc_of(start)
+  local d, nxt = d0, tonumber(s[d0 + 1])
+  for t = 0, T_ - 1 do
+    local p = start + t
+    while p >= nxt do d = d + 1; nxt = tonumber(s[d + 1]) end
+    dp[row * T_ + t] = d - d0
+    if t >= self.offset and t < self.hi and p + 1 >= nxt then yp[row * self.seq_local + t - self.offset] = -1 end
+  end
 end
 
 -- number of non-overlapping windows (T + 1 tokens, stride T) in the split
@@ -231,6 +274,11 @@ end
 function Loader:next()
   local B, L = self.batch, self.seq_local
   local x, y, xp, yp = new_batch(B, L)
+  local docs, dp
+  if self.documents then
+    docs = T.empty({ B, self.seq }, { dtype = 'i32' })
+    dp = docs:data()
+  end
   local range = self.n_tokens - self.seq
   for b = 0, B - 1 do
     local start
@@ -244,8 +292,9 @@ function Loader:next()
       if self._position >= self._windows then self._position, self._epoch = 0, self._epoch + 1 end
     end
     self:_fill_row(start, xp, yp, b)
+    if dp then self:_fill_docs(start, dp, yp, b) end
   end
-  return x, y
+  return x, y, docs
 end
 
 -- every window of the split in order, B at a time (the last batch may be smaller); leaves the
@@ -256,9 +305,17 @@ function Loader:batches()
     if w >= W then return nil end
     local rows = math.min(self.batch, W - w)
     local x, y, xp, yp = new_batch(rows, self.seq_local)
-    for b = 0, rows - 1 do self:_fill_row((w + b) * self.seq, xp, yp, b) end
+    local docs, dp
+    if self.documents then
+      docs = T.empty({ rows, self.seq }, { dtype = 'i32' })
+      dp = docs:data()
+    end
+    for b = 0, rows - 1 do
+      self:_fill_row((w + b) * self.seq, xp, yp, b)
+      if dp then self:_fill_docs((w + b) * self.seq, dp, yp, b) end
+    end
     w = w + rows
-    return x, y
+    return x, y, docs
   end
 end
 

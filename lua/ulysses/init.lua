@@ -125,6 +125,85 @@ function uly.attention(q, k, v, opts)
                               opts.causal and 1 or 0))
 end
 
+-- flash_attention(q [B, Tq, H, D], k, v [B, Tk, Hkv, D], opts): memory-efficient attention (O(N D)
+-- memory) with masks that combine: {causal = false, scale = 1/sqrt(D), window = w (left width w;
+-- right width 0 when causal, w otherwise) or {left, right} (nil or -1: unbounded),
+-- block_layout = i32 [ceil(Tq/bs), ceil(Tk/bs)] 0/1 tensor, block_size = bs,
+-- q_doc = ids [B, Tq], k_doc = ids [B, Tk] (doc = ids: the same for both)}
+local function window_widths(w, causal)
+  if w == nil then return -1, -1 end
+  local l, r
+  if type(w) == 'number' then l, r = w, causal and 0 or w
+  elseif type(w) == 'table' then l, r = w[1] or w.left or -1, w[2] or w.right or -1
+  else raise('flash_attention: window must be a number or {left, right}, got ' .. type(w)) end
+  for _, x in ipairs({ l, r }) do
+    if type(x) ~= 'number' or x ~= math.floor(x) or x < -1 then
+      raise('flash_attention: window widths must be integers >= 0 (or -1 for unbounded), got ' .. tostring(x))
+    end
+  end
+  return l, r
+end
+function uly.flash_attention(q, k, v, opts)
+  opts = opts or {}
+  if type(opts) ~= 'table' then raise('flash_attention: opts must be a table, got ' .. type(opts)) end
+  local m = ffi.new('uly_attn_mask')
+  m.causal = opts.causal and 1 or 0
+  m.window_left, m.window_right = window_widths(opts.window, opts.causal)
+  if opts.block_layout ~= nil then
+    m.block_layout = H(opts.block_layout, 'flash_attention block_layout')
+    m.block_size = opts.block_size or raise('flash_attention: block_layout needs block_size (tokens per block)')
+  end
+  local qd, kd = opts.q_doc or opts.doc, opts.k_doc or opts.doc
+  if qd ~= nil then m.q_doc = H(qd, 'flash_attention q_doc') end
+  if kd ~= nil then m.k_doc = H(kd, 'flash_attention k_doc') end
+  return wrap(C.uly_flash_attention(H(q, 'flash_attention q'), H(k, 'flash_attention k'), H(v, 'flash_attention v'),
+                                    opts.scale or 0, m))
+end
+uly.flash_attention_tiles = function() return tonumber(C.uly_flash_attention_tiles()) end
+uly.flash_attention_reset_tiles = function() C.uly_flash_attention_reset_tiles() end
+
+-- block layouts and document ids for flash_attention's masks
+uly.attention_layouts = {}
+local function layout_from(nr, nc, visible)
+  local buf = ffi.new('int32_t[?]', math.max(nr * nc, 1))
+  for r = 0, nr - 1 do
+    for c = 0, nc - 1 do buf[r * nc + c] = visible(r, c) and 1 or 0 end
+  end
+  return uly.from_ptr(buf, { nr, nc }, { dtype = 'i32' })
+end
+-- local_strided(T, block, local_blocks, stride, global_blocks): [ceil(T/block)]^2 layout where
+-- block row r sees block c when |r - c| < local_blocks (the band), when r - c is a multiple of
+-- stride (the strided pattern of Sparse Transformers; stride nil or 0: none), or when r or c is
+-- below global_blocks (global blocks, as in Longformer/BigBird); combine with causal = true for
+-- the lower triangle. Square: Tq = Tk = T.
+function uly.attention_layouts.local_strided(T, block, local_blocks, stride, global_blocks)
+  for name, x in pairs({ T = T, block = block, local_blocks = local_blocks or 1 }) do
+    if type(x) ~= 'number' or x < 1 or x ~= math.floor(x) then
+      raise('attention_layouts.local_strided: ' .. name .. ' must be a positive integer, got ' .. tostring(x))
+    end
+  end
+  local n, lb, s, gb = math.ceil(T / block), local_blocks or 1, stride or 0, global_blocks or 0
+  return layout_from(n, n, function(r, c)
+    return math.abs(r - c) < lb or (s > 0 and (r - c) % s == 0) or r < gb or c < gb
+  end)
+end
+-- from_function(nr, nc, fn): layout with fn(r, c) (0-based block indices) -> true when visible
+function uly.attention_layouts.from_function(nr, nc, fn) return layout_from(nr, nc, fn) end
+-- doc_ids(lengths, B = 1): i32 [B, sum(lengths)] ids 0, 1, ... of packed documents of those lengths
+function uly.attention_layouts.doc_ids(lengths, B)
+  B = B or 1
+  local T = 0
+  for _, n in ipairs(lengths) do T = T + n end
+  local buf = ffi.new('int32_t[?]', math.max(B * T, 1))
+  for b = 0, B - 1 do
+    local t = 0
+    for d, n in ipairs(lengths) do
+      for _ = 1, n do buf[b * T + t] = d - 1; t = t + 1 end
+    end
+  end
+  return uly.from_ptr(buf, { B, T }, { dtype = 'i32' })
+end
+
 -- cat({a, b, ...}, dim)
 function uly.cat(list, d)
   if type(list) ~= 'table' or #list == 0 then raise('cat: expects a non-empty list of tensors') end

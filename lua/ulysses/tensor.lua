@@ -405,6 +405,8 @@ function Tensor:backward(grad, opts)
   opts = opts or {}
   check(C.uly_backward(H(self), grad and H(grad, 'backward gradient') or nil, opts.retain_graph and 1 or 0))
 end
+-- a backward may call back into Lua (nn.checkpoint): never from JIT-compiled code
+jit.off(Tensor.backward)
 
 function Tensor:zero_grad(set_to_none)
   check(C.uly_tensor_zero_grad(H(self), (set_to_none == nil or set_to_none) and 1 or 0))

@@ -266,4 +266,5 @@ end
 function SwiGLU:forward(x) return self.w2(self.w1(x):swiglu(self.w3(x))) end
 
 require('ulysses.nn.transformer')(nn, U)
+require('ulysses.nn.checkpoint')(nn, U)
 return nn

@@ -16,6 +16,15 @@ return function(nn, U)
     return U().attention(q, k, v, { causal = opts.causal, scale = opts.scale })
   end
 
+  -- memory-efficient attention (uly.flash_attention): O(N D) memory, honours opts.window (a
+  -- number: that many keys back, and forward too unless causal; or {left, right}) and document
+  -- ids (opts.doc, or opts.q_doc / opts.k_doc). opts.pos needs nothing: a KV cache's queries are
+  -- the last Tq of Tk positions, which the bottom-right alignment already assumes.
+  function nn.flash_attend(q, k, v, opts)
+    return U().flash_attention(q, k, v, { causal = opts.causal, scale = opts.scale, window = opts.window,
+                                          doc = opts.doc, q_doc = opts.q_doc, k_doc = opts.k_doc })
+  end
+
   ---------------------------------------------------------------- KVCache
   -- KVCache(B, max_T, Hkv, D): preallocated [B, max_T, Hkv, D] buffers; append(k, v) writes
   -- the new positions and returns views of everything cached so far.
@@ -180,7 +189,9 @@ return function(nn, U)
   -- Block(C, opts): pre-norm residual block
   --   x = x + attn(norm1(x));  x = x + mlp(norm2(x))
   -- opts: heads, kv_heads, norm = 'layernorm' | 'rmsnorm', mlp = 'gelu' | 'swiglu', hidden,
-  --   rope, rope_theta, bias, attend, dropout, std, proj_std (residual projections), eps
+  --   rope, rope_theta, bias, attend, dropout, std, proj_std (residual projections), eps,
+  --   checkpoint (recompute the block in backward instead of keeping its activations),
+  --   tile (compute the MLP over slices of this many positions)
   local Block = Module:extend('Block')
   nn.Block = Block
   function Block:__init(C, opts)
@@ -200,12 +211,26 @@ return function(nn, U)
       U().no_grad(function() self.mlp.proj.weight:normal_(0, proj_std or 0.02) end)
     end
     self.dropout = opts.dropout or 0
+    self.checkpoint = opts.checkpoint or false
+    self.tile = opts.tile                 -- rows per slice of the tiled MLP (nil: untiled)
   end
+  -- with checkpoint = true (while training) only x is kept; backward recomputes the block
   function Block:forward(x, ctx)
+    if self.checkpoint and self.training and not (ctx and ctx.cache) then
+      return nn.checkpoint(function(t) return self:forward_body(t, ctx) end, x)
+    end
+    return self:forward_body(x, ctx)
+  end
+  function Block:forward_body(x, ctx)
     local a = self.attn(self.norm1(x), ctx)
     if self.training and self.dropout > 0 then a = a:dropout(self.dropout, true) end
     x = x + a
-    local m = self.mlp(self.norm2(x))
+    local m
+    if self.tile and self.tile < x:size(2) then   -- tiled MLP: one slice's hidden activations at a time
+      m = nn.chunked(function(t) return self.mlp(self.norm2(t)) end, x, { dim = 2, size = self.tile })
+    else
+      m = self.mlp(self.norm2(x))
+    end
     if self.training and self.dropout > 0 then m = m:dropout(self.dropout, true) end
     return x + m
   end

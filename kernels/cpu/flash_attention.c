@@ -1,0 +1,522 @@
+/* kernels/cpu/flash_attention.c — memory-efficient attention on the CPU (FlashAttention-2 style):
+ * contract in flash_attention.h.
+ *
+ * Forward, one work item per (b, h, query tile of BR rows): the query tile is packed (scaled),
+ * then for every key tile of BC keys that the mask does not hide entirely, S = Q K^T (a small
+ * register-blocked GEMM), the masked entries set to -inf, an online softmax update (running row
+ * max m and sum l, the accumulator rescaled by exp(m_old - m_new)) and acc += P V. The output
+ * is acc / l and the log-sum-exp m + log l is saved per row: O(N D) memory, never O(N^2).
+ *
+ * Backward recomputes the score tiles from q, k and the saved lse (P = exp(S - lse)), with
+ * delta_i = rowsum(dO * O), dP = dO V^T, dS = P * (dP - delta):
+ *   pass 1, items (b, kv head g, key tile): dV += P^T dO and dK += scale dS^T Q over the query
+ *           heads of group g and the query tiles that see the key tile, in a fixed order;
+ *   pass 2, items (b, h, query tile): dQ += scale dS K over the visible key tiles.
+ * Every output element is written by one item with a fixed reduction order, so results do not
+ * depend on the thread count (no atomics on floats). Pass 2 recomputes S and dP (7 tile GEMMs
+ * per visible tile pair in backward instead of 5) — the price of determinism without atomics.
+ *
+ * Tiles: a key tile is skipped when the mask hides it from every row of the query tile, used
+ * without per-element masking when it is fully visible, masked element by element otherwise;
+ * the key-tile loop only runs over the span the causal/window bounds allow, so work is
+ * proportional to the unmasked area. Packed tiles are zero-padded to BR / BC rows and to a
+ * multiple of 16 columns (Dp), so the micro-kernel needs no edge cases.
+ */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__AVX512F__)
+#pragma GCC target("prefer-vector-width=512") /* the exp / scaling loops in 16 lanes */
+#endif
+#include "flash_attention.h"
+#include "vecmath.h"
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define BR 64                    /* query rows per tile */
+#define BC 64                    /* keys per tile */
+#define VL 16                    /* floats per vector of the micro-kernel */
+#define BIG ((int64_t)1 << 60)   /* "unbounded" window width */
+#define PAR_MIN ((int64_t)1 << 18) /* multiply-adds below which no threads are started */
+
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+
+static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static int64_t tiles_done; /* forward score tiles computed (flash_attention_tiles) */
+int64_t flash_attention_tiles(void) { return __atomic_load_n(&tiles_done, __ATOMIC_RELAXED); }
+void flash_attention_reset_tiles(void) { __atomic_store_n(&tiles_done, 0, __ATOMIC_RELAXED); }
+
+static int max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+static int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* ---- micro-kernel: C[4][16 nv] = (acc ? C : 0) + A[4][K] B[K][16 nv], nv a constant 1..4 ---- */
+static inline __attribute__((always_inline)) void micro(int nv, int64_t K, const float *restrict A, int64_t lda,
+                                                        const float *restrict Bm, int64_t ldb, float *restrict C,
+                                                        int64_t ldc, int acc) {
+    vf c[4][4] = {{{0}}};
+    if (acc)
+        for (int r = 0; r < 4; r++)
+            for (int x = 0; x < nv; x++) c[r][x] = vload(C + r * ldc + x * VL);
+    for (int64_t k = 0; k < K; k++) {
+        vf b[4];
+        for (int x = 0; x < nv; x++) b[x] = vload(Bm + k * ldb + x * VL);
+        for (int r = 0; r < 4; r++) {
+            vf a = (vf){0} + A[r * lda + k];
+            for (int x = 0; x < nv; x++) c[r][x] += a * b[x];
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int x = 0; x < nv; x++) vstore(C + r * ldc + x * VL, c[r][x]);
+}
+
+/* C[M][N] (+)= A[M][K] B[K][N], row-major with leading dims; M % 4 == 0, N % 16 == 0 */
+static void tile_gemm(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *Bm, int64_t ldb,
+                      float *C, int64_t ldc, int acc) {
+    for (int64_t n0 = 0; n0 < N; n0 += 4 * VL) {
+        const int64_t nv = min64(4, (N - n0) / VL);
+        for (int64_t r = 0; r < M; r += 4) {
+            const float *a = A + r * lda;
+            const float *b = Bm + n0;
+            float *c = C + r * ldc + n0;
+            switch (nv) {
+            case 4: micro(4, K, a, lda, b, ldb, c, ldc, acc); break;
+            case 3: micro(3, K, a, lda, b, ldb, c, ldc, acc); break;
+            case 2: micro(2, K, a, lda, b, ldb, c, ldc, acc); break;
+            default: micro(1, K, a, lda, b, ldb, c, ldc, acc); break;
+            }
+        }
+    }
+}
+
+/* ---- packing (strided rows in, zero-padded tiles out) ---- */
+/* dst[r][d] = s * src row t0 + r, for r < n (rows n..rows-1 and columns D..ld-1 zero) */
+static void pack_rows(float *dst, int64_t ld, int64_t rows, const float *base, int64_t st, int64_t t0, int64_t n,
+                      int64_t D, float s) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *src = base + (t0 + r) * st;
+        float *d = dst + r * ld;
+        for (int64_t x = 0; x < D; x++) d[x] = s * src[x];
+        for (int64_t x = D; x < ld; x++) d[x] = 0.0f;
+    }
+    if (rows > n) memset(dst + n * ld, 0, (size_t)((rows - n) * ld) * sizeof(float));
+}
+/* dst[d][c] = s * src row t0 + c, for c < n (columns n..ld-1 zero); D rows */
+static void pack_cols(float *dst, int64_t ld, const float *base, int64_t st, int64_t t0, int64_t n, int64_t D,
+                      float s) {
+    for (int64_t c = 0; c < n; c++) {
+        const float *src = base + (t0 + c) * st;
+        for (int64_t x = 0; x < D; x++) dst[x * ld + c] = s * src[x];
+    }
+    if (ld > n)
+        for (int64_t x = 0; x < D; x++) memset(dst + x * ld + n, 0, (size_t)(ld - n) * sizeof(float));
+}
+
+/* ---- masks ---- */
+typedef struct fctx {
+    const flash_problem *p;
+    int64_t Dp, rep, off, L, R, nqt, nkt;
+    int32_t *qdr, *kdr; /* document id [min, max] per (b, query tile) and (b, key tile) */
+} fctx;
+
+/* keys [*lo, *hi] that the causal/window bounds let rows [i0, i0 + mr) see (empty: lo > hi) */
+static void key_span(const fctx *c, int64_t i0, int64_t mr, int64_t *lo, int64_t *hi) {
+    *lo = i0 + c->off - c->L;
+    if (*lo < 0) *lo = 0;
+    *hi = min64(c->p->Tk - 1, i0 + mr - 1 + c->off + c->R);
+}
+/* query rows [*lo, *hi] that can see some key of [j0, j0 + nc) under those bounds */
+static void query_span(const fctx *c, int64_t j0, int64_t nc, int64_t *lo, int64_t *hi) {
+    *lo = j0 - c->off - c->R;
+    if (*lo < 0) *lo = 0;
+    *hi = min64(c->p->Tq - 1, j0 + nc - 1 - c->off + c->L);
+}
+
+enum { TILE_SKIP = 0, TILE_FULL = 1, TILE_PARTIAL = 2 };
+
+/* is the tile rows [i0, i0 + mr) x keys [j0, j0 + nc) of batch b hidden, fully visible or mixed? */
+static int classify(const fctx *c, int64_t b, int64_t i0, int64_t mr, int64_t j0, int64_t nc) {
+    const flash_problem *p = c->p;
+    const int64_t i1 = i0 + mr - 1, j1 = j0 + nc - 1;
+    if (j1 < i0 + c->off - c->L || j0 > i1 + c->off + c->R) return TILE_SKIP;
+    int full = j0 >= i1 + c->off - c->L && j1 <= i0 + c->off + c->R;
+    if (p->q_doc) {
+        const int32_t *qa = c->qdr + 2 * (b * c->nqt + i0 / BR), *ka = c->kdr + 2 * (b * c->nkt + j0 / BC);
+        if (qa[1] < ka[0] || ka[1] < qa[0]) return TILE_SKIP;
+        if (!(qa[0] == qa[1] && ka[0] == ka[1] && qa[0] == ka[0])) full = 0;
+    }
+    if (p->layout) {
+        int any = 0, all = 1;
+        for (int64_t r = i0 / p->bs; r <= i1 / p->bs; r++)
+            for (int64_t s = j0 / p->bs; s <= j1 / p->bs; s++) {
+                if (p->layout[r * p->nbc + s]) any = 1;
+                else all = 0;
+            }
+        if (!any) return TILE_SKIP;
+        if (!all) full = 0;
+    }
+    return full ? TILE_FULL : TILE_PARTIAL;
+}
+
+/* can query i see key j (batch b)? */
+static inline int visible(const fctx *c, int64_t b, int64_t i, int64_t j) {
+    const flash_problem *p = c->p;
+    const int64_t ii = i + c->off;
+    int vis = j >= ii - c->L && j <= ii + c->R;
+    if (p->layout) vis = vis && p->layout[(i / p->bs) * p->nbc + j / p->bs] != 0;
+    if (p->q_doc) vis = vis && p->q_doc[b * p->Tq + i] == p->k_doc[b * p->Tk + j];
+    return vis;
+}
+
+/* S[r][x] (rows: queries i0 + r, columns: keys j0 + x, leading dim BC) = -inf where hidden;
+ * columns x >= nc always; rows r >= mr untouched */
+static void mask_rows(const fctx *c, int64_t b, float *S, int64_t i0, int64_t mr, int64_t j0, int64_t nc, int full) {
+    for (int64_t r = 0; r < mr; r++) {
+        float *s = S + r * BC;
+        if (!full)
+            for (int64_t x = 0; x < nc; x++)
+                if (!visible(c, b, i0 + r, j0 + x)) s[x] = -INFINITY;
+        for (int64_t x = nc; x < BC; x++) s[x] = -INFINITY;
+    }
+}
+/* the transposed tile St[x][r] (rows: keys j0 + x, columns: queries i0 + r, leading dim BR);
+ * rows x >= nc are hidden entirely; columns r >= mr are left (their lse is +inf: P = 0) */
+static void mask_cols(const fctx *c, int64_t b, float *St, int64_t i0, int64_t mr, int64_t j0, int64_t nc, int full) {
+    if (!full)
+        for (int64_t x = 0; x < nc; x++)
+            for (int64_t r = 0; r < mr; r++)
+                if (!visible(c, b, i0 + r, j0 + x)) St[x * BR + r] = -INFINITY;
+    for (int64_t x = nc; x < BC; x++)
+        for (int64_t r = 0; r < BR; r++) St[x * BR + r] = -INFINITY;
+}
+
+/* ---- row helpers over BC = 4 * VL columns (vertical lanes, then a fixed-order fold) ---- */
+static float row_max(const float *s, float init) {
+    float mx[VL];
+    for (int e = 0; e < VL; e++) mx[e] = s[e];
+    for (int x = 1; x < BC / VL; x++)
+        for (int e = 0; e < VL; e++) mx[e] = s[x * VL + e] > mx[e] ? s[x * VL + e] : mx[e];
+    float m = init;
+    for (int e = 0; e < VL; e++) m = mx[e] > m ? mx[e] : m;
+    return m;
+}
+static float row_sum(const float *s) {
+    float acc[VL] = {0};
+    for (int x = 0; x < BC / VL; x++)
+        for (int e = 0; e < VL; e++) acc[e] += s[x * VL + e];
+    float t = 0.0f;
+    for (int e = 0; e < VL; e++) t += acc[e];
+    return t;
+}
+
+/* online softmax over the masked score tile S (rows < mr): S becomes P = exp(S - m_new), the
+ * running max m, sum l and accumulator rows (Dp wide) are updated */
+static void online_softmax(float *S, float *m, float *l, float *acc, int64_t mr, int64_t Dp) {
+    for (int64_t r = 0; r < mr; r++) {
+        float *s = S + r * BC;
+        const float mx = row_max(s, m[r]);
+        if (mx == -INFINITY) { /* nothing visible to this row yet */
+            memset(s, 0, BC * sizeof(float));
+            continue;
+        }
+        const float alpha = uly_expf(m[r] - mx);
+        for (int x = 0; x < BC; x++) s[x] = uly_expf(s[x] - mx);
+        l[r] = l[r] * alpha + row_sum(s);
+        m[r] = mx;
+        if (alpha != 1.0f) {
+            float *a = acc + r * Dp;
+            for (int64_t d = 0; d < Dp; d++) a[d] *= alpha;
+        }
+    }
+}
+
+/* ---- problem setup ---- */
+static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* fills c; returns -1 when the document-range arrays cannot be allocated */
+static int ctx_init(fctx *c, const flash_problem *p) {
+    memset(c, 0, sizeof *c);
+    c->p = p;
+    c->Dp = round_up(p->D, VL);
+    c->rep = p->H / p->Hkv;
+    c->off = p->Tk - p->Tq;
+    c->L = p->left >= 0 ? p->left : BIG;
+    c->R = p->causal ? 0 : (p->right >= 0 ? p->right : BIG);
+    c->nqt = (p->Tq + BR - 1) / BR;
+    c->nkt = (p->Tk + BC - 1) / BC;
+    if (!p->q_doc) return 0;
+    c->qdr = malloc((size_t)(2 * p->B * (c->nqt + c->nkt) + 2) * sizeof(int32_t));
+    if (!c->qdr) return -1;
+    c->kdr = c->qdr + 2 * p->B * c->nqt;
+    for (int pass = 0; pass < 2; pass++) {
+        const int64_t T = pass ? p->Tk : p->Tq, tile = pass ? BC : BR, nt = pass ? c->nkt : c->nqt;
+        const int32_t *ids = pass ? p->k_doc : p->q_doc;
+        int32_t *rng = pass ? c->kdr : c->qdr;
+        for (int64_t b = 0; b < p->B; b++)
+            for (int64_t t = 0; t < nt; t++) {
+                int32_t lo = ids[b * T + t * tile], hi = lo;
+                for (int64_t x = t * tile; x < min64(T, (t + 1) * tile); x++) {
+                    int32_t v = ids[b * T + x];
+                    lo = v < lo ? v : lo;
+                    hi = v > hi ? v : hi;
+                }
+                rng[2 * (b * nt + t)] = lo;
+                rng[2 * (b * nt + t) + 1] = hi;
+            }
+    }
+    return 0;
+}
+static void ctx_free(fctx *c) { free(c->qdr); }
+
+static const float *head_ptr(const flash_operand *o, int64_t b, int64_t h) { return o->p + b * o->sb + h * o->sh; }
+
+/* every tile of every (b, head) of x [B, T, heads, D] transposed: dst[b][head][tile][D][width],
+ * zero-padded to the tile width; one pass, so the tile loops read K^T, V^T, Q^T, dO^T as is */
+static void pack_all_transposed(float *dst, const float *base, int64_t sb, int64_t st, int64_t sh, int64_t B,
+                                int64_t heads, int64_t T, int64_t width, int64_t D, float s) {
+    const int64_t nt = (T + width - 1) / width;
+    #pragma omp for schedule(static)
+    for (int64_t it = 0; it < B * heads * nt; it++) {
+        const int64_t bh = it / nt, t = it % nt, b = bh / heads, h = bh % heads;
+        pack_cols(dst + it * D * width, width, base + b * sb + h * sh, st, t * width, min64(width, T - t * width), D, s);
+    }
+}
+
+int64_t flash_attention_scratch_floats(const flash_problem *p, int backward) {
+    const int64_t nqt = (p->Tq + BR - 1) / BR, nkt = (p->Tk + BC - 1) / BC;
+    const int64_t kt = p->B * p->Hkv * nkt * p->D * BC, qt = p->B * p->H * nqt * p->D * BR;
+    return backward ? 2 * kt + 2 * qt : kt;
+}
+
+/* ---- forward ---- */
+static void fwd_item(const fctx *c, float *ws, const float *KT, float *out, float *lse, int64_t b, int64_t h,
+                     int64_t qt, int64_t *ntiles) {
+    const flash_problem *p = c->p;
+    const int64_t D = p->D, Dp = c->Dp, i0 = qt * BR, mr = min64(BR, p->Tq - i0), g = h / c->rep;
+    float *Qs = ws, *Vs = Qs + BR * Dp, *S = Vs + BC * Dp, *acc = S + BR * BC;
+    float *m = acc + BR * Dp, *l = m + BR;
+    const float *vb = head_ptr(&p->v, b, g);
+    pack_rows(Qs, Dp, BR, head_ptr(&p->q, b, h), p->q.st, i0, mr, D, p->scale);
+    memset(acc, 0, (size_t)(BR * Dp) * sizeof(float));
+    for (int64_t r = 0; r < BR; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
+    int64_t lo, hi;
+    key_span(c, i0, mr, &lo, &hi);
+    for (int64_t kt = lo / BC; lo <= hi && kt <= hi / BC; kt++) {
+        const int64_t j0 = kt * BC, nc = min64(BC, p->Tk - j0);
+        const int cls = classify(c, b, i0, mr, j0, nc);
+        if (cls == TILE_SKIP) continue;
+        (*ntiles)++;
+        const float *Kt = KT + ((b * p->Hkv + g) * c->nkt + kt) * D * BC;
+        pack_rows(Vs, Dp, BC, vb, p->v.st, j0, nc, D, 1.0f);
+        tile_gemm(BR, BC, D, Qs, Dp, Kt, BC, S, BC, 0);
+        if (cls == TILE_PARTIAL || nc < BC) mask_rows(c, b, S, i0, mr, j0, nc, cls == TILE_FULL);
+        online_softmax(S, m, l, acc, mr, Dp);
+        tile_gemm(BR, Dp, nc, S, BC, Vs, Dp, acc, Dp, 1);
+    }
+    for (int64_t r = 0; r < mr; r++) {
+        const int64_t i = i0 + r;
+        float *o = out + ((b * p->Tq + i) * p->H + h) * D;
+        float *ls = lse + (b * p->H + h) * p->Tq + i;
+        if (l[r] > 0.0f) {
+            const float inv = 1.0f / l[r];
+            for (int64_t d = 0; d < D; d++) o[d] = acc[r * Dp + d] * inv;
+            *ls = m[r] + logf(l[r]);
+        } else {
+            memset(o, 0, (size_t)D * sizeof(float));
+            *ls = -INFINITY;
+        }
+    }
+}
+
+int flash_attention_forward(float *out, float *lse, float *scratch, const flash_problem *p) {
+    if (p->B <= 0 || p->Tq <= 0 || p->H <= 0) return 0;
+    fctx c;
+    if (ctx_init(&c, p)) return -1;
+    const int64_t items = p->B * p->H * c.nqt, Dp = c.Dp;
+    const int64_t ws_floats = round_up(2 * BR * Dp + Dp * BC + BR * BC + 2 * BR, VL);
+    const int nt = max_threads();
+    const int par = nt > 1 && items > 1 && p->B * p->H * p->Tq * p->Tk * (p->D + 1) >= PAR_MIN;
+    float *ws = aligned_alloc(64, (size_t)(par ? nt : 1) * (size_t)ws_floats * sizeof(float));
+    if (!ws) { ctx_free(&c); return -1; }
+    int64_t total = 0;
+    #pragma omp parallel if (par) reduction(+ : total)
+    {
+        float *mine = ws + (size_t)thread_id() * (size_t)ws_floats;
+        pack_all_transposed(scratch, p->k.p, p->k.sb, p->k.st, p->k.sh, p->B, p->Hkv, p->Tk, BC, p->D, 1.0f);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t bh = it / c.nqt;
+            fwd_item(&c, mine, scratch, out, lse, bh / p->H, bh % p->H, it % c.nqt, &total);
+        }
+    }
+    __atomic_fetch_add(&tiles_done, total, __ATOMIC_RELAXED);
+    free(ws);
+    ctx_free(&c);
+    return 0;
+}
+
+/* ---- backward ---- */
+/* lse for recomputing P: an empty row (-inf) becomes +inf so that exp(S - lse) = 0 */
+static float lse_for_p(float x) { return x == -INFINITY ? INFINITY : x; }
+
+/* pass 1: dK, dV rows of key tile kt of K/V head (b, g) */
+static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *OT, float *dk, float *dv,
+                        const float *dout, const float *lse, const float *delta, int64_t b, int64_t g, int64_t kt) {
+    const flash_problem *p = c->p;
+    const int64_t D = p->D, Dp = c->Dp, j0 = kt * BC, nc = min64(BC, p->Tk - j0);
+    float *Ks = ws, *Vs = Ks + BC * Dp, *Qs = Vs + BC * Dp;
+    float *dOs = Qs + BR * Dp, *St = dOs + BR * Dp, *dPt = St + BC * BR, *dKa = dPt + BC * BR, *dVa = dKa + BC * Dp;
+    float *lr = dVa + BC * Dp, *dr = lr + BR;
+    int64_t lo, hi;
+    query_span(c, j0, nc, &lo, &hi);
+    if (lo > hi) return;
+    pack_rows(Ks, Dp, BC, head_ptr(&p->k, b, g), p->k.st, j0, nc, D, 1.0f);
+    pack_rows(Vs, Dp, BC, head_ptr(&p->v, b, g), p->v.st, j0, nc, D, 1.0f);
+    memset(dKa, 0, (size_t)(2 * BC * Dp) * sizeof(float)); /* dKa and dVa */
+    const int64_t ldo = p->H * D;
+    for (int64_t h = g * c->rep; h < (g + 1) * c->rep; h++) {
+        const float *qb = head_ptr(&p->q, b, h), *ob = dout + (b * p->Tq * p->H + h) * D;
+        const float *lh = lse + (b * p->H + h) * p->Tq, *dh = delta + (b * p->H + h) * p->Tq;
+        for (int64_t qt = lo / BR; qt <= hi / BR; qt++) {
+            const int64_t i0 = qt * BR, mr = min64(BR, p->Tq - i0);
+            const int cls = classify(c, b, i0, mr, j0, nc);
+            if (cls == TILE_SKIP) continue;
+            const float *Qt = QT + ((b * p->H + h) * c->nqt + qt) * D * BR;
+            const float *dOt = OT + ((b * p->H + h) * c->nqt + qt) * D * BR;
+            pack_rows(Qs, Dp, BR, qb, p->q.st, i0, mr, D, p->scale);
+            pack_rows(dOs, Dp, BR, ob, ldo, i0, mr, D, 1.0f);
+            for (int64_t r = 0; r < BR; r++) {
+                lr[r] = r < mr ? lse_for_p(lh[i0 + r]) : INFINITY;
+                dr[r] = r < mr ? dh[i0 + r] : 0.0f;
+            }
+            tile_gemm(BC, BR, D, Ks, Dp, Qt, BR, St, BR, 0);            /* S^T = K Q^T (scaled) */
+            if (cls == TILE_PARTIAL || nc < BC) mask_cols(c, b, St, i0, mr, j0, nc, cls == TILE_FULL);
+            for (int64_t x = 0; x < BC; x++)                              /* P^T */
+                for (int64_t r = 0; r < BR; r++) St[x * BR + r] = uly_expf(St[x * BR + r] - lr[r]);
+            tile_gemm(BC, Dp, mr, St, BR, dOs, Dp, dVa, Dp, 1);          /* dV += P^T dO */
+            tile_gemm(BC, BR, D, Vs, Dp, dOt, BR, dPt, BR, 0);           /* dP^T = V dO^T */
+            for (int64_t x = 0; x < BC; x++)                              /* dS^T = P^T (dP^T - delta) */
+                for (int64_t r = 0; r < BR; r++) dPt[x * BR + r] = St[x * BR + r] * (dPt[x * BR + r] - dr[r]);
+            tile_gemm(BC, Dp, mr, dPt, BR, Qs, Dp, dKa, Dp, 1);          /* dK += dS^T (scale Q) */
+        }
+    }
+    for (int64_t x = 0; x < nc; x++) {
+        const int64_t row = ((b * p->Tk + j0 + x) * p->Hkv + g) * D;
+        if (dk) for (int64_t d = 0; d < D; d++) dk[row + d] += dKa[x * Dp + d];
+        if (dv) for (int64_t d = 0; d < D; d++) dv[row + d] += dVa[x * Dp + d];
+    }
+}
+
+/* pass 2: dQ rows of query tile qt of head (b, h) */
+static void bwd_q_item(const fctx *c, float *ws, const float *KT, const float *VT, float *dq, const float *dout,
+                       const float *lse, const float *delta, int64_t b, int64_t h, int64_t qt) {
+    const flash_problem *p = c->p;
+    const int64_t D = p->D, Dp = c->Dp, i0 = qt * BR, mr = min64(BR, p->Tq - i0), g = h / c->rep;
+    float *Qs = ws, *dOs = Qs + BR * Dp, *Ks = dOs + BR * Dp;
+    float *S = Ks + BC * Dp, *dP = S + BR * BC, *dQa = dP + BR * BC, *lr = dQa + BR * Dp, *dr = lr + BR;
+    int64_t lo, hi;
+    key_span(c, i0, mr, &lo, &hi);
+    if (lo > hi) return;
+    const float *kb = head_ptr(&p->k, b, g);
+    const float *lh = lse + (b * p->H + h) * p->Tq, *dh = delta + (b * p->H + h) * p->Tq;
+    pack_rows(Qs, Dp, BR, head_ptr(&p->q, b, h), p->q.st, i0, mr, D, p->scale);
+    pack_rows(dOs, Dp, BR, dout + (b * p->Tq * p->H + h) * D, p->H * D, i0, mr, D, 1.0f);
+    memset(dQa, 0, (size_t)(BR * Dp) * sizeof(float));
+    for (int64_t r = 0; r < BR; r++) {
+        lr[r] = r < mr ? lse_for_p(lh[i0 + r]) : INFINITY;
+        dr[r] = r < mr ? dh[i0 + r] : 0.0f;
+    }
+    for (int64_t kt = lo / BC; kt <= hi / BC; kt++) {
+        const int64_t j0 = kt * BC, nc = min64(BC, p->Tk - j0);
+        const int cls = classify(c, b, i0, mr, j0, nc);
+        if (cls == TILE_SKIP) continue;
+        const float *Kt = KT + ((b * p->Hkv + g) * c->nkt + kt) * D * BC;
+        const float *Vt = VT + ((b * p->Hkv + g) * c->nkt + kt) * D * BC;
+        pack_rows(Ks, Dp, BC, kb, p->k.st, j0, nc, D, 1.0f);
+        tile_gemm(BR, BC, D, Qs, Dp, Kt, BC, S, BC, 0);                 /* S = (scale Q) K^T */
+        if (cls == TILE_PARTIAL || nc < BC) mask_rows(c, b, S, i0, mr, j0, nc, cls == TILE_FULL);
+        for (int64_t r = 0; r < BR; r++) {                                /* P */
+            float *s = S + r * BC;
+            const float lv = lr[r];
+            for (int64_t x = 0; x < BC; x++) s[x] = uly_expf(s[x] - lv);
+        }
+        tile_gemm(BR, BC, D, dOs, Dp, Vt, BC, dP, BC, 0);                /* dP = dO V^T */
+        for (int64_t r = 0; r < BR; r++) {                                /* dS = P (dP - delta) */
+            const float dv = dr[r];
+            for (int64_t x = 0; x < BC; x++) dP[r * BC + x] = S[r * BC + x] * (dP[r * BC + x] - dv);
+        }
+        tile_gemm(BR, Dp, nc, dP, BC, Ks, Dp, dQa, Dp, 1);               /* dQ += dS K */
+    }
+    for (int64_t r = 0; r < mr; r++) {
+        float *d = dq + ((b * p->Tq + i0 + r) * p->H + h) * D;
+        for (int64_t x = 0; x < D; x++) d[x] += p->scale * dQa[r * Dp + x];
+    }
+}
+
+int flash_attention_backward(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse,
+                             float *delta, float *scratch, const flash_problem *p) {
+    if (p->B <= 0 || p->Tq <= 0 || p->Tk <= 0 || p->H <= 0 || p->D <= 0) return 0; /* no gradient flows */
+    if (!dq && !dk && !dv) return 0;
+    fctx c;
+    if (ctx_init(&c, p)) return -1;
+    const int64_t Dp = c.Dp, D = p->D, H = p->H, Tq = p->Tq;
+    const int64_t ws_kv = 2 * BR * Dp + 2 * BC * BR + 4 * BC * Dp + 2 * BR;
+    const int64_t ws_q = 3 * BR * Dp + Dp * BC + 2 * BR * BC + 2 * BR;
+    const int64_t nk = p->B * p->Hkv * c.nkt * D * BC, nq = p->B * H * c.nqt * D * BR;
+    float *KT = scratch, *VT = KT + nk, *QT = VT + nk, *OT = QT + nq;
+    const int64_t ws_floats = round_up(ws_kv > ws_q ? ws_kv : ws_q, VL);
+    const int nt = max_threads();
+    const int par = nt > 1 && p->B * H * Tq * p->Tk * (D + 1) >= PAR_MIN;
+    float *ws = aligned_alloc(64, (size_t)(par ? nt : 1) * (size_t)ws_floats * sizeof(float));
+    if (!ws) { ctx_free(&c); return -1; }
+    const int64_t rows = p->B * Tq;
+    #pragma omp parallel if (par)
+    {
+        float *mine = ws + (size_t)thread_id() * (size_t)ws_floats;
+        #pragma omp for schedule(static)
+        for (int64_t bi = 0; bi < rows; bi++) { /* delta = rowsum(dO * O) */
+            const int64_t b = bi / Tq, i = bi % Tq;
+            for (int64_t h = 0; h < H; h++) {
+                const float *o = out + (bi * H + h) * D, *g = dout + (bi * H + h) * D;
+                float s = 0.0f;
+                for (int64_t d = 0; d < D; d++) s += o[d] * g[d];
+                delta[(b * H + h) * Tq + i] = s;
+            }
+        }
+        pack_all_transposed(KT, p->k.p, p->k.sb, p->k.st, p->k.sh, p->B, p->Hkv, p->Tk, BC, D, 1.0f);
+        pack_all_transposed(VT, p->v.p, p->v.sb, p->v.st, p->v.sh, p->B, p->Hkv, p->Tk, BC, D, 1.0f);
+        pack_all_transposed(QT, p->q.p, p->q.sb, p->q.st, p->q.sh, p->B, H, Tq, BR, D, p->scale);
+        pack_all_transposed(OT, dout, Tq * H * D, H * D, D, p->B, H, Tq, BR, D, 1.0f);
+        if (dk || dv) {
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < p->B * p->Hkv * c.nkt; it++) {
+                const int64_t bg = it / c.nkt;
+                bwd_kv_item(&c, mine, QT, OT, dk, dv, dout, lse, delta, bg / p->Hkv, bg % p->Hkv, it % c.nkt);
+            }
+        }
+        if (dq) {
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < p->B * H * c.nqt; it++) {
+                const int64_t bh = it / c.nqt;
+                bwd_q_item(&c, mine, KT, VT, dq, dout, lse, delta, bh / H, bh % H, it % c.nqt);
+            }
+        }
+    }
+    free(ws);
+    ctx_free(&c);
+    return 0;
+}

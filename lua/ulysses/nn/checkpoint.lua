@@ -1,0 +1,187 @@
+-- lua/ulysses/nn/checkpoint.lua — activation checkpointing: nn.checkpoint(fn, x, ...) runs fn
+-- without recording its graph (its activations are freed at once) and returns a tensor whose
+-- backward replays fn on the saved inputs with the random generator rewound to where the forward
+-- found it (so dropout draws the same masks), then backpropagates through the replay. Memory per
+-- checkpointed segment: its inputs and output instead of every intermediate.
+--
+-- The backward hook is a C callback into Lua (core/custom.c), so the C call that starts a
+-- backward must not come from JIT-compiled code: Tensor:backward is kept interpreted.
+return function(nn, U)
+  local ffi = require 'ffi'
+
+  local pending = {}       -- id -> replay closure, until the C node is freed
+  local next_id = 0
+  local released = ffi.new('int64_t[64]')
+
+  local function sweep(C)
+    while true do
+      local n = C.uly_custom_released(released, 64)
+      for i = 0, n - 1 do pending[tonumber(released[i])] = nil end
+      if n < 64 then break end
+    end
+  end
+
+  local callback -- created on first use (one per process)
+  local function get_callback(C, T)
+    if callback then return callback end
+    callback = ffi.cast('uly_custom_backward', function(id, g, gin)
+      local replay = pending[tonumber(id)]
+      if not replay then return C.uly_fail('checkpoint: nothing recorded for this segment (freed?)') end
+      local ok, err = pcall(replay, g, gin)
+      if ok then return 0 end
+      return C.uly_fail(tostring(err))
+    end)
+    return callback
+  end
+
+  -- nn.checkpoint(fn, x1, ..., xn): y = fn(x1, ..., xn) (one tensor), recomputed in backward.
+  -- Inputs that are tensors take gradients (at most 4); other arguments are passed through.
+  -- Parameters used inside fn receive their gradients from the replay.
+  function nn.checkpoint(fn, ...)
+    local uly = U()
+    local C, T = uly.C, require 'ulysses.tensor'
+    local args = { n = select('#', ...), ... }
+    if not uly.is_grad_enabled() then return fn(...) end
+    local tensors, where = {}, {}
+    for i = 1, args.n do
+      if uly.is_tensor(args[i]) then tensors[#tensors + 1] = args[i]; where[#tensors] = i end
+    end
+    if #tensors > 4 then error('nn.checkpoint: at most 4 tensor arguments, got ' .. #tensors, 2) end
+    local rng = uly.rng_state()
+    local before = uly.memory().allocated
+    local y = uly.no_grad(fn, ...)
+    -- the segment's temporaries are garbage now: free them before the next segment runs, or the
+    -- peak would not go down (LuaJIT's collector does not see their C memory)
+    if uly.memory().allocated - before > 2 ^ 20 then collectgarbage() end
+    if not uly.is_tensor(y) then error('nn.checkpoint: the function must return one tensor', 2) end
+    sweep(C)
+    next_id = next_id + 1
+    local id = next_id
+    pending[id] = function(g_handle, gin)
+      -- replay with the forward's random numbers, from detached copies of the inputs
+      local now = uly.rng_state()
+      uly.set_rng_state(rng)
+      local replay_args = { n = args.n }
+      local leaves = {}
+      for i = 1, args.n do replay_args[i] = args[i] end
+      for k, t in ipairs(tensors) do
+        if gin[k - 1] ~= nil then
+          leaves[k] = t:detach():requires_grad_(true)
+          replay_args[where[k]] = leaves[k]
+        else
+          replay_args[where[k]] = t:detach()
+        end
+      end
+      local ok, out = pcall(uly.enable_grad, fn, unpack(replay_args, 1, replay_args.n))
+      uly.set_rng_state(now)
+      if not ok then error(out, 0) end
+      C.uly_tensor_retain(g_handle)
+      out:backward(T.wrap(g_handle))
+      for k, leaf in pairs(leaves) do
+        local gk = leaf.grad
+        if gk then T.check(C.uly_tensor_accumulate_(gin[k - 1], gk._h)) end
+      end
+    end
+    local hs = ffi.new('uly_tensor *[?]', math.max(#tensors, 1))
+    for k, t in ipairs(tensors) do hs[k - 1] = t._h end
+    return T.wrap(C.uly_custom_op(#tensors, hs, y._h, get_callback(C, T), id))
+  end
+
+  -- nn.chunked(fn, x, {dim = 2, size = 1024, with = {t1, ...}, reduce = 'cat' | 'sum'}):
+  -- fn applied to slices of x along dim (and the same slices of the `with` tensors, e.g. the
+  -- targets), one slice at a time, never recording more than one slice's graph: 'cat' joins the
+  -- slices' outputs along dim (a tiled MLP: the 4C-wide hidden activations of only one slice
+  -- exist at once), 'sum' adds the slices' (scalar) outputs (a tiled loss: one slice's logits at
+  -- once). Backward replays each slice (random generator rewound per slice) and backpropagates
+  -- the matching slice of the incoming gradient. Same values and gradients as fn(x, ...) when fn
+  -- works row by row along dim.
+  function nn.chunked(fn, x, opts)
+    local uly = U()
+    local C, T = uly.C, require 'ulysses.tensor'
+    opts = opts or {}
+    local dim, size, with = opts.dim or 2, opts.size or 1024, opts.with or {}
+    local reduce = opts.reduce or 'cat'
+    if reduce ~= 'cat' and reduce ~= 'sum' then error("nn.chunked: reduce must be 'cat' or 'sum'", 2) end
+    if type(size) ~= 'number' or size < 1 then error('nn.chunked: size must be a positive number of rows', 2) end
+    local n = x:size(dim)
+    local starts = {}
+    for s0 = 1, n, size do starts[#starts + 1] = s0 end
+    local function slice(t, s0) return t:narrow(dim, s0, math.min(size, n - s0 + 1)) end
+    local function call(xs, s0, ...)
+      local args = {}
+      for k, w in ipairs(with) do args[k] = slice(w, s0) end
+      return fn(xs, unpack(args))
+    end
+    if not uly.is_grad_enabled() or #starts <= 1 then
+      if #starts <= 1 then return call(x, 1) end
+      local parts = {}
+      for i, s0 in ipairs(starts) do parts[i] = call(slice(x, s0), s0) end
+      if reduce == 'sum' then
+        local total = parts[1]
+        for i = 2, #parts do total = total + parts[i] end
+        return total
+      end
+      local out = parts[1]
+      for i = 2, #parts do out = uly.cat({ out, parts[i] }, dim) end
+      return out
+    end
+    -- forward, one slice at a time, without recording
+    local rngs, out, total = {}, nil, nil
+    uly.no_grad(function()
+      for i, s0 in ipairs(starts) do
+        rngs[i] = uly.rng_state()
+        local before = uly.memory().allocated
+        local y = call(slice(x, s0), s0)
+        if reduce == 'sum' then total = total and (total + y) or y:clone()
+        else
+          if not out then
+            local shape = y:shape()
+            shape[dim] = n
+            out = uly.empty(shape)
+          end
+          slice(out, s0):copy_(y)
+        end
+        y = nil
+        if uly.memory().allocated - before > 2 ^ 20 then collectgarbage() end
+      end
+    end)
+    local result = reduce == 'sum' and total or out
+    sweep(C)
+    next_id = next_id + 1
+    local id = next_id
+    pending[id] = function(g_handle, gin)
+      C.uly_tensor_retain(g_handle)
+      local g = T.wrap(g_handle)
+      local now = uly.rng_state()
+      local ok, err = pcall(function()
+        for i, s0 in ipairs(starts) do
+          local before = uly.memory().allocated
+          uly.set_rng_state(rngs[i])
+          local xs = slice(x, s0):detach()
+          if gin[0] ~= nil then xs = xs:contiguous():requires_grad_(true) end
+          local y = uly.enable_grad(call, xs, s0)
+          y:backward(reduce == 'sum' and g or slice(g, s0):contiguous())
+          if gin[0] ~= nil and xs.grad then
+            local h = C.uly_tensor_narrow(gin[0], dim - 1, s0 - 1, math.min(size, n - s0 + 1))
+            local view = T.wrap(h)
+            T.check(C.uly_tensor_accumulate_(view._h, xs.grad._h))
+          end
+          y, xs = nil, nil
+          if uly.memory().allocated - before > 2 ^ 20 then collectgarbage() end   -- this slice's graph
+        end
+      end)
+      uly.set_rng_state(now)
+      if not ok then error(err, 0) end
+    end
+    local hs = ffi.new('uly_tensor *[1]', x._h)
+    return T.wrap(C.uly_custom_op(1, hs, result._h, get_callback(C, T), id))
+  end
+
+  -- number of segments whose replay is still held (for leak checks)
+  function nn.checkpoint_pending()
+    sweep(U().C)
+    local n = 0
+    for _ in pairs(pending) do n = n + 1 end
+    return n
+  end
+end

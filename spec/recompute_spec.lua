@@ -1,0 +1,179 @@
+-- spec/recompute_spec.lua — activation checkpointing (nn.checkpoint, Block/model checkpoint
+-- flag): the same loss and bit-identical gradients as without it, dropout included; a smaller
+-- activation peak; errors in the replay surface from backward; nothing is kept after the graph
+-- is dropped. Tiled MLP and loss (nn.chunked, config.tile): equal to untiled, lower peak.
+local uly = require 'ulysses'
+local helpers = require 'helpers'
+local nn = uly.nn
+local GPT = require 'models.gpt'
+local Llama = require 'models.llama'
+
+local function grads(model)
+  local out = {}
+  for name, p in model:named_parameters() do out[name] = p.grad and p.grad:clone() end
+  return out
+end
+
+local function ids(B, T, V)
+  local t = {}
+  for b = 1, B do
+    t[b] = {}
+    for i = 1, T do t[b][i] = math.random(0, V - 1) end
+  end
+  return uly.tensor(t, { dtype = 'i32' })
+end
+
+describe('activation checkpointing', function()
+  before_each(function() helpers.reseed(31) end)
+
+  it('nn.checkpoint gives the same output and gradients for the input and the parameters', function()
+    local lin = nn.Linear(6, 6)
+    local x = uly.randn(3, 6, { requires_grad = true })
+    local function f(t) return (lin(t):gelu() * t):tanh() end
+    local y1 = f(x)
+    ;(y1 * y1):sum():backward()
+    local gx, gw = x.grad:clone(), lin.weight.grad:clone()
+    x:zero_grad(); lin:zero_grad()
+    local y2 = nn.checkpoint(f, x)
+    helpers.assert_close(y2, y1, 0, 0)
+    assert.are.equal('CustomBackward', y2.grad_fn)
+    ;(y2 * y2):sum():backward()
+    helpers.assert_close(x.grad, gx, 0, 0)
+    helpers.assert_close(lin.weight.grad, gw, 0, 0)
+  end)
+
+  it('replays dropout with the same masks and leaves the generator where it was', function()
+    local blk = nn.Block(16, { heads = 2, dropout = 0.3 })
+    local x = uly.randn(2, 5, 16, { requires_grad = true })
+    uly.manual_seed(5)
+    local y1 = blk(x)
+    ;(y1 * y1):sum():backward()
+    local after1 = uly.rng_state()
+    local g1 = grads(blk)
+    local gx = x.grad:clone()
+    x:zero_grad(); blk:zero_grad()
+    blk.checkpoint = true
+    uly.manual_seed(5)
+    local y2 = blk(x)
+    ;(y2 * y2):sum():backward()
+    helpers.assert_close(y2, y1, 0, 0)
+    helpers.assert_close(x.grad, gx, 0, 0)
+    for name, g in pairs(grads(blk)) do helpers.assert_close(g, g1[name], 0, 0, name) end
+    local after2 = uly.rng_state()
+    assert.is_true(after1.seed == after2.seed and after1.offset == after2.offset)
+  end)
+
+  it('GPT and Llama with checkpoint = true train identically and keep fewer activations', function()
+    for _, Model in ipairs({ GPT, Llama }) do
+      local cfg = { preset = 'tiny', layers = 6, dim = 64, heads = 4, seq = 128, dropout = 0.1 }
+      local x, y = ids(4, 128, 256), ids(4, 128, 256)
+      local results = {}
+      for _, ck in ipairs({ false, true }) do
+        uly.manual_seed(3)
+        cfg.checkpoint = ck
+        local m = Model(cfg)
+        collectgarbage(); collectgarbage()
+        local base = uly.memory().allocated
+        uly.reset_peak_memory()
+        local loss = m:loss(x, y)
+        collectgarbage(); collectgarbage()
+        local held = uly.memory().allocated - base      -- activations kept for backward
+        loss:backward()
+        results[ck] = { loss = loss:item(), grads = grads(m), held = held }
+      end
+      assert.are.equal(results[false].loss, results[true].loss)
+      for name, g in pairs(results[false].grads) do helpers.assert_close(results[true].grads[name], g, 0, 0, name) end
+      assert.is_true(results[true].held < 0.35 * results[false].held,
+                     string.format('%s: %d bytes kept with checkpointing vs %d without', Model.__name,
+                                   results[true].held, results[false].held))
+    end
+  end)
+
+  it('an error while replaying comes out of backward with its message', function()
+    local x = uly.randn(4, { requires_grad = true })
+    local calls = 0
+    local y = nn.checkpoint(function(t)
+      calls = calls + 1
+      if calls == 2 then error('replay failed on purpose', 0) end
+      return t * 2
+    end, x)
+    local ok, err = pcall(function() y:sum():backward() end)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find('replay failed on purpose', 1, true), err)
+  end)
+
+  it('keeps nothing once the graph is gone, and is a plain call under no_grad', function()
+    -- (releasing a graph can take a few collector cycles: wrappers, then nodes, then closures)
+    local function settle() for _ = 1, 6 do collectgarbage() end return nn.checkpoint_pending() end
+    local before = settle()
+    local during
+    do
+      local x = uly.randn(3, { requires_grad = true })
+      local y = nn.checkpoint(function(t) return t * t end, x)
+      during = nn.checkpoint_pending()
+      y:sum():backward()
+    end
+    local after = settle()
+    assert.is_true(during >= 1)
+    assert.is_true(after <= before and after < during, string.format('%d %d %d', before, during, after))
+    local z = uly.no_grad(function() return nn.checkpoint(function(t) return t + 1 end, uly.ones(2)) end)
+    assert.is_nil(z.grad_fn)
+  end)
+end)
+
+describe('tiled MLP and loss (nn.chunked)', function()
+  before_each(function() helpers.reseed(37) end)
+
+  it("'cat' equals the function on the whole input, values and gradients", function()
+    local mlp = nn.SwiGLU(8, 24)
+    local x = uly.randn(2, 11, 8, { requires_grad = true })
+    local y1 = mlp(x)
+    ;(y1 * y1):sum():backward()
+    local gx, g1 = x.grad:clone(), mlp.w1.weight.grad:clone()
+    x:zero_grad(); mlp:zero_grad()
+    local y2 = nn.chunked(function(t) return mlp(t) end, x, { dim = 2, size = 4 })   -- 4 + 4 + 3 rows
+    helpers.assert_close(y2, y1, 0, 0)
+    ;(y2 * y2):sum():backward()
+    helpers.assert_close(x.grad, gx, 0, 0)                 -- row-wise: the same bits
+    helpers.assert_close(mlp.w1.weight.grad, g1, 1e-5, 1e-6) -- summed over slices: float order
+  end)
+
+  it("'sum' of a sliced cross-entropy equals the whole one, with ignored targets", function()
+    local W = uly.randn(8, 30, { requires_grad = true })
+    local h = uly.randn(2, 9, 8, { requires_grad = true })
+    local t = {}
+    for b = 1, 2 do t[b] = {} for i = 1, 9 do t[b][i] = (i == 4) and -1 or math.random(0, 29) end end
+    local tg = uly.tensor(t, { dtype = 'i32' })
+    local l1 = uly.cross_entropy(h:matmul(W), tg, { ignore_index = -1, reduction = 'sum' })
+    l1:backward()
+    local gh, gw = h.grad:clone(), W.grad:clone()
+    h:zero_grad(); W:zero_grad()
+    local l2 = nn.chunked(function(hs, ts) return uly.cross_entropy(hs:matmul(W), ts, { ignore_index = -1, reduction = 'sum' }) end,
+                          h, { dim = 2, size = 2, with = { tg }, reduce = 'sum' })
+    helpers.assert_close(l2, l1, 1e-6, 1e-6)
+    l2:backward()
+    helpers.assert_close(h.grad, gh, 1e-6, 1e-7)
+    helpers.assert_close(W.grad, gw, 1e-5, 1e-6)
+  end)
+
+  it('models with tile = 32 train like untiled ones and hold a smaller peak (logits of 4096 tokens)', function()
+    for _, Model in ipairs({ GPT, Llama }) do
+      local x, y = ids(2, 256, 4096), ids(2, 256, 4096)
+      local res = {}
+      for _, tile in ipairs({ false, 32 }) do
+        uly.manual_seed(4)
+        local m = Model { preset = 'tiny', vocab = 4096, dim = 64, heads = 4, seq = 256, tile = tile or nil }
+        for _ = 1, 6 do collectgarbage() end
+        local base = uly.memory().allocated
+        uly.reset_peak_memory()
+        local loss = m:loss(x, y)
+        loss:backward()
+        res[tile] = { loss = loss:item(), grads = grads(m), peak = uly.memory().peak - base }
+      end
+      assert.is_true(math.abs(res[32].loss - res[false].loss) < 1e-5 * res[false].loss)
+      for name, g in pairs(res[false].grads) do helpers.assert_close(res[32].grads[name], g, 1e-4, 1e-6, name) end
+      assert.is_true(res[32].peak < 0.8 * res[false].peak,
+                     string.format('%s peak %d tiled vs %d', Model.__name, res[32].peak, res[false].peak))
+    end
+  end)
+end)
