@@ -24,6 +24,10 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'hidden', 0, 'MLP width (0 = preset/default)' },
   { 'dropout', 0, 'dropout probability' },
   { 'checkpoint', 0, '1: recompute each block in backward instead of keeping its activations' },
+  { 'attention', 'flash', 'flash (memory O(N), windows, documents) | reference (stores N^2 probabilities)' },
+  { 'window', 0, 'sliding-window attention: each token sees this many before it (0 = all)' },
+  { 'tile', 0, 'compute MLP and loss over slices of this many positions (0 = whole sequence)' },
+  { 'documents', 0, '1: attention stays inside each packed document (DNA files with several records)' },
   { 'seq', 256, 'sequence length T (tokens per window)' },
   { 'batch', 16, 'windows per micro-batch' },
   { 'accum', 1, 'micro-batches per optimizer step (gradient accumulation)' },
@@ -37,7 +41,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'clip', 1.0, 'clip the global gradient norm (0 = off)' },
   { 'data', '', "HDF5 dataset from datasets/prepare.lua; 'embedded' = Genesis 1 (default: data/kjv.h5 if present, else embedded)" },
   { 'eval_every', 100, 'validation every N steps (0 = only at the end)' },
-  { 'eval_batches', 8, 'validation batches per evaluation' },
+  { 'eval_batches', 8, 'validation batches per evaluation (0 = no evaluation)' },
   { 'out', 'runs/train', 'run directory: log.csv, loss.svg, ckpt/' },
   { 'stop_after', 0, 'stop after this step, writing a checkpoint (0 = run to --steps); continue with --resume auto' },
   { 'ckpt_every', 0, 'checkpoint every N steps (0 = only at the end)' },
@@ -156,7 +160,8 @@ local function build_model(cfg, vocab)
   local Model = cfg.model == 'llama' and require 'models.llama' or cfg.model == 'gpt' and require 'models.gpt'
   if not Model then usage("--model must be 'gpt' or 'llama', got " .. cfg.model) end
   local mc = { preset = cfg.preset, vocab = vocab, seq = cfg.seq, dropout = cfg.dropout,
-               sp = cfg.world > 1 and cfg.sp or nil, checkpoint = cfg.checkpoint ~= 0 }
+               sp = cfg.world > 1 and cfg.sp or nil, checkpoint = cfg.checkpoint ~= 0, attention = cfg.attention,
+               window = cfg.window > 0 and cfg.window or nil, tile = cfg.tile > 0 and cfg.tile or nil }
   for _, k in ipairs({ 'layers', 'heads', 'kv_heads', 'dim', 'hidden' }) do
     if cfg[k] > 0 then mc[k] = cfg[k] end
   end
@@ -196,10 +201,11 @@ local function main()
   data_path = data_path or resolve_data(cfg, true)
   local shard = grid and { rank = grid.sp_rank, size = grid.sp_size } or nil
   local dp_rank = grid and grid.dp_rank or 0
+  local documents = cfg.documents ~= 0 or nil
   local train_data = uly.data.open(data_path, { seq = cfg.seq, batch = cfg.batch, split = 'train',
-                                                seed = cfg.seed + 7919 * dp_rank, shard = shard })
+                                                seed = cfg.seed + 7919 * dp_rank, shard = shard, documents = documents })
   local valid_data = uly.data.open(data_path, { seq = cfg.seq, batch = cfg.batch, split = 'valid', random = false,
-                                                shard = shard })
+                                                shard = shard, documents = documents })
   local model = build_model(cfg, train_data.vocab_size)
   local ctx = { pos = train_data.offset or 0, seq_total = cfg.seq }
   local opt = uly.optim.AdamW(model:parameters(), { lr = cfg.lr, betas = { 0.9, cfg.beta2 }, weight_decay = cfg.wd })
@@ -255,7 +261,8 @@ local function main()
     local total, n = 0, 0
     uly.no_grad(function()
       local vctx = { pos = valid_data.offset or 0, seq_total = cfg.seq }
-      for x, y in valid_data:batches() do
+      for x, y, doc in valid_data:batches() do
+        vctx.doc = doc
         total = total + common.global_loss(model, model:loss(x, y, vctx)) * x:size(1)
         n = n + x:size(1)
         if n >= cfg.eval_batches * cfg.batch then break end
@@ -295,7 +302,8 @@ local function main()
     opt:zero_grad()
     local loss_sum = 0
     for _ = 1, cfg.accum do
-      local x, y = train_data:next()
+      local x, y, doc = train_data:next()
+      ctx.doc = doc
       local loss = model:loss(x, y, ctx)
       loss_sum = loss_sum + loss:item()
       if cfg.accum > 1 then loss = loss * (1 / cfg.accum) end
@@ -314,7 +322,7 @@ local function main()
     progress:step { step = step, loss = loss, lr = opt.lr, dt = dt, memory = uly.memory().allocated,
                     extra = grid and { comm_bytes = bytes1 - bytes0, comm_time = secs1 - secs0 } or nil }
     val_loss = nil
-    if (cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == last_step then
+    if cfg.eval_batches > 0 and ((cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == last_step) then
       val_loss = evaluate()
       progress:eval { step = step, loss = val_loss, bpt = val_loss / math.log(2) }
     end
@@ -324,10 +332,19 @@ local function main()
     end
     if (cfg.ckpt_every > 0 and step % cfg.ckpt_every == 0) or step == last_step then save_checkpoint(step) end
   end
+  -- the allocator's high-water mark, the largest over the ranks
+  local peak_bytes = uly.memory().peak
+  if grid then
+    local t = uly.tensor({ peak_bytes }, { dtype = 'f64' })
+    grid.world_group:all_reduce_(t, 'max')
+    peak_bytes = t:item()
+  end
   if not main_rank then return end
   writer:close()
 
   local summary = progress:summary()
+  print(string.format('peak memory per rank: %s held by tensors (the allocator\'s high-water mark%s)',
+                      uly.log.format_bytes(peak_bytes), grid and ', largest over the ranks' or ''))
   if summary and train_data.entropy_bits then
     print(string.format('unigram entropy of the training data: %.3f bits/token; validation: %s bits/token',
                         train_data.entropy_bits, val_loss and string.format('%.3f', val_loss / math.log(2)) or 'n/a'))

@@ -58,10 +58,18 @@ function M.check_input(name, idx, pos, seq)
   end
 end
 
--- the attention a config asks for: cfg.attend (default: the reference kernel), wrapped in
+-- the attention a config asks for: cfg.attend, else cfg.attention = 'flash' (default: the
+-- memory-efficient kernel, which also does config.window and document masks) or 'reference', wrapped in
 -- nn.DistributedAttention over the sequence-parallel group when cfg.sp is set
 function M.attention_for(cfg)
-  local attend = cfg.attend or uly.nn.reference_attend
+  local attend = cfg.attend
+  if not attend then
+    local kind = cfg.attention or 'flash'
+    attend = kind == 'flash' and uly.nn.flash_attend or kind == 'reference' and uly.nn.reference_attend or nil
+    if not attend then
+      error(string.format("config.attention must be 'flash' or 'reference' (or pass config.attend), got %s", tostring(kind)), 4)
+    end
+  end
   if not cfg.sp then return attend, nil end
   if type(cfg.sp) ~= 'number' or cfg.sp < 1 or cfg.sp % 1 ~= 0 then
     error('config.sp must be a positive integer (ranks per sequence-parallel group), got ' .. tostring(cfg.sp), 4)
@@ -127,8 +135,11 @@ end
 -- Model FLOPs per token for training (forward + backward = 3x forward), the convention of
 -- ../shared/ENVIRONMENT.md: 6 * N_matmul + 12 * L * C_attn * T, with the attention term
 -- counted over the full T x T (a causal kernel skipping the masked half does half of it).
-function M.flops_per_token(n_matmul, layers, attn_dim, T)
-  return 6 * n_matmul + 12 * layers * attn_dim * T
+-- With a sliding window of W keys each query sees at most W + 1 keys: the term uses min(T, W + 1).
+-- Recomputation for activation checkpointing is not counted (model FLOPs, not hardware FLOPs).
+function M.flops_per_token(n_matmul, layers, attn_dim, T, window)
+  local keys = window and math.min(T, window + 1) or T
+  return 6 * n_matmul + 12 * layers * attn_dim * keys
 end
 
 -- sample one token id from logits (a Lua list of V numbers) with temperature and top-k

@@ -56,7 +56,8 @@ function GPT:features(idx, ctx)
   if self.training and cfg.dropout > 0 then h = h:dropout(cfg.dropout, true) end
   local caches = ctx and ctx.caches
   for l, block in self.blocks:named_children() do
-    h = block(h, { pos = pos, cache = caches and caches[l], seq_total = ctx and ctx.seq_total })
+    h = block(h, { pos = pos, cache = caches and caches[l], seq_total = ctx and ctx.seq_total,
+                  doc = ctx and ctx.doc })
   end
   return self.ln_f(h)                                                     -- [B, T, C]
 end
@@ -76,7 +77,8 @@ end
 
 -- training FLOPs per token at sequence length T (default: config.seq); see models/common.lua
 function GPT:flops_per_token(T)
-  return common.flops_per_token(self:matmul_parameters(), self.config.layers, self.config.dim, T or self.config.seq)
+  return common.flops_per_token(self:matmul_parameters(), self.config.layers, self.config.dim, T or self.config.seq,
+                                 self.config.window)
 end
 
 -- parameter count from a config alone (nothing allocated): for the large presets

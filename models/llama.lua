@@ -66,7 +66,8 @@ function Llama:features(idx, ctx)
   local h = self.tok_embeddings(idx)                                       -- [B, T, C]
   local caches = ctx and ctx.caches
   for l, layer in self.layers:named_children() do
-    h = layer(h, { pos = pos, cache = caches and caches[l], seq_total = ctx and ctx.seq_total })
+    h = layer(h, { pos = pos, cache = caches and caches[l], seq_total = ctx and ctx.seq_total,
+                  doc = ctx and ctx.doc })
   end
   return self.norm(h)                                                     -- [B, T, C]
 end
@@ -89,7 +90,8 @@ function Llama:matmul_parameters()
 end
 
 function Llama:flops_per_token(T)
-  return common.flops_per_token(self:matmul_parameters(), self.config.layers, self.config.dim, T or self.config.seq)
+  return common.flops_per_token(self:matmul_parameters(), self.config.layers, self.config.dim, T or self.config.seq,
+                                 self.config.window)
 end
 
 -- parameter count from a config alone (nothing allocated): for the large presets
@@ -107,7 +109,7 @@ function Llama.config_flops_per_token(cfg, T)
   local C, H = cfg.dim, cfg.heads
   local Hkv, hid = cfg.kv_heads or H, cfg.hidden or Llama.hidden_for(C)
   local n_mm = cfg.layers * (C * (H + 2 * Hkv) * (C / H) + C * C + 3 * C * hid) + cfg.vocab * C
-  return common.flops_per_token(n_mm, cfg.layers, C, T or cfg.seq)
+  return common.flops_per_token(n_mm, cfg.layers, C, T or cfg.seq, cfg.window)
 end
 
 function Llama:generate(prompt, opts) return common.generate(self, prompt, opts) end

@@ -81,9 +81,14 @@ describe('nn.SelfAttention', function()
     local seen
     local attn = nn.SelfAttention(8, { heads = 4, kv_heads = 2, window = 3, attend = function(q, k, v, o)
       seen = { q = q:shape(), k = k:shape(), causal = o.causal, scale = o.scale, window = o.window, pos = o.pos }
-      return nn.reference_attend(q, k, v, o)
+      return nn.flash_attend(q, k, v, o)
     end })
     attn(uly.randn(2, 5, 8), { pos = 7 })
+    -- the reference kernel refuses masks it does not implement instead of ignoring them
+    local ref = nn.SelfAttention(8, { heads = 4, window = 3 })
+    local ok, err = pcall(ref, uly.randn(1, 5, 8))
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find('no sliding-window or document masks', 1, true), err)
     assert.are.same({ 2, 5, 4, 2 }, seen.q)
     assert.are.same({ 2, 5, 2, 2 }, seen.k)
     assert.is_true(seen.causal)
@@ -214,6 +219,22 @@ describe('models', function()
     local ref = uly.cross_entropy(m(x), y, { ignore_index = -1 })
     helpers.assert_close(loss, ref, 1e-6, 1e-6)
     assert.is_true(math.abs(loss:item() - math.log(256)) < 0.2)
+  end)
+
+  it('document ids keep attention inside each packed document', function()
+    -- two documents packed in one window give the same outputs as each run on its own
+    local m = Llama { preset = 'tiny' }
+    local a, b = ids(1, 5, 256), ids(1, 7, 256)
+    local both = uly.cat({ a, b }, 2)
+    local doc = uly.tensor({ { 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1 } }, { dtype = 'i32' })
+    uly.no_grad(function()
+      local packed = m(both, { doc = doc })
+      helpers.assert_close(packed:narrow(2, 1, 5), m(a), 1e-5, 1e-6, 'first document')
+      -- the second document's positions continue (RoPE is relative, so its outputs match a fresh run)
+      helpers.assert_close(packed:narrow(2, 6, 7), m(b), 1e-4, 1e-5, 'second document')
+      local mixed = m(both)
+      assert.is_true(((mixed:narrow(2, 6, 7) - m(b)) ^ 2):sum():item() > 1e-6)   -- without ids they mix
+    end)
   end)
 
   it('errors name the model and what is wrong', function()

@@ -48,7 +48,7 @@ end
 
 -- the single-process model vs the sequence-parallel one on the same batch: returns the loss
 -- difference and the largest gradient difference relative to each tensor's largest entry
-local function compare(Model, cfg, N, mask_last_shard)
+local function compare(Model, cfg, N, mask_last_shard, with_docs)
   local g = grid()
   local P, r = g.sp_size, g.sp_rank
   local x, y = batch(2, N, cfg.vocab or 256, 11)
@@ -60,10 +60,17 @@ local function compare(Model, cfg, N, mask_last_shard)
   local ref = Model(cfg)
   uly.manual_seed(7)
   local m = Model(copy_cfg(cfg, { sp = P }))
-  local ref_loss = ref:loss(x, y)
+  local doc
+  if with_docs then -- three packed documents; every rank gets the whole window's ids
+    local d = {}
+    for b = 1, 2 do d[b] = {} for t = 1, N do d[b][t] = t <= N / 3 and 0 or (t <= N / 2 + b and 1 or 2) end end
+    doc = uly.tensor(d, { dtype = 'i32' })
+  end
+  local ref_loss = ref:loss(x, y, { doc = doc })
   ref_loss:backward()
   local lo, n = split(N, P, r)
-  local loss = m:loss(x:narrow(2, lo + 1, n):contiguous(), y:narrow(2, lo + 1, n):contiguous(), { pos = lo, seq_total = N })
+  local loss = m:loss(x:narrow(2, lo + 1, n):contiguous(), y:narrow(2, lo + 1, n):contiguous(),
+                      { pos = lo, seq_total = N, doc = doc })
   loss:backward()
   dist.all_reduce_grads(m:parameters(), g.world_group)
   local global = common.global_loss(m, loss)
@@ -96,13 +103,20 @@ describe('Ulysses sequence parallelism #mpi', function()
     { 'fewer heads than ranks (GPT, 2 heads) and N = 10', GPT, { preset = 'tiny', heads = 2, dim = 32, seq = 16 }, 10 },
     { 'K/V heads fewer than P (8 heads, 2 K/V) and N = 9', Llama, { preset = 'tiny', heads = 8, kv_heads = 2, dim = 32, hidden = 48, seq = 16 }, 9 },
   }
+  cases[#cases + 1] = { 'flash attention with a sliding window and packed documents', Llama,
+                         { preset = 'tiny', heads = 4, kv_heads = 2, dim = 32, hidden = 48, seq = 32, attention = 'flash',
+                           window = 5 }, 23, false, true }
+  cases[#cases + 1] = { 'the reference kernel', GPT, { preset = 'tiny', heads = 4, dim = 32, seq = 16, attention = 'reference' }, 15 }
+  cases[#cases + 1] = { 'with activation checkpointing and tiled MLP and loss', Llama,
+                         { preset = 'tiny', heads = 4, kv_heads = 2, dim = 32, hidden = 48, seq = 32, checkpoint = true,
+                           tile = 4 }, 21 }
   cases[#cases + 1] = { 'with activation checkpointing (the replay repeats the exchanges)', GPT,
                          { preset = 'tiny', heads = 4, dim = 32, seq = 16, checkpoint = true }, 14 }
   cases[#cases + 1] = { 'a shard whose targets are all ignored (no NaN, the others unchanged)', Llama,
                          { preset = 'tiny', heads = 4, kv_heads = 2, dim = 32, hidden = 48, seq = 16 }, 12, true }
   for _, c in ipairs(cases) do
     it('matches the single-process loss and gradients: ' .. c[1], function()
-      local dl, dg, where = compare(c[2], c[3], c[4], c[5])
+      local dl, dg, where = compare(c[2], c[3], c[4], c[5], c[6])
       assert.is_true(dl <= TOL, string.format('loss differs by %.3g relative', dl))
       assert.is_true(dg <= TOL, string.format('gradient of %s differs by %.3g', tostring(where), dg))
     end)

@@ -13,6 +13,10 @@ return function(nn, U)
 
   -- the default local attention: the reference kernel (dense, causal bottom-right aligned)
   function nn.reference_attend(q, k, v, opts)
+    if opts.window or opts.doc or opts.q_doc then
+      raise('reference attention: it has no sliding-window or document masks; use the flash kernel ' ..
+            "(nn.flash_attend, or attention = 'flash' in a model config)", 3)
+    end
     return U().attention(q, k, v, { causal = opts.causal, scale = opts.scale })
   end
 
@@ -83,7 +87,8 @@ return function(nn, U)
       local y = self.attend:forward_qkv(qkv, { heads = H, kv_heads = Hkv, causal = self.causal,
                                                scale = 1 / math.sqrt(D), window = self.window,
                                                rope_theta = self.rope and self.rope_theta or nil,
-                                               seq_total = ctx and ctx.seq_total, seq_start = ctx and ctx.seq_start or 0 })
+                                               seq_total = ctx and ctx.seq_total, seq_start = ctx and ctx.seq_start or 0,
+                                               doc = ctx and ctx.doc })
       return self.proj(y:reshape(B, T, H * D))
     end
     local q = qkv:narrow(3, 1, H)                                   -- [B, T, H, D]
@@ -94,7 +99,7 @@ return function(nn, U)
     end
     if ctx and ctx.cache then k, v = ctx.cache:append(k, v) end    -- [B, pos + T, Hkv, D]
     local y = self.attend(q, k, v, { causal = self.causal, scale = 1 / math.sqrt(D),
-                                     window = self.window, pos = pos })  -- [B, T, H, D]
+                                     window = self.window, pos = pos, doc = ctx and ctx.doc })  -- [B, T, H, D]
     return self.proj(y:reshape(B, T, H * D))
   end
   function SelfAttention:extra_repr()
@@ -170,7 +175,7 @@ return function(nn, U)
         q, k = q:rope(opts.seq_start or 0, opts.rope_theta), k:rope(opts.seq_start or 0, opts.rope_theta)
       end
       y = attend_local(self, q, k, v, hd, H / G, { causal = opts.causal, scale = opts.scale, window = opts.window,
-                                                   pos = opts.seq_start or 0 })
+                                                   pos = opts.seq_start or 0, doc = opts.doc })  -- doc: [B, N]
     end
     return dist.heads_to_seq(self.group, y, H, N)                         -- [B, n_r, H, D]
   end
