@@ -48,6 +48,28 @@ static void *take_cached(int64_t bytes) {
     return NULL;
 }
 
+/* The cache keeps exact-size blocks; with many distinct sizes (million-token activations of
+ * several shapes) it could hold far more than the working set. Keep what the pool holds (in use
+ * + cached) within the high-water mark of what was in use plus 1/8 and 256 MiB: free the oldest
+ * cached blocks beyond that. */
+static int64_t pool_budget(int64_t incoming) {
+    int64_t peak = bytes_peak > bytes_allocated + incoming ? bytes_peak : bytes_allocated + incoming;
+    return peak + peak / 8 + (256LL << 20);
+}
+
+static void trim_cache_locked(int64_t incoming) {
+    int64_t budget = pool_budget(incoming), k = 0;
+    while (k < n_free && bytes_allocated + incoming + bytes_cached > budget) {
+        free(free_blocks[k].p);
+        bytes_cached -= free_blocks[k].bytes;
+        k++;
+    }
+    if (k) {
+        memmove(free_blocks, free_blocks + k, (size_t)(n_free - k) * sizeof *free_blocks);
+        n_free -= k;
+    }
+}
+
 static void release_cache_locked(void) {
     for (int64_t i = 0; i < n_free; i++) free(free_blocks[i].p);
     n_free = 0;
@@ -75,7 +97,7 @@ void *uly_alloc(int64_t nbytes, int64_t *block_bytes) {
                                   uly_bytes_str(nbytes), uly_bytes_str(used), uly_bytes_str(limit));
     }
     void *p = take_cached(bytes);
-    if (!p) p = os_alloc(bytes);
+    if (!p) { trim_cache_locked(bytes); p = os_alloc(bytes); }
     if (!p && n_free) { release_cache_locked(); p = os_alloc(bytes); }
     if (!p) {
         pthread_mutex_unlock(&pool_lock);
@@ -101,6 +123,7 @@ void uly_free(void *p, int64_t block_bytes) {
     }
     free_blocks[n_free++] = (block){p, block_bytes};
     bytes_cached += block_bytes;
+    trim_cache_locked(0);
     pthread_mutex_unlock(&pool_lock);
 }
 

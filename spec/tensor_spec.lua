@@ -531,6 +531,22 @@ describe('memory', function()
     assert(ok, err)
   end)
 
+  it('the pool does not hoard blocks of many different sizes beyond the peak working set', function()
+    collectgarbage()
+    uly.empty_cache()
+    uly.reset_peak_memory()
+    local mib = 2 ^ 20
+    -- 40 distinct sizes of 16-56 MiB, one alive at a time: an exact-size cache would keep them all
+    for i = 1, 40 do
+      local t = uly.empty(math.floor((16 + i) * mib / 4))
+      t:free()
+    end
+    local m = uly.memory()
+    assert.is_true(m.reserved <= m.peak + m.peak / 8 + 256 * mib + 1,
+                   string.format('reserved %d MiB, peak %d MiB', m.reserved / mib, m.peak / mib))
+    assert.is_true(m.reserved < 40 * 16 * mib)
+  end)
+
   it('freed tensors report it and free is idempotent', function()
     local t = uly.ones(4)
     t:free()

@@ -21,6 +21,10 @@ return function(nn, U)
     end
   end
 
+  -- after the tensor wrapper's own collections, let go of the replays of graphs freed meanwhile
+  -- (they hold the segment's inputs and, through fn, the model)
+  require('ulysses.tensor').after_collect = function() sweep(U().C) end
+
   local callback -- created on first use (one per process)
   local function get_callback(C, T)
     if callback then return callback end
@@ -77,10 +81,13 @@ return function(nn, U)
       if not ok then error(out, 0) end
       C.uly_tensor_retain(g_handle)
       out:backward(T.wrap(g_handle))
+      out = nil
       for k, leaf in pairs(leaves) do
         local gk = leaf.grad
         if gk then T.check(C.uly_tensor_accumulate_(gin[k - 1], gk._h)) end
       end
+      leaves, replay_args = nil, nil
+      collectgarbage()   -- the replayed segment's activations and gradients, before the next one
     end
     local hs = ffi.new('uly_tensor *[?]', math.max(#tensors, 1))
     for k, t in ipairs(tensors) do hs[k - 1] = t._h end
@@ -112,20 +119,9 @@ return function(nn, U)
       for k, w in ipairs(with) do args[k] = slice(w, s0) end
       return fn(xs, unpack(args))
     end
-    if not uly.is_grad_enabled() or #starts <= 1 then
-      if #starts <= 1 then return call(x, 1) end
-      local parts = {}
-      for i, s0 in ipairs(starts) do parts[i] = call(slice(x, s0), s0) end
-      if reduce == 'sum' then
-        local total = parts[1]
-        for i = 2, #parts do total = total + parts[i] end
-        return total
-      end
-      local out = parts[1]
-      for i = 2, #parts do out = uly.cat({ out, parts[i] }, dim) end
-      return out
-    end
-    -- forward, one slice at a time, without recording
+    if #starts <= 1 then return call(x, 1) end
+    local recording = uly.is_grad_enabled()
+    -- forward, one slice at a time, without recording, into one preallocated output
     local rngs, out, total = {}, nil, nil
     uly.no_grad(function()
       for i, s0 in ipairs(starts) do
@@ -146,6 +142,7 @@ return function(nn, U)
       end
     end)
     local result = reduce == 'sum' and total or out
+    if not recording then return result end
     sweep(C)
     next_id = next_id + 1
     local id = next_id

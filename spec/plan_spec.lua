@@ -1,0 +1,168 @@
+-- spec/plan_spec.lua — the memory planner (tools/plan.lua) against the allocator: one real
+-- training step (forward, backward, AdamW) per config, its high-water mark measured from before
+-- the model was built, and the planner's total within 10 %; under sequence parallelism (#mpi)
+-- the same per rank; longest() returns the last N that fits.
+local uly = require 'ulysses'
+local helpers = require 'helpers'
+local plan = require 'tools.plan'
+local T = require 'ulysses.tensor'
+
+local function upvalue(f, name)
+  for i = 1, 200 do
+    local n, v = debug.getupvalue(f, i)
+    if not n then return nil end
+    if n == name then return v end
+  end
+end
+
+-- the collector threshold of lua/ulysses/tensor.lua's wrap (the planner replays it)
+local function gc_next()
+  local f = upvalue(T.wrap, 'collect_if_grown')
+  local v = f and upvalue(f, 'gc_next')
+  assert(type(v) == 'number', 'plan_spec: cannot read the collector threshold of ulysses.tensor wrap')
+  return v
+end
+
+local function ids(B, n, V)
+  local t = {}
+  for b = 1, B do
+    t[b] = {}
+    for i = 1, n do t[b][i] = math.random(0, V - 1) end
+  end
+  return uly.tensor(t, { dtype = 'i32' })
+end
+
+-- free what earlier specs left: dropped tensors, and the replay closures of checkpointed or
+-- tiled segments whose graphs are gone (they hold their inputs until swept)
+local function collect()
+  local held
+  repeat
+    held = uly.memory().allocated
+    collectgarbage(); collectgarbage()
+    uly.nn.checkpoint_pending()
+  until uly.memory().allocated == held
+end
+
+-- build the model and AdamW, then one step as train.lua runs it; returns measured peak and the
+-- planner's estimate, both counted from the bytes held before the model existed
+local function measure(pc, grid)
+  collect()
+  local base = uly.memory().allocated
+  local Model = require(pc.model == 'gpt' and 'models.gpt' or 'models.llama')
+  local mc = { preset = pc.preset, seq = pc.seq, checkpoint = pc.checkpoint, tile = pc.tile, window = pc.window,
+               attention = pc.attention, sp = grid and pc.sp or nil }
+  local m = Model(mc)
+  local opt = uly.optim.AdamW(m:parameters())
+  local B, N, P = pc.batch or 1, pc.seq, pc.sp or 1
+  collect()
+  local threshold = gc_next()
+  uly.reset_peak_memory()
+  local lo, n = 0, N
+  if grid then lo, n = uly.dist.split(N, P, grid.sp_group:rank()) end
+  local x, y = ids(B, n, m.config.vocab), ids(B, n, m.config.vocab)
+  opt:zero_grad()
+  local loss = m:loss(x, y, { pos = lo, seq_total = N })
+  loss:backward()
+  if grid then uly.dist.all_reduce_grads(m:parameters(), grid.world_group) end
+  opt:step()
+  local peak = uly.memory().peak - base
+  local cfg = {}
+  for k, v in pairs(pc) do cfg[k] = v end
+  cfg.gc_next = threshold - base
+  cfg.world = grid and grid.world or 1
+  local est = plan.estimate(cfg)
+  loss, x, y, m, opt = nil, nil, nil, nil, nil
+  collect()
+  return peak, est
+end
+
+local function check(pc, grid)
+  local peak, est = measure(pc, grid)
+  local ratio = est.total / peak
+  assert(ratio > 0.9 and ratio < 1.1, string.format('%s: planner %s vs measured %s (ratio %.3f)', pc.what,
+         plan.format_bytes(est.total), plan.format_bytes(peak), ratio))
+  return peak, est
+end
+
+describe('memory planner', function()
+  before_each(function() helpers.reseed(41) end)
+
+  local cases = {
+    { what = 'llama, reference', model = 'llama', preset = 'small', seq = 1024, attention = 'reference' },
+    -- not here: reference + checkpoint without tile. Its measured peak swings between ~0.6x and 1x
+    -- of the estimate from run to run (when LuaJIT's own cycles free a replay's garbage during
+    -- backward); the planner is an upper bound there (see tools/plan.lua's header)
+    { what = 'llama, reference, tile', model = 'llama', preset = 'small', seq = 1024, attention = 'reference', tile = 256 },
+    { what = 'llama, reference, checkpoint + tile', model = 'llama', preset = 'small', seq = 1024,
+      attention = 'reference', checkpoint = true, tile = 256 },
+    { what = 'llama, flash', model = 'llama', preset = 'small', seq = 1024, attention = 'flash' },
+    { what = 'llama, flash window, checkpoint + tile', model = 'llama', preset = 'small', seq = 2048,
+      attention = 'flash', window = 256, checkpoint = true, tile = 512 },
+    { what = 'gpt, reference', model = 'gpt', preset = 'small', seq = 1024, attention = 'reference' },
+    { what = 'gpt, reference, batch 2, checkpoint + tile', model = 'gpt', preset = 'small', seq = 512, batch = 2,
+      attention = 'reference', checkpoint = true, tile = 128 },
+    { what = 'gpt, flash, tile', model = 'gpt', preset = 'small', seq = 1024, attention = 'flash', tile = 256 },
+  }
+  for _, pc in ipairs(cases) do
+    it('estimates the peak of one training step within 10 %: ' .. pc.what, function() check(pc) end)
+  end
+
+  it('replays the collector: a step large enough to trigger it (reference, N = 2048)', function()
+    local _, est = check({ what = 'llama, reference, 2048', model = 'llama', preset = 'small', seq = 2048,
+                           attention = 'reference' })
+    assert.is_true(est.parts.attention > 0 and est.untracked > 0)
+  end)
+
+  it('breaks the total down into parts that add up to it', function()
+    local est = plan.estimate { model = 'llama', preset = 'small', seq = 4096, attention = 'flash', checkpoint = true,
+                                tile = 1024 }
+    local sum = 0
+    for _, k in ipairs(plan.PARTS) do sum = sum + est.parts[k] end
+    assert.are.equal(est.total, sum)
+    local exact = plan.count_params(est.config) * 4       -- the allocator rounds each tensor up
+    assert.is_true(est.parts.parameters >= exact and est.parts.parameters < 1.02 * exact)
+    assert.are.equal(2 * est.parts.parameters, est.parts.optimizer)
+  end)
+
+  it('longest(cfg, budget) returns an N that fits while N + step does not', function()
+    local cfg = { model = 'llama', preset = 'small', attention = 'reference', step = 256 }
+    local budget = 300 * 2 ^ 20
+    local N, est = plan.longest(cfg, budget)
+    assert.is_true(N > 0 and N % 256 == 0)
+    assert.is_true(est.with_untracked <= budget)
+    local over = plan.estimate { model = 'llama', preset = 'small', attention = 'reference', seq = N + 256 }
+    assert.is_true(over.with_untracked > budget)
+    assert.are.equal(0, plan.longest(cfg, 1))
+  end)
+
+  it('rounds sizes like the allocator and reads sizes with units', function()
+    assert.are.equal(64, plan.round_size(1))
+    assert.are.equal(65536, plan.round_size(65536))
+    assert.are.equal(73728, plan.round_size(65537))
+    assert.are.equal(4 * 2 ^ 20, plan.round_size(2 * 2 ^ 20 + 1))
+    assert.are.equal(20 * 2 ^ 30, plan.parse_bytes('20GiB'))
+    assert.has_error(function() plan.estimate { model = 'bert' } end)
+  end)
+end)
+
+describe('memory planner under sequence parallelism #mpi', function()
+  local dist = uly.dist
+  local function grid()
+    local world = tonumber(os.getenv('OMPI_COMM_WORLD_SIZE') or '1')
+    return dist.init { sp = tonumber(os.getenv('ULY_TEST_SP') or '') or world }
+  end
+
+  it('estimates each rank\'s peak within 10 % (reference and flash, checkpoint + tile)', function()
+    local g = grid()
+    local P = g.sp_group:size()
+    helpers.reseed(43)
+    for _, pc in ipairs {
+      { what = 'llama reference', model = 'llama', preset = 'small', seq = 1024, attention = 'reference', sp = P },
+      { what = 'llama flash ckpt tile', model = 'llama', preset = 'small', seq = 2048, attention = 'flash', sp = P,
+        checkpoint = true, tile = 256 },
+    } do
+      pc.what = string.format('%s, P = %d, rank %d', pc.what, P, g.world_group:rank())
+      check(pc, g)
+    end
+  end)
+end)

@@ -1,0 +1,881 @@
+-- tools/plan.lua — the memory planner: the peak memory per rank of one training step (forward,
+-- backward, AdamW) for a model config, sequence length, sequence-parallel degree P, batch,
+-- attention kind and checkpoint/tile choices, and the longest sequence that fits a budget.
+--
+--   luajit tools/plan.lua --model llama --preset small --seq 65536 --sp 4 --attention flash \
+--     --checkpoint 1 --tile 1024 [--budget 20GiB] [--window 4096] [--batch 1] [--dim ..]
+--   local plan = require 'tools.plan'
+--   plan.estimate(cfg) -> { total = bytes, parts = { parameters = .., ... }, untracked = .., ... }
+--   plan.longest(cfg, budget_bytes) -> N (a multiple of cfg.step, default 1024), its estimate
+--
+-- How: not fitted constants but a replay of the step on sizes only. The model's Lua code is
+-- mirrored op by op (models/gpt.lua, models/llama.lua, nn/transformer.lua, nn/checkpoint.lua,
+-- models/common.lua); each op allocates what its C dispatch allocates (core/ops.c, flash.c,
+-- ulysses.c: results, contiguous copies, saved statistics, scratch), saves what it saves for
+-- backward, and the backward engine of core/autograd.c is replayed (gradient buffers created on
+-- first use, views/adds passing the gradient through, saved tensors released per node). Sizes
+-- go through the allocator's size classes (core/alloc.c). Two effects of LuaJIT matter and are
+-- replayed too: a tensor dropped by Lua is freed only when the collector runs, and the
+-- collector runs when the bytes held grow past a threshold (lua/ulysses/tensor.lua: wrap) or
+-- when checkpoint/chunked force it. Memory malloc'ed inside kernels (the reference attention's
+-- dS scratch) is outside the allocator's counters: reported as `untracked`.
+-- Not replayed: LuaJIT's own incremental cycles (paced by Lua-side allocation). They can only
+-- free garbage earlier, so the estimate is an upper bound; measured within 10 % for most
+-- configs, but reference attention + checkpoint without tile can measure ~40 % lower in some
+-- runs (a replayed block's garbage collected early during backward).
+local M = {}
+
+local MiB, GiB = 2 ^ 20, 2 ^ 30
+local GC_MIN_GROWTH = 64 * MiB          -- lua/ulysses/tensor.lua
+local HUGE_PAGE = 2 * MiB               -- core/alloc.c
+
+-- core/alloc.c round_size: 64 B granularity to 64 KiB, 1/8 power-of-two steps, whole huge pages
+local function round_size(n)
+  if n <= 0 then n = 1 end
+  if n <= 65536 then return math.ceil(n / 64) * 64 end
+  if n >= HUGE_PAGE then return math.ceil(n / HUGE_PAGE) * HUGE_PAGE end
+  local p = 2 ^ math.floor(math.log(n) / math.log(2))
+  while p * 2 <= n do p = p * 2 end
+  while p > n do p = p / 2 end
+  local step = p / 8
+  return math.ceil(n / step) * step
+end
+M.round_size = round_size
+
+M.PARTS = { 'parameters', 'gradients', 'optimizer', 'inputs', 'activations', 'attention', 'communication',
+            'logits', 'backward', 'uncollected' }
+M.PART_HELP = {
+  parameters = 'model weights',
+  gradients = 'parameter .grad buffers',
+  optimizer = 'AdamW exp_avg + exp_avg_sq (f32)',
+  inputs = 'token ids and targets of the step',
+  activations = 'kept for backward (saved tensors, checkpoint inputs)',
+  attention = 'probabilities / log-sum-exp / flash tile scratch',
+  communication = 'Ulysses exchanges, their staging buffers, all-reduce flat buffer',
+  logits = 'logits, loss rows and their gradient',
+  backward = 'transient gradient buffers during backward',
+  uncollected = 'tensors dropped by Lua, waiting for its collector',
+}
+
+---------------------------------------------------------------- the simulated allocator
+local Sim = {}
+Sim.__index = Sim
+
+local function new_sim(gc_next)
+  local by = {}
+  for _, p in ipairs(M.PARTS) do by[p] = 0 end
+  return setmetatable({ cur = 0, peak = 0, by = by, at_peak = {}, gc_next = gc_next or GC_MIN_GROWTH,
+                        garbage = {}, frame = {}, grad = true, pending = {}, seq = 0, untracked = 0, phase = 'setup',
+                        peak_phase = 'setup' }, Sim)
+end
+
+function Sim:mark_peak()
+  if self.cur > self.peak then
+    self.peak = self.cur
+    for k, v in pairs(self.by) do self.at_peak[k] = v end
+    self.peak_phase = self.phase
+  end
+end
+
+-- a new storage of `bytes` owned by one handle
+function Sim:alloc(bytes, cat)
+  local b = round_size(bytes)
+  local s = { b = b, cat = cat, refs = 1, dead = 0 }
+  self.cur = self.cur + b
+  self.by[cat] = self.by[cat] + b
+  self:mark_peak()
+  return s
+end
+
+function Sim:ref(s) s.refs = s.refs + 1 end
+
+-- a storage whose only handles are dead Lua wrappers counts as uncollected garbage
+local function recheck(self, s)
+  if s.refs > 0 and s.refs == s.dead and not s.garbage then
+    s.garbage = true
+    self.by[s.cat] = self.by[s.cat] - s.b
+    self.by.uncollected = self.by.uncollected + s.b
+  end
+end
+
+function Sim:unref(s)
+  s.refs = s.refs - 1
+  if s.refs == 0 then
+    self.cur = self.cur - s.b
+    local cat = s.garbage and 'uncollected' or s.cat
+    self.by[cat] = self.by[cat] - s.b
+  else
+    recheck(self, s)
+  end
+end
+
+-- Lua wrappers: every handle a Lua frame holds; leave() turns them into garbage
+function Sim:hold(s) self.frame[#self.frame + 1] = s end
+function Sim:enter()
+  local outer = self.frame
+  self.frame = {}
+  return outer
+end
+function Sim:drop(s)
+  for i = #self.frame, 1, -1 do
+    if self.frame[i] == s then
+      table.remove(self.frame, i)
+      s.dead = s.dead + 1
+      self.garbage[#self.garbage + 1] = s
+      recheck(self, s)
+      return
+    end
+  end
+end
+function Sim:leave(outer, keep)
+  local kept = false
+  for _, s in ipairs(self.frame) do
+    if keep and s == keep.s and not kept then
+      kept = true
+      outer[#outer + 1] = s
+    else
+      s.dead = s.dead + 1
+      self.garbage[#self.garbage + 1] = s
+      recheck(self, s)
+    end
+  end
+  self.frame = outer
+end
+
+-- a full collection: every dead wrapper releases its handle
+function Sim:collect()
+  local g = self.garbage
+  self.garbage = {}
+  for _, s in ipairs(g) do
+    s.dead = s.dead - 1
+    if s.garbage and s.dead == 0 then
+      s.garbage = false
+      self.by.uncollected = self.by.uncollected - s.b
+      self.by[s.cat] = self.by[s.cat] + s.b
+    end
+    self:unref(s)
+  end
+end
+
+-- after every wrap(): collect when the held bytes passed the threshold
+function Sim:wrapped()
+  if self.cur > self.gc_next then
+    self:collect()
+    self.gc_next = self.cur + math.max(GC_MIN_GROWTH, self.cur / 4)  -- lua/ulysses/tensor.lua
+  end
+end
+
+---------------------------------------------------------------- tensors and autograd
+-- a tensor: { s = storage, b = bytes, node = producing node, rg = requires grad, leaf = bool,
+--   contig = bool, param = bool, grad = storage }
+local function result(self, bytes, cat)
+  local s = self:alloc(bytes, cat)
+  self:hold(s)
+  return { s = s, b = bytes, contig = true }
+end
+
+-- record a node when grad mode is on and an input requires grad; saved storages gain a handle
+function Sim:record(out, inputs, saved, rule, pass)
+  if not self.grad then return end
+  local any = false
+  for _, t in ipairs(inputs) do any = any or t.rg end
+  if not any then return end
+  self.seq = self.seq + 1
+  local n = { id = self.seq, inputs = inputs, saved = {}, rule = rule, pass = pass, out_b = out.b }
+  for _, s in ipairs(saved or {}) do
+    self:ref(s)
+    n.saved[#n.saved + 1] = s
+  end
+  out.node, out.rg = n, true
+end
+
+-- a view handle on t's storage (wrapped in Lua unless internal); node passes the gradient through
+function Sim:view(t, bytes, opts)
+  opts = opts or {}
+  local v = { s = t.s, b = bytes or t.b, contig = opts.contig ~= false and t.contig }
+  if not opts.internal then
+    self:ref(t.s)
+    self:hold(t.s)
+  end
+  self:record(v, { t }, nil, nil, opts.narrow and nil or { true })
+  if not opts.internal then self:wrapped() end
+  return v
+end
+
+-- gradient buffer of input t (core/autograd.c edge_grad)
+function Sim:edge_grad(t)
+  if t.node then
+    local slot = t.node.gout
+    if not slot then
+      slot = { s = self:alloc(t.b, 'backward') }
+      t.node.gout = slot
+    elseif slot.borrowed then
+      local own = self:alloc(t.b, 'backward')
+      self:unref(slot.s)
+      slot.s, slot.borrowed = own, false
+    end
+    return slot.s
+  end
+  if not t.grad then t.grad = self:alloc(t.b, t.param and 'gradients' or 'backward') end
+  return t.grad
+end
+
+local function reachable(root)
+  local seen, list, stack = {}, {}, { root.node }
+  while #stack > 0 do
+    local n = table.remove(stack)
+    if not seen[n] then
+      seen[n] = true
+      list[#list + 1] = n
+      for _, t in ipairs(n.inputs) do if t.node and not seen[t.node] then stack[#stack + 1] = t.node end end
+    end
+  end
+  table.sort(list, function(a, b) return a.id > b.id end)
+  return list
+end
+
+-- core/autograd.c uly_backward: g0 is a new buffer (a copy of the given gradient)
+function Sim:backward(root)
+  local prev = self.grad
+  self.grad = false
+  local order = reachable(root)
+  root.node.gout = { s = self:alloc(root.b, 'backward') }
+  for _, n in ipairs(order) do
+    if n.gout then
+      local gins = {}
+      for k, t in ipairs(n.inputs) do
+        if t.rg then
+          if n.pass and n.pass[k] and t.node and not t.node.gout and t.b == n.out_b then
+            self:ref(n.gout.s)
+            t.node.gout = { s = n.gout.s, borrowed = true }
+          else
+            gins[k] = self:edge_grad(t)
+          end
+        end
+      end
+      if n.rule then n.rule(self, n, gins) end
+      self:unref(n.gout.s)
+      n.gout = nil
+      for _, s in ipairs(n.saved) do self:unref(s) end
+      n.saved = {}
+    end
+  end
+  self.grad = prev
+end
+
+-- a transient buffer inside an op or rule
+function Sim:scratch(bytes, cat)
+  local s = self:alloc(bytes, cat)
+  self:unref(s)
+end
+
+---------------------------------------------------------------- ops (core/ops.c and friends)
+local F = 4 -- bytes per f32
+
+-- t itself when contiguous, else a copy (a C-internal handle the caller releases)
+local function contiguous(self, t, cat)
+  if t.contig then
+    self:ref(t.s)
+    return t.s
+  end
+  return self:alloc(t.b, cat or 'activations')
+end
+
+local function matmul(self, x, rows, k, n, w, cat)
+  local xs = contiguous(self, x)
+  local out = result(self, rows * n * F, cat or 'activations')
+  self:record(out, { x, w }, { xs })
+  self:unref(xs)
+  self:wrapped()
+  return out
+end
+
+local function linear(self, x, rows, k, n, lin, cat)
+  local y = matmul(self, x, rows, k, n, lin.weight, cat)
+  if lin.bias then
+    local z = result(self, rows * n * F, cat or 'activations')
+    self:record(z, { y, lin.bias }, nil, nil, { true })
+    self:wrapped()
+    return z
+  end
+  return y
+end
+
+local function add(self, a, b)
+  local out = result(self, math.max(a.b, b.b), 'activations')
+  self:record(out, { a, b }, nil, nil, { true, true })
+  self:wrapped()
+  return out
+end
+
+local function norm(self, x, rows, kind, mod)
+  local xs = contiguous(self, x)
+  local out = result(self, x.b, 'activations')
+  local stats = { self:alloc(rows * F, 'activations') }
+  if kind == 'layernorm' then stats[2] = self:alloc(rows * F, 'activations') end
+  self:record(out, { x, mod.weight, mod.bias }, { xs, stats[1], stats[2] })
+  self:unref(xs)
+  for _, s in ipairs(stats) do self:unref(s) end
+  self:wrapped()
+  return out
+end
+
+local function rope(self, x)
+  local xs = contiguous(self, x)
+  local out = result(self, x.b, 'activations')
+  self:record(out, { x })
+  self:unref(xs)
+  self:wrapped()
+  return out
+end
+
+local function unary(self, x)     -- gelu: saves its input and its output
+  local xs = contiguous(self, x)
+  local out = result(self, x.b, 'activations')
+  self:record(out, { x }, { xs, out.s })
+  self:unref(xs)
+  self:wrapped()
+  return out
+end
+
+local function swiglu(self, g, u)
+  local gs, us = contiguous(self, g), contiguous(self, u)
+  local out = result(self, g.b, 'activations')
+  self:record(out, { g, u }, { gs, us })
+  self:unref(gs); self:unref(us)
+  self:wrapped()
+  return out
+end
+
+-- the reference kernel: contiguous q/k/v (saved), probabilities [B, H, Tq, Tk] (saved), output;
+-- backward malloc's a dS scratch outside the allocator (kernels/cpu/attention_ref.c)
+local function attention_ref(self, q, k, v, a)
+  local qs, ks, vs = contiguous(self, q), contiguous(self, k), contiguous(self, v)
+  local probs = self:alloc(a.B * a.H * a.Tq * a.Tk * F, 'attention')
+  local out = result(self, a.B * a.Tq * a.H * a.D * F, 'activations')
+  local function rule(sim)
+    local rep, nt = a.H / a.Hkv, a.threads
+    local nrb, nkb = math.ceil(a.Tq / 64), math.ceil(a.Tk / 64)
+    local stride = math.ceil(a.Tq * a.Tk / 16) * 16
+    local par = nt > 1 and 4 * a.B * a.H * a.Tq * a.Tk * a.D >= 65536
+    local per_group = math.min(rep * nrb, nkb)
+    local nbatch = par and math.ceil(4 * nt / per_group) or 1
+    nbatch = math.min(nbatch, a.B * a.Hkv)
+    while nbatch > 1 and nbatch * rep * stride > 2 ^ 26 do nbatch = math.floor(nbatch / 2) end
+    sim.untracked = math.max(sim.untracked, nbatch * rep * stride * F)
+  end
+  self:record(out, { q, k, v }, { qs, ks, vs, probs }, rule)
+  self:unref(qs); self:unref(ks); self:unref(vs); self:unref(probs)
+  self:wrapped()
+  return out
+end
+
+-- the flash kernel (core/flash.c): q/k/v read in place (saved: a strided view keeps its whole
+-- storage), output and log-sum-exp saved, K tile scratch in forward, K/V/Q/dO tiles + delta in
+-- backward (kernels/cpu/flash_attention.c flash_attention_scratch_floats)
+local function attention_flash(self, q, k, v, a)
+  local nqt, nkt = math.ceil(a.Tq / 64), math.ceil(a.Tk / 64)
+  local kt, qt = a.B * a.Hkv * nkt * a.D * 64, a.B * a.H * nqt * a.D * 64
+  local lse = self:alloc(a.B * a.H * a.Tq * F, 'attention')
+  local out = result(self, a.B * a.Tq * a.H * a.D * F, 'activations')
+  self:scratch(kt * F, 'attention')
+  local function rule(sim)
+    local delta = sim:alloc(a.B * a.H * a.Tq * F, 'backward')
+    sim:scratch((2 * kt + 2 * qt) * F, 'attention')
+    sim:unref(delta)
+  end
+  self:record(out, { q, k, v }, { q.s, k.s, v.s, out.s, lse }, rule)
+  self:unref(lse)
+  self:wrapped()
+  return out
+end
+
+local function cross_entropy(self, logits, rows)
+  local ls = contiguous(self, logits)
+  local loss_rows = self:alloc(rows * F, 'logits')
+  local lse = self:alloc(rows * F, 'logits')
+  local out = result(self, F, 'logits')
+  local function rule(sim) sim:scratch(rows * F, 'logits') end
+  self:record(out, { logits }, { ls, lse }, rule)
+  self:unref(ls); self:unref(loss_rows); self:unref(lse)
+  self:wrapped()
+  return out
+end
+
+local function scalar_mul(self, x)
+  local out = result(self, x.b, 'logits')
+  self:record(out, { x })
+  self:wrapped()
+  return out
+end
+
+---------------------------------------------------------------- the model, mirrored
+-- parameters as leaf tensors, allocated in registration order (each through wrap)
+local function param(self, list, numel)
+  local p = { s = self:alloc(numel * F, 'parameters'), b = numel * F, rg = true, leaf = true, param = true,
+              contig = true }
+  list[#list + 1] = p
+  self:wrapped()
+  return p
+end
+
+local function build_params(self, c)
+  local ps = {}
+  local C, L, V = c.dim, c.layers, c.vocab
+  local model = { layers = {} }
+  local function lin(i, o, bias) return { weight = param(self, ps, i * o), bias = bias and param(self, ps, o) or nil } end
+  local function nrm() return { weight = param(self, ps, C), bias = c.norm == 'layernorm' and param(self, ps, C) or nil } end
+  model.embed = param(self, ps, V * C)
+  if c.model == 'gpt' then model.pos = param(self, ps, c.seq * C) end
+  for l = 1, L do
+    local blk = {}
+    blk.norm1 = nrm()
+    blk.wqkv = lin(C, (c.heads + 2 * c.kv_heads) * c.head_dim, c.bias)
+    blk.proj = lin(C, C, c.bias)
+    blk.norm2 = nrm()
+    if c.mlp == 'swiglu' then
+      blk.w1, blk.w3, blk.w2 = lin(C, c.hidden, c.bias), lin(C, c.hidden, c.bias), lin(c.hidden, C, c.bias)
+    else
+      blk.fc, blk.fproj = lin(C, c.hidden, c.bias), lin(c.hidden, C, c.bias)
+    end
+    model.layers[l] = blk
+  end
+  model.norm = nrm()
+  if not c.tied then model.output = lin(C, V, false) end
+  model.params = ps
+  return model
+end
+
+-- SelfAttention:forward (+ DistributedAttention:forward_qkv under P > 1) on x [B, n, C]
+local function self_attention(self, c, blk, x)
+  local outer = self:enter()
+  local B, n, D, H, G = c.batch, c.n, c.head_dim, c.heads, c.kv_heads
+  local rows = B * n
+  local qkv = linear(self, x, rows, c.dim, (H + 2 * G) * D, blk.wqkv)
+  qkv = self:view(qkv)
+  local y
+  local attend = c.attention == 'flash' and attention_flash or attention_ref
+  if c.sp > 1 then
+    local N, hq, gk = c.seq_total, c.hq, c.gk
+    local src = contiguous(self, qkv)
+    local recv = result(self, B * N * (hq + 2 * gk) * D * F, 'communication')
+    local stage_floats = B * n * c.stage_width * D
+    self:record(recv, { qkv }, nil, function(sim) sim:scratch(stage_floats * F, 'communication') end)
+    self:unref(src)
+    self:wrapped()
+    local q = self:view(recv, B * N * hq * D * F, { narrow = true, contig = false })
+    local k = self:view(recv, B * N * gk * D * F, { narrow = true, contig = false })
+    local v = self:view(recv, B * N * gk * D * F, { narrow = true, contig = false })
+    if c.rope then q, k = rope(self, q), rope(self, k) end
+    local o = attend(self, q, k, v, { B = B, Tq = N, Tk = N, H = hq, Hkv = gk, D = D, threads = c.threads })
+    local os_ = contiguous(self, o)
+    y = result(self, B * n * H * D * F, 'communication')
+    local ob = o.b
+    self:record(y, { o }, nil, function(sim) sim:scratch(ob, 'communication') end)
+    self:unref(os_)
+    self:wrapped()
+  else
+    local q = self:view(qkv, rows * H * D * F, { narrow = true, contig = false })
+    local k = self:view(qkv, rows * G * D * F, { narrow = true, contig = false })
+    local v = self:view(qkv, rows * G * D * F, { narrow = true, contig = false })
+    if c.rope then q, k = rope(self, q), rope(self, k) end
+    y = attend(self, q, k, v, { B = B, Tq = n, Tk = n, H = H, Hkv = G, D = D, threads = c.threads })
+  end
+  y = self:view(y)
+  local out = linear(self, y, rows, c.dim, c.dim, blk.proj)
+  self:leave(outer, out)
+  return out
+end
+
+local function mlp(self, c, blk, x, rows)
+  if c.mlp == 'swiglu' then
+    local g = linear(self, x, rows, c.dim, c.hidden, blk.w1)
+    local u = linear(self, x, rows, c.dim, c.hidden, blk.w3)
+    return linear(self, swiglu(self, g, u), rows, c.hidden, c.dim, blk.w2)
+  end
+  local h = unary(self, linear(self, x, rows, c.dim, c.hidden, blk.fc))
+  return linear(self, h, rows, c.hidden, c.dim, blk.fproj)
+end
+
+-- nn.chunked(fn, x, {size = tile, reduce = 'cat' | 'sum'}): the forward runs slice by slice
+-- without recording (collecting after each slice that grew > 1 MiB) into one preallocated
+-- output; without grad mode (inside a checkpointed block's forward) that is all; with grad mode
+-- backward replays one slice at a time (collecting likewise) and the closure keeps x.
+local function chunked(self, c, x, fn, reduce)
+  local B, n, tile = c.batch, c.n, c.tile
+  local slices = {}
+  for s0 = 1, n, tile do slices[#slices + 1] = math.min(tile, n - s0 + 1) end
+  local function slice(t, len)
+    local v = { s = t.s, b = B * len * c.dim * F, contig = B == 1 }
+    self:ref(t.s); self:hold(t.s); self:wrapped()
+    return v
+  end
+  local recording = self.grad
+  self.grad = false
+  local res
+  for _, len in ipairs(slices) do
+    local before = self.cur
+    local outer = self:enter()
+    local y = fn(slice(x, len), len)
+    if reduce == 'sum' then
+      res = result(self, F, 'logits')
+      self:wrapped()
+    elseif not res then
+      res = result(self, B * n * c.dim * F, 'activations')
+      self:wrapped()
+    end
+    self:leave(outer, res)
+    if self.cur - before > MiB then self:collect() end
+  end
+  self.grad = recording
+  if not recording then return res end
+  self:ref(x.s)                                 -- the replay closure keeps its argument
+  self.pending[#self.pending + 1] = x.s
+  local out = { s = res.s, b = res.b, contig = true }
+  self:ref(res.s); self:hold(res.s); self:wrapped()
+  local function replay(sim, _, gins)
+    sim:wrapped()                               -- T.wrap(g_handle)
+    for _, len in ipairs(slices) do
+      local before = sim.cur
+      local outer = sim:enter()
+      local xs = slice(x, len)
+      local leaf = { s = xs.s, b = xs.b, rg = gins[1] ~= nil, leaf = true, contig = true }
+      if xs.contig then
+        sim:ref(xs.s)
+      else
+        leaf.s = sim:alloc(xs.b, 'backward')
+      end
+      sim:hold(leaf.s); sim:wrapped()
+      sim.grad = true
+      local y = fn(leaf, len)
+      sim.grad = false
+      if reduce == 'cat' then sim:wrapped(); sim:wrapped() end   -- slice(g), :contiguous()
+      sim:backward(y)
+      if leaf.grad then sim:hold(leaf.grad); sim:wrapped(); sim:wrapped() end  -- xs.grad, the gin view
+      sim:leave(outer)
+      if sim.cur - before > MiB then sim:collect() end
+    end
+  end
+  self:record(out, { x }, nil, replay)
+  return out
+end
+
+-- Block:forward_body on x [B, n, C]
+local function block_body(self, c, blk, x)
+  local outer = self:enter()
+  local rows = c.batch * c.n
+  local a = self_attention(self, c, blk, norm(self, x, rows, c.norm, blk.norm1))
+  local x1 = add(self, x, a)
+  local m
+  if c.tile and c.tile < c.n then
+    m = chunked(self, c, x1, function(t, len) return mlp(self, c, blk, norm(self, t, c.batch * len, c.norm, blk.norm2), c.batch * len) end, 'cat')
+  else
+    m = mlp(self, c, blk, norm(self, x1, rows, c.norm, blk.norm2), rows)
+  end
+  local out = add(self, x1, m)
+  self:leave(outer, out)
+  return out
+end
+
+-- nn.checkpoint(fn, x): forward without recording (collect if it grew > 1 MiB), the output a
+-- view whose backward replays fn on a detached copy of x and backpropagates through the replay
+local function checkpointed(self, c, blk, x)
+  local before = self.cur
+  local prev = self.grad
+  self.grad = false
+  local outer = self:enter()
+  local y = block_body(self, c, blk, x)
+  self:leave(outer, y)
+  self.grad = prev
+  if self.cur - before > MiB then self:collect() end
+  self:ref(x.s) -- the replay closure keeps its argument until the node is freed
+  self.pending[#self.pending + 1] = x.s
+  local out = { s = y.s, b = y.b, contig = true }
+  self:ref(y.s); self:hold(y.s); self:wrapped()
+  local function replay(sim, n_, gins)
+    local outer2 = sim:enter()
+    local leaf = { s = x.s, b = x.b, rg = gins[1] ~= nil, leaf = true, contig = true }
+    sim:ref(x.s); sim:hold(x.s); sim:wrapped()
+    sim.grad = true
+    local y2 = block_body(sim, c, blk, leaf)
+    sim.grad = false
+    sim:wrapped()                               -- T.wrap(g_handle)
+    sim:backward(y2)
+    if leaf.grad then sim:hold(leaf.grad); sim:wrapped() end
+    sim:leave(outer2)
+    sim:collect()                               -- nn.checkpoint collects after each replay
+  end
+  self:record(out, { x }, nil, replay)
+  return out
+end
+
+-- one training step's forward + loss; returns the loss tensor
+local function forward_loss(self, c, model)
+  local outer = self:enter()
+  local B, n, C = c.batch, c.n, c.dim
+  local rows = B * n
+  local idx = { s = c.ids_s, b = rows * 4, contig = true }
+  local h = result(self, rows * C * F, 'activations')
+  self:record(h, { idx, model.embed })
+  self:wrapped()
+  if c.model == 'gpt' then
+    local pe = self:view(model.pos, n * C * F, { narrow = true })
+    h = add(self, h, pe)
+  end
+  for l = 1, c.layers do
+    if c.checkpoint then
+      h = checkpointed(self, c, model.layers[l], h)
+    else
+      h = block_body(self, c, model.layers[l], h)
+    end
+  end
+  h = norm(self, h, rows, c.norm, model.norm)
+  local head = function(t, r)
+    if model.output then return linear(self, t, r, C, c.vocab, model.output, 'logits') end
+    local wt = self:view(model.embed, nil, { narrow = true, contig = false })
+    return matmul(self, t, r, C, c.vocab, wt, 'logits')
+  end
+  local loss
+  if c.tile and c.tile < n then
+    local sum = chunked(self, c, h, function(t, len) return cross_entropy(self, head(t, B * len), B * len) end, 'sum')
+    self:scratch(rows * 8, 'inputs')          -- count_valid: targets as i64
+    if c.distributed then self:scratch(64, 'inputs') end
+    loss = scalar_mul(self, sum)
+  else
+    local logits = head(h, rows)
+    if c.distributed then
+      self:scratch(rows * 8, 'inputs')
+      self:scratch(64, 'inputs')
+      loss = scalar_mul(self, cross_entropy(self, logits, rows))
+    else
+      loss = cross_entropy(self, logits, rows)
+    end
+  end
+  self:leave(outer, loss)
+  return loss
+end
+
+---------------------------------------------------------------- configs
+local function presets_of(model)
+  local ok, mod = pcall(require, model == 'gpt' and 'models.gpt' or 'models.llama')
+  if not ok then error('plan: cannot load the model presets (' .. tostring(mod) .. '); run from the repository root', 3) end
+  return mod
+end
+
+-- the planner's config: model defaults + preset + overrides, plus the derived sizes
+function M.config(cfg)
+  cfg = cfg or {}
+  local model = cfg.model or 'llama'
+  if model ~= 'llama' and model ~= 'gpt' then error("plan: model must be 'llama' or 'gpt', got " .. tostring(model), 3) end
+  local mod = presets_of(model)
+  local preset = mod.presets[cfg.preset or 'small']
+  if not preset then error('plan: unknown ' .. model .. " preset '" .. tostring(cfg.preset) .. "'", 3) end
+  local c = {}
+  for k, v in pairs(mod.defaults) do c[k] = v end
+  for k, v in pairs(preset) do c[k] = v end
+  for k, v in pairs(cfg) do c[k] = v end
+  c.model = model
+  c.seq_total = cfg.seq or cfg.n or preset.seq
+  c.seq = math.max(c.seq_total, model == 'gpt' and (cfg.context or c.seq_total) or c.seq_total)
+  c.batch = cfg.batch or 1
+  c.sp = cfg.sp or 1
+  c.world = cfg.world or c.sp           -- ranks in all (data parallel x sequence parallel)
+  c.distributed = c.world > 1
+  c.attention = cfg.attention or 'flash'
+  if c.attention ~= 'reference' and c.attention ~= 'flash' then
+    error("plan: attention must be 'reference' or 'flash', got " .. tostring(c.attention), 3)
+  end
+  c.checkpoint = cfg.checkpoint == true or cfg.checkpoint == 1
+  c.tile = cfg.tile and cfg.tile > 0 and cfg.tile or nil
+  c.threads = cfg.threads or tonumber(os.getenv('OMP_NUM_THREADS') or '') or 2
+  if model == 'llama' then
+    c.kv_heads = cfg.kv_heads or preset.kv_heads or c.heads
+    c.hidden = cfg.hidden or preset.hidden or mod.hidden_for(c.dim)
+    c.norm, c.mlp, c.rope, c.bias = 'rmsnorm', 'swiglu', true, false
+  else
+    c.kv_heads = c.heads
+    c.hidden = cfg.hidden or 4 * c.dim
+    c.norm, c.mlp, c.rope, c.tied = 'layernorm', 'gelu', false, true
+    c.bias = c.bias ~= false
+  end
+  c.head_dim = c.dim / c.heads
+  -- this rank (rank 0: the first N % P ranks hold one token more, the first H % P one head more)
+  local P, N, H, G = c.sp, c.seq_total, c.heads, c.kv_heads
+  c.n = math.ceil(N / P)
+  local function heads_of(r)
+    local base, extra = math.floor(H / P), H % P
+    local hq = base + (r < extra and 1 or 0)
+    local h0 = r * base + math.min(r, extra)
+    if hq == 0 then return 0, 0 end
+    local group = H / G
+    return hq, math.floor((h0 + hq - 1) / group) - math.floor(h0 / group) + 1
+  end
+  c.hq, c.gk = heads_of(0)
+  c.stage_width = 0
+  for r = 0, P - 1 do
+    local hq, gk = heads_of(r)
+    c.stage_width = c.stage_width + hq + 2 * gk
+  end
+  return c
+end
+
+local function count_params(c)
+  local C, V, L, F_ = c.dim, c.vocab, c.layers, c.hidden
+  local D = c.head_dim
+  local b = c.bias and 1 or 0
+  local nb = c.norm == 'layernorm' and 2 or 1
+  local per = nb * 2 * C + C * (c.heads + 2 * c.kv_heads) * D + b * (c.heads + 2 * c.kv_heads) * D + C * C + b * C
+  if c.mlp == 'swiglu' then per = per + 3 * C * F_ + b * (2 * F_ + C) else per = per + 2 * C * F_ + b * (F_ + C) end
+  return V * C + (c.model == 'gpt' and c.seq * C or 0) + L * per + nb * C + (c.tied and 0 or V * C)
+end
+M.count_params = count_params
+
+---------------------------------------------------------------- the estimate
+-- estimate(cfg) replays model construction, the optimizer's state and cfg.steps (default 2)
+-- training steps as train.lua runs them (zero_grad, loss, backward, all-reduce of the grads
+-- under P > 1, AdamW). cfg.gc_next: the collector threshold when the step starts (then the
+-- model and optimizer are taken as built, and one step is replayed by default).
+function M.estimate(cfg)
+  local c = M.config(cfg)
+  local sim = new_sim(cfg.gc_next)
+  local frame = sim:enter()
+  local model = build_params(sim, c)
+  local opt = {}
+  for _, p in ipairs(model.params) do
+    for _ = 1, 2 do
+      opt[#opt + 1] = sim:alloc(p.b, 'optimizer')
+      sim:wrapped()
+    end
+  end
+  local nparams = count_params(c)
+  if cfg.gc_next then sim.gc_next = cfg.gc_next end
+  sim.peak, sim.at_peak = 0, {}
+  sim:mark_peak()
+  local flat
+  for step = 1, cfg.steps or (cfg.gc_next and 1 or 2) do
+    for _, p in ipairs(model.params) do
+      if p.grad then sim:unref(p.grad); p.grad = nil end
+    end
+    sim.phase = 'forward'
+    local outer = sim:enter()
+    c.ids_s = sim:alloc(c.batch * c.n * 4, 'inputs')
+    sim:hold(c.ids_s); sim:wrapped()
+    local tgt = sim:alloc(c.batch * c.n * 4, 'inputs')
+    sim:hold(tgt); sim:wrapped()
+    local loss = forward_loss(sim, c, model)
+    sim.phase = 'backward'
+    sim:backward(loss)
+    sim:leave(outer)
+    for _, s in ipairs(sim.pending) do sim:unref(s) end -- the replay closures, dropped at the next sweep
+    sim.pending = {}
+    sim.phase = 'optimizer'
+    if c.distributed then
+      if not flat then flat = sim:alloc(nparams * F, 'communication') end
+      for _, p in ipairs(model.params) do if not p.grad then p.grad = sim:alloc(p.b, 'gradients') end end
+    end
+  end
+  local parts = {}
+  for _, k in ipairs(M.PARTS) do parts[k] = sim.at_peak[k] or 0 end
+  return { total = sim.peak, parts = parts, untracked = sim.untracked, with_untracked = sim.peak + sim.untracked,
+           phase = sim.peak_phase, params = nparams, config = c }
+end
+
+-- the longest N (a multiple of cfg.step, default 1024) whose estimate (allocator peak plus the
+-- kernels' untracked scratch) fits budget_bytes; 0 when even one step does not
+function M.longest(cfg, budget)
+  local step = cfg.step or 1024
+  local function fits(N)
+    local c = {}
+    for k, v in pairs(cfg) do c[k] = v end
+    c.seq = N
+    return M.estimate(c).with_untracked <= budget
+  end
+  if not fits(step) then return 0 end
+  local lo, hi = 1, 2
+  while fits(hi * step) do
+    lo, hi = hi, hi * 2
+    if hi * step > 2 ^ 40 then break end
+  end
+  while hi - lo > 1 do
+    local mid = math.floor((lo + hi) / 2)
+    if fits(mid * step) then lo = mid else hi = mid end
+  end
+  local c = {}
+  for k, v in pairs(cfg) do c[k] = v end
+  c.seq = lo * step
+  return lo * step, M.estimate(c)
+end
+
+---------------------------------------------------------------- command line
+local function parse_bytes(s)
+  local num, unit = tostring(s):match('^([%d%.]+)%s*(%a*)$')
+  if not num then error('plan: cannot read the size ' .. tostring(s) .. ' (e.g. 20GiB, 512MiB)', 0) end
+  local mult = ({ [''] = 1, b = 1, kib = 2 ^ 10, kb = 1e3, mib = MiB, mb = 1e6, gib = GiB, gb = 1e9, tib = 2 ^ 40,
+                  k = 2 ^ 10, m = MiB, g = GiB })[unit:lower()]
+  if not mult then error('plan: unknown size unit ' .. unit, 0) end
+  return tonumber(num) * mult
+end
+M.parse_bytes = parse_bytes
+
+local function fmt(b)
+  if b >= GiB then return string.format('%.2f GiB', b / GiB) end
+  if b >= MiB then return string.format('%.1f MiB', b / MiB) end
+  return string.format('%.1f KiB', b / 1024)
+end
+M.format_bytes = fmt
+
+function M.report(est)
+  local c = est.config
+  local lines = {}
+  local function add(...) lines[#lines + 1] = string.format(...) end
+  add('%s %s: dim %d, layers %d, heads %d/%d, hidden %d, vocab %d, %d parameters', c.model, c.preset, c.dim,
+      c.layers, c.heads, c.kv_heads, c.hidden, c.vocab, est.params)
+  add('N = %d, P = %d (%d tokens on this rank), batch %d, attention %s%s, checkpoint %s, tile %s', c.seq_total, c.sp,
+      c.n, c.batch, c.attention, c.window and (' window ' .. c.window) or '', tostring(c.checkpoint), tostring(c.tile))
+  add('peak per rank (in the %s), by part:', est.phase)
+  for _, k in ipairs(M.PARTS) do
+    add('  %-14s %12s   %s', k, fmt(est.parts[k]), M.PART_HELP[k])
+  end
+  add('  %-14s %12s   (the allocator high-water mark, uly.memory().peak)', 'total', fmt(est.total))
+  add('  %-14s %12s   kernel scratch malloc\'ed outside the allocator (reference attention dS)', 'untracked', fmt(est.untracked))
+  add('  %-14s %12s', 'total + untracked', fmt(est.with_untracked))
+  return table.concat(lines, '\n')
+end
+
+local function main(args)
+  local cfg, budget = {}, nil
+  local i = 1
+  local numeric = { seq = true, sp = true, batch = true, tile = true, window = true, dim = true, layers = true,
+                    heads = true, kv_heads = true, hidden = true, vocab = true, threads = true, step = true }
+  while i <= #args do
+    local key = args[i]:match('^%-%-(.+)$')
+    if not key then error('plan: unexpected argument ' .. args[i], 0) end
+    local v = args[i + 1]
+    if v == nil then error('plan: --' .. key .. ' needs a value', 0) end
+    if key == 'budget' then budget = parse_bytes(v)
+    elseif key == 'checkpoint' then cfg.checkpoint = v == '1' or v == 'true'
+    elseif key == 'model' or key == 'preset' or key == 'attention' then cfg[key] = v
+    elseif numeric[key] then
+      cfg[key] = tonumber(v) or error('plan: --' .. key .. ' expects a number, got ' .. v, 0)
+    else error('plan: unknown option --' .. key, 0) end
+    i = i + 2
+  end
+  print(M.report(M.estimate(cfg)))
+  if budget then
+    local N, est = M.longest(cfg, budget)
+    print(string.format('longest N fitting %s per rank (multiples of %d): %d%s', fmt(budget), cfg.step or 1024, N,
+                        est and string.format(' (estimate %s + untracked %s)', fmt(est.total), fmt(est.untracked)) or ''))
+  end
+end
+
+if ... ~= 'tools.plan' then
+  local dir = (arg and arg[0] or ''):match('^(.*)tools/[^/]*$') or './'
+  package.path = dir .. 'lua/?.lua;' .. dir .. 'lua/?/init.lua;' .. dir .. '?.lua;' .. package.path
+  local ok, err = pcall(main, arg or {})
+  if not ok then
+    io.stderr:write(tostring(err), '\n')
+    os.exit(1)
+  end
+end
+
+return M
