@@ -138,4 +138,14 @@ function M.list(t)
   return out
 end
 
+-- random token ids i32 [B, T] in [0, V) from Lua's generator (seeded by M.reseed)
+function M.token_ids(B, T, V)
+  local t = {}
+  for b = 1, B do
+    t[b] = {}
+    for i = 1, T do t[b][i] = math.random(0, V - 1) end
+  end
+  return uly.tensor(t, { dtype = 'i32' })
+end
+
 return M

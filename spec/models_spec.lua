@@ -38,14 +38,7 @@ local function attention_from_ops(q, k, v, causal)
   return out
 end
 
-local function ids(B, T, V)
-  local t = {}
-  for b = 1, B do
-    t[b] = {}
-    for i = 1, T do t[b][i] = math.random(0, V - 1) end
-  end
-  return uly.tensor(t, { dtype = 'i32' })
-end
+local ids = helpers.token_ids
 
 describe('nn.SelfAttention', function()
   before_each(function() helpers.reseed() end)

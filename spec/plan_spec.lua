@@ -23,14 +23,7 @@ local function gc_next()
   return v
 end
 
-local function ids(B, n, V)
-  local t = {}
-  for b = 1, B do
-    t[b] = {}
-    for i = 1, n do t[b][i] = math.random(0, V - 1) end
-  end
-  return uly.tensor(t, { dtype = 'i32' })
-end
+local ids = helpers.token_ids
 
 -- free what earlier specs left: dropped tensors, and the replay closures of checkpointed or
 -- tiled segments whose graphs are gone (they hold their inputs until swept)
