@@ -22,12 +22,7 @@ local function dir_entries(dir)
   return out
 end
 
-local function values(t)
-  local v, n = helpers.values(t)
-  local out = {}
-  for i = 0, n - 1 do out[i + 1] = v[i] end
-  return out
-end
+local values = helpers.list
 
 -- name -> flat values of every parameter
 local function snapshot(model)
@@ -36,11 +31,7 @@ local function snapshot(model)
   return out
 end
 
-local function error_of(fn)
-  local ok, err = pcall(fn)
-  assert(not ok, 'expected an error')
-  return tostring(err)
-end
+local error_of = helpers.error_of
 
 local function make_model(hidden)
   return nn.Sequential(nn.Linear(5, hidden or 7), nn.LayerNorm(hidden or 7), nn.Linear(hidden or 7, 3))

@@ -31,20 +31,10 @@ local function exists(p)
   return fh ~= nil
 end
 
--- flat Lua list of a tensor's values (float64)
-local function list(t)
-  local v, n = helpers.values(t)
-  local out = {}
-  for i = 0, n - 1 do out[i + 1] = v[i] end
-  return out
-end
+local list = helpers.list   -- flat Lua list of a tensor's values (float64)
 
 -- error message of fn(), which must fail
-local function error_of(fn)
-  local ok, err = pcall(fn)
-  assert(not ok, 'expected an error')
-  return tostring(err)
-end
+local error_of = helpers.error_of
 
 local describe_h5 = h5.available and describe or pending
 

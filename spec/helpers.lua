@@ -148,4 +148,11 @@ function M.token_ids(B, T, V)
   return uly.tensor(t, { dtype = 'i32' })
 end
 
+-- the message of fn()'s error; fails when fn does not raise one
+function M.error_of(fn, ...)
+  local ok, err = pcall(fn, ...)
+  assert(not ok, 'expected an error')
+  return tostring(err)
+end
+
 return M
