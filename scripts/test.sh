@@ -69,7 +69,7 @@ run_mpi_specs() {
   done
 }
 
-if ! build build -DCMAKE_BUILD_TYPE=Release; then echo "test: Release build failed"; echo "0 passed, 1 failed"; exit 1; fi
+if ! build build -DCMAKE_BUILD_TYPE=Release -DULY_CUDA=AUTO; then echo "test: Release build failed"; echo "0 passed, 1 failed"; exit 1; fi
 run_specs "Release"
 run_mpi_specs
 

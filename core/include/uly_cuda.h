@@ -1,0 +1,31 @@
+/* core/include/uly_cuda.h — the C API of libulysses_cuda.so, the CUDA library loaded lazily by
+ * lua/ulysses/cuda.lua (never by libulysses.so). Macro-free so the FFI can parse it as is.
+ * Functions returning int give 0 on success and -1 on failure (the reason: uly_cuda_last_error),
+ * except the counts and versions, which give 0 when there is no device or no driver. */
+#include <stdint.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* devices: how many (0 on any error, which is cleared), and why there are none */
+int uly_cuda_device_count(void);
+const char *uly_cuda_last_error(void);
+int uly_cuda_device_name(int dev, char *buf, int len);
+int uly_cuda_device_memory(int dev, int64_t *free_b, int64_t *total_b);
+
+/* versions as 1000 * major + 10 * minor (13000 = 13.0); the driver's is 0 without a driver */
+int uly_cuda_runtime_version(void);
+int uly_cuda_driver_version(void);
+
+/* device buffers: NULL / -1 on failure */
+void *uly_cuda_malloc(int64_t bytes);
+int uly_cuda_free(void *p);
+int uly_cuda_memcpy_h2d(void *dst, const void *src, int64_t bytes);
+int uly_cuda_memcpy_d2h(void *dst, const void *src, int64_t bytes);
+
+/* kernels: p[0..n) = v on the current device, synchronised */
+int uly_cuda_fill_f32(float *p, int64_t n, float v);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,113 @@
+-- lua/ulysses/cuda.lua — uly.cuda: the CUDA library (libulysses_cuda.so, declared by
+-- core/include/uly_cuda.h), loaded only when first asked, so `require 'ulysses'` and every CPU
+-- run or mpirun rank never pays for the CUDA runtime. Without a library or a device every query
+-- answers "none" (available() false, device_count() 0) and why() says the reason.
+local ffi = require 'ffi'
+local base = require 'ulysses.ffi'
+
+local M = {}
+
+local state -- nil until first asked; then { lib = clib } or { reason = string }
+
+-- the header without preprocessor lines or C++ guards: what ffi.cdef accepts
+local function header_text(path)
+  local out, skip = {}, false
+  for line in io.lines(path) do
+    if line:match('^#%s*ifdef%s+__cplusplus') then skip = true
+    elseif skip and line:match('^#%s*endif') then skip = false
+    elseif not skip and not line:match('^%s*#') then out[#out + 1] = line end
+  end
+  return table.concat(out, '\n')
+end
+
+local function readable(path)
+  local f = io.open(path, 'rb')
+  if f then f:close() return true end
+  return false
+end
+
+-- ULY_CUDA_LIB, else libulysses_cuda.so beside the libulysses.so in use
+function M.library_path()
+  local env = os.getenv('ULY_CUDA_LIB')
+  if env and env ~= '' then return env end
+  local dir = base.library_path:match('^(.*)/[^/]*$') or '.'
+  return dir .. '/libulysses_cuda.so'
+end
+
+local function load()
+  if state then return state end
+  local path = M.library_path()
+  if not readable(path) then
+    local uly_has = base.C.uly_has_feature('cuda') ~= 0
+    state = { reason = uly_has and ('no CUDA library at ' .. path .. ' (build it, or set ULY_CUDA_LIB)')
+                                  or ('no CUDA library built (nvcc not found at build time, or ULY_CUDA=OFF); looked for ' .. path) }
+    return state
+  end
+  local header = os.getenv('ULY_CUDA_HEADER') or (base.root .. '/core/include/uly_cuda.h')
+  ffi.cdef(header_text(header))
+  local ok, lib = pcall(ffi.load, path)
+  if not ok then
+    state = { reason = 'cannot load the CUDA library ' .. path .. ': ' .. tostring(lib) }
+    return state
+  end
+  state = { lib = lib }
+  return state
+end
+
+-- the loaded library (cdata namespace), or nil and the reason it is missing
+function M.lib()
+  local s = load()
+  return s.lib, s.reason
+end
+
+function M.device_count()
+  local lib = M.lib()
+  if not lib then return 0 end
+  return lib.uly_cuda_device_count()
+end
+
+function M.available() return M.device_count() > 0 end
+
+-- why no device is available (nil when one is)
+function M.why()
+  local lib, reason = M.lib()
+  if not lib then return reason end
+  if lib.uly_cuda_device_count() > 0 then return nil end
+  return 'no CUDA device: ' .. ffi.string(lib.uly_cuda_last_error())
+end
+
+local function check(lib, rc, what)
+  if rc ~= 0 then error('uly.cuda.' .. what .. ': ' .. ffi.string(lib.uly_cuda_last_error()), 3) end
+end
+
+-- one table per device: { index, name, total_memory, free_memory } (bytes); {} without a device
+function M.devices()
+  local lib = M.lib()
+  local list = {}
+  if not lib then return list end
+  local name = ffi.new('char[256]')
+  local free_b, total_b = ffi.new('int64_t[1]'), ffi.new('int64_t[1]')
+  for dev = 0, lib.uly_cuda_device_count() - 1 do
+    check(lib, lib.uly_cuda_device_name(dev, name, 256), 'devices')
+    check(lib, lib.uly_cuda_device_memory(dev, free_b, total_b), 'devices')
+    list[#list + 1] = { index = dev, name = ffi.string(name),
+                        total_memory = tonumber(total_b[0]), free_memory = tonumber(free_b[0]) }
+  end
+  return list
+end
+
+-- CUDA runtime / driver versions as 1000 * major + 10 * minor; 0 without the library (or driver)
+function M.runtime_version()
+  local lib = M.lib()
+  return lib and lib.uly_cuda_runtime_version() or 0
+end
+
+function M.driver_version()
+  local lib = M.lib()
+  return lib and lib.uly_cuda_driver_version() or 0
+end
+
+-- "13.0" from 13000
+function M.version_string(v) return string.format('%d.%d', math.floor(v / 1000), math.floor(v % 1000 / 10)) end
+
+return M

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# scripts/gpu-check.sh — the one-script GPU check (issue 6), for a machine with an NVIDIA GPU:
+#  1. prints nvidia-smi and checks the tools the build and specs need (nvcc, cmake, a C compiler,
+#     OpenBLAS headers, luajit, busted); .deb files carried in $ULY_GPU_DEBS (default .gpu-debs/)
+#     are unpacked first, for machines whose image lacks some of them;
+#  2. builds build-gpu/ with -DULY_CUDA=ON (libulysses.so + libulysses_cuda.so);
+#  3. runs the #gpu specs (`busted --run=gpu`, see .busted) against that build;
+#  4. writes a report (date, device, driver/runtime versions, build time, spec summary) to $1,
+#     else $OUT/gpu-report.txt, else build-gpu/gpu-report.txt.
+# Exits non-zero when a tool is missing, the build fails or any #gpu spec fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+report=${1:-${OUT:+$OUT/gpu-report.txt}}
+report=${report:-build-gpu/gpu-report.txt}
+mkdir -p "$(dirname "$report")" build-gpu
+jobs=$(nproc 2>/dev/null || echo 2)
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+say() { echo "$*" | tee -a "$log"; }
+finish() { # status line, exit code
+  say "gpu-check: $1"
+  { echo "ulysses GPU check, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    cat "$log"; } >"$report"
+  echo "gpu-check: report written to $report"
+  exit "$2"
+}
+
+debs=${ULY_GPU_DEBS:-.gpu-debs}
+if compgen -G "$debs/*.deb" >/dev/null; then
+  for f in "$debs"/*.deb; do dpkg -x "$f" / || finish "cannot unpack $f" 1; done
+  ldconfig 2>/dev/null
+fi
+export PATH="/usr/local/cuda/bin:$PATH"
+export ULY_SEED="${ULY_SEED:-$(( $(date +%s) % 100000 ))}"
+
+say "== nvidia-smi"
+if command -v nvidia-smi >/dev/null; then nvidia-smi 2>&1 | tee -a "$log"
+  say "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
+else say "nvidia-smi: not found"; fi
+
+missing=()
+for tool in nvcc cmake cc luajit; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+[ -e /usr/bin/busted ] || missing+=("busted (/usr/bin/busted)")
+compgen -G "/usr/include/*/openblas*/cblas.h" >/dev/null || [ -e /usr/include/cblas.h ] \
+  || missing+=("OpenBLAS headers (libopenblas-dev)")
+[ ${#missing[@]} -eq 0 ] || finish "missing: ${missing[*]} — carry them as .deb files in $debs/" 1
+say "== nvcc: $(nvcc --version | tail -2 | head -1)"
+
+say "== build (build-gpu/, ULY_CUDA=ON)"
+start=$(date +%s)
+if ! { cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DULY_CUDA=ON >build-gpu/build.log 2>&1 &&
+       cmake --build build-gpu -j"$jobs" >>build-gpu/build.log 2>&1; }; then
+  tail -40 build-gpu/build.log | tee -a "$log"; finish "build failed (build-gpu/build.log)" 1
+fi
+say "build: $(( $(date +%s) - start )) s"
+
+say "== devices and versions"
+export ULY_LIB=build-gpu/libulysses.so ULY_CUDA_LIB=build-gpu/libulysses_cuda.so
+LUA_PATH='lua/?.lua;lua/?/init.lua;;' luajit -e '
+  local cuda = require("ulysses").cuda
+  print(("runtime %s, driver %s, devices %d%s"):format(cuda.version_string(cuda.runtime_version()),
+    cuda.version_string(cuda.driver_version()), cuda.device_count(), cuda.why() and (" (" .. cuda.why() .. ")") or ""))
+  for _, d in ipairs(cuda.devices()) do
+    print(("device %d: %s, %.1f GiB total, %.1f GiB free"):format(d.index, d.name, d.total_memory / 2^30, d.free_memory / 2^30))
+  end' 2>&1 | tee -a "$log"
+
+say "== #gpu specs (seed $ULY_SEED)"
+luajit /usr/bin/busted --run=gpu 2>&1 | tee -a "$log"
+rc=${PIPESTATUS[0]}
+summary=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -1)
+[ $rc -eq 0 ] && [ -n "$summary" ] || finish "#gpu specs failed (exit code $rc): ${summary:-no summary}" 1
+finish "ok: $summary" 0
