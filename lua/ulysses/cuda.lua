@@ -10,15 +10,7 @@ local M = {}
 local state -- nil until first asked; then { lib = clib } or { reason = string }
 
 -- the header without preprocessor lines or C++ guards: what ffi.cdef accepts
-local function header_text(path)
-  local out, skip = {}, false
-  for line in io.lines(path) do
-    if line:match('^#%s*ifdef%s+__cplusplus') then skip = true
-    elseif skip and line:match('^#%s*endif') then skip = false
-    elseif not skip and not line:match('^%s*#') then out[#out + 1] = line end
-  end
-  return table.concat(out, '\n')
-end
+local header_text = require('ulysses.ffi').header_text
 
 local function readable(path)
   local f = io.open(path, 'rb')

@@ -32,6 +32,7 @@ local function header_text(path)
   end
   return table.concat(out, '\n')
 end
+M.header_text = header_text   -- also used for core/include/uly_cuda.h (lua/ulysses/cuda.lua)
 
 M.header_path = first_existing('ULY_HEADER', M.root .. '/core/include/uly.h')
 if not M.header_path then
