@@ -371,17 +371,20 @@ local function attention_ref(self, q, k, v, a)
 end
 
 -- the flash kernel (core/flash.c): q/k/v read in place (saved: a strided view keeps its whole
--- storage), output and log-sum-exp saved, K tile scratch in forward, K/V/Q/dO tiles + delta in
--- backward (kernels/cpu/flash_attention.c flash_attention_scratch_floats)
+-- storage), output and log-sum-exp saved, K tile scratch in forward, Q/dO tiles + two dQ
+-- partial-sum buffers + delta in backward (kernels/cpu/flash_attention.c
+-- flash_attention_scratch_floats)
 local function attention_flash(self, q, k, v, a)
   local nqt, nkt = math.ceil(a.Tq / 64), math.ceil(a.Tk / 64)
   local kt, qt = a.B * a.Hkv * nkt * a.D * 64, a.B * a.H * nqt * a.D * 64
   local lse = self:alloc(a.B * a.H * a.Tq * F, 'attention')
   local out = result(self, a.B * a.Tq * a.H * a.D * F, 'activations')
   self:scratch(kt * F, 'attention')
+  local Dp = math.ceil(a.D / 16) * 16
+  local dq_groups = 2 * a.B * a.H * nqt * 64 * Dp    -- DQ_GROUPS = 2 partial dQ buffers
   local function rule(sim)
     local delta = sim:alloc(a.B * a.H * a.Tq * F, 'backward')
-    sim:scratch((2 * kt + 2 * qt) * F, 'attention')
+    sim:scratch((2 * qt + dq_groups) * F, 'attention')   -- Q^T and dO^T tiles + the dQ groups
     sim:unref(delta)
   end
   self:record(out, { q, k, v }, { q.s, k.s, v.s, out.s, lse }, rule)

@@ -9,12 +9,13 @@
  *
  * Backward recomputes the score tiles from q, k and the saved lse (P = exp(S - lse)), with
  * delta_i = rowsum(dO * O), dP = dO V^T, dS = P * (dP - delta):
- *   pass 1, items (b, kv head g, key tile): dV += P^T dO and dK += scale dS^T Q over the query
- *           heads of group g and the query tiles that see the key tile, in a fixed order;
- *   pass 2, items (b, h, query tile): dQ += scale dS K over the visible key tiles.
- * Every output element is written by one item with a fixed reduction order, so results do not
- * depend on the thread count (no atomics on floats). Pass 2 recomputes S and dP (7 tile GEMMs
- * per visible tile pair in backward instead of 5) — the price of determinism without atomics.
+ * one pass over key tiles, items (b, kv head g, group of key tiles kt = grp, grp + G, ...): per
+ * key tile, dV += P^T dO and dK += scale dS^T Q over the query heads of group g and the query
+ * tiles that see it, and dS K is added into that group's dQ partial sums ([B][H][T][Dp], one
+ * buffer per group, DQ_GROUPS of them); at the end dQ = scale * (group 0 + group 1 + ...).
+ * Every output element and partial sum has one writer with a fixed order, and the groups are
+ * added in order, so results do not depend on the thread count (no atomics on floats), with 5
+ * tile GEMMs per visible tile pair and DQ_GROUPS x [B, H, T, D] floats of scratch.
  *
  * Tiles: a key tile is skipped when the mask hides it from every row of the query tile, used
  * without per-element masking when it is fully visible, masked element by element otherwise;
@@ -39,6 +40,7 @@
 #define VL 16                    /* floats per vector of the micro-kernel */
 #define BIG ((int64_t)1 << 60)   /* "unbounded" window width */
 #define PAR_MIN ((int64_t)1 << 18) /* multiply-adds below which no threads are started */
+#define DQ_GROUPS 2              /* backward: dQ partial sums, one buffer per group of key tiles */
 
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 
@@ -299,7 +301,8 @@ static void pack_all_transposed(float *dst, const float *base, int64_t sb, int64
 int64_t flash_attention_scratch_floats(const flash_problem *p, int backward) {
     const int64_t nqt = (p->Tq + BR - 1) / BR, nkt = (p->Tk + BC - 1) / BC;
     const int64_t kt = p->B * p->Hkv * nkt * p->D * BC, qt = p->B * p->H * nqt * p->D * BR;
-    return backward ? 2 * kt + 2 * qt : kt;
+    const int64_t dqg = DQ_GROUPS * p->B * p->H * nqt * BR * round_up(p->D, VL);
+    return backward ? 2 * qt + dqg : kt;
 }
 
 /* ---- forward ---- */
@@ -373,14 +376,16 @@ int flash_attention_forward(float *out, float *lse, float *scratch, const flash_
 /* lse for recomputing P: an empty row (-inf) becomes +inf so that exp(S - lse) = 0 */
 static float lse_for_p(float x) { return x == -INFINITY ? INFINITY : x; }
 
-/* pass 1: dK, dV rows of key tile kt of K/V head (b, g) */
+/* dK, dV rows of key tile kt of K/V head (b, g), and this tile's share of dQ (unscaled dS K)
+ * added into dqg, the dQ partial sums of the key-tile group kt belongs to ([B][H][nqt BR][Dp]) */
 static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *OT, float *dk, float *dv,
-                        const float *dout, const float *lse, const float *delta, int64_t b, int64_t g, int64_t kt) {
+                        float *dqg, const float *dout, const float *lse, const float *delta, int64_t b, int64_t g,
+                        int64_t kt) {
     const flash_problem *p = c->p;
     const int64_t D = p->D, Dp = c->Dp, j0 = kt * BC, nc = min64(BC, p->Tk - j0);
     float *Ks = ws, *Vs = Ks + BC * Dp, *Qs = Vs + BC * Dp;
     float *dOs = Qs + BR * Dp, *St = dOs + BR * Dp, *dPt = St + BC * BR, *dKa = dPt + BC * BR, *dVa = dKa + BC * Dp;
-    float *lr = dVa + BC * Dp, *dr = lr + BR;
+    float *lr = dVa + BC * Dp, *dr = lr + BR, *dSs = dr + BR;
     int64_t lo, hi;
     query_span(c, j0, nc, &lo, &hi);
     if (lo > hi) return;
@@ -412,58 +417,17 @@ static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *
             for (int64_t x = 0; x < BC; x++)                              /* dS^T = P^T (dP^T - delta) */
                 for (int64_t r = 0; r < BR; r++) dPt[x * BR + r] = St[x * BR + r] * (dPt[x * BR + r] - dr[r]);
             tile_gemm(BC, Dp, mr, dPt, BR, Qs, Dp, dKa, Dp, 1);          /* dK += dS^T (scale Q) */
+            if (dqg) {                                                    /* dQ_group += dS K */
+                for (int64_t r = 0; r < BR; r++)
+                    for (int64_t x = 0; x < BC; x++) dSs[r * BC + x] = dPt[x * BR + r];
+                tile_gemm(BR, Dp, BC, dSs, BC, Ks, Dp, dqg + ((b * p->H + h) * c->nqt * BR + i0) * Dp, Dp, 1);
+            }
         }
     }
     for (int64_t x = 0; x < nc; x++) {
         const int64_t row = ((b * p->Tk + j0 + x) * p->Hkv + g) * D;
         if (dk) for (int64_t d = 0; d < D; d++) dk[row + d] += dKa[x * Dp + d];
         if (dv) for (int64_t d = 0; d < D; d++) dv[row + d] += dVa[x * Dp + d];
-    }
-}
-
-/* pass 2: dQ rows of query tile qt of head (b, h) */
-static void bwd_q_item(const fctx *c, float *ws, const float *KT, const float *VT, float *dq, const float *dout,
-                       const float *lse, const float *delta, int64_t b, int64_t h, int64_t qt) {
-    const flash_problem *p = c->p;
-    const int64_t D = p->D, Dp = c->Dp, i0 = qt * BR, mr = min64(BR, p->Tq - i0), g = h / c->rep;
-    float *Qs = ws, *dOs = Qs + BR * Dp, *Ks = dOs + BR * Dp;
-    float *S = Ks + BC * Dp, *dP = S + BR * BC, *dQa = dP + BR * BC, *lr = dQa + BR * Dp, *dr = lr + BR;
-    int64_t lo, hi;
-    key_span(c, i0, mr, &lo, &hi);
-    if (lo > hi) return;
-    const float *kb = head_ptr(&p->k, b, g);
-    const float *lh = lse + (b * p->H + h) * p->Tq, *dh = delta + (b * p->H + h) * p->Tq;
-    pack_rows(Qs, Dp, BR, head_ptr(&p->q, b, h), p->q.st, i0, mr, D, p->scale);
-    pack_rows(dOs, Dp, BR, dout + (b * p->Tq * p->H + h) * D, p->H * D, i0, mr, D, 1.0f);
-    memset(dQa, 0, (size_t)(BR * Dp) * sizeof(float));
-    for (int64_t r = 0; r < BR; r++) {
-        lr[r] = r < mr ? lse_for_p(lh[i0 + r]) : INFINITY;
-        dr[r] = r < mr ? dh[i0 + r] : 0.0f;
-    }
-    for (int64_t kt = lo / BC; kt <= hi / BC; kt++) {
-        const int64_t j0 = kt * BC, nc = min64(BC, p->Tk - j0);
-        const int cls = classify(c, b, i0, mr, j0, nc);
-        if (cls == TILE_SKIP) continue;
-        const float *Kt = KT + ((b * p->Hkv + g) * c->nkt + kt) * D * BC;
-        const float *Vt = VT + ((b * p->Hkv + g) * c->nkt + kt) * D * BC;
-        pack_rows(Ks, Dp, BC, kb, p->k.st, j0, nc, D, 1.0f);
-        tile_gemm(BR, BC, D, Qs, Dp, Kt, BC, S, BC, 0);                 /* S = (scale Q) K^T */
-        if (cls == TILE_PARTIAL || nc < BC) mask_rows(c, b, S, i0, mr, j0, nc, cls == TILE_FULL);
-        for (int64_t r = 0; r < BR; r++) {                                /* P */
-            float *s = S + r * BC;
-            const float lv = lr[r];
-            for (int64_t x = 0; x < BC; x++) s[x] = uly_expf(s[x] - lv);
-        }
-        tile_gemm(BR, BC, D, dOs, Dp, Vt, BC, dP, BC, 0);                /* dP = dO V^T */
-        for (int64_t r = 0; r < BR; r++) {                                /* dS = P (dP - delta) */
-            const float dv = dr[r];
-            for (int64_t x = 0; x < BC; x++) dP[r * BC + x] = S[r * BC + x] * (dP[r * BC + x] - dv);
-        }
-        tile_gemm(BR, Dp, nc, dP, BC, Ks, Dp, dQa, Dp, 1);               /* dQ += dS K */
-    }
-    for (int64_t r = 0; r < mr; r++) {
-        float *d = dq + ((b * p->Tq + i0 + r) * p->H + h) * D;
-        for (int64_t x = 0; x < D; x++) d[x] += p->scale * dQa[r * Dp + x];
     }
 }
 
@@ -474,16 +438,17 @@ int flash_attention_backward(float *dq, float *dk, float *dv, const float *dout,
     fctx c;
     if (ctx_init(&c, p)) return -1;
     const int64_t Dp = c.Dp, D = p->D, H = p->H, Tq = p->Tq;
-    const int64_t ws_kv = 2 * BR * Dp + 2 * BC * BR + 4 * BC * Dp + 2 * BR;
-    const int64_t ws_q = 3 * BR * Dp + Dp * BC + 2 * BR * BC + 2 * BR;
-    const int64_t nk = p->B * p->Hkv * c.nkt * D * BC, nq = p->B * H * c.nqt * D * BR;
-    float *KT = scratch, *VT = KT + nk, *QT = VT + nk, *OT = QT + nq;
-    const int64_t ws_floats = round_up(ws_kv > ws_q ? ws_kv : ws_q, VL);
+    const int64_t ws_floats = round_up(2 * BR * Dp + 2 * BC * BR + 4 * BC * Dp + 2 * BR + BR * BC, VL);
+    const int64_t nq = p->B * H * c.nqt * D * BR, group_floats = p->B * H * c.nqt * BR * Dp;
+    float *QT = scratch, *OT = QT + nq, *dqg = OT + nq; /* dqg: DQ_GROUPS x [B][H][nqt BR][Dp] */
     const int nt = max_threads();
     const int par = nt > 1 && p->B * H * Tq * p->Tk * (D + 1) >= PAR_MIN;
     float *ws = aligned_alloc(64, (size_t)(par ? nt : 1) * (size_t)ws_floats * sizeof(float));
     if (!ws) { ctx_free(&c); return -1; }
     const int64_t rows = p->B * Tq;
+    /* One pass over key tiles: each task (b, K/V head, group) walks the key tiles kt = group,
+     * group + G, ... in order, so every dQ partial sum has one writer and a fixed order, and the
+     * groups are added in order at the end: bit-identical at any thread count. */
     #pragma omp parallel if (par)
     {
         float *mine = ws + (size_t)thread_id() * (size_t)ws_floats;
@@ -497,22 +462,33 @@ int flash_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                 delta[(b * H + h) * Tq + i] = s;
             }
         }
-        pack_all_transposed(KT, p->k.p, p->k.sb, p->k.st, p->k.sh, p->B, p->Hkv, p->Tk, BC, D, 1.0f);
-        pack_all_transposed(VT, p->v.p, p->v.sb, p->v.st, p->v.sh, p->B, p->Hkv, p->Tk, BC, D, 1.0f);
+        if (dq) {
+            #pragma omp for schedule(static)
+            for (int64_t k = 0; k < DQ_GROUPS * p->B * H * c.nqt; k++)
+                memset(dqg + k * BR * Dp, 0, (size_t)(BR * Dp) * sizeof(float));
+        }
         pack_all_transposed(QT, p->q.p, p->q.sb, p->q.st, p->q.sh, p->B, H, Tq, BR, D, p->scale);
         pack_all_transposed(OT, dout, Tq * H * D, H * D, D, p->B, H, Tq, BR, D, 1.0f);
-        if (dk || dv) {
-            #pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < p->B * p->Hkv * c.nkt; it++) {
-                const int64_t bg = it / c.nkt;
-                bwd_kv_item(&c, mine, QT, OT, dk, dv, dout, lse, delta, bg / p->Hkv, bg % p->Hkv, it % c.nkt);
-            }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < p->B * p->Hkv * DQ_GROUPS; it++) {
+            const int64_t grp = it % DQ_GROUPS, bg = it / DQ_GROUPS;
+            for (int64_t kt = grp; kt < c.nkt; kt += DQ_GROUPS)
+                bwd_kv_item(&c, mine, QT, OT, dk, dv, dq ? dqg + grp * group_floats : NULL, dout, lse, delta,
+                            bg / p->Hkv, bg % p->Hkv, kt);
         }
         if (dq) {
-            #pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < p->B * H * c.nqt; it++) {
-                const int64_t bh = it / c.nqt;
-                bwd_q_item(&c, mine, KT, VT, dq, dout, lse, delta, bh / H, bh % H, it % c.nqt);
+            #pragma omp for schedule(static)
+            for (int64_t bi = 0; bi < rows; bi++) { /* dQ = scale * (group 0 + group 1 + ...) */
+                const int64_t b = bi / Tq, i = bi % Tq;
+                for (int64_t h = 0; h < H; h++) {
+                    float *d = dq + (bi * H + h) * D;
+                    const float *s0 = dqg + ((b * H + h) * c.nqt * BR + i) * Dp;
+                    for (int64_t x = 0; x < D; x++) {
+                        float sum = s0[x];
+                        for (int64_t gi = 1; gi < DQ_GROUPS; gi++) sum += s0[gi * group_floats + x];
+                        d[x] += p->scale * sum;
+                    }
+                }
             }
         }
     }
