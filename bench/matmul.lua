@@ -77,13 +77,7 @@ local sgemm = blas.cblas_sgemm
 local function fptr(t) return ffi.cast('float *', t:data_ptr()) end
 
 ---------------------------------------------------------------- timing
-local function median(list)
-  local s = { unpack(list) }
-  table.sort(s)
-  local n = #s
-  if n % 2 == 1 then return s[(n + 1) / 2] end
-  return 0.5 * (s[n / 2] + s[n / 2 + 1])
-end
+local median = require('bench.util').median
 
 local REPS_MIN, REPS_MAX = 3, 15
 

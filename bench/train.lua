@@ -31,13 +31,7 @@ end
 uly.set_num_threads(opts.threads)
 local Model = require('models.' .. opts.model)
 
-local function median(list)
-  local s = {}
-  for i, v in ipairs(list) do s[i] = v end
-  table.sort(s)
-  local n = #s
-  return n % 2 == 1 and s[(n + 1) / 2] or (s[n / 2] + s[n / 2 + 1]) / 2
-end
+local median = require('bench.util').median
 
 local function random_tokens(B, T, V)
   local t = uly.empty(B, T, { dtype = 'i32' })

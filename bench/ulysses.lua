@@ -81,13 +81,7 @@ local MODELS = {
 }
 
 ---------------------------------------------------------------- helpers
-local function median(list)
-  local s = {}
-  for i, v in ipairs(list) do s[i] = v end
-  table.sort(s)
-  local n = #s
-  return n % 2 == 1 and s[(n + 1) / 2] or (s[n / 2] + s[n / 2 + 1]) / 2
-end
+local median = require('bench.util').median
 
 -- the largest of each value over the world (so a time is the slowest rank's)
 local function world_max(world, values)

@@ -8,7 +8,7 @@ local ckpt = uly.checkpoint
 local h5 = uly.h5
 local nn = uly.nn
 
-local function shq(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+local shq = helpers.shq
 
 local tmpdir
 local function path(name) return tmpdir .. '/' .. name end
@@ -50,13 +50,11 @@ local describe_h5 = h5.available and describe or pending
 
 describe_h5('uly.checkpoint', function()
   setup(function()
-    tmpdir = os.tmpname()
-    os.remove(tmpdir)
-    assert(os.execute('mkdir -p ' .. shq(tmpdir)))
+    tmpdir = helpers.mkdtemp()
   end)
   teardown(function()
     ckpt._test_hook = nil
-    if tmpdir then os.execute('rm -rf ' .. shq(tmpdir)) end
+    helpers.rmtree(tmpdir)
   end)
   before_each(function() helpers.reseed(7301) end)
 

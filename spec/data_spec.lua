@@ -9,7 +9,7 @@ local h5 = require 'ulysses.h5'
 local root = require('ulysses.ffi').root
 local prepare = dofile(root .. '/datasets/prepare.lua')
 
-local function shq(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+local shq = helpers.shq
 
 local tmpdir
 local function path(name) return tmpdir .. '/' .. name end
@@ -73,12 +73,10 @@ local function entropy(list)
 end
 
 setup(function()
-  tmpdir = os.tmpname()
-  os.remove(tmpdir)
-  assert(os.execute('mkdir -p ' .. shq(tmpdir)))
+  tmpdir = helpers.mkdtemp()
 end)
 teardown(function()
-  if tmpdir then os.execute('rm -rf ' .. shq(tmpdir)) end
+  helpers.rmtree(tmpdir)
 end)
 
 describe('prepare (DNA)', function()

@@ -11,7 +11,7 @@ local dist = uly.dist
 
 local under_mpirun = os.getenv('OMPI_COMM_WORLD_SIZE') ~= nil
 
-local function shq(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+local shq = helpers.shq
 
 -- the elements rank i sends to rank j (uneven, some zero) in the all-to-all tests
 local function count(i, j) return (i + 2 * j) % 3 end

@@ -7,7 +7,7 @@ local helpers = require 'helpers'
 local ffi = require 'ffi'
 local h5 = uly.h5
 
-local function shq(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+local shq = helpers.shq
 
 local tmpdir
 local function path(name) return tmpdir .. '/' .. name end
@@ -40,12 +40,10 @@ local describe_h5 = h5.available and describe or pending
 
 describe_h5('uly.h5', function()
   setup(function()
-    tmpdir = os.tmpname()
-    os.remove(tmpdir)
-    assert(os.execute('mkdir -p ' .. shq(tmpdir)))
+    tmpdir = helpers.mkdtemp()
   end)
   teardown(function()
-    if tmpdir then os.execute('rm -rf ' .. shq(tmpdir)) end
+    helpers.rmtree(tmpdir)
   end)
   before_each(function() helpers.reseed(5101) end)
 

@@ -155,4 +155,16 @@ function M.error_of(fn, ...)
   return tostring(err)
 end
 
+-- a string quoted for the shell
+function M.shq(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+
+-- a new empty temporary directory (remove it with M.rmtree)
+function M.mkdtemp()
+  local dir = os.tmpname()
+  os.remove(dir)
+  assert(os.execute('mkdir -p ' .. M.shq(dir)) == 0, 'cannot make ' .. dir)
+  return dir
+end
+function M.rmtree(dir) if dir then os.execute('rm -rf ' .. M.shq(dir)) end end
+
 return M

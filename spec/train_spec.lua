@@ -4,13 +4,9 @@
 -- dropout included; bad flags and missing data give clear messages; under mpirun the
 -- sequence-parallel run (P = 2, 4) follows the single-process loss curve step by step.
 local uly = require 'ulysses'
+local helpers = require 'helpers'
 
-local function tmpdir()
-  local p = os.tmpname()
-  os.remove(p)
-  assert(os.execute('mkdir -p ' .. p) == 0)
-  return p
-end
+local tmpdir = helpers.mkdtemp
 
 local function run(args)
   local p = assert(io.popen('bin/ulysses train.lua ' .. args .. ' 2>&1; echo "exit=$?"'))
