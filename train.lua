@@ -49,8 +49,9 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'resume', '', "'auto' (latest in OUT/ckpt) or a checkpoint path" },
   { 'seed', 1337, 'seed for initialisation, data order and dropout' },
   { 'threads', 0, 'threads for kernels and BLAS (0 = all cores; under mpirun: cores / ranks)' },
+  { 'device', 'cpu', 'cpu | cuda (ULY_CUDA_SIMULATE=1 runs the cuda code path in host memory)' },
   { 'sp', 0, 'ranks per sequence-parallel group under mpirun (0 = all ranks; world / sp groups do data parallelism)' },
-  { 'peak_gflops', 0, 'peak for MFU (0 = 217 GFLOP/s per thread, the AVX-512 FMA peak of one core here)' },
+  { 'peak_gflops', 0, 'peak for MFU (0: cpu 217 GFLOP/s per thread, the AVX-512 FMA peak of one core here; cuda 989000, the H200 bf16 dense peak)' },
   { 'log_every', 0, 'seconds between progress lines (0 = every step)' },
   { 'sample', 200, 'tokens to generate at the end (0 = none)' },
   { 'prompt', '', 'text prompt for the sample (default: the start of the validation split)' },
@@ -207,6 +208,11 @@ local function main()
   local valid_data = uly.data.open(data_path, { seq = cfg.seq, batch = cfg.batch, split = 'valid', random = false,
                                                 shard = shard, documents = documents })
   local model = build_model(cfg, train_data.vocab_size)
+  if cfg.device ~= 'cpu' then
+    local ok, err = pcall(model.to, model, cfg.device)
+    if not ok then usage('--device ' .. cfg.device .. ': ' .. tostring(err):gsub('^[^:]*:%d+: ', '')) end
+  end
+  local device = cfg.device
   local ctx = { pos = train_data.offset or 0, seq_total = cfg.seq }
   local opt = uly.optim.AdamW(model:parameters(), { lr = cfg.lr, betas = { 0.9, cfg.beta2 }, weight_decay = cfg.wd })
   local schedule = cfg.schedule == 'constant' and uly.optim.schedule.constant { lr = cfg.lr, warmup = cfg.warmup }
@@ -232,8 +238,9 @@ local function main()
 
   local tokens_per_step = cfg.batch * cfg.seq * cfg.accum * (grid and grid.dp_size or 1)
   local threads = uly.get_num_threads() * launched
-  local peak = cfg.peak_gflops > 0 and cfg.peak_gflops * 1e9 or 217e9 * math.min(threads, 2)
-  local peak_label = cfg.peak_gflops > 0 and 'given peak' or
+  local peak = cfg.peak_gflops > 0 and cfg.peak_gflops * 1e9 or
+    (device == 'cuda' and 989e12 * launched or 217e9 * math.min(threads, 2))
+  local peak_label = cfg.peak_gflops > 0 and 'given peak' or device == 'cuda' and 'H200 bf16 dense peak' or
     string.format('%d-core AVX-512 FMA peak', math.min(threads, 2))
   local flops_per_token = model:flops_per_token(cfg.seq)
   local mc = model.config
@@ -263,7 +270,7 @@ local function main()
       local vctx = { pos = valid_data.offset or 0, seq_total = cfg.seq }
       for x, y, doc in valid_data:batches() do
         vctx.doc = doc
-        total = total + common.global_loss(model, model:loss(x, y, vctx)) * x:size(1)
+        total = total + common.global_loss(model, model:loss(x:to(device), y:to(device), vctx)) * x:size(1)
         n = n + x:size(1)
         if n >= cfg.eval_batches * cfg.batch then break end
       end
@@ -304,7 +311,7 @@ local function main()
     for _ = 1, cfg.accum do
       local x, y, doc = train_data:next()
       ctx.doc = doc
-      local loss = model:loss(x, y, ctx)
+      local loss = model:loss(x:to(device), y:to(device), ctx)
       loss_sum = loss_sum + loss:item()
       if cfg.accum > 1 then loss = loss * (1 / cfg.accum) end
       loss:backward()
@@ -319,7 +326,7 @@ local function main()
     opt:step()
     local dt = uly.clock() - t0
     local bytes1, secs1 = comm_totals()
-    progress:step { step = step, loss = loss, lr = opt.lr, dt = dt, memory = uly.memory().allocated,
+    progress:step { step = step, loss = loss, lr = opt.lr, dt = dt, memory = uly.memory(device).allocated,
                     extra = grid and { comm_bytes = bytes1 - bytes0, comm_time = secs1 - secs0 } or nil }
     val_loss = nil
     if cfg.eval_batches > 0 and ((cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == last_step) then
@@ -333,7 +340,7 @@ local function main()
     if (cfg.ckpt_every > 0 and step % cfg.ckpt_every == 0) or step == last_step then save_checkpoint(step) end
   end
   -- the allocator's high-water mark, the largest over the ranks
-  local peak_bytes = uly.memory().peak
+  local peak_bytes = uly.memory(device).peak
   if grid then
     local t = uly.tensor({ peak_bytes }, { dtype = 'f64' })
     grid.world_group:all_reduce_(t, 'max')

@@ -55,6 +55,7 @@ uly_node *uly_node_begin(int op, int n_inputs, uly_tensor *const *inputs) {
         uly_edge *e = &n->inputs[k];
         if (!t) continue;
         e->ndim = t->ndim;
+        e->device = uly_dev(t);
         memcpy(e->shape, t->shape, sizeof e->shape);
         if (!t->requires_grad) continue;
         if (t->grad_fn) { e->node = t->grad_fn; e->node->refcount++; }
@@ -248,11 +249,11 @@ int64_t uly_profile_report(char *buf, int64_t buflen) {
 /* the buffer that input edge e accumulates into (created zeroed on first use) */
 static uly_tensor *edge_grad(uly_edge *e) {
     uly_tensor **slot = e->node ? &e->node->grad_out : &e->leaf->grad;
-    if (!*slot) *slot = uly_new_zeros(e->ndim, e->shape, ULY_DTYPE_F32);
+    if (!*slot) *slot = uly_new_zeros(e->ndim, e->shape, ULY_DTYPE_F32, e->device);
     else if (e->node && e->node->grad_out_borrowed) { /* about to accumulate: take a private copy */
-        uly_tensor *own = uly_new_contiguous(e->ndim, e->shape, ULY_DTYPE_F32);
+        uly_tensor *own = uly_new_contiguous(e->ndim, e->shape, ULY_DTYPE_F32, e->device);
         if (!own) return NULL;
-        memcpy(uly_f32(own), uly_f32(*slot), (size_t)uly_tensor_numel(own) * sizeof(float));
+        if (uly_copy_raw(own, *slot)) { uly_tensor_release(own); return NULL; }
         uly_tensor_release(*slot);
         *slot = own;
         e->node->grad_out_borrowed = 0;
@@ -314,7 +315,7 @@ static int run_node(uly_node *n, int retain_graph) {
         if (!gin[k]) { rc = -1; break; }
         for (int j = 0; j < k; j++) /* the same input twice (x * x): accumulate separately, add after */
             if (gin[j] == gin[k]) {
-                tmp[k] = uly_new_zeros(e->ndim, e->shape, ULY_DTYPE_F32);
+                tmp[k] = uly_new_zeros(e->ndim, e->shape, ULY_DTYPE_F32, e->device);
                 if (!tmp[k]) rc = -1;
                 gin[k] = tmp[k];
                 break;
@@ -322,11 +323,13 @@ static int run_node(uly_node *n, int retain_graph) {
     }
     double t0 = profile_on ? now_seconds() : 0;
     if (!rc && pending) rc = uly_backward_rules[n->op](n, n->grad_out, gin);
+    if (!rc && pending) rc = uly_device_check(uly_op_name(n->op), ULY_DEVICE_CUDA);
     for (int k = 0; k < n->n_inputs; k++) {
         if (!tmp[k]) continue;
         if (!rc) {
             uly_tensor *dst = edge_grad(&n->inputs[k]);
-            axpy_accumulate(uly_f32(dst), uly_f32(tmp[k]), uly_tensor_numel(dst), 1.0f);
+            if (dst) uly_be(dst)->axpy_accumulate(uly_f32(dst), uly_f32(tmp[k]), uly_tensor_numel(dst), 1.0f);
+            else rc = -1;
         }
         uly_tensor_release(tmp[k]);
     }
@@ -352,18 +355,21 @@ int uly_backward(uly_tensor *root, uly_tensor *grad, int retain_graph) {
                              uly_desc(root));
     }
     int prev = uly_set_grad_enabled(0);
-    uly_tensor *g0 = uly_new_contiguous(root->ndim, root->shape, ULY_DTYPE_F32);
+    uly_tensor *g0 = uly_new_contiguous(root->ndim, root->shape, ULY_DTYPE_F32, uly_dev(root));
     if (!g0) { uly_set_grad_enabled(prev); return -1; }
-    if (grad) uly_copy_raw(g0, grad);
-    else *uly_f32(g0) = 1.0f;
+    if (grad ? uly_copy_raw(g0, grad) : uly_tensor_fill_(g0, 1.0)) {
+        uly_tensor_release(g0);
+        uly_set_grad_enabled(prev);
+        return -1;
+    }
 
     int rc = 0;
     if (!root->grad_fn) { /* a leaf: backward is just accumulation */
-        uly_edge e = {.leaf = root, .ndim = root->ndim};
+        uly_edge e = {.leaf = root, .ndim = root->ndim, .device = uly_dev(root)};
         memcpy(e.shape, root->shape, sizeof e.shape);
         uly_tensor *dst = edge_grad(&e);
         if (!dst) rc = -1;
-        else axpy_accumulate(uly_f32(dst), uly_f32(g0), uly_tensor_numel(dst), 1.0f);
+        else uly_be(dst)->axpy_accumulate(uly_f32(dst), uly_f32(g0), uly_tensor_numel(dst), 1.0f);
         uly_tensor_release(g0);
         uly_set_grad_enabled(prev);
         return rc;

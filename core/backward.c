@@ -7,81 +7,24 @@
 #include "internal.h"
 
 /* ---- accumulation helpers ---- */
-typedef struct { float alpha; } acc_ctx;
-static void acc_run(char *a, char *b, int64_t n, int64_t sa, int64_t sb, void *vctx) {
-    float alpha = ((acc_ctx *)vctx)->alpha; /* a = src (walked), b = dst */
-    for (int64_t i = 0; i < n; i++) *(float *)(b + i * sb) += alpha * *(const float *)(a + i * sa);
-}
-
-/* dst += alpha * src where src is contiguous and dst's last two dims are transposed (stride[-2]
- * == 1), as when a gradient flows back through t() or transpose(): walk 32x32 tiles so both
- * sides stay in cache instead of striding through dst a whole row apart per element */
-static int transposed_add(uly_tensor *dst, const uly_tensor *src, float alpha) {
-    int nd = dst->ndim;
-    if (nd < 2 || !uly_same_shape(dst, src) || !uly_tensor_is_contiguous(src) || dst->stride[nd - 2] != 1) return 0;
-    int64_t R = dst->shape[nd - 2], Cc = dst->shape[nd - 1], cs = dst->stride[nd - 1];
-    int64_t batches = uly_numel_of(nd - 2, dst->shape);
-    if (R < 32 || Cc < 32) return 0;
-    const float *s0 = uly_f32(src);
-    float *d0 = uly_f32(dst);
-    for (int64_t b = 0; b < batches; b++) {
-        int64_t rem = b, off = 0;
-        for (int d = nd - 3; d >= 0; d--) { off += (rem % dst->shape[d]) * dst->stride[d]; rem /= dst->shape[d]; }
-        const float *sb = s0 + b * R * Cc;
-        float *db = d0 + off;
-        #pragma omp parallel for collapse(2) if (R * Cc >= 65536)
-        for (int64_t i0 = 0; i0 < R; i0 += 32)
-            for (int64_t j0 = 0; j0 < Cc; j0 += 32)
-                for (int64_t j = j0; j < j0 + 32 && j < Cc; j++)
-                    for (int64_t i = i0; i < i0 + 32 && i < R; i++) db[i + j * cs] += alpha * sb[i * Cc + j];
-    }
-    return 1;
-}
-
-/* dst[c] += alpha * sum_r src[r, c] for contiguous src [R, C] and dst [C] (a bias gradient):
- * threads split the columns, each column summed in row order, so any thread count gives the
- * same bits */
-static int column_sum_into(uly_tensor *dst, const uly_tensor *src, float alpha) {
-    int64_t C = uly_tensor_numel(dst), n = uly_tensor_numel(src);
-    if (!uly_tensor_is_contiguous(dst) || !uly_tensor_is_contiguous(src) || C == 0 || n % C) return 0;
-    int k = dst->ndim, j = src->ndim; /* dst's shape must be src's trailing dims (leading 1s allowed) */
-    while (k > 0 && j > 0) { if (dst->shape[k - 1] != src->shape[j - 1]) return 0; k--; j--; }
-    while (k > 0) { if (dst->shape[k - 1] != 1) return 0; k--; }
-    int64_t R = n / C;
-    const float *s0 = uly_f32(src);
-    float *d0 = uly_f32(dst);
-    enum { BLOCK = 64 };
-    int64_t blocks = (C + BLOCK - 1) / BLOCK;
-    #pragma omp parallel for schedule(static) if (n >= 65536)
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t c0 = b * BLOCK, w = C - c0 < BLOCK ? C - c0 : BLOCK;
-        float acc[BLOCK] = {0};
-        for (int64_t r = 0; r < R; r++) {
-            const float *row = s0 + r * C + c0;
-            for (int64_t c = 0; c < w; c++) acc[c] += row[c];
-        }
-        for (int64_t c = 0; c < w; c++) d0[c0 + c] += alpha * acc[c];
-    }
-    return 1;
-}
-
+/* dst += alpha * src, summing src over the dims where dst is broadcast; src may live on another
+ * device (a gradient flowing back through :to()), then it is moved over first */
 int uly_sum_to(uly_tensor *dst, const uly_tensor *src, float alpha) {
-    if (uly_same_shape(dst, src) && uly_tensor_is_contiguous(dst) && uly_tensor_is_contiguous(src)) {
-        axpy_accumulate(uly_f32(dst), uly_f32(src), uly_tensor_numel(src), alpha);
-        return 0;
+    if (uly_dev(dst) != uly_dev(src)) {
+        uly_tensor *moved = uly_new_contiguous(src->ndim, src->shape, src->dtype, uly_dev(dst));
+        int rc = (!moved || uly_copy_raw(moved, src)) ? -1 : uly_sum_to(dst, moved, alpha);
+        uly_tensor_release(moved);
+        return rc;
     }
-    if (src->ndim > dst->ndim && column_sum_into(dst, src, alpha)) return 0;
-    if (transposed_add(dst, src, alpha)) return 0;
-    int64_t sa[ULY_MAX_DIMS], sb[ULY_MAX_DIMS];
+    uly_view sv = uly_view_of(src), dv = sv;
+    dv.p = uly_ptr(dst);
     for (int d = 0; d < src->ndim; d++) {
         int dd = d - (src->ndim - dst->ndim);
-        sa[d] = src->stride[d] * 4;
-        sb[d] = (dd >= 0 && dst->shape[dd] != 1) ? dst->stride[dd] * 4 : 0;
         if (dd >= 0 && dst->shape[dd] != 1 && dst->shape[dd] != src->shape[d])
             return uly_set_error("internal: gradient %s cannot be summed to %s", uly_desc(src), uly_desc(dst));
+        dv.stride[d] = (dd >= 0 && dst->shape[dd] != 1) ? dst->stride[dd] : 0;
     }
-    acc_ctx c = {alpha};
-    uly_walk2(src->ndim, src->shape, uly_ptr(src), sa, uly_ptr(dst), sb, acc_run, &c);
+    uly_be(dst)->sum_view(&dv, &sv, alpha);
     return 0;
 }
 
@@ -129,10 +72,10 @@ static int product_into(uly_tensor *gin, uly_tensor *g, int op1, const uly_tenso
     int64_t sg[ULY_MAX_DIMS], sx[ULY_MAX_DIMS], sy[ULY_MAX_DIMS];
     aligned(g, g, sg);
     aligned(x, g, sx);
-    binary_forward(uly_f32(tmp), uly_f32(g), sg, uly_f32(x), sx, g->ndim, g->shape, op1);
+    uly_be(g)->binary_forward(uly_f32(tmp), uly_f32(g), sg, uly_f32(x), sx, g->ndim, g->shape, op1);
     if (y) {
         aligned(y, g, sy);
-        binary_forward(uly_f32(tmp), uly_f32(tmp), sg, uly_f32(y), sy, g->ndim, g->shape, op2);
+        uly_be(g)->binary_forward(uly_f32(tmp), uly_f32(tmp), sg, uly_f32(y), sy, g->ndim, g->shape, op2);
     }
     int rc = uly_sum_to(gin, tmp, alpha);
     uly_tensor_release(tmp);
@@ -154,9 +97,9 @@ static int bw_div(uly_node *n, uly_tensor *g, uly_tensor **gin) {
         if (!tmp) return -1;
         int64_t sg[ULY_MAX_DIMS], sa[ULY_MAX_DIMS], sb[ULY_MAX_DIMS];
         aligned(g, g, sg); aligned(a, g, sa); aligned(b, g, sb);
-        binary_forward(uly_f32(tmp), uly_f32(g), sg, uly_f32(a), sa, g->ndim, g->shape, ULY_BINARY_MUL);
-        binary_forward(uly_f32(tmp), uly_f32(tmp), sg, uly_f32(b), sb, g->ndim, g->shape, ULY_BINARY_DIV);
-        binary_forward(uly_f32(tmp), uly_f32(tmp), sg, uly_f32(b), sb, g->ndim, g->shape, ULY_BINARY_DIV);
+        uly_be(g)->binary_forward(uly_f32(tmp), uly_f32(g), sg, uly_f32(a), sa, g->ndim, g->shape, ULY_BINARY_MUL);
+        uly_be(g)->binary_forward(uly_f32(tmp), uly_f32(tmp), sg, uly_f32(b), sb, g->ndim, g->shape, ULY_BINARY_DIV);
+        uly_be(g)->binary_forward(uly_f32(tmp), uly_f32(tmp), sg, uly_f32(b), sb, g->ndim, g->shape, ULY_BINARY_DIV);
         int rc = uly_sum_to(gin[1], tmp, -1.0f);
         uly_tensor_release(tmp);
         if (rc) return -1;
@@ -166,15 +109,15 @@ static int bw_div(uly_node *n, uly_tensor *g, uly_tensor **gin) {
 
 static int bw_add_scalar(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     (void)n;
-    scalar_backward(uly_f32(gin[0]), uly_f32(g), NULL, numel(g), ULY_SCALAR_ADD, 0);
+    uly_be(g)->scalar_backward(uly_f32(gin[0]), uly_f32(g), NULL, numel(g), ULY_SCALAR_ADD, 0);
     return 0;
 }
 static int bw_mul_scalar(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    scalar_backward(uly_f32(gin[0]), uly_f32(g), NULL, numel(g), ULY_SCALAR_MUL, (float)n->f[0]);
+    uly_be(g)->scalar_backward(uly_f32(gin[0]), uly_f32(g), NULL, numel(g), ULY_SCALAR_MUL, (float)n->f[0]);
     return 0;
 }
 static int bw_pow_scalar(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    scalar_backward(uly_f32(gin[0]), uly_f32(g), uly_f32(n->saved[0]), numel(g), ULY_SCALAR_POW, (float)n->f[0]);
+    uly_be(g)->scalar_backward(uly_f32(gin[0]), uly_f32(g), uly_f32(n->saved[0]), numel(g), ULY_SCALAR_POW, (float)n->f[0]);
     return 0;
 }
 
@@ -191,22 +134,22 @@ static int bw_matmul(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     int nb = g->ndim - 2;
     int64_t M = g->shape[nb], N = g->shape[nb + 1], K = a->shape[a->ndim - 1];
     uly_mat G = uly_as_mat(g, nb);
-    if (gin[0]) gemm_batched(nb, g->shape, G, transposed(uly_as_mat(b, nb)), uly_as_mat(gin[0], nb), M, K, N, 1.0f);
-    if (gin[1]) gemm_batched(nb, g->shape, transposed(uly_as_mat(a, nb)), G, uly_as_mat(gin[1], nb), K, N, M, 1.0f);
+    if (gin[0]) uly_be(g)->gemm_batched(nb, g->shape, G, transposed(uly_as_mat(b, nb)), uly_as_mat(gin[0], nb), M, K, N, 1.0f);
+    if (gin[1]) uly_be(g)->gemm_batched(nb, g->shape, transposed(uly_as_mat(a, nb)), G, uly_as_mat(gin[1], nb), K, N, M, 1.0f);
     return 0;
 }
 
 /* ---- reductions, softmax ---- */
 static int bw_sum(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    reduce_sum_backward(uly_f32(gin[0]), uly_f32(g), n->i[0], n->i[1], n->i[2], (float)n->f[0]);
+    uly_be(g)->reduce_sum_backward(uly_f32(gin[0]), uly_f32(g), n->i[0], n->i[1], n->i[2], (float)n->f[0]);
     return 0;
 }
 static int bw_max(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    reduce_max_backward(uly_f32(gin[0]), uly_f32(g), uly_ptr(n->saved[0]), n->i[0], n->i[1], n->i[2]);
+    uly_be(g)->reduce_max_backward(uly_f32(gin[0]), uly_f32(g), uly_ptr(n->saved[0]), n->i[0], n->i[1], n->i[2]);
     return 0;
 }
 static int bw_softmax(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    softmax_backward(uly_f32(gin[0]), uly_f32(g), uly_f32(n->saved[0]), n->i[0], n->i[1], n->i[2], n->op == ULY_OP_LOG_SOFTMAX);
+    uly_be(g)->softmax_backward(uly_f32(gin[0]), uly_f32(g), uly_f32(n->saved[0]), n->i[0], n->i[1], n->i[2], n->op == ULY_OP_LOG_SOFTMAX);
     return 0;
 }
 
@@ -215,37 +158,37 @@ static float *opt_f32(const uly_tensor *t) { return t ? uly_f32(t) : NULL; }
 
 static int bw_layernorm(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     uly_tensor *w = n->i[2] ? n->saved[3] : NULL;
-    layernorm_backward(opt_f32(gin[0]), opt_f32(gin[1]), opt_f32(gin[2]), uly_f32(g), uly_f32(n->saved[0]), opt_f32(w),
+    uly_be(g)->layernorm_backward(opt_f32(gin[0]), opt_f32(gin[1]), opt_f32(gin[2]), uly_f32(g), uly_f32(n->saved[0]), opt_f32(w),
                        uly_f32(n->saved[1]), uly_f32(n->saved[2]), n->i[0], n->i[1]);
     return 0;
 }
 static int bw_rmsnorm(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     uly_tensor *w = n->i[2] ? n->saved[2] : NULL;
-    rmsnorm_backward(opt_f32(gin[0]), opt_f32(gin[1]), uly_f32(g), uly_f32(n->saved[0]), opt_f32(w),
+    uly_be(g)->rmsnorm_backward(opt_f32(gin[0]), opt_f32(gin[1]), uly_f32(g), uly_f32(n->saved[0]), opt_f32(w),
                      uly_f32(n->saved[1]), n->i[0], n->i[1]);
     return 0;
 }
 static int bw_unary(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    unary_backward(uly_f32(gin[0]), uly_f32(g), uly_f32(n->saved[0]), uly_f32(n->saved[1]), numel(g), (int)n->i[0]);
+    uly_be(g)->unary_backward(uly_f32(gin[0]), uly_f32(g), uly_f32(n->saved[0]), uly_f32(n->saved[1]), numel(g), (int)n->i[0]);
     return 0;
 }
 static int bw_swiglu(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    swiglu_backward(opt_f32(gin[0]), opt_f32(gin[1]), uly_f32(g), uly_f32(n->saved[0]), uly_f32(n->saved[1]), numel(g));
+    uly_be(g)->swiglu_backward(opt_f32(gin[0]), opt_f32(gin[1]), uly_f32(g), uly_f32(n->saved[0]), uly_f32(n->saved[1]), numel(g));
     return 0;
 }
 
 /* ---- embedding, rope, dropout, cross-entropy, attention ---- */
 static int bw_embedding(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     uly_tensor *idx = n->saved[0];
-    if (gin[1]) embedding_backward(uly_f32(gin[1]), uly_f32(g), uly_ptr(idx), (int)uly_dtype_size(idx->dtype), n->i[0], n->i[1]);
+    if (gin[1]) uly_be(g)->embedding_backward(uly_f32(gin[1]), uly_f32(g), uly_ptr(idx), (int)uly_dtype_size(idx->dtype), n->i[0], n->i[1]);
     return 0;
 }
 static int bw_rope(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    rope_backward(uly_f32(gin[0]), uly_f32(g), n->i[0], n->i[1], n->i[2], n->i[3], n->i[4], (float)n->f[0]);
+    uly_be(g)->rope_backward(uly_f32(gin[0]), uly_f32(g), n->i[0], n->i[1], n->i[2], n->i[3], n->i[4], (float)n->f[0]);
     return 0;
 }
 static int bw_dropout(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    dropout_backward(uly_f32(gin[0]), uly_f32(g), numel(g), (float)n->f[0], (uint64_t)n->i[0], (uint64_t)n->i[1]);
+    uly_be(g)->dropout_backward(uly_f32(gin[0]), uly_f32(g), numel(g), (float)n->f[0], (uint64_t)n->i[0], (uint64_t)n->i[1]);
     return 0;
 }
 static int bw_cross_entropy(uly_node *n, uly_tensor *g, uly_tensor **gin) {
@@ -257,18 +200,20 @@ static int bw_cross_entropy(uly_node *n, uly_tensor *g, uly_tensor **gin) {
         dloss = g;
         g->refcount++;
     } else {
-        dloss = uly_new_contiguous(1, &rows, ULY_DTYPE_F32);
-        if (!dloss) return -1;
-        float v = *uly_f32(g) * (float)n->f[0], *d = uly_f32(dloss);
-        for (int64_t r = 0; r < rows; r++) d[r] = v;
+        double gv = 0;
+        dloss = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, uly_dev(g));
+        if (!dloss || uly_tensor_get_item(g, NULL, &gv) || uly_tensor_fill_(dloss, (double)((float)gv * (float)n->f[0]))) {
+            uly_tensor_release(dloss);
+            return -1;
+        }
     }
-    cross_entropy_backward(uly_f32(gin[0]), uly_f32(dloss), uly_f32(logits), uly_f32(lse), uly_ptr(targets),
+    uly_be(g)->cross_entropy_backward(uly_f32(gin[0]), uly_f32(dloss), uly_f32(logits), uly_f32(lse), uly_ptr(targets),
                            (int)uly_dtype_size(targets->dtype), rows, n->i[1], n->i[2]);
     uly_tensor_release(dloss);
     return 0;
 }
 static int bw_attention(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    if (attention_backward(opt_f32(gin[0]), opt_f32(gin[1]), opt_f32(gin[2]), uly_f32(g), uly_f32(n->saved[0]),
+    if (uly_be(g)->attention_backward(opt_f32(gin[0]), opt_f32(gin[1]), opt_f32(gin[2]), uly_f32(g), uly_f32(n->saved[0]),
                        uly_f32(n->saved[1]), uly_f32(n->saved[2]), uly_f32(n->saved[3]), n->i[0], n->i[1], n->i[2],
                        n->i[3], n->i[4], n->i[5], (float)n->f[0], (int)n->i[6]))
         return uly_set_error("attention backward: out of memory for the [%lld, %lld, %lld] score-gradient scratch; "
@@ -280,7 +225,7 @@ static int bw_attention(uly_node *n, uly_tensor *g, uly_tensor **gin) {
 /* ---- views and copies ---- */
 static int bw_view(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     (void)n;
-    axpy_accumulate(uly_f32(gin[0]), uly_f32(g), numel(g), 1.0f); /* both contiguous, same numel */
+    uly_be(g)->axpy_accumulate(uly_f32(gin[0]), uly_f32(g), numel(g), 1.0f); /* both contiguous, same numel */
     return 0;
 }
 static int bw_permute(uly_node *n, uly_tensor *g, uly_tensor **gin) {

@@ -687,7 +687,7 @@ static int reduce_tensor(call *k, uly_tensor *t, int op) {
     if (P == 1) return 0;
 #ifdef ULY_WITH_MPI
     if (t->dtype == ULY_DTYPE_BF16) {
-        uly_tensor *f = uly_new_contiguous(t->ndim, t->shape, ULY_DTYPE_F32);
+        uly_tensor *f = uly_new_contiguous(t->ndim, t->shape, ULY_DTYPE_F32, ULY_DEVICE_CPU);
         if (!f) return -1;
         int rc = uly_copy_raw(f, t);
         if (!rc) rc = reduce_tensor(k, f, op);
@@ -714,7 +714,7 @@ static void count_all_reduce(const uly_comm *c, int64_t nbytes) {
     }
 }
 
-int uly_comm_all_reduce_(uly_comm *c, uly_tensor *t, int op) {
+static int all_reduce_host(uly_comm *c, uly_tensor *t, int op) {
     call k;
     if (call_begin(&k, c, ULY_COMM_ALL_REDUCE)) return -1;
     check_tensor_arg(&k, "", t);
@@ -747,7 +747,7 @@ static void check_stacked(call *k, const uly_tensor *small, const uly_tensor *bi
                  uly_desc(k->kind == ULY_COMM_ALL_GATHER ? big : small));
 }
 
-int uly_comm_all_gather(uly_comm *c, const uly_tensor *in, uly_tensor *out) {
+static int all_gather_host(uly_comm *c, const uly_tensor *in, uly_tensor *out) {
     call k;
     if (call_begin(&k, c, ULY_COMM_ALL_GATHER)) return -1;
     check_tensor_arg(&k, "input ", in);
@@ -780,8 +780,8 @@ int uly_comm_all_gather(uly_comm *c, const uly_tensor *in, uly_tensor *out) {
 #ifdef ULY_WITH_MPI
 static int reduce_scatter_mpi(call *k, const uly_tensor *in, uly_tensor *out, int op) {
     if (in->dtype == ULY_DTYPE_BF16) {
-        uly_tensor *fi = uly_new_contiguous(in->ndim, in->shape, ULY_DTYPE_F32);
-        uly_tensor *fo = fi ? uly_new_contiguous(out->ndim, out->shape, ULY_DTYPE_F32) : NULL;
+        uly_tensor *fi = uly_new_contiguous(in->ndim, in->shape, ULY_DTYPE_F32, ULY_DEVICE_CPU);
+        uly_tensor *fo = fi ? uly_new_contiguous(out->ndim, out->shape, ULY_DTYPE_F32, ULY_DEVICE_CPU) : NULL;
         int rc = fo ? uly_copy_raw(fi, in) : -1;
         if (!rc) rc = reduce_scatter_mpi(k, fi, fo, op);
         if (!rc) rc = uly_copy_raw(out, fo);
@@ -803,7 +803,7 @@ static int reduce_scatter_mpi(call *k, const uly_tensor *in, uly_tensor *out, in
 }
 #endif
 
-int uly_comm_reduce_scatter(uly_comm *c, const uly_tensor *in, uly_tensor *out, int op) {
+static int reduce_scatter_host(uly_comm *c, const uly_tensor *in, uly_tensor *out, int op) {
     call k;
     if (call_begin(&k, c, ULY_COMM_REDUCE_SCATTER)) return -1;
     check_tensor_arg(&k, "input ", in);
@@ -830,7 +830,7 @@ int uly_comm_reduce_scatter(uly_comm *c, const uly_tensor *in, uly_tensor *out, 
     return call_end(&k, rc);
 }
 
-int uly_comm_broadcast_(uly_comm *c, uly_tensor *t, int root) {
+static int broadcast_host(uly_comm *c, uly_tensor *t, int root) {
     call k;
     if (call_begin(&k, c, ULY_COMM_BROADCAST)) return -1;
     check_tensor_arg(&k, "", t);
@@ -1089,3 +1089,52 @@ int uly_comm_world_rank_of(const uly_comm *c, int rank) {
     return c && rank >= 0 && rank < c->size ? c->world_ranks[rank] : -1;
 }
 const char *uly_comm_name(const uly_comm *c) { return c ? c->name : ""; }
+
+/* ---- device tensors: staged through host memory (MPI moves host buffers) ---- */
+static int on_device(const uly_tensor *t) { return t && uly_dev(t) != ULY_DEVICE_CPU; }
+
+/* a host copy of t (contiguous), or t itself retained when it is a host tensor already */
+static uly_tensor *host_copy(const uly_tensor *t, int with_data) {
+    if (!on_device(t)) { if (t) uly_tensor_retain((uly_tensor *)t); return (uly_tensor *)t; }
+    uly_tensor *h = uly_new_contiguous(t->ndim, t->shape, t->dtype, ULY_DEVICE_CPU);
+    if (h && with_data && uly_copy_raw(h, t)) { uly_tensor_release(h); h = NULL; }
+    return h;
+}
+
+/* after a collective on the host copy h of t: the result goes back into t */
+static int finish(uly_tensor *t, uly_tensor *h, int rc) {
+    if (rc == 0 && h != t) {
+        rc = uly_copy_raw(t, h);
+        if (!rc) uly_bump_version(t);
+    }
+    uly_tensor_release(h);
+    return rc;
+}
+
+int uly_comm_all_reduce_(uly_comm *c, uly_tensor *t, int op) {
+    if (!on_device(t)) return all_reduce_host(c, t, op);
+    uly_tensor *h = host_copy(t, 1);
+    return finish(t, h, all_reduce_host(c, h, op));
+}
+
+int uly_comm_all_gather(uly_comm *c, const uly_tensor *in, uly_tensor *out) {
+    if (!on_device(in) && !on_device(out)) return all_gather_host(c, in, out);
+    uly_tensor *hi = host_copy(in, 1), *ho = host_copy(out, 0);
+    int rc = all_gather_host(c, hi, ho);
+    uly_tensor_release(hi);
+    return finish(out, ho, rc);
+}
+
+int uly_comm_reduce_scatter(uly_comm *c, const uly_tensor *in, uly_tensor *out, int op) {
+    if (!on_device(in) && !on_device(out)) return reduce_scatter_host(c, in, out, op);
+    uly_tensor *hi = host_copy(in, 1), *ho = host_copy(out, 0);
+    int rc = reduce_scatter_host(c, hi, ho, op);
+    uly_tensor_release(hi);
+    return finish(out, ho, rc);
+}
+
+int uly_comm_broadcast_(uly_comm *c, uly_tensor *t, int root) {
+    if (!on_device(t)) return broadcast_host(c, t, root);
+    uly_tensor *h = host_copy(t, 1);
+    return finish(t, h, broadcast_host(c, h, root));
+}

@@ -5,11 +5,10 @@
 #include <math.h>
 #include <string.h>
 #include "internal.h"
-#include "../kernels/cpu/flash_attention.h"
 
 static const char *OP = "flash_attention";
 
-int64_t uly_flash_attention_tiles(void) { return flash_attention_tiles(); }
+int64_t uly_flash_attention_tiles(void) { return flash_attention_tiles(); }  /* CPU kernel's count */
 void uly_flash_attention_reset_tiles(void) { flash_attention_reset_tiles(); }
 
 /* t itself when its last dim is contiguous (stride 1, or a single element), else a copy */
@@ -27,7 +26,9 @@ static flash_operand operand(const uly_tensor *t) {
 }
 
 static int check_qkv(uly_tensor *q, uly_tensor *k, uly_tensor *v) {
-    if (uly_check_float(OP, "q", q) || uly_check_float(OP, "k", k) || uly_check_float(OP, "v", v)) return -1;
+    if (uly_check_float(OP, "q", q) || uly_check_float(OP, "k", k) || uly_check_float(OP, "v", v) ||
+        uly_check_same_device(OP, "q", q, "k", k) || uly_check_same_device(OP, "q", q, "v", v))
+        return -1;
     if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
         return uly_set_error("%s: q, k, v must be [batch, seq, heads, head_dim], got q %s, k %s, v %s", OP,
                              uly_desc(q), uly_desc(k), uly_desc(v));
@@ -56,7 +57,7 @@ static int check_ids(const char *arg, const uly_tensor *t, int64_t B, int64_t T,
 /* validates the mask and packs its tensors into one i32 tensor [layout | q_doc | k_doc] (NULL
  * without error when the mask has no tensors); *rc = -1 on error */
 static uly_tensor *pack_mask(const uly_attn_mask *m, int64_t B, int64_t Tq, int64_t Tk, int64_t *nbr, int64_t *nbc,
-                             int *rc) {
+                             int device, int *rc) {
     *rc = -1;
     *nbr = *nbc = 0;
     if (m->window_left < -1 || m->window_right < -1)
@@ -86,7 +87,7 @@ static uly_tensor *pack_mask(const uly_attn_mask *m, int64_t B, int64_t Tq, int6
     const int64_t nl = lay ? *nbr * *nbc : 0, nd = m->q_doc ? B * (Tq + Tk) : 0, total = nl + nd;
     *rc = 0;
     if (!lay && !m->q_doc) return NULL;
-    uly_tensor *pack = uly_new_contiguous(1, &total, ULY_DTYPE_I32);
+    uly_tensor *pack = uly_new_contiguous(1, &total, ULY_DTYPE_I32, ULY_DEVICE_CPU);
     if (!pack) { *rc = -1; return NULL; }
     int32_t *p = uly_ptr(pack);
     int ok = (!lay || uly_tensor_copy_to(lay, p, ULY_DTYPE_I32, nl) == 0) &&
@@ -99,6 +100,12 @@ static uly_tensor *pack_mask(const uly_attn_mask *m, int64_t B, int64_t Tq, int6
             ok = 0;
         }
     if (!ok) { uly_tensor_release(pack); *rc = -1; return NULL; }
+    if (device != ULY_DEVICE_CPU) { /* checked on the host, used on the device */
+        uly_tensor *moved = uly_tensor_to_device(pack, device);
+        uly_tensor_release(pack);
+        if (!moved) { *rc = -1; return NULL; }
+        pack = moved;
+    }
     return pack;
 }
 
@@ -127,10 +134,10 @@ static flash_problem problem(const uly_tensor *q, const uly_tensor *k, const uly
 }
 
 /* the kernel's O(N D) scratch of transposed tiles, from the counted allocator */
-static uly_tensor *new_scratch(const flash_problem *p, int backward) {
-    int64_t n = flash_attention_scratch_floats(p, backward);
+static uly_tensor *new_scratch(const uly_backend *be, int device, const flash_problem *p, int backward) {
+    int64_t n = be->flash_attention_scratch_floats(p, backward);
     if (n < 1) n = 1;
-    return uly_new_contiguous(1, &n, ULY_DTYPE_F32);
+    return uly_new_contiguous(1, &n, ULY_DTYPE_F32, device);
 }
 
 uly_tensor *uly_flash_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale, const uly_attn_mask *mask) {
@@ -142,18 +149,18 @@ uly_tensor *uly_flash_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, dou
     if (!(scale > 0)) scale = D ? 1.0 / sqrt((double)D) : 1.0;
     int64_t nbr, nbc;
     int rc;
-    uly_tensor *pack = pack_mask(m, B, Tq, Tk, &nbr, &nbc, &rc);
+    uly_tensor *pack = pack_mask(m, B, Tq, Tk, &nbr, &nbc, uly_dev(q), &rc);
     if (rc) return NULL;
     uly_tensor *qc = rows_contiguous(q), *kc = qc ? rows_contiguous(k) : NULL, *vc = kc ? rows_contiguous(v) : NULL;
     int64_t lshape[3] = {B, H, Tq};
-    uly_tensor *lse = vc ? uly_new_contiguous(3, lshape, ULY_DTYPE_F32) : NULL;
+    uly_tensor *lse = vc ? uly_new_contiguous(3, lshape, ULY_DTYPE_F32, uly_dev(q)) : NULL;
     uly_tensor *out = lse ? uly_new_like(q) : NULL;
     if (out) {
         int64_t ints[11] = {B, Tq, Tk, H, Hkv, D, m->causal != 0, m->window_left, m->window_right,
                             m->block_layout ? m->block_size : 0, (m->block_layout ? 1 : 0) | (m->q_doc ? 2 : 0)};
         flash_problem p = problem(qc, kc, vc, pack, ints, scale);
-        uly_tensor *scratch = new_scratch(&p, 0);
-        if (!scratch || flash_attention_forward(uly_f32(out), uly_f32(lse), uly_f32(scratch), &p)) {
+        uly_tensor *scratch = new_scratch(uly_be(q), uly_dev(q), &p, 0);
+        if (!scratch || uly_be(q)->flash_attention_forward(uly_f32(out), uly_f32(lse), uly_f32(scratch), &p)) {
             if (scratch) uly_set_error("%s: out of memory for the per-thread tile scratch", OP);
             uly_tensor_release(out);
             out = NULL;
@@ -188,10 +195,10 @@ int uly_bw_flash_attention(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     flash_problem p = problem(s[0], s[1], s[2], n->n_saved > 5 ? s[5] : NULL, n->i, n->f[0]);
     int64_t dshape[3] = {p.B, p.H, p.Tq};
     uly_tensor *gc = uly_contiguous_raw(g);
-    uly_tensor *delta = gc ? uly_new_contiguous(3, dshape, ULY_DTYPE_F32) : NULL;
-    uly_tensor *scratch = delta ? new_scratch(&p, 1) : NULL;
+    uly_tensor *delta = gc ? uly_new_contiguous(3, dshape, ULY_DTYPE_F32, uly_dev(g)) : NULL;
+    uly_tensor *scratch = delta ? new_scratch(uly_be(g), uly_dev(g), &p, 1) : NULL;
     int rc = scratch ? 0 : -1;
-    if (!rc && flash_attention_backward(gin[0] ? uly_f32(gin[0]) : NULL, gin[1] ? uly_f32(gin[1]) : NULL,
+    if (!rc && uly_be(g)->flash_attention_backward(gin[0] ? uly_f32(gin[0]) : NULL, gin[1] ? uly_f32(gin[1]) : NULL,
                                         gin[2] ? uly_f32(gin[2]) : NULL, uly_f32(gc), uly_f32(s[3]), uly_f32(s[4]),
                                         uly_f32(delta), uly_f32(scratch), &p))
         rc = uly_set_error("%s backward: out of memory for the per-thread tile scratch", OP);

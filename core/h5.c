@@ -509,10 +509,12 @@ int uly_h5_write(int64_t file, const char *name, const void *data, int dtype, in
 int uly_h5_write_tensor(int64_t file, const char *name, const uly_tensor *t) {
     if (!file_path("uly_h5_write_tensor", file)) return -1;
     if (uly_check_tensor("uly_h5_write_tensor", "tensor", t)) return -1;
-    if (t->storage->device != ULY_DEVICE_CPU)
-        return uly_set_error("uly_h5_write_tensor: dataset '%s': tensor %s is not on the CPU; copy it to the CPU first",
-                             rel(name), uly_desc(t));
-    uly_tensor *c = uly_contiguous_raw((uly_tensor *)t);
+    uly_tensor *c = NULL; /* contiguous on the host (a device tensor is copied over) */
+    if (t->storage->device == ULY_DEVICE_CPU) c = uly_contiguous_raw((uly_tensor *)t);
+    else if ((c = uly_new_contiguous(t->ndim, t->shape, t->dtype, ULY_DEVICE_CPU)) && uly_copy_raw(c, t)) {
+        uly_tensor_release(c);
+        c = NULL;
+    }
     if (!c) return -1;
     int rc = uly_h5_write(file, name, uly_ptr(c), c->dtype, c->ndim, c->shape);
     uly_tensor_release(c);
@@ -627,10 +629,17 @@ int uly_h5_read_tensor(int64_t file, const char *name, uly_tensor *dst) {
     const char *path = file_path(op, file);
     if (!path) return -1;
     if (uly_check_tensor(op, "dst", dst)) return -1;
-    if (dst->storage->device != ULY_DEVICE_CPU || !uly_tensor_is_contiguous(dst))
-        return uly_set_error("%s: dataset '%s': the destination %s must be a contiguous CPU tensor", op, rel(name),
-                             uly_desc(dst));
+    if (!uly_tensor_is_contiguous(dst))
+        return uly_set_error("%s: dataset '%s': the destination %s must be contiguous", op, rel(name), uly_desc(dst));
     if (uly_check_inplace(op, dst)) return -1;
+    if (dst->storage->device != ULY_DEVICE_CPU) { /* read on the host, then copy over */
+        uly_tensor *h = uly_new_contiguous(dst->ndim, dst->shape, dst->dtype, ULY_DEVICE_CPU);
+        int rc = h ? uly_h5_read_tensor(file, name, h) : -1;
+        if (!rc) rc = uly_copy_raw(dst, h);
+        uly_tensor_release(h);
+        if (!rc) uly_bump_version(dst);
+        return rc;
+    }
     int rank, file_dtype;
     hsize_t dims[ULY_MAX_DIMS];
     hid_t d = describe(op, file, path, name, &rank, dims, &file_dtype);

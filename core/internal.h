@@ -5,7 +5,8 @@
 #include <stdint.h>
 #include <stdarg.h>
 #include "uly.h"
-#include "../kernels/cpu/kernels.h"
+#include <string.h>
+#include "uly_backend.h"
 
 #define ULY_MAX_DIMS 8
 #define ULY_NODE_MAX_INPUTS 4
@@ -19,9 +20,56 @@ const char *uly_desc(const uly_tensor *t);
 const char *uly_shape_str(int ndim, const int64_t *shape);
 const char *uly_bytes_str(int64_t nbytes);
 
-/* ---- allocator (alloc.c): 64-byte aligned, cached by size class, counted ---- */
-void *uly_alloc(int64_t nbytes, int64_t *block_bytes);  /* NULL + error on failure */
+/* ---- allocator (alloc.c): one caching pool per device, sized classes, counted ---- */
+void *uly_alloc(int64_t nbytes, int64_t *block_bytes);  /* host; NULL + error on failure */
 void uly_free(void *p, int64_t block_bytes);
+void *uly_alloc_on(int device, int64_t nbytes, int64_t *block_bytes);
+void uly_free_on(int device, void *p, int64_t block_bytes);
+int uly_device_pool_in_use(int device);
+
+/* ---- devices (device.c): the backend table of each device (NULL: none registered) ---- */
+extern const uly_backend *uly_backends[ULY_DEVICE_COUNT];
+extern const uly_backend uly_backend_cpu;   /* backend_cpu.c */
+extern const uly_backend uly_backend_sim;   /* backend_sim.c */
+/* the first failure a device backend kept since the last check, as an error naming `op`; 0 if none */
+int uly_device_check(const char *op, int device);
+/* every tensor argument on one device: "op: 'b' is on cpu but 'a' on cuda; move it with :to('cuda')" */
+int uly_check_device(const char *op, int n, const char *const *names, const uly_tensor *const *ts);
+int uly_check_same_device(const char *op, const char *an, const uly_tensor *a, const char *bn, const uly_tensor *b);
+const char *uly_device_name(int device);
+
+/* ---- element conversion (host memory) ---- */
+static inline float uly_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint16_t uly_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+static inline double uly_load(const char *p, int dtype) {
+    switch (dtype) {
+    case ULY_DTYPE_F32: return *(const float *)p;
+    case ULY_DTYPE_BF16: return uly_bf16_to_f32(*(const uint16_t *)p);
+    case ULY_DTYPE_I32: return *(const int32_t *)p;
+    case ULY_DTYPE_I64: return (double)*(const int64_t *)p;
+    default: return *(const double *)p;
+    }
+}
+static inline void uly_store(char *p, int dtype, double v) {
+    switch (dtype) {
+    case ULY_DTYPE_F32: *(float *)p = (float)v; break;
+    case ULY_DTYPE_BF16: *(uint16_t *)p = uly_f32_to_bf16((float)v); break;
+    case ULY_DTYPE_I32: *(int32_t *)p = (int32_t)v; break;
+    case ULY_DTYPE_I64: *(int64_t *)p = (int64_t)v; break;
+    default: *(double *)p = v; break;
+    }
+}
 
 /* ---- tensors (tensor.c) ---- */
 typedef struct uly_storage {
@@ -48,19 +96,24 @@ struct uly_tensor {
 };
 
 int64_t uly_numel_of(int ndim, const int64_t *shape);
-uly_tensor *uly_new_contiguous(int ndim, const int64_t *shape, int dtype);   /* uninitialised */
-uly_tensor *uly_new_zeros(int ndim, const int64_t *shape, int dtype);
-uly_tensor *uly_new_like(const uly_tensor *t);                                /* contiguous, same shape/dtype */
+uly_tensor *uly_new_contiguous(int ndim, const int64_t *shape, int dtype, int device);   /* uninitialised */
+uly_tensor *uly_new_zeros(int ndim, const int64_t *shape, int dtype, int device);
+uly_tensor *uly_new_like(const uly_tensor *t);                 /* contiguous, same shape/dtype/device */
 uly_tensor *uly_new_view(uly_tensor *base, int ndim, const int64_t *shape, const int64_t *stride, int64_t offset);
 uly_tensor *uly_contiguous_raw(uly_tensor *t);   /* retained t if contiguous, else a copy; no autograd */
 int uly_copy_raw(uly_tensor *dst, const uly_tensor *src);  /* strided, converting, broadcasting; no checks on grad */
 void uly_bump_version(uly_tensor *t);
+static inline int uly_dev(const uly_tensor *t) { return t->storage->device; }
+/* the backend of t's device: every kernel call goes through it */
+static inline const uly_backend *uly_be(const uly_tensor *t) { return uly_backends[t->storage->device]; }
+/* t as a strided view for the backend's walks */
+uly_view uly_view_of(const uly_tensor *t);
 static inline float *uly_f32(const uly_tensor *t) { return (float *)t->storage->data + t->offset; }
 static inline void *uly_ptr(const uly_tensor *t) {
     return (char *)t->storage->data + t->offset * uly_dtype_size(t->dtype);
 }
 int uly_check_tensor(const char *op, const char *arg, const uly_tensor *t);        /* non-NULL */
-int uly_check_float(const char *op, const char *arg, const uly_tensor *t);         /* non-NULL, f32, cpu */
+int uly_check_float(const char *op, const char *arg, const uly_tensor *t);         /* non-NULL, f32 */
 int uly_same_shape(const uly_tensor *a, const uly_tensor *b);
 int uly_check_inplace(const char *op, const uly_tensor *t);  /* refuses leaves requiring grad while grad is on */
 uint64_t uly_rng_take(uint64_t n);  /* reserve n counters of the global generator (library.c) */
@@ -85,8 +138,8 @@ enum uly_op {
 typedef struct uly_edge {
     struct uly_node *node;   /* gradient flows into this node's output ... */
     uly_tensor *leaf;        /* ... or into this leaf's .grad; both NULL: input needs no grad */
-    int ndim;
-    int64_t shape[ULY_MAX_DIMS];  /* the input's shape (gradients have it) */
+    int ndim, device;
+    int64_t shape[ULY_MAX_DIMS];  /* the input's shape and device (gradients have them) */
 } uly_edge;
 
 typedef struct uly_node {

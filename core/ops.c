@@ -25,13 +25,14 @@ static int broadcast(const char *op, const uly_tensor *a, const uly_tensor *b, i
 }
 
 static uly_tensor *binary_op(const char *op, int kind, int node_op, uly_tensor *a, uly_tensor *b) {
-    if (uly_check_float(op, "a", a) || uly_check_float(op, "b", b)) return NULL;
+    if (uly_check_float(op, "a", a) || uly_check_float(op, "b", b) || uly_check_same_device(op, "a", a, "b", b))
+        return NULL;
     int nd = 0;
     int64_t shape[ULY_MAX_DIMS], sa[ULY_MAX_DIMS], sb[ULY_MAX_DIMS];
     if (broadcast(op, a, b, &nd, shape, sa, sb)) return NULL;
-    uly_tensor *out = uly_new_contiguous(nd, shape, ULY_DTYPE_F32);
+    uly_tensor *out = uly_new_contiguous(nd, shape, ULY_DTYPE_F32, uly_dev(a));
     if (!out) return NULL;
-    binary_forward(uly_f32(out), uly_f32(a), sa, uly_f32(b), sb, nd, shape, kind);
+    uly_be(out)->binary_forward(uly_f32(out), uly_f32(a), sa, uly_f32(b), sb, nd, shape, kind);
     uly_tensor *in[2] = {a, b};
     uly_node *n = uly_node_begin(node_op, 2, in);
     if (n && (kind == ULY_BINARY_MUL || kind == ULY_BINARY_DIV)) { uly_node_save(n, a); uly_node_save(n, b); }
@@ -51,7 +52,7 @@ static uly_tensor *scalar_op(const char *op, int kind, int node_op, uly_tensor *
     if (!ac) return NULL;
     uly_tensor *out = uly_new_like(ac);
     if (out) {
-        scalar_forward(uly_f32(out), uly_f32(ac), uly_tensor_numel(ac), kind, (float)s);
+        uly_be(out)->scalar_forward(uly_f32(out), uly_f32(ac), uly_tensor_numel(ac), kind, (float)s);
         uly_node *n = uly_node_begin(node_op, 1, &a);
         if (n) {
             n->f[0] = s;
@@ -80,7 +81,9 @@ uly_mat uly_as_mat(const uly_tensor *t, int nb) {
 }
 
 uly_tensor *uly_matmul(uly_tensor *a, uly_tensor *b) {
-    if (uly_check_float("matmul", "a", a) || uly_check_float("matmul", "b", b)) return NULL;
+    if (uly_check_float("matmul", "a", a) || uly_check_float("matmul", "b", b) ||
+        uly_check_same_device("matmul", "a", a, "b", b))
+        return NULL;
     if (a->ndim < 2 || b->ndim < 2)
         return uly_set_error_null("matmul: both operands need at least 2 dimensions, got %s @ %s; "
                                   "use :view(1, n) or :view(n, 1) for vectors", uly_desc(a), uly_desc(b));
@@ -114,11 +117,12 @@ uly_tensor *uly_matmul(uly_tensor *a, uly_tensor *b) {
     }
     shape[nb] = M;
     shape[nb + 1] = N;
-    uly_tensor *ac = gemm_operand_ok(M, K, a->stride[a->ndim - 2], a->stride[a->ndim - 1]) ? (a->refcount++, a) : uly_contiguous_raw(a);
-    uly_tensor *bc = gemm_operand_ok(K, N, b->stride[b->ndim - 2], b->stride[b->ndim - 1]) ? (b->refcount++, b) : uly_contiguous_raw(b);
-    uly_tensor *out = (ac && bc) ? uly_new_contiguous(nb + 2, shape, ULY_DTYPE_F32) : NULL;
+    const uly_backend *be = uly_be(a);
+    uly_tensor *ac = be->gemm_operand_ok(M, K, a->stride[a->ndim - 2], a->stride[a->ndim - 1]) ? (a->refcount++, a) : uly_contiguous_raw(a);
+    uly_tensor *bc = be->gemm_operand_ok(K, N, b->stride[b->ndim - 2], b->stride[b->ndim - 1]) ? (b->refcount++, b) : uly_contiguous_raw(b);
+    uly_tensor *out = (ac && bc) ? uly_new_contiguous(nb + 2, shape, ULY_DTYPE_F32, uly_dev(a)) : NULL;
     if (out) {
-        gemm_batched(nb, shape, uly_as_mat(ac, nb), uly_as_mat(bc, nb), uly_as_mat(out, nb), M, N, K, 0.0f);
+        be->gemm_batched(nb, shape, uly_as_mat(ac, nb), uly_as_mat(bc, nb), uly_as_mat(out, nb), M, N, K, 0.0f);
         uly_tensor *in[2] = {a, b};
         uly_node *n = uly_node_begin(ULY_OP_MATMUL, 2, in);
         uly_node_save(n, ac);
@@ -166,14 +170,14 @@ static uly_tensor *reduce(const char *op, uly_tensor *t, int dim, int keepdim, i
         return uly_set_error_null("%s: cannot take the max over an empty dimension of %s", op, uly_desc(t));
     uly_tensor *tc = uly_contiguous_raw(t);
     if (!tc) return NULL;
-    uly_tensor *out = uly_new_contiguous(nd, shape, ULY_DTYPE_F32), *arg = NULL;
+    uly_tensor *out = uly_new_contiguous(nd, shape, ULY_DTYPE_F32, uly_dev(t)), *arg = NULL;
     float scale = mean ? (n ? 1.0f / (float)n : NAN) : 1.0f;
     if (out && is_max) {
-        arg = uly_new_contiguous(nd, shape, ULY_DTYPE_I64);
-        if (arg) reduce_max_forward(uly_f32(out), uly_ptr(arg), uly_f32(tc), outer, n, inner);
+        arg = uly_new_contiguous(nd, shape, ULY_DTYPE_I64, uly_dev(t));
+        if (arg) uly_be(t)->reduce_max_forward(uly_f32(out), uly_ptr(arg), uly_f32(tc), outer, n, inner);
         else { uly_tensor_release(out); out = NULL; }
     } else if (out) {
-        reduce_sum_forward(uly_f32(out), uly_f32(tc), outer, n, inner, scale);
+        uly_be(t)->reduce_sum_forward(uly_f32(out), uly_f32(tc), outer, n, inner, scale);
     }
     if (out) {
         uly_node *node = uly_node_begin(is_max ? ULY_OP_MAX : ULY_OP_SUM, 1, &t);
@@ -230,7 +234,7 @@ static uly_tensor *softmax_op(const char *op, uly_tensor *t, int dim, int is_log
     uly_tensor *tc = uly_contiguous_raw(t);
     uly_tensor *out = tc ? uly_new_like(tc) : NULL;
     if (out) {
-        softmax_forward(uly_f32(out), uly_f32(tc), outer, n, inner, is_log);
+        uly_be(t)->softmax_forward(uly_f32(out), uly_f32(tc), outer, n, inner, is_log);
         uly_node *node = uly_node_begin(is_log ? ULY_OP_LOG_SOFTMAX : ULY_OP_SOFTMAX, 1, &t);
         if (node) { node->i[0] = outer; node->i[1] = n; node->i[2] = inner; }
         save_output(node, &out);
@@ -256,12 +260,14 @@ uly_tensor *uly_layernorm(uly_tensor *x, uly_tensor *w, uly_tensor *b, double ep
     if (uly_check_float("layernorm", "x", x)) return NULL;
     if (x->ndim < 1) return uly_set_error_null("layernorm: input %s needs at least one dimension", uly_desc(x));
     int64_t C = x->shape[x->ndim - 1], rows = C ? uly_tensor_numel(x) / C : 0;
-    if (check_norm_param("layernorm", "weight", w, C) || check_norm_param("layernorm", "bias", b, C)) return NULL;
+    if (check_norm_param("layernorm", "weight", w, C) || check_norm_param("layernorm", "bias", b, C) ||
+        uly_check_same_device("layernorm", "x", x, "weight", w) || uly_check_same_device("layernorm", "x", x, "bias", b))
+        return NULL;
     uly_tensor *xc = uly_contiguous_raw(x), *wc = w ? uly_contiguous_raw(w) : NULL, *bc = b ? uly_contiguous_raw(b) : NULL;
     uly_tensor *out = uly_new_like(x);
-    uly_tensor *mean = uly_new_contiguous(1, &rows, ULY_DTYPE_F32), *rstd = uly_new_contiguous(1, &rows, ULY_DTYPE_F32);
+    uly_tensor *mean = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, uly_dev(x)), *rstd = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, uly_dev(x));
     if (xc && out && mean && rstd && (!w || wc) && (!b || bc)) {
-        layernorm_forward(uly_f32(out), uly_f32(mean), uly_f32(rstd), uly_f32(xc), wc ? uly_f32(wc) : NULL,
+        uly_be(x)->layernorm_forward(uly_f32(out), uly_f32(mean), uly_f32(rstd), uly_f32(xc), wc ? uly_f32(wc) : NULL,
                           bc ? uly_f32(bc) : NULL, rows, C, (float)eps);
         uly_tensor *in[3] = {x, w, b};
         uly_node *n = uly_node_begin(ULY_OP_LAYERNORM, 3, in);
@@ -281,11 +287,11 @@ uly_tensor *uly_rmsnorm(uly_tensor *x, uly_tensor *w, double eps) {
     if (uly_check_float("rmsnorm", "x", x)) return NULL;
     if (x->ndim < 1) return uly_set_error_null("rmsnorm: input %s needs at least one dimension", uly_desc(x));
     int64_t C = x->shape[x->ndim - 1], rows = C ? uly_tensor_numel(x) / C : 0;
-    if (check_norm_param("rmsnorm", "weight", w, C)) return NULL;
+    if (check_norm_param("rmsnorm", "weight", w, C) || uly_check_same_device("rmsnorm", "x", x, "weight", w)) return NULL;
     uly_tensor *xc = uly_contiguous_raw(x), *wc = w ? uly_contiguous_raw(w) : NULL;
-    uly_tensor *out = uly_new_like(x), *rstd = uly_new_contiguous(1, &rows, ULY_DTYPE_F32);
+    uly_tensor *out = uly_new_like(x), *rstd = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, uly_dev(x));
     if (xc && out && rstd && (!w || wc)) {
-        rmsnorm_forward(uly_f32(out), uly_f32(rstd), uly_f32(xc), wc ? uly_f32(wc) : NULL, rows, C, (float)eps);
+        uly_be(x)->rmsnorm_forward(uly_f32(out), uly_f32(rstd), uly_f32(xc), wc ? uly_f32(wc) : NULL, rows, C, (float)eps);
         uly_tensor *in[2] = {x, w};
         uly_node *n = uly_node_begin(ULY_OP_RMSNORM, 2, in);
         if (n) {
@@ -305,7 +311,7 @@ static uly_tensor *unary_op(const char *op, uly_tensor *x, int kind) {
     uly_tensor *xc = uly_contiguous_raw(x);
     uly_tensor *out = xc ? uly_new_like(xc) : NULL;
     if (out) {
-        unary_forward(uly_f32(out), uly_f32(xc), uly_tensor_numel(xc), kind);
+        uly_be(x)->unary_forward(uly_f32(out), uly_f32(xc), uly_tensor_numel(xc), kind);
         uly_node *n = uly_node_begin(ULY_OP_UNARY, 1, &x);
         if (n) { n->i[0] = kind; uly_node_save(n, xc); }
         save_output(n, &out);
@@ -324,13 +330,15 @@ uly_tensor *uly_log(uly_tensor *x) { return unary_op("log", x, ULY_UNARY_LOG); }
 uly_tensor *uly_sqrt(uly_tensor *x) { return unary_op("sqrt", x, ULY_UNARY_SQRT); }
 
 uly_tensor *uly_swiglu(uly_tensor *gate, uly_tensor *up) {
-    if (uly_check_float("swiglu", "gate", gate) || uly_check_float("swiglu", "up", up)) return NULL;
+    if (uly_check_float("swiglu", "gate", gate) || uly_check_float("swiglu", "up", up) ||
+        uly_check_same_device("swiglu", "gate", gate, "up", up))
+        return NULL;
     if (!uly_same_shape(gate, up))
         return uly_set_error_null("swiglu: gate %s and up %s must have the same shape", uly_desc(gate), uly_desc(up));
     uly_tensor *gc = uly_contiguous_raw(gate), *uc = uly_contiguous_raw(up);
     uly_tensor *out = (gc && uc) ? uly_new_like(gc) : NULL;
     if (out) {
-        swiglu_forward(uly_f32(out), uly_f32(gc), uly_f32(uc), uly_tensor_numel(gc));
+        uly_be(out)->swiglu_forward(uly_f32(out), uly_f32(gc), uly_f32(uc), uly_tensor_numel(gc));
         uly_tensor *in[2] = {gate, up};
         uly_node *n = uly_node_begin(ULY_OP_SWIGLU, 2, in);
         uly_node_save(n, gc);
@@ -351,7 +359,9 @@ static int check_index_dtype(const char *op, const char *arg, const uly_tensor *
 }
 
 uly_tensor *uly_embedding(uly_tensor *idx, uly_tensor *weight) {
-    if (check_index_dtype("embedding", "indices", idx) || uly_check_float("embedding", "weight", weight)) return NULL;
+    if (check_index_dtype("embedding", "indices", idx) || uly_check_float("embedding", "weight", weight) ||
+        uly_check_same_device("embedding", "weight", weight, "indices", idx))
+        return NULL;
     if (weight->ndim != 2)
         return uly_set_error_null("embedding: weight must be [vocab, dim], got %s", uly_desc(weight));
     if (idx->ndim + 1 > ULY_MAX_DIMS) return uly_set_error_null("embedding: indices %s have too many dimensions", uly_desc(idx));
@@ -360,7 +370,7 @@ uly_tensor *uly_embedding(uly_tensor *idx, uly_tensor *weight) {
     uly_tensor *out = NULL;
     int bytes = (int)uly_dtype_size(idx->dtype);
     if (ic && wc) {
-        int64_t bad = embedding_first_bad_index(uly_ptr(ic), bytes, n, V);
+        int64_t bad = uly_be(ic)->embedding_first_bad_index(uly_ptr(ic), bytes, n, V);
         if (bad >= 0) {
             double v;
             int64_t flat[1] = {bad};
@@ -373,9 +383,9 @@ uly_tensor *uly_embedding(uly_tensor *idx, uly_tensor *weight) {
             int64_t shape[ULY_MAX_DIMS];
             memcpy(shape, idx->shape, sizeof(int64_t) * (size_t)idx->ndim);
             shape[idx->ndim] = C;
-            out = uly_new_contiguous(idx->ndim + 1, shape, ULY_DTYPE_F32);
+            out = uly_new_contiguous(idx->ndim + 1, shape, ULY_DTYPE_F32, uly_dev(idx));
             if (out) {
-                embedding_forward(uly_f32(out), uly_ptr(ic), bytes, uly_f32(wc), n, C);
+                uly_be(out)->embedding_forward(uly_f32(out), uly_ptr(ic), bytes, uly_f32(wc), n, C);
                 uly_tensor *in[2] = {idx, weight};
                 uly_node *node = uly_node_begin(ULY_OP_EMBEDDING, 2, in);
                 if (node) { uly_node_save(node, ic); node->i[0] = n; node->i[1] = C; }
@@ -398,7 +408,7 @@ uly_tensor *uly_rope(uly_tensor *x, int64_t pos_offset, double theta) {
     uly_tensor *xc = uly_contiguous_raw(x);
     uly_tensor *out = xc ? uly_new_like(xc) : NULL;
     if (out) {
-        rope_forward(uly_f32(out), uly_f32(xc), x->shape[0], x->shape[1], x->shape[2], x->shape[3], pos_offset, (float)theta);
+        uly_be(out)->rope_forward(uly_f32(out), uly_f32(xc), x->shape[0], x->shape[1], x->shape[2], x->shape[3], pos_offset, (float)theta);
         uly_node *n = uly_node_begin(ULY_OP_ROPE, 1, &x);
         if (n) { for (int d = 0; d < 4; d++) n->i[d] = x->shape[d]; n->i[4] = pos_offset; n->f[0] = theta; }
         uly_node_attach(n, out);
@@ -417,7 +427,7 @@ uly_tensor *uly_dropout(uly_tensor *x, double p, int training) {
     if (out) {
         int64_t n = uly_tensor_numel(xc);
         uint64_t seed = uly_rng_seed(), offset = uly_rng_take((uint64_t)n);
-        dropout_forward(uly_f32(out), uly_f32(xc), n, (float)p, seed, offset);
+        uly_be(out)->dropout_forward(uly_f32(out), uly_f32(xc), n, (float)p, seed, offset);
         uly_node *node = uly_node_begin(ULY_OP_DROPOUT, 1, &x);
         if (node) { node->i[0] = (int64_t)seed; node->i[1] = (int64_t)offset; node->f[0] = p; }
         uly_node_attach(node, out);
@@ -428,7 +438,8 @@ uly_tensor *uly_dropout(uly_tensor *x, double p, int training) {
 
 /* ---- cross-entropy ---- */
 uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t ignore_index, int reduction) {
-    if (uly_check_float("cross_entropy", "logits", logits) || check_index_dtype("cross_entropy", "targets", targets))
+    if (uly_check_float("cross_entropy", "logits", logits) || check_index_dtype("cross_entropy", "targets", targets) ||
+        uly_check_same_device("cross_entropy", "logits", logits, "targets", targets))
         return NULL;
     if (logits->ndim < 1) return uly_set_error_null("cross_entropy: logits %s need a class dimension", uly_desc(logits));
     int64_t V = logits->shape[logits->ndim - 1], rows = uly_numel_of(logits->ndim - 1, logits->shape);
@@ -438,31 +449,41 @@ uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t i
     if (reduction < ULY_REDUCTION_MEAN || reduction > ULY_REDUCTION_NONE)
         return uly_set_error_null("cross_entropy: unknown reduction %d (use mean, sum or none)", reduction);
     uly_tensor *lc = uly_contiguous_raw(logits), *tc = uly_contiguous_raw(targets);
-    uly_tensor *loss = uly_new_contiguous(1, &rows, ULY_DTYPE_F32), *lse = uly_new_contiguous(1, &rows, ULY_DTYPE_F32);
-    uly_tensor *out = NULL;
+    const int dev = uly_dev(logits);
+    const uly_backend *be = uly_be(logits);
+    uly_tensor *loss = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, dev), *lse = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, dev);
+    uly_tensor *out = NULL, *th = NULL;  /* th: the targets on the host, for the range check */
     int bytes = (int)uly_dtype_size(targets->dtype);
     if (lc && tc && loss && lse) {
         /* range check (ignore_index excepted) */
         int64_t bad = -1;
         double badv = 0;
-        for (int64_t r = 0; r < rows && bad < 0; r++) {
-            int64_t t = bytes == 4 ? ((int32_t *)uly_ptr(tc))[r] : ((int64_t *)uly_ptr(tc))[r];
+        th = dev == ULY_DEVICE_CPU ? (tc->refcount++, tc) : uly_new_contiguous(tc->ndim, tc->shape, tc->dtype, ULY_DEVICE_CPU);
+        if (th && th != tc && uly_copy_raw(th, tc)) { uly_tensor_release(th); th = NULL; }
+        for (int64_t r = 0; th && r < rows && bad < 0; r++) {
+            int64_t t = bytes == 4 ? ((int32_t *)uly_ptr(th))[r] : ((int64_t *)uly_ptr(th))[r];
             if (t != ignore_index && (t < 0 || t >= V)) { bad = r; badv = (double)t; }
         }
-        if (bad >= 0) {
+        if (!th) {
+            /* the error is set */
+        } else if (bad >= 0) {
             uly_set_error("cross_entropy: target %.0f at position %lld is out of range for %lld classes "
                           "(and is not the ignore index %lld)", badv, (long long)bad, (long long)V, (long long)ignore_index);
         } else {
-            int64_t count = cross_entropy_forward(uly_f32(loss), uly_f32(lse), uly_f32(lc), uly_ptr(tc), bytes, rows, V, ignore_index);
+            int64_t count = be->cross_entropy_forward(uly_f32(loss), uly_f32(lse), uly_f32(lc), uly_ptr(tc), bytes, rows, V, ignore_index);
             double scale = reduction == ULY_REDUCTION_MEAN ? (count ? 1.0 / (double)count : 0.0) : 1.0;
             if (reduction == ULY_REDUCTION_NONE) {
                 out = uly_tensor_view(loss, targets->ndim, targets->shape);
             } else {
-                double s = 0;
-                const float *lp = uly_f32(loss);
-                for (int64_t r = 0; r < rows; r++) s += lp[r];
-                out = uly_new_contiguous(0, NULL, ULY_DTYPE_F32);
-                if (out) *uly_f32(out) = (float)(s * scale);
+                out = uly_new_contiguous(0, NULL, ULY_DTYPE_F32, dev);
+                if (out && dev == ULY_DEVICE_CPU) {
+                    double s = 0;
+                    const float *lp = uly_f32(loss);
+                    for (int64_t r = 0; r < rows; r++) s += lp[r];
+                    *uly_f32(out) = (float)(s * scale);
+                } else if (out) {
+                    be->reduce_sum_forward(uly_f32(out), uly_f32(loss), 1, rows, 1, (float)scale);
+                }
             }
             if (out) {
                 uly_tensor *in[2] = {logits, targets};
@@ -475,13 +496,14 @@ uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t i
             }
         }
     }
-    uly_tensor_release(lc); uly_tensor_release(tc); uly_tensor_release(loss); uly_tensor_release(lse);
+    uly_tensor_release(th); uly_tensor_release(lc); uly_tensor_release(tc); uly_tensor_release(loss); uly_tensor_release(lse);
     return out;
 }
 
 /* ---- reference attention ---- */
 uly_tensor *uly_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale, int causal) {
-    if (uly_check_float("attention", "q", q) || uly_check_float("attention", "k", k) || uly_check_float("attention", "v", v))
+    if (uly_check_float("attention", "q", q) || uly_check_float("attention", "k", k) || uly_check_float("attention", "v", v) ||
+        uly_check_same_device("attention", "q", q, "k", k) || uly_check_same_device("attention", "q", q, "v", v))
         return NULL;
     if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
         return uly_set_error_null("attention: q, k, v must be [batch, seq, heads, head_dim], got q %s, k %s, v %s",
@@ -496,10 +518,10 @@ uly_tensor *uly_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, double sc
     if (!(scale > 0)) scale = D ? 1.0 / sqrt((double)D) : 1.0;
     uly_tensor *qc = uly_contiguous_raw(q), *kc = uly_contiguous_raw(k), *vc = uly_contiguous_raw(v);
     int64_t pshape[4] = {B, H, Tq, Tk};
-    uly_tensor *probs = (qc && kc && vc) ? uly_new_contiguous(4, pshape, ULY_DTYPE_F32) : NULL;
+    uly_tensor *probs = (qc && kc && vc) ? uly_new_contiguous(4, pshape, ULY_DTYPE_F32, uly_dev(q)) : NULL;
     uly_tensor *out = probs ? uly_new_like(qc) : NULL;
     if (out) {
-        attention_forward(uly_f32(out), uly_f32(probs), uly_f32(qc), uly_f32(kc), uly_f32(vc), B, Tq, Tk, H, Hkv, D,
+        uly_be(out)->attention_forward(uly_f32(out), uly_f32(probs), uly_f32(qc), uly_f32(kc), uly_f32(vc), B, Tq, Tk, H, Hkv, D,
                           (float)scale, causal);
         uly_tensor *in[3] = {q, k, v};
         uly_node *n = uly_node_begin(ULY_OP_ATTENTION, 3, in);

@@ -7,15 +7,13 @@
 #include <math.h>
 #include "internal.h"
 
-/* a parameter (or a gradient / state tensor) the CPU loops can run over: f32, CPU, contiguous */
+/* a parameter (or a gradient / state tensor) the update loops can run over: f32, contiguous (on
+ * any device; the parameter's gradient and state must be on its device, see check_like) */
 static int check_f32_contig(const char *op, int i, int n, const char *what, const uly_tensor *t) {
     if (!t) return uly_set_error("%s: parameter %d of %d: %s is NULL (a freed or missing tensor)", op, i + 1, n, what);
     if (t->dtype != ULY_DTYPE_F32)
         return uly_set_error("%s: parameter %d of %d: %s is %s; optimizers update f32 tensors only (keep master "
                              "weights in f32, convert with :float())", op, i + 1, n, what, uly_desc(t));
-    if (t->storage->device != ULY_DEVICE_CPU)
-        return uly_set_error("%s: parameter %d of %d: %s %s is not on the CPU; this is the CPU optimizer",
-                             op, i + 1, n, what, uly_desc(t));
     if (!uly_tensor_is_contiguous(t))
         return uly_set_error("%s: parameter %d of %d: %s %s is not contiguous; make it contiguous "
                              "(:contiguous()) before handing it to the optimizer", op, i + 1, n, what, uly_desc(t));
@@ -25,6 +23,10 @@ static int check_f32_contig(const char *op, int i, int n, const char *what, cons
 /* t (a gradient or a state tensor) must have the parameter's shape */
 static int check_like(const char *op, int i, int n, const char *what, const uly_tensor *p, const uly_tensor *t) {
     if (check_f32_contig(op, i, n, what, t)) return -1;
+    if (uly_dev(p) != uly_dev(t))
+        return uly_set_error("%s: parameter %d of %d: %s is on %s but the parameter is on %s; create optimizer state "
+                             "after moving the model (model:to(device)), or move it with :to()", op, i + 1, n, what,
+                             uly_device_name(uly_dev(t)), uly_device_name(uly_dev(p)));
     if (!uly_same_shape(p, t))
         return uly_set_error("%s: parameter %d of %d: %s is %s but the parameter is %s; it must have the "
                              "parameter's shape", op, i + 1, n, what, uly_desc(t), uly_desc(p));
@@ -94,11 +96,11 @@ int uly_adamw_step(uly_tensor *const *params, uly_tensor *const *exp_avg, uly_te
         uly_tensor *p = params[i], *m = exp_avg[i], *v = exp_avg_sq[i];
         if (!p->grad) continue;
         const float decay = (float)(1.0 - lr * (weight_decay ? weight_decay[i] : 0.0));
-        optim_adamw(uly_f32(p), uly_f32(p->grad), uly_f32(m), uly_f32(v), uly_tensor_numel(p), decay,
+        uly_be(p)->optim_adamw(uly_f32(p), uly_f32(p->grad), uly_f32(m), uly_f32(v), uly_tensor_numel(p), decay,
                     (float)beta1, (float)beta2, step_size, bc2_sqrt, (float)eps);
         uly_bump_version(p); uly_bump_version(m); uly_bump_version(v);
     }
-    return 0;
+    return uly_device_check(op, ULY_DEVICE_CUDA);
 }
 
 int uly_sgd_step(uly_tensor *const *params, uly_tensor *const *momentum_buf, const double *weight_decay,
@@ -124,13 +126,13 @@ int uly_sgd_step(uly_tensor *const *params, uly_tensor *const *momentum_buf, con
     for (int i = 0; i < n; i++) {
         uly_tensor *p = params[i], *b = use_buf ? momentum_buf[i] : NULL;
         if (!p->grad) continue;
-        optim_sgd(uly_f32(p), uly_f32(p->grad), b ? uly_f32(b) : NULL, uly_tensor_numel(p), (float)lr,
+        uly_be(p)->optim_sgd(uly_f32(p), uly_f32(p->grad), b ? uly_f32(b) : NULL, uly_tensor_numel(p), (float)lr,
                   (float)(weight_decay ? weight_decay[i] : 0.0), (float)momentum, (float)dampening,
                   nesterov != 0, step == 1);
         uly_bump_version(p);
         if (b) uly_bump_version(b);
     }
-    return 0;
+    return uly_device_check(op, ULY_DEVICE_CUDA);
 }
 
 /* every present grad must be f32, contiguous and shaped like its parameter */
@@ -149,8 +151,9 @@ double uly_grad_norm(uly_tensor *const *params, int n) {
     double total = 0.0;   /* tensor sums added in list order: deterministic */
     for (int i = 0; i < n; i++) {
         const uly_tensor *g = params[i]->grad;
-        if (g) total += optim_sumsq(uly_f32(g), uly_tensor_numel(g));
+        if (g) total += uly_be(g)->optim_sumsq(uly_f32(g), uly_tensor_numel(g));
     }
+    if (uly_device_check("grad_norm", ULY_DEVICE_CUDA)) return -1.0;
     return sqrt(total);
 }
 
@@ -160,7 +163,7 @@ int uly_grad_scale_(uly_tensor *const *params, int n, double scale) {
     for (int i = 0; i < n; i++) {
         uly_tensor *g = params[i]->grad;
         if (!g) continue;
-        optim_scale(uly_f32(g), uly_tensor_numel(g), (float)scale);
+        uly_be(g)->optim_scale(uly_f32(g), uly_tensor_numel(g), (float)scale);
         uly_bump_version(g);
     }
     return 0;

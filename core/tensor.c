@@ -4,43 +4,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include "internal.h"
-#include "../kernels/cpu/kernels.h"
 
 static int64_t live_tensors;
 int64_t uly_tensor_live_count(void) { return live_tensors; }
-
-/* ---- element conversion ---- */
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-static inline double load(const char *p, int dtype) {
-    switch (dtype) {
-    case ULY_DTYPE_F32: return *(const float *)p;
-    case ULY_DTYPE_BF16: return bf16_to_f32(*(const uint16_t *)p);
-    case ULY_DTYPE_I32: return *(const int32_t *)p;
-    case ULY_DTYPE_I64: return (double)*(const int64_t *)p;
-    default: return *(const double *)p;
-    }
-}
-static inline void store(char *p, int dtype, double v) {
-    switch (dtype) {
-    case ULY_DTYPE_F32: *(float *)p = (float)v; break;
-    case ULY_DTYPE_BF16: *(uint16_t *)p = f32_to_bf16((float)v); break;
-    case ULY_DTYPE_I32: *(int32_t *)p = (int32_t)v; break;
-    case ULY_DTYPE_I64: *(int64_t *)p = (int64_t)v; break;
-    default: *(double *)p = v; break;
-    }
-}
 
 int64_t uly_numel_of(int ndim, const int64_t *shape) {
     int64_t n = 1;
@@ -59,7 +25,7 @@ static uly_tensor *alloc_handle(void) {
     return t;
 }
 
-uly_tensor *uly_new_contiguous(int ndim, const int64_t *shape, int dtype) {
+uly_tensor *uly_new_contiguous(int ndim, const int64_t *shape, int dtype, int device) {
     if (ndim < 0 || ndim > ULY_MAX_DIMS)
         return uly_set_error_null("tensor: %d dimensions requested, at most %d are supported", ndim, ULY_MAX_DIMS);
     if (!valid_dtype(dtype)) return uly_set_error_null("tensor: unknown dtype %d", dtype);
@@ -73,17 +39,19 @@ uly_tensor *uly_new_contiguous(int ndim, const int64_t *shape, int dtype) {
             return uly_set_error_null("tensor: shape %s has too many elements", uly_shape_str(ndim, shape));
         numel *= shape[d];
     }
+    if (!uly_device_available(device))
+        return uly_set_error_null("tensor: device '%s' is not available (no backend registered for it)", uly_device_name(device));
     uly_storage *s = calloc(1, sizeof *s);
     if (!s) return uly_set_error_null("out of memory allocating a storage handle");
     s->refcount = 1;
-    s->device = ULY_DEVICE_CPU;
-    s->data = uly_alloc(numel * uly_dtype_size(dtype), &s->block_bytes);
+    s->device = device;
+    s->data = uly_alloc_on(device, numel * uly_dtype_size(dtype), &s->block_bytes);
     if (!s->data) {
         free(s);
         return uly_set_error_null("tensor %s%s: %s", uly_dtype_name(dtype), uly_shape_str(ndim, shape), uly_last_error());
     }
     uly_tensor *t = alloc_handle();
-    if (!t) { uly_free(s->data, s->block_bytes); free(s); return NULL; }
+    if (!t) { uly_free_on(device, s->data, s->block_bytes); free(s); return NULL; }
     t->storage = s;
     t->ndim = ndim;
     t->dtype = dtype;
@@ -96,13 +64,13 @@ uly_tensor *uly_new_contiguous(int ndim, const int64_t *shape, int dtype) {
     return t;
 }
 
-uly_tensor *uly_new_zeros(int ndim, const int64_t *shape, int dtype) {
-    uly_tensor *t = uly_new_contiguous(ndim, shape, dtype);
-    if (t) memset(t->storage->data, 0, (size_t)(uly_numel_of(ndim, shape) * uly_dtype_size(dtype)));
+uly_tensor *uly_new_zeros(int ndim, const int64_t *shape, int dtype, int device) {
+    uly_tensor *t = uly_new_contiguous(ndim, shape, dtype, device);
+    if (t) uly_be(t)->memset0(t->storage->data, uly_numel_of(ndim, shape) * uly_dtype_size(dtype));
     return t;
 }
 
-uly_tensor *uly_new_like(const uly_tensor *t) { return uly_new_contiguous(t->ndim, t->shape, t->dtype); }
+uly_tensor *uly_new_like(const uly_tensor *t) { return uly_new_contiguous(t->ndim, t->shape, t->dtype, uly_dev(t)); }
 
 uly_tensor *uly_new_view(uly_tensor *base, int ndim, const int64_t *shape, const int64_t *stride, int64_t offset) {
     uly_tensor *t = alloc_handle();
@@ -117,10 +85,11 @@ uly_tensor *uly_new_view(uly_tensor *base, int ndim, const int64_t *shape, const
 }
 
 uly_tensor *uly_tensor_empty(int ndim, const int64_t *shape, int dtype, int device) {
-    if (device == ULY_DEVICE_CUDA)
-        return uly_set_error_null("tensor: device 'cuda' is not available in this build (no CUDA backend); use 'cpu'");
-    if (device != ULY_DEVICE_CPU) return uly_set_error_null("tensor: unknown device %d", device);
-    return uly_new_contiguous(ndim, shape, dtype);
+    if (device < 0 || device >= ULY_DEVICE_COUNT) return uly_set_error_null("tensor: unknown device %d", device);
+    if (!uly_device_available(device))
+        return uly_set_error_null("tensor: device 'cuda' is not available (no CUDA backend loaded: in Lua, "
+                                  "uly.cuda.why() says why; uly.cuda.simulate() gives a host-memory simulation for tests)");
+    return uly_new_contiguous(ndim, shape, dtype, device);
 }
 
 uly_tensor *uly_tensor_arange(double start, double end, double step, int dtype) {
@@ -128,11 +97,11 @@ uly_tensor *uly_tensor_arange(double start, double end, double step, int dtype) 
         return uly_set_error_null("arange(%g, %g, %g): step must be non-zero and bounds finite", start, end, step);
     double span = ceil((end - start) / step);
     int64_t n = span > 0 ? (int64_t)span : 0;
-    uly_tensor *t = uly_new_contiguous(1, &n, dtype);
+    uly_tensor *t = uly_new_contiguous(1, &n, dtype, ULY_DEVICE_CPU);
     if (!t) return NULL;
     char *p = t->storage->data;
     int64_t es = uly_dtype_size(dtype);
-    for (int64_t i = 0; i < n; i++) store(p + i * es, dtype, start + (double)i * step);
+    for (int64_t i = 0; i < n; i++) uly_store(p + i * es, dtype, start + (double)i * step);
     return t;
 }
 
@@ -142,7 +111,7 @@ void uly_tensor_release(uly_tensor *t) {
     if (!t || --t->refcount > 0) return;
     uly_storage *s = t->storage;
     if (s && --s->refcount == 0) {
-        uly_free(s->data, s->block_bytes);
+        uly_free_on(s->device, s->data, s->block_bytes);
         free(s);
     }
     uly_tensor_release(t->grad);
@@ -236,16 +205,16 @@ void uly_walk2(int ndim, const int64_t *shape, char *a, const int64_t *sa, char 
     }
 }
 
-typedef struct { int da, db; } conv_ctx;
-static void convert_run(char *a, char *b, int64_t n, int64_t sa, int64_t sb, void *vctx) {
-    conv_ctx *c = vctx; /* a = dst, b = src */
-    if (c->da == ULY_DTYPE_F32 && c->db == ULY_DTYPE_F32) {
-        float *d = (float *)a; const float *s = (const float *)b;
-        if (sa == 4 && sb == 4) { memmove(d, s, (size_t)n * 4); return; }
-        for (int64_t i = 0; i < n; i++) *(float *)(a + i * sa) = *(const float *)(b + i * sb);
-        return;
-    }
-    for (int64_t i = 0; i < n; i++) store(a + i * sa, c->da, load(b + i * sb, c->db));
+/* contiguous, same dtype and element count, possibly different devices: a byte transfer */
+static int transfer(uly_tensor *dst, const uly_tensor *src) {
+    int dd = uly_dev(dst), sd = uly_dev(src);
+    int64_t bytes = uly_tensor_nbytes(dst);
+    const uly_backend *be = uly_backends[dd != ULY_DEVICE_CPU ? dd : sd];
+    int kind = dd == ULY_DEVICE_CPU ? ULY_COPY_D2H : sd == ULY_DEVICE_CPU ? ULY_COPY_H2D : ULY_COPY_D2D;
+    int failed = be->copy(uly_ptr(dst), uly_ptr(src), bytes, kind);
+    if (uly_device_check("copy", dd != ULY_DEVICE_CPU ? dd : sd)) return -1;
+    if (failed) return uly_set_error("copy of %s from %s to %s failed", uly_desc(src), uly_device_name(sd), uly_device_name(dd));
+    return 0;
 }
 
 static void byte_strides(const uly_tensor *t, int64_t *out) {
@@ -256,24 +225,31 @@ static void byte_strides(const uly_tensor *t, int64_t *out) {
 int uly_copy_raw(uly_tensor *dst, const uly_tensor *src) {
     /* align src to dst's shape (broadcasting from the right) */
     if (src->ndim > dst->ndim) goto mismatch;
-    int64_t ss[ULY_MAX_DIMS] = {0}, ds[ULY_MAX_DIMS];
-    int64_t sbs[ULY_MAX_DIMS];
-    byte_strides(src, sbs);
-    byte_strides(dst, ds);
+    uly_view dv = uly_view_of(dst), sv = dv;
+    sv.p = uly_ptr(src);
+    sv.dtype = src->dtype;
+    for (int d = 0; d < dst->ndim; d++) sv.stride[d] = 0;
     for (int d = 0; d < src->ndim; d++) {
         int dd = dst->ndim - src->ndim + d;
-        if (src->shape[d] == dst->shape[dd]) ss[dd] = sbs[d];
-        else if (src->shape[d] == 1) ss[dd] = 0;
-        else goto mismatch;
+        if (src->shape[d] == dst->shape[dd]) sv.stride[dd] = src->stride[d];
+        else if (src->shape[d] != 1) goto mismatch;
     }
-    if (uly_tensor_is_contiguous(dst) && uly_tensor_is_contiguous(src) && uly_same_shape(dst, src) &&
-        dst->dtype == src->dtype) {
-        memmove(uly_ptr(dst), uly_ptr(src), (size_t)uly_tensor_nbytes(dst));
+    if (uly_dev(dst) == uly_dev(src)) {
+        uly_be(dst)->copy_view(&dv, &sv);
         return 0;
     }
-    conv_ctx c = {dst->dtype, src->dtype};
-    uly_walk2(dst->ndim, dst->shape, uly_ptr(dst), ds, uly_ptr(src), ss, convert_run, &c);
-    return 0;
+    /* across devices: bytes move contiguously in src's dtype; broadcasting, strides and
+     * conversion happen on the side that has them */
+    if (uly_tensor_is_contiguous(dst) && uly_tensor_is_contiguous(src) && uly_same_shape(dst, src) &&
+        dst->dtype == src->dtype)
+        return transfer(dst, src);
+    uly_tensor *sc = uly_contiguous_raw((uly_tensor *)src);
+    uly_tensor *moved = sc ? uly_new_contiguous(src->ndim, src->shape, src->dtype, uly_dev(dst)) : NULL;
+    int rc = moved ? transfer(moved, sc) : -1;
+    if (!rc) rc = uly_copy_raw(dst, moved);
+    uly_tensor_release(sc);
+    uly_tensor_release(moved);
+    return rc;
 mismatch:
     return uly_set_error("copy: source %s cannot be broadcast to destination %s", uly_desc(src), uly_desc(dst));
 }
@@ -292,14 +268,14 @@ static void from_flat_run(char *a, char *b, int64_t n, int64_t sa, int64_t sb, v
     (void)b; (void)sb;
     flat_ctx *c = vctx;
     int64_t es = uly_dtype_size(c->flat_dtype);
-    for (int64_t i = 0; i < n; i++) store(a + i * sa, c->t_dtype, load(c->flat + (c->pos + i) * es, c->flat_dtype));
+    for (int64_t i = 0; i < n; i++) uly_store(a + i * sa, c->t_dtype, uly_load(c->flat + (c->pos + i) * es, c->flat_dtype));
     c->pos += n;
 }
 static void to_flat_run(char *a, char *b, int64_t n, int64_t sa, int64_t sb, void *vctx) {
     (void)b; (void)sb;
     flat_ctx *c = vctx;
     int64_t es = uly_dtype_size(c->flat_dtype);
-    for (int64_t i = 0; i < n; i++) store(c->flat_out + (c->pos + i) * es, c->flat_dtype, load(a + i * sa, c->t_dtype));
+    for (int64_t i = 0; i < n; i++) uly_store(c->flat_out + (c->pos + i) * es, c->flat_dtype, uly_load(a + i * sa, c->t_dtype));
     c->pos += n;
 }
 
@@ -313,8 +289,19 @@ static int check_flat(const char *op, const uly_tensor *t, const void *p, int dt
     return 0;
 }
 
+/* a host tensor of t's shape and dtype (the staging buffer of a device tensor's flat copies) */
+static uly_tensor *host_twin(const uly_tensor *t) { return uly_new_contiguous(t->ndim, t->shape, t->dtype, ULY_DEVICE_CPU); }
+
 int uly_tensor_copy_from(uly_tensor *t, const void *src, int src_dtype, int64_t numel) {
     if (check_flat("copy_from", t, src, src_dtype, numel) || uly_check_inplace("copy_from", t)) return -1;
+    if (uly_dev(t) != ULY_DEVICE_CPU) {
+        uly_tensor *h = host_twin(t);
+        int rc = h ? uly_tensor_copy_from(h, src, src_dtype, numel) : -1;
+        if (!rc) rc = uly_copy_raw(t, h);
+        uly_tensor_release(h);
+        if (!rc) uly_bump_version(t);
+        return rc;
+    }
     if (uly_tensor_is_contiguous(t) && src_dtype == t->dtype) {
         memcpy(uly_ptr(t), src, (size_t)uly_tensor_nbytes(t));
     } else {
@@ -329,6 +316,13 @@ int uly_tensor_copy_from(uly_tensor *t, const void *src, int src_dtype, int64_t 
 
 int uly_tensor_copy_to(const uly_tensor *t, void *dst, int dst_dtype, int64_t numel) {
     if (check_flat("copy_to", t, dst, dst_dtype, numel)) return -1;
+    if (uly_dev(t) != ULY_DEVICE_CPU) {
+        uly_tensor *h = host_twin(t);
+        int rc = h ? uly_copy_raw(h, t) : -1;
+        if (!rc) rc = uly_tensor_copy_to(h, dst, dst_dtype, numel);
+        uly_tensor_release(h);
+        return rc;
+    }
     if (uly_tensor_is_contiguous(t) && dst_dtype == t->dtype) {
         memcpy(dst, uly_ptr(t), (size_t)uly_tensor_nbytes(t));
         return 0;
@@ -342,15 +336,10 @@ int uly_tensor_copy_to(const uly_tensor *t, void *dst, int dst_dtype, int64_t nu
 
 int uly_tensor_fill_(uly_tensor *t, double value) {
     if (uly_check_inplace("fill_", t)) return -1;
-    char one[8];
-    store(one, t->dtype, value);
-    uly_tensor *src = uly_new_contiguous(0, NULL, t->dtype);
-    if (!src) return -1;
-    memcpy(src->storage->data, one, (size_t)uly_dtype_size(t->dtype));
-    int rc = uly_copy_raw(t, src);
-    uly_tensor_release(src);
+    uly_view v = uly_view_of(t);
+    uly_be(t)->fill_view(&v, value);
     uly_bump_version(t);
-    return rc;
+    return uly_device_check("fill_", uly_dev(t));
 }
 
 int uly_tensor_copy_(uly_tensor *dst, const uly_tensor *src) {
@@ -400,14 +389,23 @@ static int item_offset(const char *op, const uly_tensor *t, const int64_t *index
 int uly_tensor_get_item(const uly_tensor *t, const int64_t *index, double *value) {
     int64_t o;
     if (item_offset("get_item", t, index, &o)) return -1;
-    *value = load((const char *)t->storage->data + o * uly_dtype_size(t->dtype), t->dtype);
+    int64_t es = uly_dtype_size(t->dtype);
+    char one[8];
+    if (uly_be(t)->copy(one, (const char *)t->storage->data + o * es, es, ULY_COPY_D2H) ||
+        uly_device_check("get_item", uly_dev(t)))
+        return -1;
+    *value = uly_load(one, t->dtype);
     return 0;
 }
 
 int uly_tensor_set_item(uly_tensor *t, const int64_t *index, double value) {
     int64_t o;
     if (uly_check_inplace("set_item", t) || item_offset("set_item", t, index, &o)) return -1;
-    store((char *)t->storage->data + o * uly_dtype_size(t->dtype), t->dtype, value);
+    int64_t es = uly_dtype_size(t->dtype);
+    char one[8];
+    uly_store(one, t->dtype, value);
+    if (uly_be(t)->copy((char *)t->storage->data + o * es, one, es, ULY_COPY_H2D) || uly_device_check("set_item", uly_dev(t)))
+        return -1;
     uly_bump_version(t);
     return 0;
 }

@@ -121,6 +121,35 @@ static int check_group(const char *op, uly_comm *c) {
     return 0;
 }
 
+/* Device tensors go through host memory over MPI (the staging fallback): the exchange reads a
+ * host copy and the result moves back to the device. */
+static uly_tensor *on_host(uly_tensor *t) {
+    if (uly_dev(t) == ULY_DEVICE_CPU) return uly_contiguous_raw(t);
+    uly_tensor *h = uly_new_contiguous(t->ndim, t->shape, t->dtype, ULY_DEVICE_CPU);
+    if (h && uly_copy_raw(h, t)) { uly_tensor_release(h); h = NULL; }
+    return h;
+}
+
+static uly_tensor *back_to(uly_tensor *h, int device) {
+    if (!h || device == ULY_DEVICE_CPU) return h;
+    uly_tensor *d = uly_new_contiguous(h->ndim, h->shape, h->dtype, device);
+    if (d && uly_copy_raw(d, h)) { uly_tensor_release(d); d = NULL; }
+    uly_tensor_release(h);
+    return d;
+}
+
+/* a backward rule on host buffers; device gradients are staged through the host */
+static int staged_backward(int (*rule)(uly_node *, uly_tensor *, uly_tensor *), uly_node *n, uly_tensor *g,
+                           uly_tensor *d) {
+    if (uly_dev(d) == ULY_DEVICE_CPU && uly_dev(g) == ULY_DEVICE_CPU) return rule(n, g, d);
+    uly_tensor *gh = on_host(g), *dh = gh ? uly_new_zeros(d->ndim, d->shape, ULY_DTYPE_F32, ULY_DEVICE_CPU) : NULL;
+    int rc = dh ? rule(n, gh, dh) : -1;
+    if (!rc) rc = uly_sum_to(d, dh, 1.0f);
+    uly_tensor_release(gh);
+    uly_tensor_release(dh);
+    return rc;
+}
+
 uly_tensor *uly_ulysses_qkv_to_heads(uly_comm *c, uly_tensor *qkv, int64_t heads, int64_t kv_heads, int64_t seq_total) {
     const char *op = "ulysses_qkv_to_heads";
     if (check_group(op, c) || uly_check_float(op, "qkv", qkv)) return NULL;
@@ -138,11 +167,12 @@ uly_tensor *uly_ulysses_qkv_to_heads(uly_comm *c, uly_tensor *qkv, int64_t heads
         uly_comm_all_to_all_refuse(c, why);
         return NULL;
     }
-    uly_tensor *src = uly_contiguous_raw(qkv);
+    uly_tensor *src = on_host(qkv);
     if (src && src != qkv) copies++;
     int64_t shape[4] = {p.B, p.N, p.w[p.r], p.D};
-    uly_tensor *out = src ? uly_new_contiguous(4, shape, ULY_DTYPE_F32) : NULL;
+    uly_tensor *out = src ? uly_new_contiguous(4, shape, ULY_DTYPE_F32, ULY_DEVICE_CPU) : NULL;
     if (out && exchange_qkv(c, &p, uly_f32(src), uly_f32(out))) { uly_tensor_release(out); out = NULL; }
+    out = back_to(out, uly_dev(qkv));
     if (out) {
         uly_node *n = uly_node_begin(ULY_OP_ULYSSES_QKV, 1, &qkv);
         if (n) { n->i[0] = (int64_t)(intptr_t)c; n->i[1] = heads; n->i[2] = kv_heads; n->i[3] = seq_total; }
@@ -168,11 +198,12 @@ uly_tensor *uly_ulysses_heads_to_seq(uly_comm *c, uly_tensor *o, int64_t heads, 
         uly_comm_all_to_all_refuse(c, why);
         return NULL;
     }
-    uly_tensor *src = uly_contiguous_raw(o);
+    uly_tensor *src = on_host(o);
     if (src && src != o) copies++;
     int64_t shape[4] = {p.B, p.ntok[p.r], heads, p.D};
-    uly_tensor *out = src ? uly_new_contiguous(4, shape, ULY_DTYPE_F32) : NULL;
+    uly_tensor *out = src ? uly_new_contiguous(4, shape, ULY_DTYPE_F32, ULY_DEVICE_CPU) : NULL;
     if (out && exchange_out(c, &p, uly_f32(src), uly_f32(out), 1)) { uly_tensor_release(out); out = NULL; }
+    out = back_to(out, uly_dev(o));
     if (out) {
         uly_node *n = uly_node_begin(ULY_OP_ULYSSES_OUT, 1, &o);
         if (n) { n->i[0] = (int64_t)(intptr_t)c; n->i[1] = heads; n->i[3] = seq_total; }
@@ -186,17 +217,15 @@ uly_tensor *uly_ulysses_heads_to_seq(uly_comm *c, uly_tensor *o, int64_t heads, 
 /* backward of qkv_to_heads: each sender receives its heads' gradients for its tokens from every
  * rank into a staging buffer (a K/V head sent to several ranks comes back several times), then
  * adds them into gin. */
-int uly_bw_ulysses_qkv(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    if (!gin[0]) return 0;
+static int bw_qkv_host(uly_node *n, uly_tensor *g, uly_tensor *d) {
     uly_comm *c = (uly_comm *)(intptr_t)n->i[0];
     plan p;
-    uly_tensor *d = gin[0];
     if (plan_make(&p, c, d->shape[0], n->i[3], n->i[1], n->i[2], d->shape[3])) return -1;
     int P = p.P, r = p.r;
     int64_t per_token = 0; /* staging: for each source j, [B, n_r, w_j, D] */
     for (int j = 0; j < P; j++) per_token += p.w[j];
     int64_t stage_shape[1] = {p.B * p.ntok[r] * per_token * p.D};
-    uly_tensor *stage = uly_new_contiguous(1, stage_shape, ULY_DTYPE_F32);
+    uly_tensor *stage = uly_new_contiguous(1, stage_shape, ULY_DTYPE_F32, ULY_DEVICE_CPU);
     uly_comm_layout *from = malloc(2 * (size_t)P * sizeof *from), *to = from + P;
     int rc = (!stage || !from) ? uly_set_error("ulysses backward: out of memory") : 0;
     if (!rc) {
@@ -239,19 +268,25 @@ int uly_bw_ulysses_qkv(uly_node *n, uly_tensor *g, uly_tensor **gin) {
 }
 
 /* backward of heads_to_seq: the reverse exchange into a staging tensor, added into gin */
-int uly_bw_ulysses_out(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    if (!gin[0]) return 0;
+static int bw_out_host(uly_node *n, uly_tensor *g, uly_tensor *d) {
     uly_comm *c = (uly_comm *)(intptr_t)n->i[0];
-    uly_tensor *d = gin[0];
     plan p;
     if (plan_make(&p, c, d->shape[0], n->i[3], n->i[1], 1, d->shape[3])) return -1;
     uly_tensor *stage = uly_new_like(d);
     int rc = stage ? exchange_out(c, &p, uly_f32(stage), uly_f32(g), 0) : uly_set_error("ulysses backward: out of memory");
     if (!rc) {
         copies++;
-        axpy_accumulate(uly_f32(d), uly_f32(stage), uly_tensor_numel(d), 1.0f);
+        axpy_accumulate(uly_f32(d), uly_f32(stage), uly_tensor_numel(d), 1.0f); /* host buffers */
     }
     uly_tensor_release(stage);
     plan_free(&p);
     return rc;
+}
+
+int uly_bw_ulysses_qkv(uly_node *n, uly_tensor *g, uly_tensor **gin) {
+    return gin[0] ? staged_backward(bw_qkv_host, n, g, gin[0]) : 0;
+}
+
+int uly_bw_ulysses_out(uly_node *n, uly_tensor *g, uly_tensor **gin) {
+    return gin[0] ? staged_backward(bw_out_host, n, g, gin[0]) : 0;
 }

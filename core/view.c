@@ -1,6 +1,7 @@
 /* core/view.c — view ops that share storage (view, reshape, permute, transpose, narrow, select,
  * expand, detach lives in autograd.c) and the copying ops (contiguous, clone, to_dtype, cat).
  * All are differentiable; their backward rules are in backward.c. */
+#include <stdio.h>
 #include <string.h>
 #include "internal.h"
 
@@ -118,11 +119,11 @@ uly_tensor *uly_tensor_expand(uly_tensor *t, int ndim, const int64_t *shape) {
     return record(ULY_OP_EXPAND, t, uly_new_view(t, ndim, sh, st, t->offset), NULL, 0);
 }
 
-static uly_tensor *copy_op(const char *op, uly_tensor *t, int dtype) {
+static uly_tensor *copy_op(const char *op, uly_tensor *t, int dtype, int device) {
     if (uly_check_tensor(op, "tensor", t)) return NULL;
-    uly_tensor *out = uly_new_contiguous(t->ndim, t->shape, dtype);
+    uly_tensor *out = uly_new_contiguous(t->ndim, t->shape, dtype, device);
     if (!out) return NULL;
-    uly_copy_raw(out, t);
+    if (uly_copy_raw(out, t)) { uly_tensor_release(out); return NULL; }
     int floating = dtype == ULY_DTYPE_F32 || dtype == ULY_DTYPE_BF16 || dtype == ULY_DTYPE_F64;
     if (floating) return record(ULY_OP_COPY, t, out, NULL, 0);
     return out; /* integer results are never differentiable */
@@ -131,14 +132,25 @@ static uly_tensor *copy_op(const char *op, uly_tensor *t, int dtype) {
 uly_tensor *uly_tensor_contiguous(uly_tensor *t) {
     if (uly_check_tensor("contiguous", "tensor", t)) return NULL;
     if (uly_tensor_is_contiguous(t)) { t->refcount++; return t; }
-    return copy_op("contiguous", t, t->dtype);
+    return copy_op("contiguous", t, t->dtype, uly_dev(t));
 }
 
-uly_tensor *uly_tensor_clone(uly_tensor *t) { return copy_op("clone", t, t ? t->dtype : 0); }
+uly_tensor *uly_tensor_clone(uly_tensor *t) { return copy_op("clone", t, t ? t->dtype : 0, t ? uly_dev(t) : 0); }
 
 uly_tensor *uly_tensor_to_dtype(uly_tensor *t, int dtype) {
     if (dtype < ULY_DTYPE_F32 || dtype > ULY_DTYPE_F64) return uly_set_error_null("to_dtype: unknown dtype %d", dtype);
-    return copy_op("to_dtype", t, dtype);
+    if (uly_check_tensor("to_dtype", "tensor", t)) return NULL;
+    return copy_op("to_dtype", t, dtype, uly_dev(t));
+}
+
+uly_tensor *uly_tensor_to_device(uly_tensor *t, int device) {
+    if (uly_check_tensor("to", "tensor", t)) return NULL;
+    if (device < 0 || device >= ULY_DEVICE_COUNT) return uly_set_error_null("to: unknown device %d", device);
+    if (!uly_device_available(device))
+        return uly_set_error_null("to: device '%s' is not available (no backend loaded; in Lua uly.cuda.why() says why)",
+                                  uly_device_name(device));
+    if (uly_dev(t) == device) { t->refcount++; return t; }
+    return copy_op("to", t, t->dtype, device);  /* backward: the gradient moves back (uly_sum_to) */
 }
 
 uly_tensor *uly_tensor_cat(int n, uly_tensor *const *ts, int dim) {
@@ -154,6 +166,9 @@ uly_tensor *uly_tensor_cat(int n, uly_tensor *const *ts, int dim) {
     shape[dim] = 0;
     for (int k = 0; k < n; k++) {
         const uly_tensor *t = ts[k];
+        char name[32];
+        snprintf(name, sizeof name, "tensor %d", k + 1);
+        if (uly_check_same_device("cat", "tensor 1", t0, name, t)) return NULL;
         int ok = t->ndim == t0->ndim && t->dtype == t0->dtype;
         for (int d = 0; ok && d < t0->ndim; d++) ok = d == dim || t->shape[d] == t0->shape[d];
         if (!ok)
@@ -161,7 +176,7 @@ uly_tensor *uly_tensor_cat(int n, uly_tensor *const *ts, int dim) {
                                       k + 1, uly_desc(t), uly_desc(t0), dim + 1);
         shape[dim] += t->shape[dim];
     }
-    uly_tensor *out = uly_new_contiguous(t0->ndim, shape, t0->dtype);
+    uly_tensor *out = uly_new_contiguous(t0->ndim, shape, t0->dtype, uly_dev(t0));
     if (!out) return NULL;
     int64_t at = 0;
     for (int k = 0; k < n; k++) {

@@ -81,7 +81,7 @@ end
 
 -- number of targets that are not ignore_index
 local function count_valid(targets, ignore_index)
-  local t = targets:contiguous():to('i64')
+  local t = targets:contiguous():to { dtype = 'i64', device = 'cpu' }
   local p, n, valid = t:data(), t:numel(), 0
   for i = 0, n - 1 do if p[i] ~= ignore_index then valid = valid + 1 end end
   return valid
@@ -105,7 +105,7 @@ function M.loss(model, idx, targets, opts)
     if not distributed or opts.reduction then
       return uly.cross_entropy(logits, targets, { ignore_index = ignore, reduction = opts.reduction })
     end
-    local total = uly.tensor({ count_valid(targets, ignore) }, { dtype = 'f64' })
+    local total = uly.tensor({ count_valid(targets, ignore) }, { dtype = 'f64', device = 'cpu' })
     grid.world_group:all_reduce_(total, 'sum')
     return uly.cross_entropy(logits, targets, { ignore_index = ignore, reduction = 'sum' }) * (1 / math.max(total:item(), 1))
   end
@@ -115,7 +115,7 @@ function M.loss(model, idx, targets, opts)
   end, h, { dim = 2, size = tile, with = { targets }, reduce = 'sum' })
   local count = count_valid(targets, ignore)
   if distributed then
-    local total = uly.tensor({ count }, { dtype = 'f64' })
+    local total = uly.tensor({ count }, { dtype = 'f64', device = 'cpu' })
     grid.world_group:all_reduce_(total, 'sum')
     count = total:item()
   end
@@ -127,7 +127,7 @@ function M.global_loss(model, loss)
   local v = type(loss) == 'number' and loss or loss:item()
   local grid = model.grid
   if not grid or grid.world == 1 then return v end
-  local t = uly.tensor({ v }, { dtype = 'f64' })
+  local t = uly.tensor({ v }, { dtype = 'f64', device = 'cpu' })
   grid.world_group:all_reduce_(t, 'sum')
   return t:item()
 end
@@ -198,29 +198,30 @@ function M.generate(model, prompt, opts)
   end
   unshard(model)
   local out = {}
+  local device = model:parameters()[1]:device()
   uly.no_grad(function()
     local caches
     if opts.cache ~= false then
       caches = {}
       local Hkv, D = cfg.kv_heads or cfg.heads, cfg.dim / cfg.heads
-      for l = 1, cfg.layers do caches[l] = uly.nn.KVCache(1, P + n_new, Hkv, D) end
+      for l = 1, cfg.layers do caches[l] = uly.nn.KVCache(1, P + n_new, Hkv, D):to(device) end
     end
     local ids = {}
     for i = 1, P do ids[i] = prompt[1][i]:item() end
-    local next_input, pos = prompt, 0
+    local next_input, pos = prompt:to(device), 0
     for _ = 1, n_new do
       local logits
       if caches then
         logits = model:forward(next_input, { pos = pos, caches = caches })
         pos = pos + next_input:size(2)
       else
-        logits = model:forward(uly.tensor({ ids }, { dtype = 'i32' }))
+        logits = model:forward(uly.tensor({ ids }, { dtype = 'i32', device = device }))
       end
       local last = logits[1][logits:size(2)]:totable()
       local tok = sample_from(last, temperature, opts.top_k, uly.rand(1):item())
       out[#out + 1] = tok
       ids[#ids + 1] = tok
-      next_input = uly.tensor({ { tok } }, { dtype = 'i32' })
+      next_input = uly.tensor({ { tok } }, { dtype = 'i32', device = device })
     end
   end)
   for _, e in ipairs(swapped) do e[1].attend = e[2] end

@@ -4,9 +4,12 @@
 #     OpenBLAS headers, luajit, busted); .deb files carried in $ULY_GPU_DEBS (default .gpu-debs/)
 #     are unpacked first, for machines whose image lacks some of them;
 #  2. builds build-gpu/ with -DULY_CUDA=ON (libulysses.so + libulysses_cuda.so);
-#  3. runs the #gpu specs (`busted --run=gpu`, see .busted) against that build;
-#  4. writes a report (date, device, driver/runtime versions, build time, spec summary) to $1,
-#     else $OUT/gpu-report.txt, else build-gpu/gpu-report.txt.
+#  3. runs the #gpu specs (`busted --run=gpu`, see .busted) against that build, then the device
+#     suite against the real CUDA backend (spec/device_spec.lua with ULY_TEST_DEVICE=cuda: every
+#     op's values and gradients vs the CPU, GPT and Llama training steps, pool, checkpoints) and a
+#     2-rank Ulysses step sharing the one GPU (host-staged exchanges), then bench/gpu.lua;
+#  4. writes a report (date, device, driver/runtime versions, build time, spec summaries, the
+#     benchmark table) to $1, else $OUT/gpu-report.txt, else build-gpu/gpu-report.txt.
 # Exits non-zero when a tool is missing, the build fails or any #gpu spec fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,5 +71,29 @@ say "== #gpu specs (seed $ULY_SEED)"
 luajit /usr/bin/busted --run=gpu 2>&1 | tee -a "$log"
 rc=${PIPESTATUS[0]}
 summary=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -1)
-[ $rc -eq 0 ] && [ -n "$summary" ] || finish "#gpu specs failed (exit code $rc): ${summary:-no summary}" 1
-finish "ok: $summary" 0
+failures=""
+[ $rc -eq 0 ] && [ -n "$summary" ] || failures="#gpu specs (exit $rc: ${summary:-no summary}); "
+
+say "== device suite on the GPU (spec/device_spec.lua, ULY_TEST_DEVICE=cuda)"
+ULY_TEST_DEVICE=cuda timeout 240 luajit /usr/bin/busted spec/device_spec.lua 2>&1 | tee -a "$log"
+rc=${PIPESTATUS[0]}
+[ $rc -eq 0 ] || failures+="device suite (exit $rc); "
+
+if command -v mpirun >/dev/null; then
+  say "== Ulysses on 2 ranks sharing the GPU (host-staged exchanges)"
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ULY_TEST_DEVICE=cuda ULY_TEST_SP=2 timeout 180 \
+    mpirun --oversubscribe --bind-to none -x ULY_TEST_DEVICE -x ULY_TEST_SP -x ULY_LIB -x ULY_CUDA_LIB -np 2 \
+    luajit /usr/bin/busted --run=mpi --filter=device spec/ulysses_spec.lua 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  [ $rc -eq 0 ] || failures+="2-rank Ulysses step (exit $rc); "
+else
+  say "mpirun: not found (carry openmpi-bin and its libraries in $debs/ for the 2-rank check)"
+fi
+
+if [ -e bench/gpu.lua ]; then
+  say "== benchmarks (bench/gpu.lua)"
+  timeout 240 luajit bench/gpu.lua 2>&1 | tee -a "$log"
+  [ ${PIPESTATUS[0]} -eq 0 ] || failures+="benchmarks; "
+fi
+[ -z "$failures" ] || finish "failed: $failures" 1
+finish "ok: $summary, device suite and Ulysses passed" 0

@@ -66,6 +66,33 @@ describe('train.lua', function()
     f:close()
   end)
 
+  it('--device cuda (the simulated device here) follows the CPU run step by step, and resumes', function()
+    local a, b = tmpdir(), tmpdir()
+    local common = TINY .. '--steps 12 --dropout 0.1 --eval_every 6 --sample 8 '
+    local out, code = run(common .. '--out ' .. a)
+    assert.are.equal(0, code, out)
+    out, code = run('--device cuda --stop_after 6 ' .. common .. '--out ' .. b)
+    if not uly.cuda.available() then  -- without a GPU (or the simulation) it refuses, saying why
+      assert.are_not.equal(0, code, out)
+      assert.truthy(out:find("--device cuda: device 'cuda' is not available", 1, true), out)
+    end
+    local sim = 'ULY_CUDA_SIMULATE=1 '
+    local p = assert(io.popen(sim .. 'bin/ulysses train.lua --device cuda --stop_after 6 ' .. common .. '--out ' .. b ..
+                              ' 2>&1 && ' .. sim .. 'bin/ulysses train.lua --device cuda --resume auto ' .. common ..
+                              '--out ' .. b .. ' 2>&1; echo "exit=$?"'))
+    out = p:read('*a')
+    p:close()
+    assert.truthy(out:match('exit=0%s*$'), out)
+    assert.truthy(out:find('resumed from', 1, true), out)
+    local ra, rb = uly.log.read_csv(a .. '/log.csv'), uly.log.read_csv(b .. '/log.csv')
+    assert.are.equal(12, #rb)
+    for i = 1, 12 do
+      assert.is_true(math.abs(ra[i].loss - rb[i].loss) <= 1e-5 * ra[i].loss, ('step %d: %s vs %s'):format(i, ra[i].loss, rb[i].loss))
+    end
+    helpers.rmtree(a)
+    helpers.rmtree(b)
+  end)
+
   it('resumes bit-for-bit: 10 steps + checkpoint + 10 steps equals 20 steps (with dropout)', function()
     local a, b = tmpdir(), tmpdir()
     local common = TINY .. '--steps 20 --dropout 0.1 --eval_every 0 --sample 0 '

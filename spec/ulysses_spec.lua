@@ -48,7 +48,7 @@ end
 
 -- the single-process model vs the sequence-parallel one on the same batch: returns the loss
 -- difference and the largest gradient difference relative to each tensor's largest entry
-local function compare(Model, cfg, N, mask_last_shard, with_docs)
+local function compare(Model, cfg, N, mask_last_shard, with_docs, device)
   local g = grid()
   local P, r = g.sp_size, g.sp_rank
   local x, y = batch(2, N, cfg.vocab or 256, 11)
@@ -60,6 +60,7 @@ local function compare(Model, cfg, N, mask_last_shard, with_docs)
   local ref = Model(cfg)
   uly.manual_seed(7)
   local m = Model(copy_cfg(cfg, { sp = P }))
+  if device then m:to(device) end
   local doc
   if with_docs then -- three packed documents; every rank gets the whole window's ids
     local d = {}
@@ -69,8 +70,8 @@ local function compare(Model, cfg, N, mask_last_shard, with_docs)
   local ref_loss = ref:loss(x, y, { doc = doc })
   ref_loss:backward()
   local lo, n = split(N, P, r)
-  local loss = m:loss(x:narrow(2, lo + 1, n):contiguous(), y:narrow(2, lo + 1, n):contiguous(),
-                      { pos = lo, seq_total = N, doc = doc })
+  local loss = m:loss(x:narrow(2, lo + 1, n):contiguous():to(device or 'cpu'),
+                      y:narrow(2, lo + 1, n):contiguous():to(device or 'cpu'), { pos = lo, seq_total = N, doc = doc })
   loss:backward()
   dist.all_reduce_grads(m:parameters(), g.world_group)
   local global = common.global_loss(m, loss)
@@ -121,6 +122,19 @@ describe('Ulysses sequence parallelism #mpi', function()
       assert.is_true(dg <= TOL, string.format('gradient of %s differs by %.3g', tostring(where), dg))
     end)
   end
+
+  -- the model on device 'cuda' (the simulation here; the GPU under scripts/gpu-check.sh, where the
+  -- ranks share one GPU): the exchanges stage through host memory over MPI
+  it('matches the single-process loss and gradients with the model on device cuda (host-staged exchanges)', function()
+    local real = os.getenv('ULY_TEST_DEVICE') == 'cuda'
+    if not uly.cuda.backend() then assert(real and uly.cuda.ensure() or uly.cuda.simulate()) end
+    local tol = real and 5e-3 or TOL
+    local dl, dg, where = compare(Llama, { preset = 'tiny', heads = 4, kv_heads = 2, dim = 32, hidden = 48, seq = 32,
+                                           window = 6 }, 19, false, true, 'cuda')
+    assert.is_true(dl <= tol, string.format('loss differs by %.3g relative', dl))
+    assert.is_true(dg <= tol, string.format('gradient of %s differs by %.3g', tostring(where), dg))
+    if not real then jit.flush(); collectgarbage('collect'); collectgarbage('collect'); uly.cuda.reset() end
+  end)
 
   it('sends and receives exactly the formula per peer per layer, forward and backward', function()
     local g = grid()

@@ -19,7 +19,7 @@ extern "C" {
 typedef struct uly_tensor uly_tensor;
 
 enum uly_dtype { ULY_DTYPE_F32 = 0, ULY_DTYPE_BF16 = 1, ULY_DTYPE_I32 = 2, ULY_DTYPE_I64 = 3, ULY_DTYPE_F64 = 4 };
-enum uly_device { ULY_DEVICE_CPU = 0, ULY_DEVICE_CUDA = 1 };
+enum uly_device { ULY_DEVICE_CPU = 0, ULY_DEVICE_CUDA = 1, ULY_DEVICE_COUNT = 2 };
 enum uly_reduction { ULY_REDUCTION_MEAN = 0, ULY_REDUCTION_SUM = 1, ULY_REDUCTION_NONE = 2 };
 
 /* ---- library ---- */
@@ -42,6 +42,21 @@ void uly_memory_empty_cache(void);         /* return cached blocks to the OS */
 void uly_memory_set_limit(int64_t nbytes); /* allocations beyond it fail cleanly; <= 0: physical RAM */
 int64_t uly_memory_limit(void);
 int64_t uly_tensor_live_count(void);       /* tensor handles alive (leak checks) */
+
+/* ---- devices (core/device.c): 'cpu' always; 'cuda' once a backend is registered for it: the
+ *      CUDA library's table (lua/ulysses/cuda.lua registers it on first use) or the host-memory
+ *      simulation (tagged pointers that crash if the core ever touches them directly: specs of
+ *      the device paths on machines without a GPU). Each device has its own caching pool. ---- */
+int uly_device_register(int device, const void *backend);  /* a uly_backend table (NULL: none); refused while the device holds tensors */
+int uly_device_simulate(void);                /* device 'cuda' becomes the simulation */
+int uly_device_available(int device);
+const char *uly_device_backend(int device);   /* "cpu", "sim", "cuda"; NULL when none */
+int uly_device_synchronize(int device);       /* waits for queued kernels; reports their failures */
+int64_t uly_device_memory_allocated(int device);  /* bytes held by tensors on the device */
+int uly_device_memory_stats(int device, int64_t *stats); /* [allocated, peak, reserved, limit, raw_allocs, raw_frees] */
+int uly_device_memory_reset_peak(int device);
+int uly_device_empty_cache(int device);
+int uly_device_set_memory_limit(int device, int64_t nbytes); /* <= 0: the device's total memory */
 
 /* ---- random numbers (one global generator: seed + counter, counter-based) ---- */
 void uly_manual_seed(uint64_t seed);
@@ -90,6 +105,7 @@ uly_tensor *uly_tensor_expand(uly_tensor *t, int ndim, const int64_t *shape);
 uly_tensor *uly_tensor_contiguous(uly_tensor *t);
 uly_tensor *uly_tensor_clone(uly_tensor *t);
 uly_tensor *uly_tensor_to_dtype(uly_tensor *t, int dtype);
+uly_tensor *uly_tensor_to_device(uly_tensor *t, int device);  /* a differentiable copy; t itself (retained) when already there */
 uly_tensor *uly_tensor_cat(int n, uly_tensor *const *ts, int dim);
 
 /* ---- autograd ---- */
@@ -117,7 +133,7 @@ void uly_profile_enable(int on);                            /* time every backwa
 void uly_profile_reset(void);
 int64_t uly_profile_report(char *buf, int64_t buflen);      /* "Op calls seconds" lines; returns the length needed */
 
-/* ---- ops (all differentiable; f32 on the CPU) ---- */
+/* ---- ops (all differentiable; f32; every tensor argument on one device, the result there too) ---- */
 uly_tensor *uly_add(uly_tensor *a, uly_tensor *b);          /* broadcasting */
 uly_tensor *uly_sub(uly_tensor *a, uly_tensor *b);
 uly_tensor *uly_mul(uly_tensor *a, uly_tensor *b);

@@ -10,6 +10,8 @@ extern "C" {
 /* devices: how many (0 on any error, which is cleared), and why there are none */
 int uly_cuda_device_count(void);
 const char *uly_cuda_last_error(void);
+void uly_cuda_record_error(const char *message);   /* set the text uly_cuda_last_error returns */
+void uly_cuda_set_tf32(int on);                     /* f32 GEMMs on tensor cores in TF32 (default 1) */
 int uly_cuda_device_name(int dev, char *buf, int len);
 int uly_cuda_device_memory(int dev, int64_t *free_b, int64_t *total_b);
 
@@ -22,6 +24,10 @@ void *uly_cuda_malloc(int64_t bytes);
 int uly_cuda_free(void *p);
 int uly_cuda_memcpy_h2d(void *dst, const void *src, int64_t bytes);
 int uly_cuda_memcpy_d2h(void *dst, const void *src, int64_t bytes);
+
+/* the backend table (core/include/uly_backend.h) that libulysses.so calls for device 'cuda':
+ * creates the stream and cuBLAS handle on device 0 on first call; NULL on failure */
+const void *uly_cuda_backend(void);
 
 /* kernels: p[0..n) = v on the current device, synchronised */
 int uly_cuda_fill_f32(float *p, int64_t n, float v);

@@ -23,6 +23,7 @@ static int fail_msg(const char *op, const char *msg) {
 }
 
 const char *uly_cuda_last_error(void) { return last_error; }
+void uly_cuda_record_error(const char *message) { snprintf(last_error, sizeof last_error, "%s", message); }
 
 int uly_cuda_device_count(void) {
     int n = 0;

@@ -99,6 +99,57 @@ function M.driver_version()
   return lib and lib.uly_cuda_driver_version() or 0
 end
 
+-- Make device 'cuda' usable: returns true, or false and the reason. Registers the CUDA library's
+-- backend table with the core on first use (one device, its stream and cuBLAS handle). With
+-- ULY_CUDA_SIMULATE=1 in the environment the host-memory simulation stands in instead (runs the
+-- device code paths on machines without a GPU).
+function M.ensure()
+  local C = base.C
+  if C.uly_device_available(1) ~= 0 then return true end
+  local sim = os.getenv('ULY_CUDA_SIMULATE')
+  if sim and sim ~= '' and sim ~= '0' then return M.simulate() end
+  local lib, reason = M.lib()
+  if not lib then return false, reason end
+  if lib.uly_cuda_device_count() == 0 then return false, M.why() end
+  local table_ptr = lib.uly_cuda_backend()
+  if table_ptr == nil then return false, 'the CUDA backend failed to start: ' .. ffi.string(lib.uly_cuda_last_error()) end
+  if C.uly_device_register(1, table_ptr) ~= 0 then
+    local msg = ffi.string(C.uly_last_error())
+    C.uly_clear_error()
+    return false, msg
+  end
+  return true
+end
+
+-- device 'cuda' becomes the simulation (host memory behind tagged pointers that crash if the core
+-- touches them directly; the CPU kernels do the arithmetic): specs of the device paths without a GPU
+function M.simulate()
+  local C = base.C
+  if C.uly_device_simulate() ~= 0 then
+    local msg = ffi.string(C.uly_last_error())
+    C.uly_clear_error()
+    return false, msg
+  end
+  return true
+end
+
+-- device 'cuda' gets no backend again (the next use loads one); refused while it holds tensors
+function M.reset()
+  local C = base.C
+  collectgarbage('collect')
+  if C.uly_device_register(1, nil) ~= 0 then
+    local msg = ffi.string(C.uly_last_error())
+    C.uly_clear_error()
+    error('uly.cuda.reset: ' .. msg, 2)
+  end
+end
+
+-- which backend serves device 'cuda' now: 'cuda', 'sim' or nil
+function M.backend()
+  local name = base.C.uly_device_backend(1)
+  return name ~= nil and ffi.string(name) or nil
+end
+
 -- "13.0" from 13000
 function M.version_string(v) return string.format('%d.%d', math.floor(v / 1000), math.floor(v % 1000 / 10)) end
 

@@ -264,8 +264,8 @@ function Loader:_fill_row(start, xp, yp, row)
 end
 
 local function new_batch(rows, L)
-  local x = T.empty({ rows, L }, { dtype = 'i32' })
-  local y = T.empty({ rows, L }, { dtype = 'i32' })
+  local x = T.empty({ rows, L }, { dtype = 'i32', device = 'cpu' })
+  local y = T.empty({ rows, L }, { dtype = 'i32', device = 'cpu' })
   return x, y, x:data(), y:data()
 end
 
@@ -276,7 +276,7 @@ function Loader:next()
   local x, y, xp, yp = new_batch(B, L)
   local docs, dp
   if self.documents then
-    docs = T.empty({ B, self.seq }, { dtype = 'i32' })
+    docs = T.empty({ B, self.seq }, { dtype = 'i32', device = 'cpu' })
     dp = docs:data()
   end
   local range = self.n_tokens - self.seq
@@ -307,7 +307,7 @@ function Loader:batches()
     local x, y, xp, yp = new_batch(rows, self.seq_local)
     local docs, dp
     if self.documents then
-      docs = T.empty({ rows, self.seq }, { dtype = 'i32' })
+      docs = T.empty({ rows, self.seq }, { dtype = 'i32', device = 'cpu' })
       dp = docs:data()
     end
     for b = 0, rows - 1 do
@@ -383,7 +383,7 @@ function Loader:encode(s)
     if v ~= DNA.SKIP or self.kind ~= 'dna' then toks[n] = v; n = n + 1 end
   end
   if n == 0 then raise('encode: the string holds no tokens') end
-  local t = T.empty({ 1, n }, { dtype = 'i32' })
+  local t = T.empty({ 1, n }, { dtype = 'i32', device = 'cpu' })
   ffi.copy(t:data(), toks, n * 4)
   return t
 end

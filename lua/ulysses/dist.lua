@@ -65,7 +65,7 @@ function Group:all_gather(t)
   local shape = t:shape()
   if #shape == 0 then shape = { 1 } end
   shape[1] = shape[1] * self:size()
-  local out = T.empty(shape, { dtype = t:dtype() })
+  local out = T.empty(shape, { dtype = t:dtype(), device = t:device() })
   check(C.uly_comm_all_gather(self._c, t._h, out._h))
   return out
 end
@@ -77,7 +77,7 @@ function Group:reduce_scatter(t, op)
   local shape = t:shape()
   if #shape == 0 then raise('reduce_scatter: needs at least one dimension to split, got a scalar') end
   shape[1] = math.floor(shape[1] / self:size())  -- an indivisible size is reported by the core on every rank
-  local out = T.empty(shape, { dtype = t:dtype() })
+  local out = T.empty(shape, { dtype = t:dtype(), device = t:device() })
   check(C.uly_comm_reduce_scatter(self._c, t._h, out._h, code))
   return out
 end
@@ -121,7 +121,7 @@ function Group:all_to_all_v(send, send_counts, recv_counts, recv)
                         send:describe(), send:numel(), stotal))
   end
   if recv == nil then
-    recv = T.empty({ rtotal }, { dtype = send:dtype() })
+    recv = T.empty({ rtotal }, { dtype = send:dtype(), device = 'cpu' })
   else
     H(recv, 'all_to_all_v recv')
     if recv:dtype() ~= send:dtype() or not recv:is_contiguous() or recv:numel() ~= rtotal or recv:device() ~= 'cpu' then
@@ -246,7 +246,7 @@ local BUCKET_BYTES = 64 * 2 ^ 20
 local grad_buffers = setmetatable({}, { __mode = 'k' })  -- params[1] -> flat buffer plan
 
 local function same_list(plan, params, bucket_elems)
-  if plan.n ~= #params or plan.bucket_elems ~= bucket_elems then return false end
+  if plan.n ~= #params or plan.bucket_elems ~= bucket_elems or plan.device ~= params[1]:device() then return false end
   for i = 1, plan.n do if plan.params[i] ~= params[i] then return false end end
   return true
 end
@@ -262,7 +262,8 @@ local function grad_plan(params, bucket_elems)
   end
   plan = { n = #params, bucket_elems = bucket_elems, params = setmetatable({}, { __mode = 'v' }),
            views = {}, buckets = {}, handles = tensor_ptrs(math.max(#params, 1)) }
-  plan.flat = T.empty({ math.max(total, 1) }, { dtype = 'f32' })
+  plan.device = params[1]:device()
+  plan.flat = T.empty({ math.max(total, 1) }, { dtype = 'f32', device = plan.device })
   local off = 0
   for i, p in ipairs(params) do
     plan.params[i] = p

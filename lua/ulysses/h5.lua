@@ -215,7 +215,7 @@ function File:read(name, offset, count, opts)
     end
   else
     local dtype = opts.dtype or ((info.dtype == 'f32' or info.dtype == 'f64' or info.dtype == 'bf16') and 'f32' or 'i32')
-    out = T.empty(shape, { dtype = dtype })
+    out = T.empty(shape, { dtype = dtype, device = 'cpu' })
   end
   check(C.uly_h5_read(h, name, #info.shape, start, cnt, out:data_ptr(), T.dtype_code(out:dtype())))
   return out

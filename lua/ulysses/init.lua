@@ -245,20 +245,36 @@ end
 function uly.rng_state() return { seed = C.uly_rng_seed(), offset = C.uly_rng_offset() } end
 function uly.set_rng_state(s) C.uly_rng_set_state(s.seed, s.offset) end
 
-function uly.memory()
-  return {
-    allocated = tonumber(C.uly_memory_allocated()),
-    peak = tonumber(C.uly_memory_peak()),
-    reserved = tonumber(C.uly_memory_reserved()),
-    limit = tonumber(C.uly_memory_limit()),
-  }
+-- the caching pool of a device ('cpu' by default): bytes allocated to tensors, their high-water
+-- mark, reserved (allocated + cached), the limit, and how often the pool called the OS / device
+-- allocator (raw_allocs stays flat once a training loop is warm)
+function uly.memory(device)
+  local code = T.device_code(device or 'cpu')
+  local s = ffi.new('int64_t[6]')
+  check(C.uly_device_memory_stats(code, s))
+  return { allocated = tonumber(s[0]), peak = tonumber(s[1]), reserved = tonumber(s[2]), limit = tonumber(s[3]),
+           raw_allocs = tonumber(s[4]), raw_frees = tonumber(s[5]) }
 end
-function uly.reset_peak_memory() C.uly_memory_reset_peak() end
-function uly.empty_cache() C.uly_memory_empty_cache() end
-function uly.memory_limit(nbytes)
-  if nbytes then C.uly_memory_set_limit(nbytes) end
-  return tonumber(C.uly_memory_limit())
+function uly.reset_peak_memory(device) check(C.uly_device_memory_reset_peak(T.device_code(device or 'cpu'))) end
+function uly.empty_cache(device) check(C.uly_device_empty_cache(T.device_code(device or 'cpu'))) end
+function uly.memory_limit(nbytes, device)
+  local code = T.device_code(device or 'cpu')
+  if nbytes then check(C.uly_device_set_memory_limit(code, nbytes)) end
+  return uly.memory(device).limit
 end
+
+-- uly.device('cuda'): where tensors are created when no device is given; returns the previous
+-- default (uly.device() only reads it). The same script then runs on either device.
+function uly.device(name)
+  local prev = T.default_device
+  if name ~= nil then
+    T.device_code(name)   -- validates, and loads the CUDA backend when asked for
+    T.default_device = name
+  end
+  return prev
+end
+-- wait for every queued kernel of a device (timings; errors of asynchronous kernels surface here)
+function uly.synchronize(device) check(C.uly_device_synchronize(T.device_code(device or T.default_device))) end
 function uly.live_tensors() return tonumber(C.uly_tensor_live_count()) end
 
 function uly.set_num_threads(n) C.uly_set_num_threads(n or 0) end

@@ -145,15 +145,19 @@ end
 local Optimizer = {}
 Optimizer.__index = Optimizer
 
--- the cached handle arrays must still match live tensors (t:free() would leave them dangling)
+-- the cached handle arrays must still match live tensors: a freed one (t:free()) is an error, a
+-- moved one (model:to(device) swaps the handle in place) is picked up again; the C step then
+-- checks that each parameter's state lives on its device
 function Optimizer:_check_handles()
   for name, list in pairs(self._lists) do
     local arr = self._arrays[name]
     for i = 1, #list do
-      if list[i]._h ~= arr[i - 1] then
-        raise(string.format('%s: %s %d was freed (t:free()) or replaced; the optimizer cannot use it', self.kind,
+      local h = list[i]._h
+      if h == nil then
+        raise(string.format('%s: %s %d was freed (t:free()); the optimizer cannot use it', self.kind,
                             name == 'params' and 'parameter' or name, i))
       end
+      if h ~= arr[i - 1] then arr[i - 1] = h end
     end
   end
 end

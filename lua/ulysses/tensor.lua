@@ -50,12 +50,13 @@ M.last_error = last_error
 -- same blocks back every step.
 local GC_MIN_GROWTH = 64 * 2 ^ 20
 local gc_next = GC_MIN_GROWTH
+local function held_bytes() return tonumber(C.uly_memory_allocated()) + tonumber(C.uly_device_memory_allocated(1)) end
 local function collect_if_grown()
-  local held = tonumber(C.uly_memory_allocated())
+  local held = held_bytes()
   if held > gc_next then
     collectgarbage('collect')
     if M.after_collect then M.after_collect() end   -- e.g. drop replay closures of freed graphs
-    held = tonumber(C.uly_memory_allocated())
+    held = held_bytes()
     gc_next = held + math.max(GC_MIN_GROWTH, held / 4)
   end
 end
@@ -96,13 +97,25 @@ local function dtype_code(name)
 end
 M.dtype_code = dtype_code
 
+-- the device new tensors go to when no device is given (uly.device('cuda') changes it)
+M.default_device = 'cpu'
+
+-- 'cpu' -> 0, 'cuda' -> 1; asking for 'cuda' loads the CUDA backend on first use (or raises why not)
 local function device_code(name)
-  if name == nil then return 0 end
+  if name == nil then name = M.default_device end
   local code = DEVICES[name]
   if not code then raise("unknown device '" .. tostring(name) .. "' (use 'cpu' or 'cuda')") end
+  if code ~= 0 and C.uly_device_available(code) == 0 then
+    local ok, why = require('ulysses.cuda').ensure()
+    if not ok then
+      raise("device 'cuda' is not available: " .. why ..
+            " (uly.cuda.simulate() makes 'cuda' a host-memory stand-in for tests)")
+    end
+  end
   return code
 end
 M.device_code = device_code
+M.DEVICES = DEVICES
 
 -- 1-based (negative from the end) Lua dim -> 0-based C dim
 local function cdim(h, d, what, extra)
@@ -146,6 +159,7 @@ function Tensor:numel() return tonumber(C.uly_tensor_numel(H(self))) end
 function Tensor:nbytes() return tonumber(C.uly_tensor_nbytes(H(self))) end
 function Tensor:dtype() return DTYPE_NAMES[C.uly_tensor_dtype(H(self))] end
 function Tensor:device() return C.uly_tensor_device(H(self)) == 1 and 'cuda' or 'cpu' end
+function Tensor:is_cuda() return C.uly_tensor_device(H(self)) == 1 end
 function Tensor:is_contiguous() return C.uly_tensor_is_contiguous(H(self)) ~= 0 end
 function Tensor:data_ptr() return C.uly_tensor_data_ptr(H(self)) end
 function Tensor:storage_offset() return tonumber(C.uly_tensor_storage_offset(H(self))) end
@@ -257,6 +271,9 @@ end
 
 -- a typed pointer to the data, for hand-written loops (contiguous tensors only)
 function Tensor:data()
+  if self:device() ~= 'cpu' then
+    raise('data: tensor ' .. self:describe() .. ' lives on ' .. self:device() .. ', whose memory the host cannot read; use :cpu()')
+  end
   if not self:is_contiguous() then raise('data: tensor ' .. self:describe() .. ' is not contiguous; call :contiguous()') end
   local ct = ({ f32 = 'float*', bf16 = 'uint16_t*', i32 = 'int32_t*', i64 = 'int64_t*', f64 = 'double*' })[self:dtype()]
   return ffi.cast(ct, C.uly_tensor_data_ptr(self._h))
@@ -384,11 +401,23 @@ end
 function Tensor:contiguous() return wrap(C.uly_tensor_contiguous(H(self))) end
 function Tensor:clone() return wrap(C.uly_tensor_clone(H(self))) end
 function Tensor:detach() return wrap(C.uly_tensor_detach(H(self))) end
-function Tensor:to(dtype)
-  if dtype == 'cpu' then return self end
-  if dtype == 'cuda' then raise("to('cuda'): this build has no CUDA backend") end
-  return wrap(C.uly_tensor_to_dtype(H(self), dtype_code(dtype)))
+-- t:to('cuda'), t:to('bf16'), t:to{device = 'cuda', dtype = 'bf16'}: a differentiable copy
+-- (the tensor itself when nothing changes)
+function Tensor:to(what)
+  local device, dtype
+  if type(what) == 'table' then device, dtype = what.device, what.dtype
+  elseif DEVICES[what] then device = what
+  else dtype = what end
+  local t = self
+  if dtype and dtype_code(dtype) ~= C.uly_tensor_dtype(H(t)) then t = wrap(C.uly_tensor_to_dtype(H(t), dtype_code(dtype))) end
+  if device then
+    local code = device_code(device)
+    if code ~= C.uly_tensor_device(H(t)) then t = wrap(C.uly_tensor_to_device(H(t), code)) end
+  end
+  return t
 end
+function Tensor:cuda() return self:to('cuda') end
+function Tensor:cpu() return self:to('cpu') end
 function Tensor:float() return self:to('f32') end
 function Tensor:bf16() return self:to('bf16') end
 function Tensor:double() return self:to('f64') end
@@ -474,8 +503,11 @@ function Tensor:max(d, keepdim)
   local idx = ffi.new('uly_tensor*[1]')
   local v = wrap(C.uly_max(h, cdim(h, d, 'max'), keepdim and 1 or 0, idx))
   local it = wrap(idx[0])
+  local dev = it:device()
+  if dev ~= 'cpu' then it = it:to('cpu') end
   local p, n = ffi.cast('int64_t*', C.uly_tensor_data_ptr(it._h)), it:numel()
   for i = 0, n - 1 do p[i] = p[i] + 1 end
+  if dev ~= 'cpu' then it = it:to(dev) end
   return v, it
 end
 

@@ -133,7 +133,7 @@ return function(nn, U)
           if not out then
             local shape = y:shape()
             shape[dim] = n
-            out = uly.empty(shape)
+            out = uly.empty(shape, { device = y:device() })
           end
           slice(out, s0):copy_(y)
         end

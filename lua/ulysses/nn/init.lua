@@ -129,6 +129,27 @@ function Module:train(flag)
 end
 function Module:eval() return self:train(false) end
 
+-- move every parameter to a device ('cuda', 'cpu') and/or dtype in place: the parameter objects
+-- stay the same (references held elsewhere see the move); gradients are dropped. Create the
+-- optimizer after moving. Returns the module.
+function Module:to(what)
+  local U_ = U()
+  U_.no_grad(function()
+    for _, p in self:named_parameters() do
+      local moved = p:to(what)
+      if moved ~= p then
+        p:zero_grad(true)
+        local h = moved:detach()._h
+        p._h = h
+        p:requires_grad_(true)
+      end
+    end
+  end)
+  return self
+end
+function Module:cuda() return self:to('cuda') end
+function Module:cpu() return self:to('cpu') end
+
 function Module:zero_grad(set_to_none)
   for _, p in self:named_parameters() do p:zero_grad(set_to_none) end
 end

@@ -38,10 +38,18 @@ return function(nn, U)
     return setmetatable({ k = U().zeros(B, max_T, Hkv, D), v = U().zeros(B, max_T, Hkv, D),
                           len = 0, max_T = max_T }, cls)
   end })
+  -- the cache's buffers on a device (a new cache; the contents move along)
+  function KVCache:to(device)
+    return setmetatable({ k = self.k:to(device), v = self.v:to(device), len = self.len, max_T = self.max_T },
+                        getmetatable(self))
+  end
   function KVCache:append(k, v)
     local T = k:size(2)
     if self.len + T > self.max_T then
       raise(string.format('KVCache: %d cached + %d new positions exceed its capacity %d', self.len, T, self.max_T), 3)
+    end
+    if self.k:device() ~= k:device() then  -- created before the model moved: follow it once
+      self.k, self.v = self.k:to(k:device()), self.v:to(k:device())
     end
     U().no_grad(function()
       self.k:narrow(2, self.len + 1, T):copy_(k)

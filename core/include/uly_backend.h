@@ -1,0 +1,125 @@
+/* core/include/uly_backend.h — the compute backend table: everything the core asks of a device.
+ *
+ * The core (libulysses.so) validates arguments, allocates results, records autograd and calls
+ * these functions through the table of the tensors' device: the CPU table
+ * (core/backend_cpu.c, the kernels of kernels/cpu/), the simulated device (core/backend_sim.c:
+ * host memory behind tagged pointers, for specs on machines without a GPU) or the CUDA table
+ * handed over by libulysses_cuda.so (kernels/cuda/backend.cu) when a CUDA device is first asked
+ * for. Not part of the FFI surface; shared by C and CUDA sources.
+ *
+ * The kernel entries have the names, arguments and contracts of kernels/cpu/kernels.h and
+ * kernels/cpu/flash_attention.h (forward writes, backward ACCUMULATES, NULL gradient = skipped);
+ * every pointer they take is a pointer into the backend's memory. A device backend may run them
+ * asynchronously, in order, on its stream; failures are kept and handed over by take_error(). */
+#ifndef ULY_BACKEND_H
+#define ULY_BACKEND_H
+#include <stdint.h>
+#include "../../kernels/cpu/kernels.h"
+#include "../../kernels/cpu/flash_attention.h"
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ULY_BACKEND_ABI 1
+#define ULY_VIEW_MAX_DIMS 8
+
+/* a strided window over backend memory: element [0, ..., 0] at p, strides in elements */
+typedef struct uly_view {
+    void *p;
+    int dtype;
+    int ndim;
+    int64_t shape[ULY_VIEW_MAX_DIMS];
+    int64_t stride[ULY_VIEW_MAX_DIMS];
+} uly_view;
+
+enum uly_copy_kind { ULY_COPY_H2D = 0, ULY_COPY_D2H = 1, ULY_COPY_D2D = 2 };
+
+typedef struct uly_backend {
+    int abi;                 /* ULY_BACKEND_ABI */
+    int64_t size;            /* sizeof(uly_backend) as compiled by the provider */
+    const char *name;        /* "cpu", "sim", "cuda" */
+
+    /* ---- memory: raw buffers (the core's caching pool, core/alloc.c, sits on top) ---- */
+    void *(*raw_alloc)(int64_t bytes);                 /* NULL on failure (reason: take_error) */
+    void (*raw_free)(void *p);
+    int (*memory_info)(int64_t *free_b, int64_t *total_b);
+    int (*copy)(void *dst, const void *src, int64_t bytes, int kind); /* ULY_COPY_*; the host side is plain memory */
+    int (*memset0)(void *p, int64_t bytes);
+    int (*synchronize)(void);                          /* wait for every queued kernel */
+    const char *(*take_error)(void);                   /* the first failure since the last call, or NULL; clears it */
+
+    /* ---- strided element walks (dtype-converting copy; reduction into a broadcast view) ---- */
+    /* dst = src elementwise over dst's shape; src has dst's ndim/shape with stride 0 where broadcast */
+    void (*copy_view)(const uly_view *dst, const uly_view *src);
+    /* dst += alpha * src (f32) over src's shape; dst has src's ndim/shape with stride 0 where summed */
+    void (*sum_view)(const uly_view *dst, const uly_view *src, float alpha);
+    /* f32 view = value */
+    void (*fill_view)(const uly_view *dst, double value);
+
+    /* ---- kernels (kernels/cpu/kernels.h) ---- */
+    void (*unary_forward)(float *out, const float *inp, int64_t n, int kind);
+    void (*unary_backward)(float *dinp, const float *dout, const float *inp, const float *out, int64_t n, int kind);
+    void (*swiglu_forward)(float *out, const float *gate, const float *up, int64_t n);
+    void (*swiglu_backward)(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int64_t n);
+    void (*reduce_sum_forward)(float *out, const float *inp, int64_t outer, int64_t n, int64_t inner, float scale);
+    void (*reduce_sum_backward)(float *dinp, const float *dout, int64_t outer, int64_t n, int64_t inner, float scale);
+    void (*reduce_max_forward)(float *out, int64_t *argmax, const float *inp, int64_t outer, int64_t n, int64_t inner);
+    void (*reduce_max_backward)(float *dinp, const float *dout, const int64_t *argmax, int64_t outer, int64_t n, int64_t inner);
+    void (*softmax_forward)(float *out, const float *inp, int64_t outer, int64_t n, int64_t inner, int is_log);
+    void (*softmax_backward)(float *dinp, const float *dout, const float *out, int64_t outer, int64_t n, int64_t inner,
+                             int is_log);
+    void (*layernorm_forward)(float *out, float *mean, float *rstd, const float *inp, const float *weight,
+                              const float *bias, int64_t rows, int64_t C, float eps);
+    void (*layernorm_backward)(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
+                               const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t C);
+    void (*rmsnorm_forward)(float *out, float *rstd, const float *inp, const float *weight, int64_t rows, int64_t C,
+                            float eps);
+    void (*rmsnorm_backward)(float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
+                             const float *rstd, int64_t rows, int64_t C);
+    void (*embedding_forward)(float *out, const void *idx, int idx_bytes, const float *weight, int64_t n, int64_t C);
+    void (*embedding_backward)(float *dweight, const float *dout, const void *idx, int idx_bytes, int64_t n, int64_t C);
+    int64_t (*embedding_first_bad_index)(const void *idx, int idx_bytes, int64_t n, int64_t V);
+    void (*rope_forward)(float *out, const float *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t pos_offset,
+                         float theta);
+    void (*rope_backward)(float *dinp, const float *dout, int64_t B, int64_t T, int64_t H, int64_t D,
+                          int64_t pos_offset, float theta);
+    void (*dropout_forward)(float *out, const float *inp, int64_t n, float p, uint64_t seed, uint64_t offset);
+    void (*dropout_backward)(float *dinp, const float *dout, int64_t n, float p, uint64_t seed, uint64_t offset);
+    int64_t (*cross_entropy_forward)(float *loss, float *lse, const float *logits, const void *targets,
+                                     int target_bytes, int64_t rows, int64_t V, int64_t ignore_index);
+    void (*cross_entropy_backward)(float *dlogits, const float *dloss, const float *logits, const float *lse,
+                                   const void *targets, int target_bytes, int64_t rows, int64_t V,
+                                   int64_t ignore_index);
+    void (*attention_forward)(float *out, float *probs, const float *q, const float *k, const float *v, int64_t B,
+                              int64_t Tq, int64_t Tk, int64_t H, int64_t Hkv, int64_t D, float scale, int causal);
+    int (*attention_backward)(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
+                              const float *v, const float *probs, int64_t B, int64_t Tq, int64_t Tk, int64_t H,
+                              int64_t Hkv, int64_t D, float scale, int causal);
+    void (*binary_forward)(float *out, const float *a, const int64_t *a_strides, const float *b,
+                           const int64_t *b_strides, int ndim, const int64_t *shape, int kind);
+    void (*scalar_forward)(float *out, const float *a, int64_t n, int kind, float s);
+    void (*scalar_backward)(float *dinp, const float *dout, const float *a, int64_t n, int kind, float s);
+    void (*axpy_accumulate)(float *y, const float *x, int64_t n, float alpha);
+    int (*gemm_operand_ok)(int64_t rows, int64_t cols, int64_t rs, int64_t cs);
+    void (*gemm_batched)(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N,
+                         int64_t K, float beta);
+
+    /* ---- flash attention (kernels/cpu/flash_attention.h); pointers in the problem are device pointers ---- */
+    int64_t (*flash_attention_scratch_floats)(const flash_problem *p, int backward);
+    int (*flash_attention_forward)(float *out, float *lse, float *scratch, const flash_problem *p);
+    int (*flash_attention_backward)(float *dq, float *dk, float *dv, const float *dout, const float *out,
+                                    const float *lse, float *delta, float *scratch, const flash_problem *p);
+
+    /* ---- optimizers ---- */
+    void (*optim_adamw)(float *p, const float *g, float *m, float *v, int64_t n, float decay, float beta1,
+                        float beta2, float step_size, float bc2_sqrt, float eps);
+    void (*optim_sgd)(float *p, const float *g, float *buf, int64_t n, float lr, float weight_decay, float momentum,
+                      float dampening, int nesterov, int init);
+    double (*optim_sumsq)(const float *x, int64_t n);
+    void (*optim_scale)(float *x, int64_t n, float s);
+} uly_backend;
+
+#ifdef __cplusplus
+}
+#endif
+#endif

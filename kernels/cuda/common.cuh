@@ -1,0 +1,140 @@
+/* kernels/cuda/common.cuh — shared by the CUDA backend's .cu files: the one stream every kernel
+ * runs on (in order, asynchronously), the first failure kept for the core (take_error), launch
+ * helpers and the small device math the kernels share. */
+#ifndef ULY_CUDA_COMMON_CUH
+#define ULY_CUDA_COMMON_CUH
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include "uly.h"
+#include "uly_backend.h"
+
+/* the backend's stream and its failure record (backend.cu) */
+extern cudaStream_t uly_cu_stream;
+void uly_cu_fail(const char *what, cudaError_t err);     /* keeps the first failure */
+void uly_cu_fail_msg(const char *what, const char *msg);
+
+/* after a launch: a bad configuration is reported now, a fault in the kernel at the next sync */
+#define ULY_CU_LAUNCHED(name) do { cudaError_t e_ = cudaGetLastError(); if (e_ != cudaSuccess) uly_cu_fail(name, e_); } while (0)
+
+static inline unsigned uly_cu_blocks(int64_t n, int threads) {
+    int64_t b = (n + threads - 1) / threads;
+    if (b < 1) b = 1;
+    return (unsigned)(b > 65535 * 8 ? 65535 * 8 : b);   /* kernels loop grid-stride beyond this */
+}
+
+#define ULY_CU_FOR(i, n) for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+                              i += (int64_t)gridDim.x * blockDim.x)
+
+/* block-wide sum of one double per thread (blockDim.x a multiple of 32, at most 1024) */
+__device__ static inline double uly_cu_block_sum(double v) {
+    __shared__ double part[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    int nw = (blockDim.x + 31) >> 5;
+    v = threadIdx.x < nw ? part[threadIdx.x] : 0.0;
+    if (warp == 0)
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __shared__ double total;
+    if (threadIdx.x == 0) total = v;
+    __syncthreads();
+    return total;
+}
+
+__device__ static inline float uly_cu_block_max(float v) {
+    __shared__ float part[32];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    int nw = (blockDim.x + 31) >> 5;
+    v = threadIdx.x < nw ? part[threadIdx.x] : -INFINITY;
+    if (warp == 0)
+        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __shared__ float total;
+    if (threadIdx.x == 0) total = v;
+    __syncthreads();
+    return total;
+}
+
+/* the counter-based uniform of kernels/cpu/dropout.c, bit for bit */
+__device__ static inline uint64_t uly_cu_mix64(uint64_t z) {
+    z ^= z >> 30;
+    z *= 0xbf58476d1ce4e5b9ULL;
+    z ^= z >> 27;
+    z *= 0x94d049bb133111ebULL;
+    z ^= z >> 31;
+    return z;
+}
+__device__ static inline float uly_cu_uniform(uint64_t seed, uint64_t counter) {
+    uint64_t k1 = uly_cu_mix64(seed ^ 0x243f6a8885a308d3ULL), k2 = uly_cu_mix64(seed + 0x13198a2e03707344ULL);
+    uint64_t h = uly_cu_mix64(uly_cu_mix64((counter * 0x9e3779b97f4a7c15ULL) ^ k1) + k2);
+    return (float)(h >> 40) * (1.0f / 16777216.0f);
+}
+
+/* the kernel table entries, one group per file */
+extern "C" {
+/* elementwise.cu */
+void cu_unary_forward(float *out, const float *inp, int64_t n, int kind);
+void cu_unary_backward(float *dinp, const float *dout, const float *inp, const float *out, int64_t n, int kind);
+void cu_swiglu_forward(float *out, const float *gate, const float *up, int64_t n);
+void cu_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int64_t n);
+void cu_binary_forward(float *out, const float *a, const int64_t *sa, const float *b, const int64_t *sb, int ndim,
+                       const int64_t *shape, int kind);
+void cu_scalar_forward(float *out, const float *a, int64_t n, int kind, float s);
+void cu_scalar_backward(float *dinp, const float *dout, const float *a, int64_t n, int kind, float s);
+void cu_axpy_accumulate(float *y, const float *x, int64_t n, float alpha);
+void cu_dropout_forward(float *out, const float *inp, int64_t n, float p, uint64_t seed, uint64_t offset);
+void cu_dropout_backward(float *dinp, const float *dout, int64_t n, float p, uint64_t seed, uint64_t offset);
+void cu_rope_forward(float *out, const float *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off, float theta);
+void cu_rope_backward(float *dinp, const float *dout, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off, float theta);
+void cu_copy_view(const uly_view *dst, const uly_view *src);
+void cu_sum_view(const uly_view *dst, const uly_view *src, float alpha);
+void cu_fill_view(const uly_view *dst, double value);
+/* rows.cu */
+void cu_reduce_sum_forward(float *out, const float *inp, int64_t outer, int64_t n, int64_t inner, float scale);
+void cu_reduce_sum_backward(float *dinp, const float *dout, int64_t outer, int64_t n, int64_t inner, float scale);
+void cu_reduce_max_forward(float *out, int64_t *argmax, const float *inp, int64_t outer, int64_t n, int64_t inner);
+void cu_reduce_max_backward(float *dinp, const float *dout, const int64_t *argmax, int64_t outer, int64_t n, int64_t inner);
+void cu_softmax_forward(float *out, const float *inp, int64_t outer, int64_t n, int64_t inner, int is_log);
+void cu_softmax_backward(float *dinp, const float *dout, const float *out, int64_t outer, int64_t n, int64_t inner, int is_log);
+void cu_layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w, const float *b,
+                          int64_t rows, int64_t C, float eps);
+void cu_layernorm_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp, const float *w,
+                           const float *mean, const float *rstd, int64_t rows, int64_t C);
+void cu_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int64_t rows, int64_t C, float eps);
+void cu_rmsnorm_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w, const float *rstd,
+                         int64_t rows, int64_t C);
+void cu_embedding_forward(float *out, const void *idx, int ib, const float *w, int64_t n, int64_t C);
+void cu_embedding_backward(float *dw, const float *dout, const void *idx, int ib, int64_t n, int64_t C);
+int64_t cu_embedding_first_bad_index(const void *idx, int ib, int64_t n, int64_t V);
+int64_t cu_cross_entropy_forward(float *loss, float *lse, const float *logits, const void *t, int tb, int64_t rows,
+                                 int64_t V, int64_t ignore);
+void cu_cross_entropy_backward(float *dlogits, const float *dloss, const float *logits, const float *lse, const void *t,
+                               int tb, int64_t rows, int64_t V, int64_t ignore);
+void cu_optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float decay, float b1, float b2,
+                    float step_size, float bc2_sqrt, float eps);
+void cu_optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float momentum, float damp,
+                  int nesterov, int init);
+double cu_optim_sumsq(const float *x, int64_t n);
+void cu_optim_scale(float *x, int64_t n, float s);
+/* gemm.cu */
+int cu_gemm_operand_ok(int64_t rows, int64_t cols, int64_t rs, int64_t cs);
+void cu_gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N, int64_t K,
+                     float beta);
+int cu_gemm_init(void);
+/* attention.cu */
+void cu_attention_forward(float *out, float *probs, const float *q, const float *k, const float *v, int64_t B, int64_t Tq,
+                          int64_t Tk, int64_t H, int64_t Hkv, int64_t D, float scale, int causal);
+int cu_attention_backward(float *dq, float *dk, float *dv, const float *dout, const float *q, const float *k,
+                          const float *v, const float *probs, int64_t B, int64_t Tq, int64_t Tk, int64_t H, int64_t Hkv,
+                          int64_t D, float scale, int causal);
+int64_t cu_flash_scratch_floats(const flash_problem *p, int backward);
+int cu_flash_forward(float *out, float *lse, float *scratch, const flash_problem *p);
+int cu_flash_backward(float *dq, float *dk, float *dv, const float *dout, const float *out, const float *lse, float *delta,
+                      float *scratch, const flash_problem *p);
+}
+#endif

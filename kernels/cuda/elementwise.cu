@@ -1,0 +1,270 @@
+/* kernels/cuda/elementwise.cu — the elementwise kernels of the CUDA backend, same contracts as
+ * kernels/cpu/{unary,binary,dropout,rope}.c: activations and their derivatives, broadcasting
+ * binary ops through strides, tensor-scalar ops, y += a x, dropout with the CPU's counter-based
+ * RNG (the same mask bit for bit), RoPE, and the strided walks of the core (dtype-converting
+ * copy, fill, accumulation into a broadcast view). Grid-stride loops on the backend's stream. */
+#include <math.h>
+#include "common.cuh"
+
+#define THREADS 256
+#define LAUNCH(kernel, n, ...) do { \
+        if ((n) > 0) kernel<<<uly_cu_blocks((n), THREADS), THREADS, 0, uly_cu_stream>>>(__VA_ARGS__); \
+        ULY_CU_LAUNCHED(#kernel); } while (0)
+
+/* ---- activations ---- */
+__device__ static inline float sigmoidf_(float x) { return 1.0f / (1.0f + __expf(-x)); }
+#define GELU_K 0.7978845608028654f
+#define GELU_C 0.044715f
+
+__device__ static inline float act(float x, int kind) {
+    switch (kind) {
+    case ULY_UNARY_GELU_TANH: { float u = GELU_K * (x + GELU_C * x * x * x); return x * sigmoidf_(2.0f * u); }
+    case ULY_UNARY_GELU_EXACT: return 0.5f * x * (1.0f + erff(x * 0.7071067811865476f));
+    case ULY_UNARY_SILU: return x * sigmoidf_(x);
+    case ULY_UNARY_RELU: return x < 0.0f ? 0.0f : x;
+    case ULY_UNARY_TANH: return tanhf(x);
+    case ULY_UNARY_SIGMOID: return sigmoidf_(x);
+    case ULY_UNARY_EXP: return expf(x);
+    case ULY_UNARY_LOG: return logf(x);
+    default: return sqrtf(x);
+    }
+}
+
+__device__ static inline float act_grad(float x, float y, int have_y, int kind) {
+    switch (kind) {
+    case ULY_UNARY_GELU_TANH: {
+        float u = GELU_K * (x + GELU_C * x * x * x), s = sigmoidf_(2.0f * u), t = 2.0f * s - 1.0f;
+        float du = GELU_K * (1.0f + 3.0f * GELU_C * x * x);
+        return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
+    }
+    case ULY_UNARY_GELU_EXACT:
+        return 0.5f * (1.0f + erff(x * 0.7071067811865476f)) + x * 0.3989422804014327f * expf(-0.5f * x * x);
+    case ULY_UNARY_SILU: { float s = sigmoidf_(x); return s * (1.0f + x * (1.0f - s)); }
+    case ULY_UNARY_RELU: return x > 0.0f ? 1.0f : 0.0f;
+    case ULY_UNARY_TANH: { float t = have_y ? y : tanhf(x); return 1.0f - t * t; }
+    case ULY_UNARY_SIGMOID: { float s = have_y ? y : sigmoidf_(x); return s * (1.0f - s); }
+    case ULY_UNARY_EXP: return have_y ? y : expf(x);
+    case ULY_UNARY_LOG: return 1.0f / x;
+    default: return 0.5f / (have_y ? y : sqrtf(x));
+    }
+}
+
+__global__ static void unary_fw(float *out, const float *inp, int64_t n, int kind) {
+    ULY_CU_FOR(i, n) out[i] = act(inp[i], kind);
+}
+__global__ static void unary_bw(float *dinp, const float *dout, const float *inp, const float *out, int64_t n, int kind) {
+    ULY_CU_FOR(i, n) dinp[i] += dout[i] * act_grad(inp[i], out ? out[i] : 0.0f, out != NULL, kind);
+}
+extern "C" void cu_unary_forward(float *out, const float *inp, int64_t n, int kind) { LAUNCH(unary_fw, n, out, inp, n, kind); }
+extern "C" void cu_unary_backward(float *dinp, const float *dout, const float *inp, const float *out, int64_t n, int kind) {
+    LAUNCH(unary_bw, n, dinp, dout, inp, out, n, kind);
+}
+
+__global__ static void swiglu_fw(float *out, const float *g, const float *u, int64_t n) {
+    ULY_CU_FOR(i, n) out[i] = g[i] * sigmoidf_(g[i]) * u[i];
+}
+__global__ static void swiglu_bw(float *dg, float *du, const float *d, const float *g, const float *u, int64_t n) {
+    ULY_CU_FOR(i, n) {
+        float s = sigmoidf_(g[i]), silu = g[i] * s;
+        if (dg) dg[i] += d[i] * u[i] * s * (1.0f + g[i] * (1.0f - s));
+        if (du) du[i] += d[i] * silu;
+    }
+}
+extern "C" void cu_swiglu_forward(float *out, const float *gate, const float *up, int64_t n) {
+    LAUNCH(swiglu_fw, n, out, gate, up, n);
+}
+extern "C" void cu_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int64_t n) {
+    LAUNCH(swiglu_bw, n, dgate, dup, dout, gate, up, n);
+}
+
+/* ---- binary with broadcasting (strides aligned to the output shape, 0 = broadcast) ---- */
+typedef struct { int ndim; int64_t shape[ULY_VIEW_MAX_DIMS], sa[ULY_VIEW_MAX_DIMS], sb[ULY_VIEW_MAX_DIMS]; } bin_geom;
+
+__global__ static void binary_fw(float *out, const float *a, const float *b, bin_geom g, int64_t n, int kind) {
+    ULY_CU_FOR(i, n) {
+        int64_t rem = i, oa = 0, ob = 0;
+        for (int d = g.ndim - 1; d >= 0; d--) {
+            int64_t x = rem % g.shape[d];
+            rem /= g.shape[d];
+            oa += x * g.sa[d];
+            ob += x * g.sb[d];
+        }
+        float x = a[oa], y = b[ob];
+        out[i] = kind == ULY_BINARY_ADD ? x + y : kind == ULY_BINARY_SUB ? x - y : kind == ULY_BINARY_MUL ? x * y : x / y;
+    }
+}
+extern "C" void cu_binary_forward(float *out, const float *a, const int64_t *sa, const float *b, const int64_t *sb,
+                                  int ndim, const int64_t *shape, int kind) {
+    bin_geom g;
+    g.ndim = ndim;
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++) { g.shape[d] = shape[d]; g.sa[d] = sa[d]; g.sb[d] = sb[d]; n *= shape[d]; }
+    LAUNCH(binary_fw, n, out, a, b, g, n, kind);
+}
+
+__global__ static void scalar_fw(float *out, const float *a, int64_t n, int kind, float s) {
+    ULY_CU_FOR(i, n) {
+        float x = a[i];
+        out[i] = kind == ULY_SCALAR_ADD ? x + s : kind == ULY_SCALAR_MUL ? x * s : (s == 2.0f ? x * x : powf(x, s));
+    }
+}
+__global__ static void scalar_bw(float *dinp, const float *dout, const float *a, int64_t n, int kind, float s) {
+    ULY_CU_FOR(i, n) {
+        float d = dout[i];
+        dinp[i] += kind == ULY_SCALAR_ADD ? d : kind == ULY_SCALAR_MUL ? s * d : d * s * powf(a[i], s - 1.0f);
+    }
+}
+__global__ static void axpy(float *y, const float *x, int64_t n, float alpha) { ULY_CU_FOR(i, n) y[i] += alpha * x[i]; }
+extern "C" void cu_scalar_forward(float *out, const float *a, int64_t n, int kind, float s) { LAUNCH(scalar_fw, n, out, a, n, kind, s); }
+extern "C" void cu_scalar_backward(float *dinp, const float *dout, const float *a, int64_t n, int kind, float s) {
+    LAUNCH(scalar_bw, n, dinp, dout, a, n, kind, s);
+}
+extern "C" void cu_axpy_accumulate(float *y, const float *x, int64_t n, float alpha) { LAUNCH(axpy, n, y, x, n, alpha); }
+
+/* ---- dropout: keep(i) = uniform(seed, offset + i) >= p, kept values scaled by 1 / (1 - p) ---- */
+__global__ static void dropout_k(float *out, const float *inp, int64_t n, float p, uint64_t seed, uint64_t offset, int acc) {
+    float scale = 1.0f / (1.0f - p);
+    ULY_CU_FOR(i, n) {
+        float v = (p < 1.0f && uly_cu_uniform(seed, offset + (uint64_t)i) >= p) ? inp[i] * scale : 0.0f;
+        if (acc) out[i] += v; else out[i] = v;
+    }
+}
+extern "C" void cu_dropout_forward(float *out, const float *inp, int64_t n, float p, uint64_t seed, uint64_t offset) {
+    LAUNCH(dropout_k, n, out, inp, n, p, seed, offset, 0);
+}
+extern "C" void cu_dropout_backward(float *dinp, const float *dout, int64_t n, float p, uint64_t seed, uint64_t offset) {
+    if (dinp) LAUNCH(dropout_k, n, dinp, dout, n, p, seed, offset, 1);
+}
+
+/* ---- RoPE on [B, T, H, D]: pair i of position pos turns by pos * theta^(-2i/D) (double angle) ---- */
+__global__ static void rope_k(float *out, const float *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off,
+                              double theta, double sign, int acc) {
+    int64_t P = D / 2, n = B * T * H * P;
+    ULY_CU_FOR(e, n) {
+        int64_t i = e % P, t = (e / (P * H)) % T;
+        double a = (double)(off + t) * pow(theta, -(double)(2 * i) / (double)D);
+        float c = (float)cos(a), s = (float)(sign * sin(a));
+        int64_t base = (e / P) * D + 2 * i;
+        float x0 = inp[base], x1 = inp[base + 1];
+        float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+        if (acc) { out[base] += y0; out[base + 1] += y1; } else { out[base] = y0; out[base + 1] = y1; }
+    }
+}
+extern "C" void cu_rope_forward(float *out, const float *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off, float theta) {
+    LAUNCH(rope_k, B * T * H * (D / 2), out, inp, B, T, H, D, off, (double)theta, 1.0, 0);
+}
+extern "C" void cu_rope_backward(float *dinp, const float *dout, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off,
+                                 float theta) {
+    LAUNCH(rope_k, B * T * H * (D / 2), dinp, dout, B, T, H, D, off, (double)theta, -1.0, 1);
+}
+
+/* ---- strided walks ---- */
+__device__ static inline float bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+__device__ static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+__device__ static inline double load(const char *p, int dtype) {
+    switch (dtype) {
+    case ULY_DTYPE_F32: return *(const float *)p;
+    case ULY_DTYPE_BF16: return bf16_to_f32(*(const uint16_t *)p);
+    case ULY_DTYPE_I32: return *(const int32_t *)p;
+    case ULY_DTYPE_I64: return (double)*(const int64_t *)p;
+    default: return *(const double *)p;
+    }
+}
+__device__ static inline void store(char *p, int dtype, double v) {
+    switch (dtype) {
+    case ULY_DTYPE_F32: *(float *)p = (float)v; break;
+    case ULY_DTYPE_BF16: *(uint16_t *)p = f32_to_bf16((float)v); break;
+    case ULY_DTYPE_I32: *(int32_t *)p = (int32_t)v; break;
+    case ULY_DTYPE_I64: *(int64_t *)p = (int64_t)v; break;
+    default: *(double *)p = v; break;
+    }
+}
+__device__ static inline int dsize(int dtype) {
+    return dtype == ULY_DTYPE_BF16 ? 2 : (dtype == ULY_DTYPE_F32 || dtype == ULY_DTYPE_I32) ? 4 : 8;
+}
+__device__ static inline int64_t offset_of(const uly_view &v, int64_t i) {
+    int64_t off = 0;
+    for (int d = v.ndim - 1; d >= 0; d--) {
+        off += (i % v.shape[d]) * v.stride[d];
+        i /= v.shape[d];
+    }
+    return off;
+}
+
+__global__ static void copy_view_k(uly_view dst, uly_view src, int64_t n) {
+    int ds = dsize(dst.dtype), ss = dsize(src.dtype);
+    ULY_CU_FOR(i, n) {
+        const char *s = (const char *)src.p + offset_of(src, i) * ss;
+        char *d = (char *)dst.p + offset_of(dst, i) * ds;
+        if (dst.dtype == src.dtype && ds == 4) *(uint32_t *)d = *(const uint32_t *)s;
+        else if (dst.dtype == src.dtype && ds == 8) *(uint64_t *)d = *(const uint64_t *)s;
+        else if (dst.dtype == src.dtype) *(uint16_t *)d = *(const uint16_t *)s;
+        else store(d, dst.dtype, load(s, src.dtype));
+    }
+}
+extern "C" void cu_copy_view(const uly_view *dst, const uly_view *src) {
+    int64_t n = 1;
+    for (int d = 0; d < dst->ndim; d++) n *= dst->shape[d];
+    LAUNCH(copy_view_k, n, *dst, *src, n);
+}
+
+__global__ static void fill_view_k(uly_view dst, double value, int64_t n) {
+    int ds = dsize(dst.dtype);
+    ULY_CU_FOR(i, n) store((char *)dst.p + offset_of(dst, i) * ds, dst.dtype, value);
+}
+extern "C" void cu_fill_view(const uly_view *dst, double value) {
+    int64_t n = 1;
+    for (int d = 0; d < dst->ndim; d++) n *= dst->shape[d];
+    LAUNCH(fill_view_k, n, *dst, value, n);
+}
+
+/* dst += alpha * src summed over the dims where dst has stride 0: one thread per kept element,
+ * looping over the summed positions in order (deterministic) */
+typedef struct { int nk, nr; int64_t kshape[ULY_VIEW_MAX_DIMS], kd[ULY_VIEW_MAX_DIMS], ks[ULY_VIEW_MAX_DIMS];
+                 int64_t rshape[ULY_VIEW_MAX_DIMS], rs[ULY_VIEW_MAX_DIMS]; } sum_geom;
+
+__global__ static void sum_view_k(float *dst, const float *src, sum_geom g, int64_t kept, int64_t red, float alpha) {
+    ULY_CU_FOR(k, kept) {
+        int64_t rem = k, od = 0, os = 0;
+        for (int d = g.nk - 1; d >= 0; d--) {
+            int64_t x = rem % g.kshape[d];
+            rem /= g.kshape[d];
+            od += x * g.kd[d];
+            os += x * g.ks[d];
+        }
+        float acc = 0.0f;
+        for (int64_t r = 0; r < red; r++) {
+            int64_t rr = r, o = os;
+            for (int d = g.nr - 1; d >= 0; d--) {
+                o += (rr % g.rshape[d]) * g.rs[d];
+                rr /= g.rshape[d];
+            }
+            acc += src[o];
+        }
+        dst[od] += alpha * acc;
+    }
+}
+extern "C" void cu_sum_view(const uly_view *dst, const uly_view *src, float alpha) {
+    sum_geom g;
+    g.nk = g.nr = 0;
+    int64_t kept = 1, red = 1;
+    for (int d = 0; d < src->ndim; d++) {
+        if (dst->stride[d] == 0 && src->shape[d] != 1) {
+            g.rshape[g.nr] = src->shape[d];
+            g.rs[g.nr++] = src->stride[d];
+            red *= src->shape[d];
+        } else {
+            g.kshape[g.nk] = src->shape[d];
+            g.kd[g.nk] = dst->stride[d];
+            g.ks[g.nk++] = src->stride[d];
+            kept *= src->shape[d];
+        }
+    }
+    if (red == 0) return;
+    LAUNCH(sum_view_k, kept, (float *)dst->p, (const float *)src->p, g, kept, red, alpha);
+}

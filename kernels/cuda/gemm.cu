@@ -1,0 +1,122 @@
+/* kernels/cuda/gemm.cu — the strided, batched, broadcasting GEMM of the CUDA backend (the
+ * contract of kernels/cpu/matmul.c) on cuBLAS: f32 operands multiply in TF32 on tensor cores
+ * with f32 accumulation (uly_cuda_set_tf32(0) asks for full f32). Row-major C = A B is computed
+ * as the column-major C^T = B^T A^T, transposed operands are passed as transposes (no copies);
+ * batches with regular strides go in one strided-batched call, the rest (a broadcast output that
+ * accumulates, irregular batch strides) one call per batch, in order, on the backend's stream. */
+#include <cublas_v2.h>
+#include <stdio.h>
+#include "common.cuh"
+
+static cublasHandle_t handle;
+static int use_tf32 = 1;
+
+extern "C" void uly_cuda_set_tf32(int on) { use_tf32 = on != 0; }
+
+static const char *cublas_name(cublasStatus_t s) {
+    switch (s) {
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    }
+}
+
+extern "C" int cu_gemm_init(void) {
+    if (handle) return 0;
+    cublasStatus_t s = cublasCreate(&handle);
+    if (s != CUBLAS_STATUS_SUCCESS) { uly_cu_fail_msg("cublasCreate", cublas_name(s)); handle = NULL; return -1; }
+    cublasSetStream(handle, uly_cu_stream);
+    return 0;
+}
+
+/* can (rows x cols, strides rs / cs) be read as row-major (*trans = 0) or as a transpose (1)? */
+static int layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, int *trans, int64_t *ld) {
+    if (cols <= 1) cs = 1;
+    if (rows <= 1) rs = cols > 1 ? cols : 1;
+    if (cs == 1 && rs >= (cols > 1 ? cols : 1)) { *trans = 0; *ld = rs; return 1; }
+    if (rows <= 1) rs = 1;
+    if (cols <= 1) cs = rows > 1 ? rows : 1;
+    if (rs == 1 && cs >= (rows > 1 ? rows : 1)) { *trans = 1; *ld = cs; return 1; }
+    return 0;
+}
+
+extern "C" int cu_gemm_operand_ok(int64_t rows, int64_t cols, int64_t rs, int64_t cs) {
+    int t;
+    int64_t ld;
+    return layout(rows, cols, rs, cs, &t, &ld);
+}
+
+__global__ static void scale_c(float *c, int64_t M, int64_t N, int64_t ldc, float beta) {
+    ULY_CU_FOR(e, M * N) {
+        float *p = c + (e / N) * ldc + e % N;
+        *p = beta == 0.0f ? 0.0f : *p * beta;
+    }
+}
+
+/* one collapsed batch stride per operand, if the nb batch dims are regular for all three */
+static int collapse(int nb, const int64_t *bshape, const uly_mat *m, int64_t *stride) {
+    int64_t s = -1;
+    for (int d = nb - 1; d >= 0; d--) {
+        if (bshape[d] == 1) continue;
+        if (s < 0) { s = m->bstride[d]; continue; }
+        int64_t inner = 1;
+        for (int e = d + 1; e < nb; e++) inner *= bshape[e];
+        if (m->bstride[d] != s * inner) return 0;
+    }
+    *stride = s < 0 ? 0 : s;
+    return 1;
+}
+
+extern "C" void cu_gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N,
+                                int64_t K, float beta) {
+    if (M == 0 || N == 0) return;
+    if (!handle && cu_gemm_init()) return;
+    int ta = 0, tb = 0, tc = 0;
+    int64_t lda = 1, ldb = 1, ldc = 1;
+    layout(M, K, A.rs, A.cs, &ta, &lda);
+    layout(K, N, B.rs, B.cs, &tb, &ldb);
+    layout(M, N, C.rs, C.cs, &tc, &ldc);
+    int64_t batches = 1;
+    for (int d = 0; d < nb; d++) batches *= bshape[d];
+    const float one = 1.0f;
+    cublasComputeType_t compute = use_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    cublasOperation_t opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    if (K == 0) { /* C = beta C for every batch */
+        int64_t idx[8] = {0};
+        for (int64_t bi = 0; bi < batches; bi++) {
+            int64_t oc = 0;
+            for (int d = 0; d < nb; d++) oc += idx[d] * C.bstride[d];
+            scale_c<<<uly_cu_blocks(M * N, 256), 256, 0, uly_cu_stream>>>(C.p + oc, M, N, ldc, beta);
+            ULY_CU_LAUNCHED("gemm scale_c");
+            for (int d = nb - 1; d >= 0; d--) { if (++idx[d] < bshape[d]) break; idx[d] = 0; }
+        }
+        return;
+    }
+    int64_t sa, sb, sc;
+    cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
+    int regular = collapse(nb, bshape, &A, &sa) && collapse(nb, bshape, &B, &sb) && collapse(nb, bshape, &C, &sc);
+    if (regular && (sc != 0 || batches == 1)) {
+        s = cublasGemmStridedBatchedEx(handle, opb, opa, (int)N, (int)M, (int)K, &one, B.p, CUDA_R_32F, (int)ldb, sb,
+                                       A.p, CUDA_R_32F, (int)lda, sa, &beta, C.p, CUDA_R_32F, (int)ldc, sc,
+                                       (int)batches, compute, CUBLAS_GEMM_DEFAULT);
+    } else {
+        int64_t idx[8] = {0};
+        for (int64_t bi = 0; bi < batches && s == CUBLAS_STATUS_SUCCESS; bi++) {
+            int64_t oa = 0, ob = 0, oc = 0;
+            for (int d = 0; d < nb; d++) { oa += idx[d] * A.bstride[d]; ob += idx[d] * B.bstride[d]; oc += idx[d] * C.bstride[d]; }
+            s = cublasGemmEx(handle, opb, opa, (int)N, (int)M, (int)K, &one, B.p + ob, CUDA_R_32F, (int)ldb, A.p + oa,
+                             CUDA_R_32F, (int)lda, &beta, C.p + oc, CUDA_R_32F, (int)ldc, compute, CUBLAS_GEMM_DEFAULT);
+            for (int d = nb - 1; d >= 0; d--) { if (++idx[d] < bshape[d]) break; idx[d] = 0; }
+        }
+    }
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        char what[160];
+        snprintf(what, sizeof what, "cuBLAS GEMM %lld x %lld x %lld (%lld batches)", (long long)M, (long long)N,
+                 (long long)K, (long long)batches);
+        uly_cu_fail_msg(what, cublas_name(s));
+    }
+}

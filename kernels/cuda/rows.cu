@@ -1,0 +1,345 @@
+/* kernels/cuda/rows.cu — the row-wise kernels of the CUDA backend, same contracts as
+ * kernels/cpu/{reduce,softmax,norm,embedding,cross_entropy,optim}.c: sums and maxima over the
+ * middle axis of [outer, n, inner], softmax / log-softmax, LayerNorm and RMSNorm (row statistics
+ * in double), embedding lookup and its gradient, fused cross-entropy, AdamW / SGD over one flat
+ * parameter, and the sum of squares for gradient norms. Every reduction has a fixed order (no
+ * float atomics), so results repeat run to run. Values the host needs (a count, a norm, the
+ * first bad index) come back through the backend's small scratch buffers. */
+#include <math.h>
+#include "common.cuh"
+
+#define THREADS 256
+#define LAUNCH(kernel, n, ...) do { \
+        if ((n) > 0) kernel<<<uly_cu_blocks((n), THREADS), THREADS, 0, uly_cu_stream>>>(__VA_ARGS__); \
+        ULY_CU_LAUNCHED(#kernel); } while (0)
+/* one block of ROWT threads per row (rows <= 2^31 - 1 handled by a grid-stride over rows) */
+#define ROWT 256
+#define ROW_BLOCKS(rows) ((unsigned)((rows) < 65535 * 16 ? (rows) : 65535 * 16))
+#define LAUNCH_ROWS(kernel, rows, ...) do { \
+        if ((rows) > 0) kernel<<<ROW_BLOCKS(rows), ROWT, 0, uly_cu_stream>>>(__VA_ARGS__); \
+        ULY_CU_LAUNCHED(#kernel); } while (0)
+
+extern "C" void *uly_cu_scratch(void);                                   /* backend.cu: 64 KiB of device memory */
+extern "C" int uly_cu_read_back(void *host, const void *dev, int64_t bytes); /* sync copy; 0 on success */
+
+/* ---- sum / mean over the middle axis ---- */
+__global__ static void sum_rows(float *out, const float *inp, int64_t rows, int64_t n, float scale) {
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        double s = 0.0;
+        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s += inp[r * n + j];
+        s = uly_cu_block_sum(s);
+        if (threadIdx.x == 0) out[r] = (float)(s * scale);
+    }
+}
+__global__ static void sum_mid(float *out, const float *inp, int64_t outer, int64_t n, int64_t inner, float scale) {
+    ULY_CU_FOR(e, outer * inner) {
+        int64_t o = e / inner, i = e % inner;
+        double s = 0.0;
+        for (int64_t j = 0; j < n; j++) s += inp[(o * n + j) * inner + i];
+        out[e] = (float)(s * scale);
+    }
+}
+extern "C" void cu_reduce_sum_forward(float *out, const float *inp, int64_t outer, int64_t n, int64_t inner, float scale) {
+    if (inner == 1) LAUNCH_ROWS(sum_rows, outer, out, inp, outer, n, scale);
+    else LAUNCH(sum_mid, outer * inner, out, inp, outer, n, inner, scale);
+}
+__global__ static void sum_bw(float *dinp, const float *dout, int64_t outer, int64_t n, int64_t inner, float scale) {
+    ULY_CU_FOR(e, outer * n * inner) dinp[e] += scale * dout[(e / (n * inner)) * inner + e % inner];
+}
+extern "C" void cu_reduce_sum_backward(float *dinp, const float *dout, int64_t outer, int64_t n, int64_t inner, float scale) {
+    LAUNCH(sum_bw, outer * n * inner, dinp, dout, outer, n, inner, scale);
+}
+
+__global__ static void max_mid(float *out, int64_t *arg, const float *inp, int64_t outer, int64_t n, int64_t inner) {
+    ULY_CU_FOR(e, outer * inner) {
+        int64_t o = e / inner, i = e % inner, best_j = 0;
+        float best = inp[o * n * inner + i];
+        for (int64_t j = 1; j < n && !isnan(best); j++) {
+            float v = inp[(o * n + j) * inner + i];
+            if (v > best || isnan(v)) { best = v; best_j = j; }
+        }
+        out[e] = best;
+        arg[e] = best_j;
+    }
+}
+extern "C" void cu_reduce_max_forward(float *out, int64_t *argmax, const float *inp, int64_t outer, int64_t n, int64_t inner) {
+    LAUNCH(max_mid, outer * inner, out, argmax, inp, outer, n, inner);
+}
+__global__ static void max_bw(float *dinp, const float *dout, const int64_t *arg, int64_t outer, int64_t n, int64_t inner) {
+    ULY_CU_FOR(e, outer * inner) {
+        int64_t o = e / inner, i = e % inner;
+        dinp[(o * n + arg[e]) * inner + i] += dout[e];
+    }
+}
+extern "C" void cu_reduce_max_backward(float *dinp, const float *dout, const int64_t *argmax, int64_t outer, int64_t n,
+                                       int64_t inner) {
+    LAUNCH(max_bw, outer * inner, dinp, dout, argmax, outer, n, inner);
+}
+
+/* ---- softmax over the middle axis: a block per row when inner == 1, a thread per column else ---- */
+__global__ static void softmax_rows(float *out, const float *inp, int64_t rows, int64_t n, int is_log) {
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *x = inp + r * n;
+        float m = -INFINITY;
+        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, x[j]);
+        m = uly_cu_block_max(m);
+        double s = 0.0;
+        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s += expf(x[j] - m);
+        s = uly_cu_block_sum(s);
+        float ls = (float)log(s);
+        for (int64_t j = threadIdx.x; j < n; j += blockDim.x)
+            out[r * n + j] = is_log ? x[j] - m - ls : expf(x[j] - m) / (float)s;
+    }
+}
+__global__ static void softmax_mid(float *out, const float *inp, int64_t outer, int64_t n, int64_t inner, int is_log) {
+    ULY_CU_FOR(e, outer * inner) {
+        int64_t o = e / inner, i = e % inner;
+        const float *x = inp + o * n * inner + i;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < n; j++) m = fmaxf(m, x[j * inner]);
+        double s = 0.0;
+        for (int64_t j = 0; j < n; j++) s += expf(x[j * inner] - m);
+        float ls = (float)log(s);
+        for (int64_t j = 0; j < n; j++)
+            out[o * n * inner + j * inner + i] = is_log ? x[j * inner] - m - ls : expf(x[j * inner] - m) / (float)s;
+    }
+}
+extern "C" void cu_softmax_forward(float *out, const float *inp, int64_t outer, int64_t n, int64_t inner, int is_log) {
+    if (inner == 1) LAUNCH_ROWS(softmax_rows, outer, out, inp, outer, n, is_log);
+    else LAUNCH(softmax_mid, outer * inner, out, inp, outer, n, inner, is_log);
+}
+__global__ static void softmax_bw(float *dinp, const float *dout, const float *out, int64_t outer, int64_t n, int64_t inner,
+                                  int is_log) {
+    ULY_CU_FOR(e, outer * inner) {
+        int64_t base = (e / inner) * n * inner + e % inner;
+        double s = 0.0;
+        for (int64_t j = 0; j < n; j++) s += is_log ? dout[base + j * inner] : dout[base + j * inner] * out[base + j * inner];
+        for (int64_t j = 0; j < n; j++) {
+            int64_t k = base + j * inner;
+            dinp[k] += is_log ? dout[k] - expf(out[k]) * (float)s : out[k] * (dout[k] - (float)s);
+        }
+    }
+}
+extern "C" void cu_softmax_backward(float *dinp, const float *dout, const float *out, int64_t outer, int64_t n, int64_t inner,
+                                    int is_log) {
+    LAUNCH(softmax_bw, outer * inner, dinp, dout, out, outer, n, inner, is_log);
+}
+
+/* ---- LayerNorm / RMSNorm: a block per row; parameter gradients a thread per column ---- */
+__global__ static void norm_fw(float *out, float *mean, float *rstd, const float *inp, const float *w, const float *b,
+                               int64_t rows, int64_t C, float eps, int rms) {
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *x = inp + r * C;
+        double md = 0.0;
+        if (!rms) {
+            double s = 0.0;
+            for (int64_t c = threadIdx.x; c < C; c += blockDim.x) s += x[c];
+            md = uly_cu_block_sum(s) / (double)C;
+        }
+        double v = 0.0;
+        for (int64_t c = threadIdx.x; c < C; c += blockDim.x) { double d = (double)x[c] - md; v += d * d; }
+        v = uly_cu_block_sum(v);
+        float m = (float)md, rs = (float)(1.0 / sqrt(v / (double)C + (double)eps));
+        if (threadIdx.x == 0) { if (mean) mean[r] = m; if (rstd) rstd[r] = rs; }
+        for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+            float y = (x[c] - m) * rs;
+            if (w) y *= w[c];
+            if (b) y += b[c];
+            out[r * C + c] = y;
+        }
+    }
+}
+__global__ static void norm_bw_input(float *dinp, const float *dout, const float *inp, const float *w, const float *mean,
+                                     const float *rstd, int64_t rows, int64_t C, int rms) {
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *x = inp + r * C, *d = dout + r * C;
+        float m = rms ? 0.0f : mean[r], rs = rstd[r];
+        double sg = 0.0, sgx = 0.0;
+        for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+            float g = d[c] * (w ? w[c] : 1.0f), xh = (x[c] - m) * rs;
+            sg += g;
+            sgx += (double)g * xh;
+        }
+        float mg = (float)(uly_cu_block_sum(sg) / (double)C), mgx = (float)(uly_cu_block_sum(sgx) / (double)C);
+        if (rms) mg = 0.0f;
+        for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+            float g = d[c] * (w ? w[c] : 1.0f), xh = (x[c] - m) * rs;
+            dinp[r * C + c] += rs * (g - mg - xh * mgx);
+        }
+    }
+}
+__global__ static void norm_bw_params(float *dw, float *db, const float *dout, const float *inp, const float *mean,
+                                      const float *rstd, int64_t rows, int64_t C, int rms) {
+    ULY_CU_FOR(c, C) {
+        double sw = 0.0, sb = 0.0;
+        for (int64_t r = 0; r < rows; r++) {
+            float d = dout[r * C + c], xh = (inp[r * C + c] - (rms ? 0.0f : mean[r])) * rstd[r];
+            sw += (double)d * xh;
+            sb += d;
+        }
+        if (dw) dw[c] += (float)sw;
+        if (db) db[c] += (float)sb;
+    }
+}
+extern "C" void cu_layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w, const float *b,
+                                     int64_t rows, int64_t C, float eps) {
+    if (C > 0) LAUNCH_ROWS(norm_fw, rows, out, mean, rstd, inp, w, b, rows, C, eps, 0);
+}
+extern "C" void cu_layernorm_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp, const float *w,
+                                      const float *mean, const float *rstd, int64_t rows, int64_t C) {
+    if (C <= 0) return;
+    if (dinp) LAUNCH_ROWS(norm_bw_input, rows, dinp, dout, inp, w, mean, rstd, rows, C, 0);
+    if (dw || db) LAUNCH(norm_bw_params, C, dw, db, dout, inp, mean, rstd, rows, C, 0);
+}
+extern "C" void cu_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int64_t rows, int64_t C, float eps) {
+    if (C > 0) LAUNCH_ROWS(norm_fw, rows, out, (float *)NULL, rstd, inp, w, (const float *)NULL, rows, C, eps, 1);
+}
+extern "C" void cu_rmsnorm_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                                    const float *rstd, int64_t rows, int64_t C) {
+    if (C <= 0) return;
+    if (dinp) LAUNCH_ROWS(norm_bw_input, rows, dinp, dout, inp, w, (const float *)NULL, rstd, rows, C, 1);
+    if (dw) LAUNCH(norm_bw_params, C, dw, (float *)NULL, dout, inp, (const float *)NULL, rstd, rows, C, 1);
+}
+
+/* ---- embedding ---- */
+__device__ static inline int64_t load_idx(const void *p, int bytes, int64_t i) {
+    return bytes == 4 ? (int64_t)((const int32_t *)p)[i] : ((const int64_t *)p)[i];
+}
+__global__ static void embed_fw(float *out, const void *idx, int ib, const float *w, int64_t n, int64_t C) {
+    ULY_CU_FOR(e, n * C) out[e] = w[load_idx(idx, ib, e / C) * C + e % C];
+}
+/* a thread per column walks the rows in order: deterministic, no atomics */
+__global__ static void embed_bw(float *dw, const float *dout, const void *idx, int ib, int64_t n, int64_t C) {
+    ULY_CU_FOR(c, C)
+        for (int64_t i = 0; i < n; i++) dw[load_idx(idx, ib, i) * C + c] += dout[i * C + c];
+}
+extern "C" void cu_embedding_forward(float *out, const void *idx, int ib, const float *w, int64_t n, int64_t C) {
+    LAUNCH(embed_fw, n * C, out, idx, ib, w, n, C);
+}
+extern "C" void cu_embedding_backward(float *dw, const float *dout, const void *idx, int ib, int64_t n, int64_t C) {
+    if (dw) LAUNCH(embed_bw, C, dw, dout, idx, ib, n, C);
+}
+__global__ static void first_bad(unsigned long long *first, const void *idx, int ib, int64_t n, int64_t V) {
+    ULY_CU_FOR(i, n) {
+        int64_t v = load_idx(idx, ib, i);
+        if (v < 0 || v >= V) atomicMin(first, (unsigned long long)i);
+    }
+}
+extern "C" int64_t cu_embedding_first_bad_index(const void *idx, int ib, int64_t n, int64_t V) {
+    unsigned long long *first = (unsigned long long *)uly_cu_scratch(), host = (unsigned long long)n;
+    if (n <= 0) return -1;
+    cudaMemcpyAsync(first, &host, sizeof host, cudaMemcpyHostToDevice, uly_cu_stream);
+    LAUNCH(first_bad, n, first, idx, ib, n, V);
+    if (uly_cu_read_back(&host, first, sizeof host)) return -1;
+    return host < (unsigned long long)n ? (int64_t)host : -1;
+}
+
+/* ---- cross-entropy: a block per row; count of non-ignored rows read back ---- */
+__global__ static void ce_fw(float *loss, float *lse, const float *logits, const void *t, int tb, int64_t rows, int64_t V,
+                             int64_t ignore) {
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        int64_t tr = load_idx(t, tb, r);
+        if (tr == ignore) {
+            if (threadIdx.x == 0) { loss[r] = 0.0f; lse[r] = 0.0f; }
+            continue;
+        }
+        const float *x = logits + r * V;
+        float m = -INFINITY;
+        for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, x[j]);
+        m = uly_cu_block_max(m);
+        double s = 0.0;
+        for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(x[j] - m);
+        s = uly_cu_block_sum(s);
+        if (threadIdx.x == 0) {
+            float l = m + (float)log(s);
+            lse[r] = l;
+            loss[r] = l - x[tr];
+        }
+    }
+}
+__global__ static void ce_count(unsigned long long *count, const void *t, int tb, int64_t rows, int64_t ignore) {
+    unsigned long long mine = 0;
+    ULY_CU_FOR(r, rows) mine += load_idx(t, tb, r) != ignore;
+    if (mine) atomicAdd(count, mine);   /* integers: order does not matter */
+}
+extern "C" int64_t cu_cross_entropy_forward(float *loss, float *lse, const float *logits, const void *t, int tb, int64_t rows,
+                                            int64_t V, int64_t ignore) {
+    if (rows <= 0) return 0;
+    LAUNCH_ROWS(ce_fw, rows, loss, lse, logits, t, tb, rows, V, ignore);
+    unsigned long long *count = (unsigned long long *)uly_cu_scratch(), host = 0;
+    cudaMemsetAsync(count, 0, sizeof host, uly_cu_stream);
+    LAUNCH(ce_count, rows, count, t, tb, rows, ignore);
+    if (uly_cu_read_back(&host, count, sizeof host)) return 0;
+    return (int64_t)host;
+}
+__global__ static void ce_bw(float *dl, const float *dloss, const float *logits, const float *lse, const void *t, int tb,
+                             int64_t rows, int64_t V, int64_t ignore) {
+    ULY_CU_FOR(e, rows * V) {
+        int64_t r = e / V, j = e % V, tr = load_idx(t, tb, r);
+        if (tr == ignore) continue;
+        dl[e] += dloss[r] * (expf(logits[e] - lse[r]) - (j == tr ? 1.0f : 0.0f));
+    }
+}
+extern "C" void cu_cross_entropy_backward(float *dlogits, const float *dloss, const float *logits, const float *lse,
+                                          const void *t, int tb, int64_t rows, int64_t V, int64_t ignore) {
+    LAUNCH(ce_bw, rows * V, dlogits, dloss, logits, lse, t, tb, rows, V, ignore);
+}
+
+/* ---- optimizers ---- */
+__global__ static void adamw_k(float *p, const float *g, float *m, float *v, int64_t n, float decay, float b1, float b2,
+                               float step_size, float bc2_sqrt, float eps) {
+    ULY_CU_FOR(i, n) {
+        float gi = g[i];
+        float mi = b1 * m[i] + (1.0f - b1) * gi, vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = p[i] * decay - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+    }
+}
+extern "C" void cu_optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float decay, float b1, float b2,
+                               float step_size, float bc2_sqrt, float eps) {
+    LAUNCH(adamw_k, n, p, g, m, v, n, decay, b1, b2, step_size, bc2_sqrt, eps);
+}
+__global__ static void sgd_k(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float mom, float damp,
+                             int nesterov, int init) {
+    ULY_CU_FOR(i, n) {
+        float d = g[i] + wd * p[i];
+        if (buf) {
+            float b = init ? d : mom * buf[i] + (1.0f - damp) * d;
+            buf[i] = b;
+            d = nesterov ? d + mom * b : b;
+        }
+        p[i] -= lr * d;
+    }
+}
+extern "C" void cu_optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float momentum, float damp,
+                             int nesterov, int init) {
+    LAUNCH(sgd_k, n, p, g, buf, n, lr, wd, momentum, damp, nesterov, init);
+}
+/* sum of squares: fixed SUMSQ_BLOCKS partial sums (a function of n only), then added in order */
+#define SUMSQ_BLOCKS 1024
+__global__ static void sumsq_part(double *part, const float *x, int64_t n) {
+    double s = 0.0;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        s += (double)x[i] * x[i];
+    s = uly_cu_block_sum(s);
+    if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+__global__ static void sumsq_total(double *part, int nparts) {
+    double s = 0.0;
+    for (int i = threadIdx.x; i < nparts; i += blockDim.x) s += part[i];
+    s = uly_cu_block_sum(s);
+    if (threadIdx.x == 0) part[0] = s;
+}
+extern "C" double cu_optim_sumsq(const float *x, int64_t n) {
+    if (n <= 0) return 0.0;
+    double *part = (double *)uly_cu_scratch(), host = 0.0;
+    sumsq_part<<<SUMSQ_BLOCKS, THREADS, 0, uly_cu_stream>>>(part, x, n);
+    ULY_CU_LAUNCHED("sumsq_part");
+    sumsq_total<<<1, 1024, 0, uly_cu_stream>>>(part, SUMSQ_BLOCKS);
+    ULY_CU_LAUNCHED("sumsq_total");
+    if (uly_cu_read_back(&host, part, sizeof host)) return 0.0;
+    return host;
+}
+__global__ static void scale_k(float *x, int64_t n, float s) { ULY_CU_FOR(i, n) x[i] *= s; }
+extern "C" void cu_optim_scale(float *x, int64_t n, float s) { LAUNCH(scale_k, n, x, n, s); }

@@ -1,0 +1,336 @@
+-- spec/device_spec.lua — device tensors: the same ops, gradients, models and optimizers on device
+-- 'cuda' as on the CPU. Without a GPU, device 'cuda' is the simulation (host memory behind tagged
+-- pointers that crash if the core touches device memory directly), so every device path of the
+-- core runs here; on a GPU machine scripts/gpu-check.sh runs this file with ULY_TEST_DEVICE=cuda
+-- against the real CUDA backend (looser tolerances: TF32 GEMMs, other summation orders).
+local uly = require 'ulysses'
+local ffi = require 'ffi'
+local helpers = require 'helpers'
+
+local REAL = os.getenv('ULY_TEST_DEVICE') == 'cuda'
+local RTOL = REAL and 2e-3 or 1e-6    -- TF32 keeps 10 mantissa bits
+local ATOL = REAL and 2e-4 or 1e-7
+
+local function use_device()
+  if uly.cuda.backend() then return end
+  if REAL then assert(uly.cuda.ensure()) else assert(uly.cuda.simulate()) end
+end
+
+local function release_device()
+  if REAL then return end
+  uly.device('cpu')
+  jit.flush()   -- compiled traces can anchor objects (a model's tables) as constants
+  collectgarbage('collect')
+  collectgarbage('collect')
+  uly.cuda.reset()
+end
+
+-- the same computation on both devices: fn(inputs...) -> output tensor (or list); inputs are
+-- CPU leaves; compares outputs and the gradients of sum(output * w) for a fixed random w
+local function same_on_device(fn, inputs, opts)
+  opts = opts or {}
+  local rtol, atol = opts.rtol or RTOL, opts.atol or ATOL
+  local function run(device)
+    local leaves = {}
+    for i, x in ipairs(inputs) do
+      if uly.is_tensor(x) then
+        local d = x:detach():to(device)
+        if x.requires_grad then d:requires_grad_(true) end
+        leaves[i] = d
+      else
+        leaves[i] = x
+      end
+    end
+    local out = fn(unpack(leaves, 1, #inputs))
+    return out, leaves
+  end
+  local out_c, leaves_c = run('cpu')
+  local out_d, leaves_d = run('cuda')
+  assert.equal('cuda', out_d:device())
+  helpers.assert_close(out_d:cpu(), out_c, rtol, atol, 'output')
+  if out_c.requires_grad then
+    helpers.reseed(7)
+    local w = uly.randn(out_c:shape())
+    local wd = w:cuda()
+    out_c:mul(w):sum():backward()
+    out_d:mul(wd):sum():backward()
+    for i, x in ipairs(leaves_c) do
+      if uly.is_tensor(x) and x.requires_grad then
+        assert.equal('cuda', leaves_d[i].grad:device())
+        helpers.assert_close(leaves_d[i].grad:cpu(), x.grad, rtol, atol, 'gradient of input ' .. i)
+      end
+    end
+  end
+end
+
+describe('device tensors', function()
+  setup(use_device)
+  teardown(release_device)
+  before_each(function() helpers.reseed() end)
+
+  it('are created on the device and copied back exactly, in every dtype', function()
+    for _, dtype in ipairs({ 'f32', 'bf16', 'i32', 'i64', 'f64' }) do
+      local h = uly.tensor({ { 1, -2, 3.5 }, { 4, 5, -6 } }, { dtype = dtype })
+      local d = h:to('cuda')
+      assert.equal('cuda', d:device())
+      assert.equal(dtype, d:dtype())
+      assert.same(h:totable(), d:totable())
+      assert.same(h:totable(), d:cpu():totable())
+    end
+    assert.equal('cuda', uly.zeros(2, 3, { device = 'cuda' }):device())
+    assert.same({ { 7, 7 } }, uly.full({ 1, 2 }, 7, { device = 'cuda' }):totable())
+  end)
+
+  it('convert dtypes, copy strided views and read and write single elements on the device', function()
+    local h = uly.randn(4, 6)
+    local d = h:cuda()
+    helpers.assert_close(d:t():contiguous():cpu(), h:t():contiguous(), 0, 0)
+    helpers.assert_close(d:narrow(2, 2, 3):contiguous():cpu(), h:narrow(2, 2, 3):contiguous(), 0, 0)
+    assert.same(h:bf16():totable(), d:bf16():totable())
+    assert.same(h:bf16():float():totable(), d:bf16():float():totable())
+    d[2][3] = 42
+    assert.equal(42, d[2][3]:item())
+    assert.equal(42, d:cpu()[2][3]:item())
+    local e = uly.zeros(3, 4, { device = 'cuda' })
+    e:narrow(1, 2, 1):fill_(5)
+    assert.same({ { 0, 0, 0, 0 }, { 5, 5, 5, 5 }, { 0, 0, 0, 0 } }, e:totable())
+    e:copy_(uly.tensor({ 1, 2, 3, 4 }))         -- broadcast from the host
+    assert.same({ 1, 2, 3, 4 }, e[3]:totable())
+  end)
+
+  it('refuse to mix devices in one op, naming both and the fix', function()
+    local a, b = uly.randn(2, 3), uly.randn(2, 3):cuda()
+    for _, f in ipairs({ function() return a + b end, function() return b:matmul(a:t()) end,
+                         function() return uly.cat({ a, b }, 1) end }) do
+      local msg = helpers.error_of(f)
+      assert.matches("is on c%a+ but '[^']+' is on c%a+", msg)
+      assert.matches(":to%('cuda'%)", msg)
+    end
+    assert.matches('host cannot read', helpers.error_of(function() return b:data() end), 1, true)
+  end)
+
+  it('move gradients back across :to()', function()
+    local x = uly.randn(3, 4, { requires_grad = true })
+    local y = (x:cuda() * 2):sum()
+    y:backward()
+    assert.equal('cpu', x.grad:device())
+    helpers.assert_close(x.grad, uly.full({ 3, 4 }, 2), 0, 0)
+  end)
+
+  describe('ops give the CPU values and gradients', function()
+    local function R(...) return uly.randn(...):requires_grad_() end
+    local cases = {
+      { 'add (broadcast)', function(a, b) return a + b end, function() return { R(3, 4), R(4) } end },
+      { 'sub', function(a, b) return a - b end, function() return { R(3, 4), R(3, 1) } end },
+      { 'mul', function(a, b) return a * b end, function() return { R(2, 3, 4), R(1, 3, 4) } end },
+      { 'div', function(a, b) return a / b end, function() return { R(3, 4), uly.rand(3, 4):add(0.5):requires_grad_() } end },
+      { 'scalars', function(a) return ((a + 1) * 3) ^ 2 end, function() return { R(5, 3) } end },
+      { 'matmul', function(a, b) return a:matmul(b) end, function() return { R(5, 7), R(7, 3) } end },
+      { 'batched matmul', function(a, b) return a:matmul(b) end, function() return { R(2, 4, 5, 6), R(4, 6, 3) } end },
+      { 'matmul of transposes', function(a, b) return a:t():matmul(b:t()) end, function() return { R(6, 5), R(3, 6) } end },
+      { 'sum and mean', function(a) return a:sum(2) + a:mean(2) end, function() return { R(3, 5, 2) } end },
+      { 'max', function(a) return (a:max(2)) end, function() return { R(4, 6) } end },
+      { 'softmax', function(a) return a:softmax(-1) end, function() return { R(3, 7) } end },
+      { 'log_softmax', function(a) return a:log_softmax(1) end, function() return { R(5, 3) } end },
+      { 'layernorm', function(x, w, b) return uly.layernorm(x, w, b) end, function() return { R(4, 8), R(8), R(8) } end },
+      { 'rmsnorm', function(x, w) return uly.rmsnorm(x, w) end, function() return { R(4, 8), R(8) } end },
+      { 'gelu', function(a) return uly.gelu(a) end, function() return { R(50) } end },
+      { 'silu, tanh, sigmoid', function(a) return a:silu() + a:tanh() + a:sigmoid() end, function() return { R(40) } end },
+      { 'relu', function(a) return a:relu() end, function() return { R(40) } end },
+      { 'exp, log, sqrt', function(a) return a:exp() + a:log() + a:sqrt() end,
+        function() return { uly.rand(30):add(0.5):requires_grad_() } end },
+      { 'swiglu', function(g, u) return uly.swiglu(g, u) end, function() return { R(6, 5), R(6, 5) } end },
+      { 'rope', function(x) return uly.rope(x, 3) end, function() return { R(2, 5, 3, 8) } end },
+      { 'views, permutes, narrows, expands, cat', function(a, b)
+          return uly.cat({ a:permute(2, 1, 3):narrow(1, 2, 2), b:expand(2, 3, 4) }, 2)
+        end, function() return { R(3, 3, 4), R(1, 1, 4) } end },
+      { 'dtype round trip', function(a) return a:double():float() * 2 end, function() return { R(3, 3) } end },
+    }
+    for _, c in ipairs(cases) do
+      it(c[1], function() same_on_device(c[2], c[3]()) end)
+    end
+
+    it('embedding (integer ids on the device too)', function()
+      local idx = helpers.token_ids(2, 5, 11)
+      same_on_device(function(w, i) return uly.embedding(i, w) end, { uly.randn(11, 4):requires_grad_(), idx })
+    end)
+
+    it('cross-entropy with ignored targets, each reduction', function()
+      local y = helpers.token_ids(3, 4, 9)
+      y[2][3] = -1
+      for _, red in ipairs({ 'mean', 'sum', 'none' }) do
+        same_on_device(function(l, t) return uly.cross_entropy(l, t, { ignore_index = -1, reduction = red }) end,
+                       { uly.randn(3, 4, 9):requires_grad_(), y })
+      end
+    end)
+
+    it('dropout draws the same mask as the CPU from the same generator state', function()
+      same_on_device(function(x)
+        helpers.reseed(11)
+        return uly.dropout(x, 0.3, true)
+      end, { uly.randn(64, 16):requires_grad_() })
+    end)
+
+    it('reference and flash attention, with causal, window and document masks', function()
+      local q, k, v = uly.randn(2, 70, 4, 16), uly.randn(2, 70, 2, 16), uly.randn(2, 70, 2, 16)
+      for _, x in ipairs({ q, k, v }) do x:requires_grad_() end
+      same_on_device(function(a, b, c) return uly.attention(a, b, c, { causal = true }) end, { q, k, v })
+      local docs = uly.tensor({ 0, 0, 0, 1, 1, 2 }, { dtype = 'i32' }):view(1, 6):expand(2, 6):contiguous()
+      docs = uly.cat({ docs, uly.full({ 2, 64 }, 3, { dtype = 'i32' }) }, 2)
+      same_on_device(function(a, b, c, d)
+        return uly.flash_attention(a, b, c, { causal = true, window = 9, q_doc = d, k_doc = d })
+      end, { q, k, v, docs })
+    end)
+
+    it('refuse bad input exactly as on the CPU (embedding ids, targets out of range)', function()
+      local w = uly.randn(5, 3):cuda()
+      local msg = helpers.error_of(function() return uly.embedding(uly.tensor({ 1, 7 }, { dtype = 'i32' }):cuda(), w) end)
+      assert.matches('index 7 at position 1', msg, 1, true)
+      msg = helpers.error_of(function()
+        return uly.cross_entropy(uly.randn(2, 4):cuda(), uly.tensor({ 1, 4 }, { dtype = 'i32' }):cuda())
+      end)
+      assert.matches('target 4 at position 1 is out of range for 4 classes', msg, 1, true)
+    end)
+  end)
+
+  describe('optimizers and models', function()
+    local GPT = require 'models.gpt'
+    local Llama = require 'models.llama'
+
+    -- n AdamW steps of a model on a device; the losses and the final parameters (on the host)
+    local function train(Model, cfg, device, x, y, steps)
+      helpers.reseed(3)
+      local m = Model(cfg):to(device)
+      local opt = uly.optim.AdamW(m:parameters(), { lr = 1e-2, weight_decay = 0.1 })
+      local losses = {}
+      for s = 1, steps do
+        opt:zero_grad()
+        local loss = m:loss(x:to(device), y:to(device))
+        loss:backward()
+        uly.optim.clip_grad_norm(m:parameters(), 1.0)
+        opt:step()
+        losses[s] = loss:item()
+      end
+      local params = {}
+      for name, p in m:named_parameters() do params[name] = p:cpu() end
+      return losses, params, m
+    end
+
+    for _, case in ipairs({ { 'GPT', GPT, { preset = 'tiny', dropout = 0.1 } },
+                            { 'Llama (GQA)', Llama, { preset = 'tiny', kv_heads = 2 } } }) do
+      it(case[1] .. ': three training steps match the CPU, loss by loss and parameter by parameter', function()
+        local x, y = helpers.token_ids(2, 16, 256), helpers.token_ids(2, 16, 256)
+        local lc, pc = train(case[2], case[3], 'cpu', x, y, 3)
+        local ld, pd, m = train(case[2], case[3], 'cuda', x, y, 3)
+        for s = 1, 3 do assert.is_true(math.abs(lc[s] - ld[s]) <= 10 * RTOL * math.abs(lc[s]), ('step %d: %g vs %g'):format(s, lc[s], ld[s])) end
+        for name, p in pairs(pc) do helpers.assert_close(pd[name], p, 10 * RTOL, 10 * ATOL, name) end
+        for _, p in ipairs(m:parameters()) do assert.equal('cuda', p:device()) end
+      end)
+    end
+
+    it('Module:to keeps the parameter objects and refuses optimizer state left on the other device', function()
+      local m = GPT { preset = 'tiny' }
+      local p1 = m:parameters()[1]
+      local opt = uly.optim.AdamW(m:parameters(), { lr = 1e-3 })
+      m:to('cuda')
+      assert.equal(p1, m:parameters()[1])
+      assert.equal('cuda', p1:device())
+      assert.is_true(p1.requires_grad and p1:is_leaf())
+      local x = helpers.token_ids(1, 8, 256)
+      m:loss(x:cuda(), x:cuda()):backward()
+      opt:zero_grad(false)
+      local msg = helpers.error_of(function()
+        m:loss(x:cuda(), x:cuda()):backward()
+        opt:step()
+      end)
+      assert.matches('on cpu but the parameter is on cuda', msg, 1, true)
+    end)
+
+    it('uly.device makes new tensors and models land on the device by default', function()
+      local prev = uly.device('cuda')
+      local ok, err = pcall(function()
+        assert.equal('cuda', uly.zeros(2):device())
+        assert.equal('cuda', uly.randn(2, 2):device())
+        assert.equal('cuda', GPT({ preset = 'tiny' }):parameters()[1]:device())
+      end)
+      uly.device(prev)
+      assert(ok, err)
+      assert.equal('cpu', uly.zeros(2):device())
+    end)
+
+    it('checkpoints a model on the device and restores it exactly', function()
+      local dir = helpers.mkdtemp()
+      local m = Llama({ preset = 'tiny' }):to('cuda')
+      local opt = uly.optim.AdamW(m:parameters(), { lr = 1e-3 })
+      local x = helpers.token_ids(1, 8, 256)
+      m:loss(x:cuda(), x:cuda()):backward()
+      opt:step()
+      uly.checkpoint.save(dir .. '/c.h5', { model = m, optim = opt, step = 1 })
+      local m2 = Llama({ preset = 'tiny' }):to('cuda')
+      local opt2 = uly.optim.AdamW(m2:parameters(), { lr = 1e-3 })
+      uly.checkpoint.load(dir .. '/c.h5', { model = m2, optim = opt2 })
+      for name, p in m:named_parameters() do
+        local q = nil
+        for n2, p2 in m2:named_parameters() do if n2 == name then q = p2 end end
+        assert.equal('cuda', q:device())
+        helpers.assert_close(q:cpu(), p:cpu(), 0, 0, name)
+      end
+      helpers.rmtree(dir)
+    end)
+  end)
+
+  describe('the caching pool', function()
+    it('makes no device allocation once a training step is warm, and counts peak and reserved', function()
+      local m = require('models.gpt')({ preset = 'tiny' }):to('cuda')
+      local opt = uly.optim.AdamW(m:parameters(), { lr = 1e-3 })
+      local x = helpers.token_ids(2, 16, 256):cuda()
+      local function step()
+        opt:zero_grad()
+        m:loss(x, x):backward()
+        opt:step()
+        collectgarbage('collect')
+      end
+      step()
+      step()
+      local before = uly.memory('cuda')
+      step()
+      local after = uly.memory('cuda')
+      assert.equal(before.raw_allocs, after.raw_allocs)
+      assert.is_true(after.peak >= after.allocated and after.reserved >= after.allocated)
+      assert.is_true(after.allocated > 0)
+    end)
+
+    it('fails cleanly beyond its limit, naming the device, and stays usable', function()
+      local limit = uly.memory('cuda').limit
+      uly.memory_limit(uly.memory('cuda').allocated + (1 * 2^20), 'cuda')
+      local msg = helpers.error_of(function() return uly.empty({ 4 * 2^20 }, { device = 'cuda' }) end)
+      uly.memory_limit(limit, 'cuda')
+      assert.matches('out of memory on the cuda device', msg, 1, true)
+      assert.equal(3, uly.full({ 2 }, 3, { device = 'cuda' })[1]:item())
+    end)
+
+    if not REAL then
+      it('gives its cache back and retries once when the device runs out', function()
+        collectgarbage('collect')
+        uly.empty_cache('cuda')
+        local base_alloc = uly.memory('cuda').allocated
+        pcall(ffi.cdef, "int setenv(const char *name, const char *value, int overwrite); int unsetenv(const char *name);")
+        ffi.C.setenv('ULY_SIM_MEMORY', tostring(base_alloc + (48 * 2^20)), 1)
+        local ok, err = pcall(function()
+          local a = uly.empty({ 8 * 2^20 }, { device = 'cuda' })   -- 32 MiB
+          a = nil
+          collectgarbage('collect')                               -- cached, not freed
+          assert.is_true(uly.memory('cuda').reserved >= base_alloc + (32 * 2^20))
+          local frees = uly.memory('cuda').raw_frees
+          local b = uly.empty({ 9 * 2^20 }, { device = 'cuda' })   -- 36 MiB fits only without the cache
+          assert.equal(9 * 2^20, b:numel())
+          assert.is_true(uly.memory('cuda').raw_frees > frees)
+          local msg = helpers.error_of(function() return uly.empty({ 16 * 2^20 }, { device = 'cuda' }) end)
+          assert.matches('simulated out of memory', msg, 1, true)
+        end)
+        ffi.C.unsetenv('ULY_SIM_MEMORY')
+        assert(ok, err)
+      end)
+    end
+  end)
+end)
