@@ -50,6 +50,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'seed', 1337, 'seed for initialisation, data order and dropout' },
   { 'threads', 0, 'threads for kernels and BLAS (0 = all cores; under mpirun: cores / ranks)' },
   { 'device', 'cpu', 'cpu | cuda (ULY_CUDA_SIMULATE=1 runs the cuda code path in host memory)' },
+  { 'precision', 'f32', 'f32 | bf16: matmul operands rounded to bf16, f32 accumulation, f32 master weights and optimizer' },
   { 'sp', 0, 'ranks per sequence-parallel group under mpirun (0 = all ranks; world / sp groups do data parallelism)' },
   { 'peak_gflops', 0, 'peak for MFU (0: cpu 217 GFLOP/s per thread, the AVX-512 FMA peak of one core here; cuda 989000, the H200 bf16 dense peak)' },
   { 'log_every', 0, 'seconds between progress lines (0 = every step)' },
@@ -213,6 +214,8 @@ local function main()
     if not ok then usage('--device ' .. cfg.device .. ': ' .. tostring(err):gsub('^[^:]*:%d+: ', '')) end
   end
   local device = cfg.device
+  if cfg.precision ~= 'f32' and cfg.precision ~= 'bf16' then usage("--precision must be 'f32' or 'bf16', got " .. cfg.precision) end
+  uly.matmul_precision(cfg.precision)
   local ctx = { pos = train_data.offset or 0, seq_total = cfg.seq }
   local opt = uly.optim.AdamW(model:parameters(), { lr = cfg.lr, betas = { 0.9, cfg.beta2 }, weight_decay = cfg.wd })
   local schedule = cfg.schedule == 'constant' and uly.optim.schedule.constant { lr = cfg.lr, warmup = cfg.warmup }
@@ -255,6 +258,8 @@ local function main()
                     grid and string.format(' x dp %d; %d ranks = dp %d x sp %d', grid.dp_size, grid.world, grid.dp_size,
                                            grid.sp_size) or '',
                     cfg.lr, cfg.schedule, threads, uly.blas_corename()))
+  say(string.format('device: %s%s, matmul precision %s', device,
+                    device == 'cuda' and (' (backend ' .. tostring(uly.cuda.backend()) .. ')') or '', cfg.precision))
 
   local log_path = cfg.out .. '/log.csv'
   local writer = main_rank and uly.log.Writer(log_path, {

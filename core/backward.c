@@ -133,9 +133,16 @@ static int bw_matmul(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     uly_tensor *a = n->saved[0], *b = n->saved[1];
     int nb = g->ndim - 2;
     int64_t M = g->shape[nb], N = g->shape[nb + 1], K = a->shape[a->ndim - 1];
-    uly_mat G = uly_as_mat(g, nb);
-    if (gin[0]) uly_be(g)->gemm_batched(nb, g->shape, G, transposed(uly_as_mat(b, nb)), uly_as_mat(gin[0], nb), M, K, N, 1.0f);
-    if (gin[1]) uly_be(g)->gemm_batched(nb, g->shape, transposed(uly_as_mat(a, nb)), G, uly_as_mat(gin[1], nb), K, N, M, 1.0f);
+    const uly_backend *be = uly_be(g);
+    /* in bf16 matmul precision the output gradient is rounded like the operands were (by the
+     * backend's bf16 GEMM, or here into a copy) */
+    const int bf16 = (int)n->i[0];
+    uly_tensor *gr = (bf16 && !be->gemm_batched_bf16) ? uly_bf16_rounded(g) : NULL;
+    if (bf16 && !be->gemm_batched_bf16 && !gr) return -1;
+    uly_mat G = uly_as_mat(gr ? gr : g, nb);
+    if (gin[0]) uly_gemm(be, bf16, nb, g->shape, G, transposed(uly_as_mat(b, nb)), uly_as_mat(gin[0], nb), M, K, N, 1.0f);
+    if (gin[1]) uly_gemm(be, bf16, nb, g->shape, transposed(uly_as_mat(a, nb)), G, uly_as_mat(gin[1], nb), K, N, M, 1.0f);
+    uly_tensor_release(gr);
     return 0;
 }
 

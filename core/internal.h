@@ -183,6 +183,11 @@ int uly_bw_flash_attention(uly_node *n, uly_tensor *gout, uly_tensor **gin);  /*
 int uly_sum_to(uly_tensor *dst, const uly_tensor *src, float alpha);
 /* the last two dims of t as a GEMM operand, batch strides aligned right to nb dims (ops.c) */
 uly_mat uly_as_mat(const uly_tensor *t, int nb);
+/* mixed precision (ops.c): a GEMM in the current matmul precision, and the bf16-rounded copy the
+ * core makes when the backend has no native bf16 GEMM */
+void uly_gemm(const uly_backend *be, int bf16, int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M,
+              int64_t N, int64_t K, float beta);
+uly_tensor *uly_bf16_rounded(const uly_tensor *t);
 /* visit a shape in row-major order, fn gets runs along the last dim (byte strides; tensor.c) */
 typedef void (*uly_walk_fn)(char *a, char *b, int64_t n, int64_t sa, int64_t sb, void *ctx);
 void uly_walk2(int ndim, const int64_t *shape, char *a, const int64_t *sa, char *b, const int64_t *sb,

@@ -69,6 +69,26 @@ uly_tensor *uly_mul_scalar(uly_tensor *a, double s) { return scalar_op("mul_scal
 uly_tensor *uly_pow_scalar(uly_tensor *a, double e) { return scalar_op("pow", ULY_SCALAR_POW, ULY_OP_POW_SCALAR, a, e); }
 
 /* ---- matmul ---- */
+static int matmul_bf16;
+int uly_set_matmul_bf16(int on) { int prev = matmul_bf16; matmul_bf16 = on != 0; return prev; }
+int uly_matmul_bf16(void) { return matmul_bf16; }
+
+/* a contiguous f32 copy of t with every value rounded to bf16 (round to nearest even) */
+uly_tensor *uly_bf16_rounded(const uly_tensor *t) {
+    uly_tensor *h = uly_new_contiguous(t->ndim, t->shape, ULY_DTYPE_BF16, uly_dev(t));
+    uly_tensor *out = h ? uly_new_contiguous(t->ndim, t->shape, ULY_DTYPE_F32, uly_dev(t)) : NULL;
+    if (out && (uly_copy_raw(h, t) || uly_copy_raw(out, h))) { uly_tensor_release(out); out = NULL; }
+    uly_tensor_release(h);
+    return out;
+}
+
+/* a GEMM in the current matmul precision; with bf16 and a backend without native bf16 GEMMs the
+ * caller has already rounded A and B */
+void uly_gemm(const uly_backend *be, int bf16, int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M,
+              int64_t N, int64_t K, float beta) {
+    if (bf16 && be->gemm_batched_bf16) be->gemm_batched_bf16(nb, bshape, A, B, C, M, N, K, beta);
+    else be->gemm_batched(nb, bshape, A, B, C, M, N, K, beta);
+}
 /* describe the last two dims of t as a matrix, batch dims aligned right to nb dims */
 uly_mat uly_as_mat(const uly_tensor *t, int nb) {
     uly_mat m = {.p = uly_f32(t), .rs = t->stride[t->ndim - 2], .cs = t->stride[t->ndim - 1]};
@@ -118,15 +138,19 @@ uly_tensor *uly_matmul(uly_tensor *a, uly_tensor *b) {
     shape[nb] = M;
     shape[nb + 1] = N;
     const uly_backend *be = uly_be(a);
-    uly_tensor *ac = be->gemm_operand_ok(M, K, a->stride[a->ndim - 2], a->stride[a->ndim - 1]) ? (a->refcount++, a) : uly_contiguous_raw(a);
-    uly_tensor *bc = be->gemm_operand_ok(K, N, b->stride[b->ndim - 2], b->stride[b->ndim - 1]) ? (b->refcount++, b) : uly_contiguous_raw(b);
+    const int round_here = matmul_bf16 && !be->gemm_batched_bf16;  /* the backend cannot: round copies */
+    uly_tensor *ac = !round_here && be->gemm_operand_ok(M, K, a->stride[a->ndim - 2], a->stride[a->ndim - 1])
+                         ? (a->refcount++, a) : (round_here ? uly_bf16_rounded(a) : uly_contiguous_raw(a));
+    uly_tensor *bc = !round_here && be->gemm_operand_ok(K, N, b->stride[b->ndim - 2], b->stride[b->ndim - 1])
+                         ? (b->refcount++, b) : (round_here ? uly_bf16_rounded(b) : uly_contiguous_raw(b));
     uly_tensor *out = (ac && bc) ? uly_new_contiguous(nb + 2, shape, ULY_DTYPE_F32, uly_dev(a)) : NULL;
     if (out) {
-        be->gemm_batched(nb, shape, uly_as_mat(ac, nb), uly_as_mat(bc, nb), uly_as_mat(out, nb), M, N, K, 0.0f);
+        uly_gemm(be, matmul_bf16, nb, shape, uly_as_mat(ac, nb), uly_as_mat(bc, nb), uly_as_mat(out, nb), M, N, K, 0.0f);
         uly_tensor *in[2] = {a, b};
         uly_node *n = uly_node_begin(ULY_OP_MATMUL, 2, in);
         uly_node_save(n, ac);
         uly_node_save(n, bc);
+        if (n) n->i[0] = matmul_bf16;  /* the backward GEMMs use the forward's precision */
         uly_node_attach(n, out);
     }
     uly_tensor_release(ac);

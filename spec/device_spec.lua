@@ -334,3 +334,75 @@ describe('device tensors', function()
     end
   end)
 end)
+
+describe('mixed precision (matmul in bf16)', function()
+  local function rounded(t) return t:bf16():float() end
+  after_each(function() uly.matmul_precision('f32') end)
+
+  it('rounds both operands and the output gradient to bf16 and accumulates in f32', function()
+    helpers.reseed()
+    local a, b = uly.randn(2, 5, 7):requires_grad_(), uly.randn(7, 3):requires_grad_()
+    local w = uly.randn(2, 5, 3)
+    assert.equal('f32', uly.matmul_precision('bf16'))
+    local out = a:matmul(b)
+    out:mul(w):sum():backward()
+    assert.equal('bf16', uly.matmul_precision('f32'))
+    local ra, rb = rounded(a:detach()):requires_grad_(), rounded(b:detach()):requires_grad_()
+    local ref = ra:matmul(rb)
+    helpers.assert_close(out, ref, 1e-6, 1e-6, 'output')
+    -- backward: dA = round(dC) round(B)^T, dB = round(A)^T round(dC) with dC = w
+    local ga = rounded(w):matmul(rounded(b:detach()):t())
+    local gb = rounded(a:detach()):view(10, 7):t():matmul(rounded(w):view(10, 3))
+    helpers.assert_close(a.grad, ga, 1e-6, 1e-6, 'grad a')
+    helpers.assert_close(b.grad, gb, 1e-6, 1e-6, 'grad b')
+    -- and it differs from full f32 (the flag does something)
+    local full = a:detach():matmul(b:detach())
+    assert.is_true(helpers.values(full)[0] ~= helpers.values(out)[0] or helpers.values(full)[1] ~= helpers.values(out)[1])
+  end)
+
+  it('refuses other precisions', function()
+    assert.matches("expected 'bf16' or 'f32'", helpers.error_of(function() uly.matmul_precision('fp8') end), 1, true)
+  end)
+
+  it('gives the same numbers on the device as on the CPU, and trains GPT close to f32', function()
+    use_device()
+    local GPT = require 'models.gpt'
+    local x = helpers.token_ids(2, 16, 256)
+    local function losses(device, precision)
+      uly.matmul_precision(precision)
+      helpers.reseed(5)
+      local m = GPT({ preset = 'tiny' }):to(device)
+      local opt = uly.optim.AdamW(m:parameters(), { lr = 1e-2 })
+      local out = {}
+      for s = 1, 3 do
+        opt:zero_grad()
+        local loss = m:loss(x:to(device), x:to(device))
+        loss:backward()
+        opt:step()
+        out[s] = loss:item()
+      end
+      return out
+    end
+    local cpu16, dev16, cpu32 = losses('cpu', 'bf16'), losses('cuda', 'bf16'), losses('cpu', 'f32')
+    for s = 1, 3 do
+      assert.is_true(math.abs(cpu16[s] - dev16[s]) <= 10 * RTOL * cpu16[s], ('step %d: %g vs %g'):format(s, cpu16[s], dev16[s]))
+      assert.is_true(math.abs(cpu16[s] - cpu32[s]) <= 2e-2 * cpu32[s], ('step %d: bf16 %g vs f32 %g'):format(s, cpu16[s], cpu32[s]))
+    end
+    assert.is_true(cpu16[3] ~= cpu32[3])
+    release_device()
+  end)
+end)
+
+describe('bench/gpu.lua', function()
+  it('runs its whole code path on the simulated device (--quick), printing every table', function()
+    if REAL then return end
+    local p = assert(io.popen('ULY_CUDA_SIMULATE=1 bin/ulysses bench/gpu.lua --quick 2>&1; echo "exit=$?"'))
+    local out = p:read('*a')
+    p:close()
+    assert.truthy(out:match('exit=0%s*$'), out)
+    for _, want in ipairs({ '== GEMM', '64 x 48 x 32             f32', '64 x 48 x 32             bf16', '== flash attention',
+                            '== training step: Llama tiny', 'tokens/s' }) do
+      assert.truthy(out:find(want, 1, true), 'missing ' .. want .. ' in:\n' .. out)
+    end
+  end)
+end)

@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define ULY_BACKEND_ABI 1
+#define ULY_BACKEND_ABI 2
 #define ULY_VIEW_MAX_DIMS 8
 
 /* a strided window over backend memory: element [0, ..., 0] at p, strides in elements */
@@ -117,6 +117,12 @@ typedef struct uly_backend {
                       float dampening, int nesterov, int init);
     double (*optim_sumsq)(const float *x, int64_t n);
     void (*optim_scale)(float *x, int64_t n, float s);
+
+    /* ---- mixed precision: gemm_batched with A and B rounded to bf16 (round to nearest even),
+     *      products exact, f32 accumulation and output. NULL: the core rounds copies of the
+     *      operands and calls gemm_batched (same numbers, no speed-up). ---- */
+    void (*gemm_batched_bf16)(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N,
+                              int64_t K, float beta);
 } uly_backend;
 
 #ifdef __cplusplus

@@ -29,6 +29,9 @@ int uly_cuda_memcpy_d2h(void *dst, const void *src, int64_t bytes);
  * creates the stream and cuBLAS handle on device 0 on first call; NULL on failure */
 const void *uly_cuda_backend(void);
 
+/* benchmarks: seconds per raw cuBLAS GEMM (M x K @ K x N, TF32 or bf16 inputs, f32 out) */
+int uly_cuda_cublas_gemm_seconds(int64_t M, int64_t N, int64_t K, int bf16, int iters, double *seconds);
+
 /* kernels: p[0..n) = v on the current device, synchronised */
 int uly_cuda_fill_f32(float *p, int64_t n, float v);
 

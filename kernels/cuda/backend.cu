@@ -111,6 +111,7 @@ static const uly_backend table = {
     cu_gemm_operand_ok, cu_gemm_batched,
     cu_flash_scratch_floats, cu_flash_forward, cu_flash_backward,
     cu_optim_adamw, cu_optim_sgd, cu_optim_sumsq, cu_optim_scale,
+    cu_gemm_batched_bf16,
 };
 
 extern "C" const void *uly_cuda_backend(void) {

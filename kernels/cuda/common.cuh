@@ -126,6 +126,8 @@ int cu_gemm_operand_ok(int64_t rows, int64_t cols, int64_t rs, int64_t cs);
 void cu_gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N, int64_t K,
                      float beta);
 int cu_gemm_init(void);
+void cu_gemm_batched_bf16(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N, int64_t K,
+                          float beta);
 /* attention.cu */
 void cu_attention_forward(float *out, float *probs, const float *q, const float *k, const float *v, int64_t B, int64_t Tq,
                           int64_t Tk, int64_t H, int64_t Hkv, int64_t D, float scale, int causal);

@@ -5,8 +5,10 @@
  * batches with regular strides go in one strided-batched call, the rest (a broadcast output that
  * accumulates, irregular batch strides) one call per batch, in order, on the backend's stream. */
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <stdio.h>
 #include "common.cuh"
+#include "uly_cuda.h"
 
 static cublasHandle_t handle;
 static int use_tf32 = 1;
@@ -71,8 +73,46 @@ static int collapse(int nb, const int64_t *bshape, const uly_mat *m, int64_t *st
     return 1;
 }
 
+/* the GEMM on operand pointers already in `in_type` (f32, or the bf16 copies of gemm_bf16) */
+static void gemm_typed(int nb, const int64_t *bshape, uly_mat A, const void *ap, uly_mat B, const void *bp, uly_mat C,
+                       int64_t M, int64_t N, int64_t K, float beta, cudaDataType_t in_type);
+
 extern "C" void cu_gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N,
                                 int64_t K, float beta) {
+    gemm_typed(nb, bshape, A, A.p, B, B.p, C, M, N, K, beta, CUDA_R_32F);
+}
+
+/* elements from the operand's first element to its last (all strides are >= 0) */
+static int64_t extent(int nb, const int64_t *bshape, const uly_mat *m, int64_t rows, int64_t cols) {
+    int64_t last = (rows - 1) * m->rs + (cols - 1) * m->cs;
+    for (int d = 0; d < nb; d++) last += (bshape[d] - 1) * m->bstride[d];
+    return last + 1;
+}
+
+__global__ static void to_bf16(__nv_bfloat16 *dst, const float *src, int64_t n) {
+    ULY_CU_FOR(i, n) dst[i] = __float2bfloat16_rn(src[i]);
+}
+
+/* mixed precision: A and B rounded to bf16 into stream-ordered temporaries with the operands'
+ * own layout, multiplied on tensor cores at the bf16 rate, accumulated and written in f32 */
+extern "C" void cu_gemm_batched_bf16(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N,
+                                     int64_t K, float beta) {
+    if (M == 0 || N == 0) return;
+    if (K == 0) { gemm_typed(nb, bshape, A, A.p, B, B.p, C, M, N, K, beta, CUDA_R_32F); return; }
+    int64_t na = extent(nb, bshape, &A, M, K), nbb = extent(nb, bshape, &B, K, N);
+    __nv_bfloat16 *a16 = NULL, *b16 = NULL;
+    cudaError_t e = cudaMallocAsync((void **)&a16, (size_t)(na + nbb) * sizeof(__nv_bfloat16), uly_cu_stream);
+    if (e != cudaSuccess) { uly_cu_fail("bf16 GEMM operand copies", e); return; }
+    b16 = a16 + na;
+    to_bf16<<<uly_cu_blocks(na, 256), 256, 0, uly_cu_stream>>>(a16, A.p, na);
+    to_bf16<<<uly_cu_blocks(nbb, 256), 256, 0, uly_cu_stream>>>(b16, B.p, nbb);
+    ULY_CU_LAUNCHED("to_bf16");
+    gemm_typed(nb, bshape, A, a16, B, b16, C, M, N, K, beta, CUDA_R_16BF);
+    cudaFreeAsync(a16, uly_cu_stream);
+}
+
+static void gemm_typed(int nb, const int64_t *bshape, uly_mat A, const void *ap, uly_mat B, const void *bp, uly_mat C,
+                       int64_t M, int64_t N, int64_t K, float beta, cudaDataType_t in_type) {
     if (M == 0 || N == 0) return;
     if (!handle && cu_gemm_init()) return;
     int ta = 0, tb = 0, tc = 0;
@@ -83,7 +123,8 @@ extern "C" void cu_gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_ma
     int64_t batches = 1;
     for (int d = 0; d < nb; d++) batches *= bshape[d];
     const float one = 1.0f;
-    cublasComputeType_t compute = use_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    cublasComputeType_t compute = (use_tf32 && in_type == CUDA_R_32F) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    const size_t es = in_type == CUDA_R_32F ? 4 : 2;
     cublasOperation_t opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
     if (K == 0) { /* C = beta C for every batch */
         int64_t idx[8] = {0};
@@ -100,16 +141,17 @@ extern "C" void cu_gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_ma
     cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
     int regular = collapse(nb, bshape, &A, &sa) && collapse(nb, bshape, &B, &sb) && collapse(nb, bshape, &C, &sc);
     if (regular && (sc != 0 || batches == 1)) {
-        s = cublasGemmStridedBatchedEx(handle, opb, opa, (int)N, (int)M, (int)K, &one, B.p, CUDA_R_32F, (int)ldb, sb,
-                                       A.p, CUDA_R_32F, (int)lda, sa, &beta, C.p, CUDA_R_32F, (int)ldc, sc,
+        s = cublasGemmStridedBatchedEx(handle, opb, opa, (int)N, (int)M, (int)K, &one, bp, in_type, (int)ldb, sb,
+                                       ap, in_type, (int)lda, sa, &beta, C.p, CUDA_R_32F, (int)ldc, sc,
                                        (int)batches, compute, CUBLAS_GEMM_DEFAULT);
     } else {
         int64_t idx[8] = {0};
         for (int64_t bi = 0; bi < batches && s == CUBLAS_STATUS_SUCCESS; bi++) {
             int64_t oa = 0, ob = 0, oc = 0;
             for (int d = 0; d < nb; d++) { oa += idx[d] * A.bstride[d]; ob += idx[d] * B.bstride[d]; oc += idx[d] * C.bstride[d]; }
-            s = cublasGemmEx(handle, opb, opa, (int)N, (int)M, (int)K, &one, B.p + ob, CUDA_R_32F, (int)ldb, A.p + oa,
-                             CUDA_R_32F, (int)lda, &beta, C.p + oc, CUDA_R_32F, (int)ldc, compute, CUBLAS_GEMM_DEFAULT);
+            s = cublasGemmEx(handle, opb, opa, (int)N, (int)M, (int)K, &one, (const char *)bp + ob * es, in_type, (int)ldb,
+                             (const char *)ap + oa * es, in_type, (int)lda, &beta, C.p + oc, CUDA_R_32F, (int)ldc, compute,
+                             CUBLAS_GEMM_DEFAULT);
             for (int d = nb - 1; d >= 0; d--) { if (++idx[d] < bshape[d]) break; idx[d] = 0; }
         }
     }
@@ -119,4 +161,49 @@ extern "C" void cu_gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_ma
                  (long long)K, (long long)batches);
         uly_cu_fail_msg(what, cublas_name(s));
     }
+}
+
+/* the benchmarks' reference: raw cuBLAS on its own buffers, M x K @ K x N (row-major, f32 output),
+ * f32 (TF32) or bf16 inputs; the seconds per GEMM over `iters` timed runs after one warm-up */
+extern "C" int uly_cuda_cublas_gemm_seconds(int64_t M, int64_t N, int64_t K, int bf16, int iters, double *seconds) {
+    if (M <= 0 || N <= 0 || K <= 0 || iters <= 0 || !seconds) { uly_cuda_record_error("cublas_gemm_seconds: bad arguments"); return -1; }
+    if (!handle && cu_gemm_init()) { uly_cuda_record_error("cublas_gemm_seconds: no cuBLAS handle"); return -1; }
+    size_t es = bf16 ? 2 : 4;
+    void *a = NULL, *b = NULL, *c = NULL;
+    cudaEvent_t t0 = NULL, t1 = NULL;
+    cudaError_t e = cudaMalloc(&a, (size_t)(M * K) * es);
+    if (e == cudaSuccess) e = cudaMalloc(&b, (size_t)(K * N) * es);
+    if (e == cudaSuccess) e = cudaMalloc(&c, (size_t)(M * N) * 4);
+    if (e == cudaSuccess) e = cudaMemsetAsync(a, 0, (size_t)(M * K) * es, uly_cu_stream);
+    if (e == cudaSuccess) e = cudaMemsetAsync(b, 0, (size_t)(K * N) * es, uly_cu_stream);
+    if (e == cudaSuccess) e = cudaEventCreate(&t0);
+    if (e == cudaSuccess) e = cudaEventCreate(&t1);
+    int rc = -1;
+    if (e == cudaSuccess) {
+        const float one = 1.0f, zero = 0.0f;
+        cudaDataType_t in = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+        cublasComputeType_t compute = bf16 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_TF32;
+        cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
+        for (int it = -1; it < iters && s == CUBLAS_STATUS_SUCCESS; it++) {
+            if (it == 0) cudaEventRecord(t0, uly_cu_stream);
+            s = cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, (int)N, (int)M, (int)K, &one, b, in, (int)N, a, in, (int)K,
+                             &zero, c, CUDA_R_32F, (int)N, compute, CUBLAS_GEMM_DEFAULT);
+        }
+        cudaEventRecord(t1, uly_cu_stream);
+        e = cudaEventSynchronize(t1);
+        float ms = 0;
+        if (s == CUBLAS_STATUS_SUCCESS && e == cudaSuccess && cudaEventElapsedTime(&ms, t0, t1) == cudaSuccess) {
+            *seconds = ms / 1e3 / iters;
+            rc = 0;
+        } else {
+            uly_cuda_record_error(s != CUBLAS_STATUS_SUCCESS ? cublas_name(s) : cudaGetErrorString(e));
+        }
+    } else {
+        uly_cuda_record_error(cudaGetErrorString(e));
+        cudaGetLastError();
+    }
+    if (t0) cudaEventDestroy(t0);
+    if (t1) cudaEventDestroy(t1);
+    cudaFree(a); cudaFree(b); cudaFree(c);
+    return rc;
 }

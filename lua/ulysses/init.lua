@@ -263,6 +263,19 @@ function uly.memory_limit(nbytes, device)
   return uly.memory(device).limit
 end
 
+-- mixed precision: uly.matmul_precision('bf16') makes every matmul (forward and backward) round
+-- its f32 operands to bf16 and accumulate in f32 (tensor cores at the bf16 rate on a GPU); 'f32'
+-- (the default) keeps full f32 (TF32 on a GPU). Weights, optimizer state and every other op stay
+-- f32. Returns the previous setting; uly.matmul_precision() only reads it.
+function uly.matmul_precision(p)
+  local prev = C.uly_matmul_bf16() ~= 0 and 'bf16' or 'f32'
+  if p ~= nil then
+    if p ~= 'bf16' and p ~= 'f32' then raise("matmul_precision: expected 'bf16' or 'f32', got " .. tostring(p)) end
+    C.uly_set_matmul_bf16(p == 'bf16' and 1 or 0)
+  end
+  return prev
+end
+
 -- uly.device('cuda'): where tensors are created when no device is given; returns the previous
 -- default (uly.device() only reads it). The same script then runs on either device.
 function uly.device(name)

@@ -1,0 +1,154 @@
+-- bench/gpu.lua — the GPU benchmarks (issue 6): achieved TFLOP/s and MFU against the H200's
+-- dense bf16 peak (989 TFLOP/s; --peak to change) for
+--   1. GEMM: uly.matmul on device tensors (our dispatch, cuBLAS underneath) vs raw cuBLAS on the
+--      same shapes, f32 (TF32) and mixed precision (bf16 operands, f32 accumulation);
+--   2. attention: uly.flash_attention forward + backward, causal, by N (cuDNN's fused attention
+--      is not bound yet: no comparison column);
+--   3. a training step of a Llama-style model (preset 1b: 1.24 B parameters) at 32k tokens:
+--      flash attention, activation checkpointing, tiled loss, bf16 matmuls, AdamW.
+-- Never asserts on time. Each timing is the median of --reps runs after a warm-up, bracketed by
+-- uly.synchronize('cuda'). FLOPs: GEMM 2 M N K; causal attention forward 2 N^2 D H (half of the
+-- dense 4 N^2 D H), backward 2.5x forward; the step counts model FLOPs (6 N_params + 12 L C T per
+-- token, halved attention term for causal is not applied: the same formula as train.lua).
+--
+-- Run (GPU):        bin/ulysses bench/gpu.lua [--peak TFLOPS] [--reps R] [--attn-max N]
+--                                            [--step-seq T] [--step-preset NAME] [--no-step]
+-- Run (no GPU):     ULY_CUDA_SIMULATE=1 bin/ulysses bench/gpu.lua --quick   (the code path only)
+local uly = require 'ulysses'
+local ffi = require 'ffi'
+local median = require('bench.util').median
+
+local opts = { peak = 989, reps = 3, attn_max = 16384, step_seq = 32768, step_preset = '1b', step = true, quick = false }
+do
+  local args, i = arg or {}, 1
+  local keys = { ['--peak'] = 'peak', ['--reps'] = 'reps', ['--attn-max'] = 'attn_max', ['--step-seq'] = 'step_seq' }
+  while i <= #args do
+    local a = args[i]
+    if keys[a] then opts[keys[a]] = tonumber(args[i + 1]) or error('bench/gpu.lua: ' .. a .. ' needs a number', 0); i = i + 2
+    elseif a == '--step-preset' then opts.step_preset = args[i + 1]; i = i + 2
+    elseif a == '--no-step' then opts.step = false; i = i + 1
+    elseif a == '--quick' then opts.quick = true; i = i + 1
+    elseif a == '-h' or a == '--help' then
+      print('usage: bin/ulysses bench/gpu.lua [--peak TFLOPS] [--reps R] [--attn-max N] [--step-seq T] [--step-preset NAME] [--no-step] [--quick]')
+      return
+    else error('bench/gpu.lua: unknown argument ' .. tostring(a) .. ' (try --help)', 0) end
+  end
+end
+
+local ok, why = uly.cuda.ensure()
+if not ok then
+  io.stderr:write('bench/gpu.lua: no CUDA device: ', why, '\n')
+  os.exit(1)
+end
+local backend = uly.cuda.backend()
+local lib = backend == 'cuda' and uly.cuda.lib() or nil
+local peak = opts.peak * 1e12
+print(('command: bin/ulysses bench/gpu.lua %s'):format(table.concat(arg or {}, ' ')))
+if lib then
+  for _, d in ipairs(uly.cuda.devices()) do print(('device %d: %s, %.1f GiB'):format(d.index, d.name, d.total_memory / 2^30)) end
+else
+  print('backend: ' .. tostring(backend) .. ' (host-memory simulation: timings mean nothing, the code path runs)')
+end
+print(('MFU against %.0f TFLOP/s (dense bf16 peak)'):format(opts.peak))
+
+-- median seconds of fn() over reps after one warm-up, the device synchronised around each run
+local function time(fn, reps)
+  fn()
+  uly.synchronize('cuda')
+  local t = {}
+  for r = 1, reps do
+    local t0 = uly.clock()
+    fn()
+    uly.synchronize('cuda')
+    t[r] = uly.clock() - t0
+  end
+  return median(t)
+end
+
+local function tf(flops, s) return flops / s / 1e12 end
+
+---------------------------------------------------------------- 1. GEMM
+print('\n== GEMM: ours (uly.matmul, device tensors) vs raw cuBLAS, same shapes')
+print(('%-24s %-5s %10s %10s %10s %8s %7s'):format('M x N x K', 'prec', 'ours ms', 'ours TF/s', 'cuBLAS TF/s', 'ratio', 'MFU'))
+local shapes = opts.quick and { { 64, 48, 32 } } or
+  { { 4096, 4096, 4096 }, { 8192, 8192, 8192 }, { 32768, 8192, 2048 }, { 32768, 2048, 8192 } }
+for _, s in ipairs(shapes) do
+  local M, N, K = s[1], s[2], s[3]
+  local a, b = uly.randn(M, K, { device = 'cuda' }), uly.randn(K, N, { device = 'cuda' })
+  for _, prec in ipairs({ 'f32', 'bf16' }) do
+    uly.matmul_precision(prec)
+    local secs = time(function() local c = a:matmul(b) end, opts.reps)
+    uly.matmul_precision('f32')
+    local flops = 2 * M * N * K
+    local ref = 'n/a'
+    local ratio = ''
+    if lib then
+      local out = ffi.new('double[1]')
+      if lib.uly_cuda_cublas_gemm_seconds(M, N, K, prec == 'bf16' and 1 or 0, opts.reps, out) == 0 then
+        ref = ('%.1f'):format(tf(flops, out[0]))
+        ratio = ('%.2f'):format(out[0] / secs)
+      else
+        ref = 'error: ' .. ffi.string(lib.uly_cuda_last_error())
+      end
+    end
+    print(('%-24s %-5s %10.3f %10.1f %10s %8s %6.1f%%'):format(('%d x %d x %d'):format(M, N, K), prec, secs * 1e3,
+                                                           tf(flops, secs), ref, ratio, 100 * flops / secs / peak))
+  end
+  a, b = nil, nil
+  collectgarbage('collect')
+end
+
+---------------------------------------------------------------- 2. attention
+local H, D = opts.quick and 2 or 16, opts.quick and 16 or 128
+print(('\n== flash attention, causal, forward + backward (B 1, H %d, D %d; cuDNN fused attention: not bound yet)'):format(H, D))
+print(('%-8s %10s %10s %10s %10s %7s'):format('N', 'fwd ms', 'bwd ms', 'fwd TF/s', 'f+b TF/s', 'MFU'))
+local n = opts.quick and 128 or 4096
+while n <= (opts.quick and 128 or opts.attn_max) do
+  local q = uly.randn(1, n, H, D, { device = 'cuda' }):requires_grad_()
+  local k = uly.randn(1, n, H, D, { device = 'cuda' }):requires_grad_()
+  local v = uly.randn(1, n, H, D, { device = 'cuda' }):requires_grad_()
+  local g = uly.randn(1, n, H, D, { device = 'cuda' })
+  local fwd = time(function() local o = uly.no_grad(uly.flash_attention, q, k, v, { causal = true }) end, opts.reps)
+  local both = time(function()
+    local o = uly.flash_attention(q, k, v, { causal = true })
+    o:backward(g)
+  end, opts.reps)
+  local f_flops = 2 * n * n * D * H
+  print(('%-8d %10.2f %10.2f %10.1f %10.1f %6.1f%%'):format(n, fwd * 1e3, (both - fwd) * 1e3, tf(f_flops, fwd),
+                                                         tf(3.5 * f_flops, both), 100 * 3.5 * f_flops / both / peak))
+  q, k, v, g = nil, nil, nil, nil
+  collectgarbage('collect')
+  n = n * 2
+end
+
+---------------------------------------------------------------- 3. training step
+if opts.step then
+  local Llama = require 'models.llama'
+  local preset, T = opts.quick and 'tiny' or opts.step_preset, opts.quick and 64 or opts.step_seq
+  print(('\n== training step: Llama %s, 1 x %d tokens, flash + checkpoint + tiled loss, bf16 matmuls, AdamW'):format(preset, T))
+  uly.manual_seed(1)
+  local model = Llama({ preset = preset, seq = T, checkpoint = true, tile = math.min(T, 4096) }):to('cuda')
+  local opt = uly.optim.AdamW(model:parameters(), { lr = 1e-4 })
+  local vocab = model.config.vocab
+  local x = uly.tensor(uly.no_grad(function()
+    local rows = {}
+    for t = 1, T do rows[t] = (t * 7919) % vocab end
+    return { rows }
+  end), { dtype = 'i32' }):cuda()
+  uly.matmul_precision('bf16')
+  uly.reset_peak_memory('cuda')
+  local losses = {}
+  local step_s = time(function()
+    opt:zero_grad()
+    local loss = model:loss(x, x)
+    loss:backward()
+    opt:step()
+    losses[#losses + 1] = loss:item()
+  end, opts.quick and 1 or 1)
+  uly.matmul_precision('f32')
+  local flops = model:flops_per_token(T) * T
+  print(('parameters %.3f B, %.1f GFLOP/token (model FLOPs), loss %.3f -> %.3f'):format(model:num_parameters() / 1e9,
+        model:flops_per_token(T) / 1e9, losses[1], losses[#losses]))
+  print(('step %.2f s, %.0f tokens/s, %.1f TFLOP/s, MFU %.1f%%, peak device memory %.1f GiB'):format(step_s, T / step_s,
+        tf(flops, step_s), 100 * flops / step_s / peak, uly.memory('cuda').peak / 2^30))
+end
