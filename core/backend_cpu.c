@@ -133,6 +133,25 @@ static void cpu_sum_view(const uly_view *dst, const uly_view *src, float alpha) 
     uly_walk2(src->ndim, src->shape, src->p, sa, dst->p, sb, acc_run, &c);
 }
 
+/* ---- layouts: gather / scatter a layout's elements (element size es) ---- */
+static void layout_walk(char *dst, const char *src, const uly_comm_layout *L, int64_t es, int gather) {
+    int64_t at = 0;
+    for (int64_t rep = 0; rep < L->count; rep++)
+        for (int r = 0; r < L->nruns; r++) {
+            int64_t off = (L->base + rep * L->stride + L->offset[r]) * es, n = L->length[r] * es;
+            if (n <= 0) continue;
+            if (gather) memcpy(dst + at, src + off, (size_t)n);
+            else memcpy(dst + off, src + at, (size_t)n);
+            at += n;
+        }
+}
+static void cpu_pack_layout(void *dst, const void *src, const uly_comm_layout *L, int64_t es) {
+    layout_walk(dst, src, L, es, 1);
+}
+static void cpu_unpack_layout(void *dst, const uly_comm_layout *L, const void *src, int64_t es) {
+    layout_walk(dst, src, L, es, 0);
+}
+
 /* ---- memory ---- */
 static void *cpu_raw_alloc(int64_t bytes) { void *p = NULL; return posix_memalign(&p, 64, (size_t)bytes) ? NULL : p; }
 static void cpu_raw_free(void *p) { free(p); }
@@ -168,4 +187,5 @@ const uly_backend uly_backend_cpu = {
     .flash_attention_scratch_floats = flash_attention_scratch_floats,
     .flash_attention_forward = flash_attention_forward, .flash_attention_backward = flash_attention_backward,
     .optim_adamw = optim_adamw, .optim_sgd = optim_sgd, .optim_sumsq = optim_sumsq, .optim_scale = optim_scale,
+    .pack_layout = cpu_pack_layout, .unpack_layout = cpu_unpack_layout,
 };

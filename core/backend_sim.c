@@ -213,6 +213,13 @@ static void s_optim_sgd(float *p, const float *g, float *buf, int64_t n, float l
 static double s_optim_sumsq(const float *x, int64_t n) { return optim_sumsq(UC(x), n); }
 static void s_optim_scale(float *x, int64_t n, float s) { optim_scale(UF(x), n, s); }
 
+static void s_pack_layout(void *dst, const void *src, const uly_comm_layout *L, int64_t es) {
+    uly_backend_cpu.pack_layout(U(dst), U(src), L, es);
+}
+static void s_unpack_layout(void *dst, const uly_comm_layout *L, const void *src, int64_t es) {
+    uly_backend_cpu.unpack_layout(U(dst), L, U(src), es);
+}
+
 const uly_backend uly_backend_sim = {
     .abi = ULY_BACKEND_ABI, .size = sizeof(uly_backend), .name = "sim",
     .raw_alloc = sim_raw_alloc, .raw_free = sim_raw_free, .memory_info = sim_memory_info, .copy = sim_copy,
@@ -236,4 +243,6 @@ const uly_backend uly_backend_sim = {
     .flash_attention_scratch_floats = flash_attention_scratch_floats,
     .flash_attention_forward = s_flash_forward, .flash_attention_backward = s_flash_backward,
     .optim_adamw = s_optim_adamw, .optim_sgd = s_optim_sgd, .optim_sumsq = s_optim_sumsq, .optim_scale = s_optim_scale,
+    .pack_layout = s_pack_layout, .unpack_layout = s_unpack_layout,
+    /* no device collectives: exchanges of simulated device memory stage through the host */
 };

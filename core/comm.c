@@ -47,6 +47,8 @@ struct uly_comm {
     int *world_ranks;      /* group rank -> world rank */
     uint64_t calls;        /* collectives begun on this group: the next one's sequence number */
     int broken;            /* a wait timed out: no further collectives on this group */
+    void *dev_comm;        /* the device backend's communicator (NCCL) for this group, once made */
+    int dev_state;         /* 0 not tried yet, 1 dev_comm ready, -1 none: device buffers stage through the host */
 #ifdef ULY_WITH_MPI
     MPI_Comm data, ctrl;   /* payload collectives; header exchanges */
 #endif
@@ -98,6 +100,7 @@ static void put_rank(msgbuf *m, const uly_comm *c, int r) {
 /* the header every rank of the group sends to every other before a collective */
 typedef struct {
     int64_t kind, seq, dtype;
+    int64_t device;        /* where the buffers live (ULY_DEVICE_*): every rank must agree */
     int64_t a, b;          /* kind-specific: see field_label */
     int64_t bad;           /* 1: this rank's arguments failed its local checks; note says why */
     char note[208];
@@ -231,6 +234,18 @@ static int judge_args(const call *k, const header *h, msgbuf *m) {
 static int judge_values(const call *k, const header *h, msgbuf *m) {
     int P = k->c->size;
     int same = 1;
+    for (int r = 1; r < P; r++) same &= h[r].device == h[0].device;
+    if (!same) {
+        put_call(m, k);
+        put(m, ": the tensors are on different devices: ");
+        for (int r = 0; r < P; r++) {
+            put(m, r ? ", " : "");
+            put_rank(m, k->c, r);
+            put(m, " has %s", uly_device_name((int)h[r].device));
+        }
+        put(m, "; move them to one device on every rank");
+        return -1;
+    }
     for (int r = 1; r < P; r++) same &= h[r].dtype == h[0].dtype;
     if (!same) {
         put_call(m, k);
@@ -620,12 +635,25 @@ static int layout_type(const uly_comm_layout *L, MPI_Datatype elem, int64_t es, 
 }
 #endif
 
+static int layouts_on_device(call *k, int device, const void *send, const uly_comm_layout *sl, void *recv,
+                             const uly_comm_layout *rl, int dtype, const int64_t *counts);
+static int device_comm(uly_comm *c, int device);
+static int device_done(call *k, int device, int rc);
+
 int uly_comm_all_to_all_layout(uly_comm *c, const void *send, const uly_comm_layout *send_layouts,
                                void *recv, const uly_comm_layout *recv_layouts, int dtype) {
+    return uly_comm_all_to_all_layout_on(c, ULY_DEVICE_CPU, send, send_layouts, recv, recv_layouts, dtype);
+}
+
+int uly_comm_all_to_all_layout_on(uly_comm *c, int device, const void *send, const uly_comm_layout *send_layouts,
+                                  void *recv, const uly_comm_layout *recv_layouts, int dtype) {
     call k;
     if (call_begin(&k, c, ULY_COMM_ALL_TO_ALL)) return -1;
     int P = c->size;
     k.h.dtype = dtype;
+    k.h.device = device;
+    if (device < 0 || device >= ULY_DEVICE_COUNT || !uly_backends[device] || !uly_backends[device]->pack_layout)
+        bad(&k, "device %d has no backend for exchanges", device);
     if (!valid_dtype(dtype)) bad(&k, "unknown dtype %d", dtype);
     if (!send_layouts || !recv_layouts) bad(&k, "a layout array is NULL");
     int64_t *counts = calloc(2 * (size_t)P, sizeof *counts);
@@ -649,6 +677,14 @@ int uly_comm_all_to_all_layout(uly_comm *c, const void *send, const uly_comm_lay
     if (agreed) { free(counts); return -1; }
     int64_t es = uly_dtype_size(dtype);
     int me = c->rank, rc = 0;
+    if (device != ULY_DEVICE_CPU) {
+        rc = layouts_on_device(&k, device, send, send_layouts, recv, recv_layouts, dtype, counts);
+        if (rc == 0)
+            for (int j = 0; j < P; j++)
+                if (j != me) count_bytes(ULY_COMM_ALL_TO_ALL, c->world_ranks[j], counts[j] * es, counts[P + j] * es);
+        free(counts);
+        return call_end(&k, rc);
+    }
     if (counts[me]) copy_layout(recv, &recv_layouts[me], send, &send_layouts[me], es);
 #ifdef ULY_WITH_MPI
     if (P > 1) {
@@ -980,6 +1016,8 @@ static int mpi_group(uly_comm *g, const char *name, int color) {
 #endif
 
 static void free_group(uly_comm *g) {
+    if (g->dev_comm && uly_backends[ULY_DEVICE_CUDA] && uly_backends[ULY_DEVICE_CUDA]->comm_destroy)
+        uly_backends[ULY_DEVICE_CUDA]->comm_destroy(g->dev_comm);
 #ifdef ULY_WITH_MPI
     if (S.mpi && !g->broken && g->world_ranks) {
         MPI_Comm_free(&g->data);
@@ -1090,6 +1128,64 @@ int uly_comm_world_rank_of(const uly_comm *c, int rank) {
 }
 const char *uly_comm_name(const uly_comm *c) { return c ? c->name : ""; }
 
+/* ---- exchanges of device buffers: each peer's layout packed into one contiguous device buffer
+ *      (a kernel), moved by the device communicator (NCCL) or, without one, through host memory
+ *      over MPI, then unpacked into the receiving layouts ---- */
+static int layouts_on_device(call *k, int device, const void *send, const uly_comm_layout *sl, void *recv,
+                             const uly_comm_layout *rl, int dtype, const int64_t *counts) {
+    uly_comm *c = k->c;
+    const uly_backend *be = uly_backends[device];
+    int P = c->size, me = c->rank, rc = 0;
+    int64_t es = uly_dtype_size(dtype), *displs = calloc(2 * (size_t)P, sizeof *displs), stot = 0, rtot = 0;
+    if (!displs) return uly_set_error("all_to_all: out of memory");
+    for (int j = 0; j < P; j++) {
+        displs[j] = stot; stot += counts[j];
+        displs[P + j] = rtot; rtot += counts[P + j];
+    }
+    int64_t sblock = 0, rblock = 0;
+    char *sp = uly_alloc_on(device, (stot ? stot : 1) * es, &sblock);
+    char *rp = sp ? uly_alloc_on(device, (rtot ? rtot : 1) * es, &rblock) : NULL;
+    if (!rp) { if (sp) uly_free_on(device, sp, sblock); free(displs); return -1; }
+    for (int j = 0; j < P; j++)
+        if (counts[j]) be->pack_layout(sp + displs[j] * es, send, &sl[j], es);
+    if (P > 1 && device_comm(c, device) == 1) {
+        rc = device_done(k, device, be->comm_all_to_all_v(c->dev_comm, sp, counts, displs, rp, counts + P, displs + P, dtype));
+    } else {
+        if (counts[me]) be->copy(rp + displs[P + me] * es, sp + displs[me] * es, counts[me] * es, ULY_COPY_D2D);
+#ifdef ULY_WITH_MPI
+        if (P > 1) { /* through host memory: contiguous per-peer blocks, MPI_Alltoallv */
+            char *hs = malloc((size_t)((stot ? stot : 1) * es)), *hr = malloc((size_t)((rtot ? rtot : 1) * es));
+            int *iv = calloc(4 * (size_t)P, sizeof *iv);
+            if (!hs || !hr || !iv) rc = uly_set_error("all_to_all: out of host memory for staging %lld + %lld elements",
+                                                      (long long)stot, (long long)rtot);
+            if (!rc && (stot > INT_MAX || rtot > INT_MAX))
+                rc = uly_set_error("all_to_all: %lld / %lld elements exceed what one MPI call moves (%d)",
+                                   (long long)stot, (long long)rtot, INT_MAX);
+            if (!rc && be->copy(hs, sp, stot * es, ULY_COPY_D2H)) rc = uly_device_check("all_to_all", device) ? -1 : uly_set_error("all_to_all: copy from the device failed");
+            for (int j = 0; !rc && j < P; j++)
+                if (j != me) { iv[j] = (int)counts[j]; iv[P + j] = (int)displs[j]; iv[2 * P + j] = (int)counts[P + j]; iv[3 * P + j] = (int)displs[P + j]; }
+            if (!rc) {
+                MPI_Request req;
+                int m = MPI_Ialltoallv(hs, iv, iv + P, mpi_type(dtype), hr, iv + 2 * P, iv + 3 * P, mpi_type(dtype), c->data, &req);
+                rc = m != MPI_SUCCESS ? mpi_failed(k, m, "MPI_Ialltoallv") : wait_one(k, "moving data", &req);
+            }
+            for (int j = 0; !rc && j < P; j++)
+                if (j != me && counts[P + j] &&
+                    be->copy(rp + displs[P + j] * es, hr + displs[P + j] * es, counts[P + j] * es, ULY_COPY_H2D))
+                    rc = uly_device_check("all_to_all", device) ? -1 : uly_set_error("all_to_all: copy to the device failed");
+            if (rc == 0 || !c->broken) { free(hs); free(hr); }
+            free(iv);
+        }
+#endif
+    }
+    for (int j = 0; !rc && j < P; j++)
+        if (counts[P + j]) be->unpack_layout(recv, &rl[j], rp + displs[P + j] * es, es);
+    if (!rc) rc = uly_device_check("all_to_all", device);
+    if (rc == 0 || !c->broken) { uly_free_on(device, sp, sblock); uly_free_on(device, rp, rblock); }
+    free(displs);
+    return rc;
+}
+
 /* ---- device tensors: staged through host memory (MPI moves host buffers) ---- */
 static int on_device(const uly_tensor *t) { return t && uly_dev(t) != ULY_DEVICE_CPU; }
 
@@ -1111,10 +1207,94 @@ static int finish(uly_tensor *t, uly_tensor *h, int rc) {
     return rc;
 }
 
+/* The device backend's communicator for group c (collective over the group: called after the
+ * header agreement, so every rank is here): made once, when the backend has device collectives,
+ * every rank uses its own physical device, and creation succeeds everywhere; else -1 and device
+ * buffers stage through host memory over MPI (ranks sharing one GPU, no NCCL, the simulation). */
+static int device_comm(uly_comm *c, int device) {
+    if (c->dev_state) return c->dev_state;
+    c->dev_state = -1;
+#ifdef ULY_WITH_MPI
+    const uly_backend *be = uly_backends[device];
+    if (c->size < 2 || !S.mpi) return c->dev_state;
+    int usable = be && be->comm_create && be->comm_unique_id && be->device_uuid && be->comm_all_reduce &&
+                 be->comm_all_to_all_v;
+    unsigned char mine[16] = {0};
+    if (usable && be->device_uuid(mine)) usable = 0;
+    unsigned char *all = calloc((size_t)c->size, 16);
+    if (!all) usable = 0;
+    MPI_Allgather(mine, 16, MPI_BYTE, all ? all : mine, all ? 16 : 0, MPI_BYTE, c->ctrl);
+    for (int r = 0; usable && r < c->size; r++)
+        for (int q = r + 1; q < c->size; q++)
+            if (!memcmp(all + 16 * r, all + 16 * q, 16)) usable = 0;   /* two ranks share a GPU */
+    free(all);
+    int every = 0;
+    MPI_Allreduce(&usable, &every, 1, MPI_INT, MPI_MIN, c->ctrl);
+    if (!every) return c->dev_state;
+    char id[128] = {0};
+    int got = c->rank == 0 ? be->comm_unique_id(id, sizeof id) == 0 : 1, all_got = 0;
+    MPI_Allreduce(&got, &all_got, 1, MPI_INT, MPI_MIN, c->ctrl);
+    if (!all_got) { be->take_error(); return c->dev_state; }
+    MPI_Bcast(id, sizeof id, MPI_BYTE, 0, c->ctrl);
+    void *dc = be->comm_create(c->size, c->rank, id);
+    int made = dc != NULL, all_made = 0;
+    MPI_Allreduce(&made, &all_made, 1, MPI_INT, MPI_MIN, c->ctrl);
+    if (!all_made) {
+        if (dc) be->comm_destroy(dc);
+        be->take_error();
+        return c->dev_state;
+    }
+    c->dev_comm = dc;
+    c->dev_state = 1;
+#endif
+    return c->dev_state;
+}
+
+/* the device collective just queued: wait for it, report its failure */
+static int device_done(call *k, int device, int rc) {
+    const uly_backend *be = uly_backends[device];
+    if (be->synchronize() != 0) rc = -1;
+    const char *why = be->take_error();
+    if (rc || why) {
+        msgbuf m = {.n = 0};
+        put_call(&m, k);
+        put(&m, ": the device collective failed: %s", why ? why : "no reason given");
+        return uly_set_error("%s", m.s);
+    }
+    return 0;
+}
+
+static int all_reduce_device(uly_comm *c, uly_tensor *t, int op) {
+    call k;
+    if (call_begin(&k, c, ULY_COMM_ALL_REDUCE)) return -1;
+    if (!uly_tensor_is_contiguous(t))
+        bad(&k, "the tensor %s is not contiguous: pass a contiguous tensor (t:contiguous())", uly_desc(t));
+    check_op(&k, op, t->dtype);
+    k.h.dtype = t->dtype;
+    k.h.device = uly_dev(t);
+    k.h.a = uly_tensor_numel(t);
+    k.h.b = op;
+    if (agree(&k)) return -1;
+    int rc = 0, dev = uly_dev(t);
+    if (c->size > 1 && device_comm(c, dev) == 1) {
+        const uly_backend *be = uly_backends[dev];
+        rc = device_done(&k, dev, be->comm_all_reduce(c->dev_comm, uly_ptr(t), uly_tensor_numel(t), t->dtype, op));
+    } else if (c->size > 1) { /* through host memory */
+        uly_tensor *h = uly_new_contiguous(t->ndim, t->shape, t->dtype, ULY_DEVICE_CPU);
+        rc = (!h || uly_copy_raw(h, t)) ? -1 : reduce_tensor(&k, h, op);
+        if (!rc) rc = uly_copy_raw(t, h);
+        if (rc == 0 || !c->broken) uly_tensor_release(h);
+    }
+    if (rc == 0) {
+        uly_bump_version(t);
+        count_all_reduce(c, uly_tensor_nbytes(t));
+    }
+    return call_end(&k, rc);
+}
+
 int uly_comm_all_reduce_(uly_comm *c, uly_tensor *t, int op) {
     if (!on_device(t)) return all_reduce_host(c, t, op);
-    uly_tensor *h = host_copy(t, 1);
-    return finish(t, h, all_reduce_host(c, h, op));
+    return all_reduce_device(c, t, op);
 }
 
 int uly_comm_all_gather(uly_comm *c, const uly_tensor *in, uly_tensor *out) {

@@ -88,7 +88,7 @@ static uly_comm_layout heads_of(const plan *p, int j, int64_t count) {
 }
 
 /* qkv [B, n_r, W, D] -> heads [B, N, w_r, D] */
-static int exchange_qkv(uly_comm *c, const plan *p, const float *qkv, float *heads) {
+static int exchange_qkv(uly_comm *c, const plan *p, int dev, const float *qkv, float *heads) {
     int P = p->P, r = p->r;
     uly_comm_layout *tok = malloc(2 * (size_t)P * sizeof *tok), *hd = tok + P;
     if (!tok) return uly_set_error("ulysses: out of memory");
@@ -96,13 +96,13 @@ static int exchange_qkv(uly_comm *c, const plan *p, const float *qkv, float *hea
         hd[j] = heads_of(p, j, p->B * p->ntok[r]);                       /* in my qkv: rank j's heads */
         tok[j] = run1(p->tok0[j] * p->w[r] * p->D, p->B, p->N * p->w[r] * p->D, p->ntok[j] * p->w[r] * p->D);
     }                                                                     /* in my heads: rank j's tokens */
-    int rc = uly_comm_all_to_all_layout(c, qkv, hd, heads, tok, ULY_DTYPE_F32);
+    int rc = uly_comm_all_to_all_layout_on(c, dev, qkv, hd, heads, tok, ULY_DTYPE_F32);
     free(tok);
     return rc;
 }
 
 /* o [B, N, hq_r, D] <-> y [B, n_r, H, D] (fwd: o -> y) */
-static int exchange_out(uly_comm *c, const plan *p, float *o, float *y, int forward) {
+static int exchange_out(uly_comm *c, const plan *p, int dev, float *o, float *y, int forward) {
     int P = p->P, r = p->r;
     uly_comm_layout *tok = malloc(2 * (size_t)P * sizeof *tok), *hd = tok + P;
     if (!tok) return uly_set_error("ulysses: out of memory");
@@ -110,8 +110,8 @@ static int exchange_out(uly_comm *c, const plan *p, float *o, float *y, int forw
         tok[j] = run1(p->tok0[j] * p->hq[r] * p->D, p->B, p->N * p->hq[r] * p->D, p->ntok[j] * p->hq[r] * p->D);
         hd[j] = run1(p->h0[j] * p->D, p->B * p->ntok[r], p->H * p->D, p->hq[j] * p->D);
     }
-    int rc = forward ? uly_comm_all_to_all_layout(c, o, tok, y, hd, ULY_DTYPE_F32)
-                     : uly_comm_all_to_all_layout(c, y, hd, o, tok, ULY_DTYPE_F32);
+    int rc = forward ? uly_comm_all_to_all_layout_on(c, dev, o, tok, y, hd, ULY_DTYPE_F32)
+                     : uly_comm_all_to_all_layout_on(c, dev, y, hd, o, tok, ULY_DTYPE_F32);
     free(tok);
     return rc;
 }
@@ -119,35 +119,6 @@ static int exchange_out(uly_comm *c, const plan *p, float *o, float *y, int forw
 static int check_group(const char *op, uly_comm *c) {
     if (!c) return uly_set_error("%s: no sequence-parallel group given (uly.dist.init{sp = P} first)", op);
     return 0;
-}
-
-/* Device tensors go through host memory over MPI (the staging fallback): the exchange reads a
- * host copy and the result moves back to the device. */
-static uly_tensor *on_host(uly_tensor *t) {
-    if (uly_dev(t) == ULY_DEVICE_CPU) return uly_contiguous_raw(t);
-    uly_tensor *h = uly_new_contiguous(t->ndim, t->shape, t->dtype, ULY_DEVICE_CPU);
-    if (h && uly_copy_raw(h, t)) { uly_tensor_release(h); h = NULL; }
-    return h;
-}
-
-static uly_tensor *back_to(uly_tensor *h, int device) {
-    if (!h || device == ULY_DEVICE_CPU) return h;
-    uly_tensor *d = uly_new_contiguous(h->ndim, h->shape, h->dtype, device);
-    if (d && uly_copy_raw(d, h)) { uly_tensor_release(d); d = NULL; }
-    uly_tensor_release(h);
-    return d;
-}
-
-/* a backward rule on host buffers; device gradients are staged through the host */
-static int staged_backward(int (*rule)(uly_node *, uly_tensor *, uly_tensor *), uly_node *n, uly_tensor *g,
-                           uly_tensor *d) {
-    if (uly_dev(d) == ULY_DEVICE_CPU && uly_dev(g) == ULY_DEVICE_CPU) return rule(n, g, d);
-    uly_tensor *gh = on_host(g), *dh = gh ? uly_new_zeros(d->ndim, d->shape, ULY_DTYPE_F32, ULY_DEVICE_CPU) : NULL;
-    int rc = dh ? rule(n, gh, dh) : -1;
-    if (!rc) rc = uly_sum_to(d, dh, 1.0f);
-    uly_tensor_release(gh);
-    uly_tensor_release(dh);
-    return rc;
 }
 
 uly_tensor *uly_ulysses_qkv_to_heads(uly_comm *c, uly_tensor *qkv, int64_t heads, int64_t kv_heads, int64_t seq_total) {
@@ -167,12 +138,11 @@ uly_tensor *uly_ulysses_qkv_to_heads(uly_comm *c, uly_tensor *qkv, int64_t heads
         uly_comm_all_to_all_refuse(c, why);
         return NULL;
     }
-    uly_tensor *src = on_host(qkv);
+    uly_tensor *src = uly_contiguous_raw(qkv);
     if (src && src != qkv) copies++;
     int64_t shape[4] = {p.B, p.N, p.w[p.r], p.D};
-    uly_tensor *out = src ? uly_new_contiguous(4, shape, ULY_DTYPE_F32, ULY_DEVICE_CPU) : NULL;
-    if (out && exchange_qkv(c, &p, uly_f32(src), uly_f32(out))) { uly_tensor_release(out); out = NULL; }
-    out = back_to(out, uly_dev(qkv));
+    uly_tensor *out = src ? uly_new_contiguous(4, shape, ULY_DTYPE_F32, uly_dev(qkv)) : NULL;
+    if (out && exchange_qkv(c, &p, uly_dev(qkv), uly_f32(src), uly_f32(out))) { uly_tensor_release(out); out = NULL; }
     if (out) {
         uly_node *n = uly_node_begin(ULY_OP_ULYSSES_QKV, 1, &qkv);
         if (n) { n->i[0] = (int64_t)(intptr_t)c; n->i[1] = heads; n->i[2] = kv_heads; n->i[3] = seq_total; }
@@ -198,12 +168,11 @@ uly_tensor *uly_ulysses_heads_to_seq(uly_comm *c, uly_tensor *o, int64_t heads, 
         uly_comm_all_to_all_refuse(c, why);
         return NULL;
     }
-    uly_tensor *src = on_host(o);
+    uly_tensor *src = uly_contiguous_raw(o);
     if (src && src != o) copies++;
     int64_t shape[4] = {p.B, p.ntok[p.r], heads, p.D};
-    uly_tensor *out = src ? uly_new_contiguous(4, shape, ULY_DTYPE_F32, ULY_DEVICE_CPU) : NULL;
-    if (out && exchange_out(c, &p, uly_f32(src), uly_f32(out), 1)) { uly_tensor_release(out); out = NULL; }
-    out = back_to(out, uly_dev(o));
+    uly_tensor *out = src ? uly_new_contiguous(4, shape, ULY_DTYPE_F32, uly_dev(o)) : NULL;
+    if (out && exchange_out(c, &p, uly_dev(o), uly_f32(src), uly_f32(out), 1)) { uly_tensor_release(out); out = NULL; }
     if (out) {
         uly_node *n = uly_node_begin(ULY_OP_ULYSSES_OUT, 1, &o);
         if (n) { n->i[0] = (int64_t)(intptr_t)c; n->i[1] = heads; n->i[3] = seq_total; }
@@ -217,15 +186,18 @@ uly_tensor *uly_ulysses_heads_to_seq(uly_comm *c, uly_tensor *o, int64_t heads, 
 /* backward of qkv_to_heads: each sender receives its heads' gradients for its tokens from every
  * rank into a staging buffer (a K/V head sent to several ranks comes back several times), then
  * adds them into gin. */
-static int bw_qkv_host(uly_node *n, uly_tensor *g, uly_tensor *d) {
+int uly_bw_ulysses_qkv(uly_node *n, uly_tensor *g, uly_tensor **gin) {
+    if (!gin[0]) return 0;
     uly_comm *c = (uly_comm *)(intptr_t)n->i[0];
+    uly_tensor *d = gin[0];
+    const int dev = uly_dev(d);
     plan p;
     if (plan_make(&p, c, d->shape[0], n->i[3], n->i[1], n->i[2], d->shape[3])) return -1;
     int P = p.P, r = p.r;
     int64_t per_token = 0; /* staging: for each source j, [B, n_r, w_j, D] */
     for (int j = 0; j < P; j++) per_token += p.w[j];
     int64_t stage_shape[1] = {p.B * p.ntok[r] * per_token * p.D};
-    uly_tensor *stage = uly_new_contiguous(1, stage_shape, ULY_DTYPE_F32, ULY_DEVICE_CPU);
+    uly_tensor *stage = uly_new_contiguous(1, stage_shape, ULY_DTYPE_F32, dev);
     uly_comm_layout *from = malloc(2 * (size_t)P * sizeof *from), *to = from + P;
     int rc = (!stage || !from) ? uly_set_error("ulysses backward: out of memory") : 0;
     if (!rc) {
@@ -237,9 +209,28 @@ static int bw_qkv_host(uly_node *n, uly_tensor *g, uly_tensor *d) {
             at += len;
         }
         copies++;
-        rc = uly_comm_all_to_all_layout(c, uly_f32(g), to, uly_f32(stage), from, ULY_DTYPE_F32);
+        rc = uly_comm_all_to_all_layout_on(c, dev, uly_f32(g), to, uly_f32(stage), from, ULY_DTYPE_F32);
     }
-    if (!rc) { /* gin[b, t, heads of j] += stage_j[b, t] */
+    if (!rc && dev != ULY_DEVICE_CPU) { /* the same sums as strided views on the device */
+        int64_t D = p.D, W = p.W, at = 0;
+        for (int j = 0; j < P; j++) {
+            int64_t wj = p.w[j], T = p.B * p.ntok[r], k = 0;
+            int64_t part[3][2] = {{p.h0[j], p.hq[j]}, {p.H + p.g0[j], p.gk[j]}, {p.H + p.G + p.g0[j], p.gk[j]}};
+            for (int q = 0; q < 3; q++) {
+                int64_t len = part[q][1] * D;
+                if (len && T) {
+                    uly_view dv = {.p = uly_f32(d) + part[q][0] * D, .dtype = ULY_DTYPE_F32, .ndim = 2,
+                                   .shape = {T, len}, .stride = {W * D, 1}};
+                    uly_view sv = {.p = uly_f32(stage) + at + k, .dtype = ULY_DTYPE_F32, .ndim = 2,
+                                   .shape = {T, len}, .stride = {wj * D, 1}};
+                    uly_be(d)->sum_view(&dv, &sv, 1.0f);
+                }
+                k += len;
+            }
+            at += T * wj * D;
+        }
+        rc = uly_device_check("ulysses backward", dev);
+    } else if (!rc) { /* gin[b, t, heads of j] += stage_j[b, t] */
         float *dst = uly_f32(d);
         const float *s = uly_f32(stage);
         int64_t D = p.D, W = p.W;
@@ -268,25 +259,20 @@ static int bw_qkv_host(uly_node *n, uly_tensor *g, uly_tensor *d) {
 }
 
 /* backward of heads_to_seq: the reverse exchange into a staging tensor, added into gin */
-static int bw_out_host(uly_node *n, uly_tensor *g, uly_tensor *d) {
+int uly_bw_ulysses_out(uly_node *n, uly_tensor *g, uly_tensor **gin) {
+    if (!gin[0]) return 0;
     uly_comm *c = (uly_comm *)(intptr_t)n->i[0];
+    uly_tensor *d = gin[0];
     plan p;
     if (plan_make(&p, c, d->shape[0], n->i[3], n->i[1], 1, d->shape[3])) return -1;
     uly_tensor *stage = uly_new_like(d);
-    int rc = stage ? exchange_out(c, &p, uly_f32(stage), uly_f32(g), 0) : uly_set_error("ulysses backward: out of memory");
+    int rc = stage ? exchange_out(c, &p, uly_dev(d), uly_f32(stage), uly_f32(g), 0) : uly_set_error("ulysses backward: out of memory");
     if (!rc) {
         copies++;
-        axpy_accumulate(uly_f32(d), uly_f32(stage), uly_tensor_numel(d), 1.0f); /* host buffers */
+        uly_be(d)->axpy_accumulate(uly_f32(d), uly_f32(stage), uly_tensor_numel(d), 1.0f);
     }
     uly_tensor_release(stage);
     plan_free(&p);
     return rc;
 }
 
-int uly_bw_ulysses_qkv(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    return gin[0] ? staged_backward(bw_qkv_host, n, g, gin[0]) : 0;
-}
-
-int uly_bw_ulysses_out(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    return gin[0] ? staged_backward(bw_out_host, n, g, gin[0]) : 0;
-}

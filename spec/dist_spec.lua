@@ -125,6 +125,37 @@ describe('dist on a grid of ranks #mpi', function()
     end
   end)
 
+  it('collectives take device tensors (the simulation here: staged through host memory) and refuse mixed devices', function()
+    local real = os.getenv('ULY_TEST_DEVICE') == 'cuda'
+    if not uly.cuda.backend() then assert(real and uly.cuda.ensure() or uly.cuda.simulate()) end
+    local s = uly.tensor({ me + 1, 2 * me }):cuda()
+    local m = uly.tensor({ me + 1, -me }):cuda()
+    g.world_group:all_reduce_(s, 'sum')
+    g.world_group:all_reduce_(m, 'max')
+    assert.equal('cuda', s:device())
+    local sum, max = { 0, 0 }, { -math.huge, -math.huge }
+    for w = 0, P - 1 do
+      sum[1], sum[2] = sum[1] + w + 1, sum[2] + 2 * w
+      max[1], max[2] = math.max(max[1], w + 1), math.max(max[2], -w)
+    end
+    assert.are.same(sum, helpers.list(s))
+    assert.are.same(max, helpers.list(m))
+    local gathered = g.world_group:all_gather(uly.tensor({ me }):cuda())
+    assert.equal('cuda', gathered:device())
+    local want = {}
+    for w = 0, P - 1 do want[w + 1] = w end
+    assert.are.same(want, helpers.list(gathered))
+    if P > 1 then  -- rank 0 on the CPU, the others on the device: the same error everywhere
+      local t = me == 0 and uly.tensor({ 1 }) or uly.tensor({ 1 }):cuda()
+      local ok, err = pcall(function() g.world_group:all_reduce_(t, 'sum') end)
+      assert.is_false(ok)
+      assert.matches('the tensors are on different devices: rank 0 has cpu, rank 1 has cuda', tostring(err), 1, true)
+      g.world_group:all_reduce_(uly.tensor({ 1 }), 'sum')   -- still usable
+    end
+    s, m, gathered = nil, nil, nil
+    if not real then jit.flush(); collectgarbage('collect'); collectgarbage('collect'); uly.cuda.reset() end
+  end)
+
   it('all_gather stacks every rank along dim 1 and reduce_scatter hands out blocks of the sum', function()
     local gathered = g.sp_group:all_gather(uly.tensor { { me, me + 0.5 } })
     local scalars = g.world_group:all_gather(uly.tensor(me * 1.0):view())  -- 0-d: gives [size]

@@ -237,6 +237,10 @@ typedef struct uly_comm_layout {
 } uly_comm_layout;
 int uly_comm_all_to_all_layout(uly_comm *c, const void *send, const uly_comm_layout *send_layouts,
                                void *recv, const uly_comm_layout *recv_layouts, int dtype); /* one layout per group rank */
+/* the same on buffers of a device: NCCL where every rank has its own GPU, else packed and staged
+ * through host memory over MPI */
+int uly_comm_all_to_all_layout_on(uly_comm *c, int device, const void *send, const uly_comm_layout *send_layouts,
+                                  void *recv, const uly_comm_layout *recv_layouts, int dtype);
 int uly_comm_all_reduce_(uly_comm *c, uly_tensor *t, int op);            /* in place, contiguous */
 int uly_comm_all_gather(uly_comm *c, const uly_tensor *in, uly_tensor *out); /* out: [size * in.shape[0], ...] */
 int uly_comm_reduce_scatter(uly_comm *c, const uly_tensor *in, uly_tensor *out, int op); /* in: [size * out.shape[0], ...] */

@@ -14,13 +14,14 @@
 #ifndef ULY_BACKEND_H
 #define ULY_BACKEND_H
 #include <stdint.h>
+#include "uly.h"
 #include "../../kernels/cpu/kernels.h"
 #include "../../kernels/cpu/flash_attention.h"
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-#define ULY_BACKEND_ABI 2
+#define ULY_BACKEND_ABI 3
 #define ULY_VIEW_MAX_DIMS 8
 
 /* a strided window over backend memory: element [0, ..., 0] at p, strides in elements */
@@ -123,6 +124,21 @@ typedef struct uly_backend {
      *      operands and calls gemm_batched (same numbers, no speed-up). ---- */
     void (*gemm_batched_bf16)(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N,
                               int64_t K, float beta);
+
+    /* ---- exchanges of device buffers (core/comm.c): a layout's elements (uly_comm_layout, in
+     *      elements of es bytes) gathered into / scattered from a contiguous buffer ---- */
+    void (*pack_layout)(void *dst, const void *src, const uly_comm_layout *L, int64_t es);
+    void (*unpack_layout)(void *dst, const uly_comm_layout *L, const void *src, int64_t es);
+
+    /* ---- collectives on device memory (NCCL on the GPU); every entry NULL when the backend has
+     *      none, and then the core stages device buffers through host memory over MPI ---- */
+    int (*device_uuid)(unsigned char *uuid16);             /* which physical device this process uses */
+    int (*comm_unique_id)(void *id, int64_t len);          /* on one rank; len = 128 */
+    void *(*comm_create)(int nranks, int rank, const void *id); /* collective over the group; NULL on failure */
+    void (*comm_destroy)(void *comm);
+    int (*comm_all_reduce)(void *comm, void *buf, int64_t count, int dtype, int op);  /* in place, ULY_REDUCE_* */
+    int (*comm_all_to_all_v)(void *comm, const void *send, const int64_t *send_counts, const int64_t *send_displs,
+                             void *recv, const int64_t *recv_counts, const int64_t *recv_displs, int dtype);
 } uly_backend;
 
 #ifdef __cplusplus

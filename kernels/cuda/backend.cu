@@ -4,6 +4,7 @@
  * when the host needs the bytes, and the first failure of any launch or copy kept (with what
  * failed) until the core asks for it. Built by uly_cuda_backend() on first use. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include "common.cuh"
 #include "uly_cuda.h"
@@ -112,13 +113,24 @@ static const uly_backend table = {
     cu_flash_scratch_floats, cu_flash_forward, cu_flash_backward,
     cu_optim_adamw, cu_optim_sgd, cu_optim_sumsq, cu_optim_scale,
     cu_gemm_batched_bf16,
+    cu_pack_layout, cu_unpack_layout,
+    cu_device_uuid, cu_comm_unique_id, cu_comm_create, cu_comm_destroy, cu_comm_all_reduce, cu_comm_all_to_all_v,
 };
 
 extern "C" const void *uly_cuda_backend(void) {
     if (started) return &table;
     int n = uly_cuda_device_count();
     if (n <= 0) return NULL;   /* the reason is in uly_cuda_last_error */
-    cudaError_t e = cudaSetDevice(0);
+    /* ULY_CUDA_DEVICE, else one GPU per rank of a node (Open MPI's local rank), else device 0 */
+    const char *env = getenv("ULY_CUDA_DEVICE"), *local = getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+    int dev = env && *env ? atoi(env) : local && *local ? atoi(local) % n : 0;
+    if (dev < 0 || dev >= n) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "ULY_CUDA_DEVICE=%d but there %s %d device%s", dev, n == 1 ? "is" : "are", n, n == 1 ? "" : "s");
+        uly_cuda_record_error(msg);
+        return NULL;
+    }
+    cudaError_t e = cudaSetDevice(dev);
     if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&uly_cu_stream, cudaStreamNonBlocking);
     if (e == cudaSuccess) e = cudaMalloc(&scratch, 64 << 10);
     if (e != cudaSuccess) {

@@ -128,6 +128,16 @@ void cu_gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_ma
 int cu_gemm_init(void);
 void cu_gemm_batched_bf16(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N, int64_t K,
                           float beta);
+/* comm.cu */
+void cu_pack_layout(void *dst, const void *src, const uly_comm_layout *L, int64_t es);
+void cu_unpack_layout(void *dst, const uly_comm_layout *L, const void *src, int64_t es);
+int cu_device_uuid(unsigned char *uuid16);
+int cu_comm_unique_id(void *id, int64_t len);
+void *cu_comm_create(int nranks, int rank, const void *id);
+void cu_comm_destroy(void *comm);
+int cu_comm_all_reduce(void *comm, void *buf, int64_t count, int dtype, int op);
+int cu_comm_all_to_all_v(void *comm, const void *send, const int64_t *scounts, const int64_t *sdispls, void *recv,
+                         const int64_t *rcounts, const int64_t *rdispls, int dtype);
 /* attention.cu */
 void cu_attention_forward(float *out, float *probs, const float *q, const float *k, const float *v, int64_t B, int64_t Tq,
                           int64_t Tk, int64_t H, int64_t Hkv, int64_t D, float scale, int causal);

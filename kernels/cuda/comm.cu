@@ -1,0 +1,177 @@
+/* kernels/cuda/comm.cu — the CUDA backend's side of communication: gathering a layout's elements
+ * into a contiguous buffer and scattering them back (the packed form of the Ulysses exchanges),
+ * the device's UUID (so ranks sharing one GPU are detected), and NCCL communicators and
+ * collectives (all-reduce; all-to-all-v as grouped send/recv) on the backend's stream. NCCL is
+ * opened with dlopen on first use, so libulysses_cuda.so loads without it; without NCCL the
+ * core stages device buffers through host memory over MPI instead. */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+#include "common.cuh"
+
+/* ---- layouts ---- */
+typedef struct { int64_t base, count, stride, per; int nruns; int64_t offset[3], length[3]; } lay;
+
+static lay lay_of(const uly_comm_layout *L) {
+    lay l;
+    l.base = L->base; l.count = L->count; l.stride = L->stride; l.nruns = L->nruns; l.per = 0;
+    for (int r = 0; r < 3; r++) {
+        l.offset[r] = r < L->nruns ? L->offset[r] : 0;
+        l.length[r] = r < L->nruns ? L->length[r] : 0;
+        l.per += l.length[r];
+    }
+    return l;
+}
+
+/* element e of the layout (in walk order) -> its offset in the strided buffer */
+__device__ static inline int64_t lay_offset(const lay &l, int64_t e) {
+    int64_t rep = e / l.per, w = e % l.per;
+    int r = 0;
+    while (r < 2 && w >= l.length[r]) { w -= l.length[r]; r++; }
+    return l.base + rep * l.stride + l.offset[r] + w;
+}
+
+template <typename T>
+__global__ static void pack_k(T *dst, const T *src, lay l, int64_t n) { ULY_CU_FOR(e, n) dst[e] = src[lay_offset(l, e)]; }
+template <typename T>
+__global__ static void unpack_k(T *dst, const T *src, lay l, int64_t n) { ULY_CU_FOR(e, n) dst[lay_offset(l, e)] = src[e]; }
+
+template <typename T>
+static void launch_layout(void *dst, const void *src, const uly_comm_layout *L, int gather) {
+    lay l = lay_of(L);
+    int64_t n = l.per * l.count;
+    if (n <= 0) return;
+    if (gather) pack_k<T><<<uly_cu_blocks(n, 256), 256, 0, uly_cu_stream>>>((T *)dst, (const T *)src, l, n);
+    else unpack_k<T><<<uly_cu_blocks(n, 256), 256, 0, uly_cu_stream>>>((T *)dst, (const T *)src, l, n);
+    ULY_CU_LAUNCHED(gather ? "pack_layout" : "unpack_layout");
+}
+
+static void layout(void *dst, const void *src, const uly_comm_layout *L, int64_t es, int gather) {
+    if (es == 4) launch_layout<uint32_t>(dst, src, L, gather);
+    else if (es == 8) launch_layout<uint64_t>(dst, src, L, gather);
+    else if (es == 2) launch_layout<uint16_t>(dst, src, L, gather);
+    else launch_layout<uint8_t>(dst, src, L, gather);
+}
+
+extern "C" void cu_pack_layout(void *dst, const void *src, const uly_comm_layout *L, int64_t es) { layout(dst, src, L, es, 1); }
+extern "C" void cu_unpack_layout(void *dst, const uly_comm_layout *L, const void *src, int64_t es) { layout(dst, src, L, es, 0); }
+
+extern "C" int cu_device_uuid(unsigned char *uuid16) {
+    int dev = 0;
+    cudaDeviceProp prop;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaGetDeviceProperties(&prop, dev);
+    if (e != cudaSuccess) { uly_cu_fail("device uuid", e); return -1; }
+    memcpy(uuid16, prop.uuid.bytes, 16);
+    return 0;
+}
+
+#if __has_include(<nccl.h>)
+#include <nccl.h>
+/* ---- NCCL, opened on first use ---- */
+static struct {
+    int tried, ok;
+    ncclResult_t (*get_unique_id)(ncclUniqueId *);
+    ncclResult_t (*init_rank)(ncclComm_t *, int, ncclUniqueId, int);
+    ncclResult_t (*destroy)(ncclComm_t);
+    ncclResult_t (*all_reduce)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t);
+    ncclResult_t (*send)(const void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+    ncclResult_t (*recv)(void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+    ncclResult_t (*group_start)(void);
+    ncclResult_t (*group_end)(void);
+    const char *(*error_string)(ncclResult_t);
+    ncclResult_t (*count)(const ncclComm_t, int *);
+} N;
+
+static int nccl_open(void) {
+    if (N.tried) return N.ok;
+    N.tried = 1;
+    void *h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_GLOBAL);
+    if (!h) h = dlopen("libnccl.so", RTLD_NOW | RTLD_GLOBAL);
+    if (!h) { uly_cu_fail_msg("NCCL", "libnccl.so.2 not found (device buffers will stage through host memory)"); return 0; }
+#define SYM(field, name) N.field = (decltype(N.field))dlsym(h, name); if (!N.field) { uly_cu_fail_msg("NCCL", "missing " name); return 0; }
+    SYM(get_unique_id, "ncclGetUniqueId")
+    SYM(init_rank, "ncclCommInitRank")
+    SYM(destroy, "ncclCommDestroy")
+    SYM(all_reduce, "ncclAllReduce")
+    SYM(send, "ncclSend")
+    SYM(recv, "ncclRecv")
+    SYM(group_start, "ncclGroupStart")
+    SYM(group_end, "ncclGroupEnd")
+    SYM(error_string, "ncclGetErrorString")
+    SYM(count, "ncclCommCount")
+#undef SYM
+    N.ok = 1;
+    return 1;
+}
+
+static int nccl_check(const char *what, ncclResult_t r) {
+    if (r == ncclSuccess) return 0;
+    uly_cu_fail_msg(what, N.error_string ? N.error_string(r) : "NCCL error");
+    return -1;
+}
+
+static int nccl_type(int dtype, ncclDataType_t *t) {
+    switch (dtype) {
+    case ULY_DTYPE_F32: *t = ncclFloat32; return 0;
+    case ULY_DTYPE_BF16: *t = ncclBfloat16; return 0;
+    case ULY_DTYPE_I32: *t = ncclInt32; return 0;
+    case ULY_DTYPE_I64: *t = ncclInt64; return 0;
+    case ULY_DTYPE_F64: *t = ncclFloat64; return 0;
+    default: uly_cu_fail_msg("NCCL", "unknown dtype"); return -1;
+    }
+}
+
+extern "C" int cu_comm_unique_id(void *id, int64_t len) {
+    if (len < (int64_t)sizeof(ncclUniqueId) || !nccl_open()) return -1;
+    ncclUniqueId u;
+    if (nccl_check("ncclGetUniqueId", N.get_unique_id(&u))) return -1;
+    memcpy(id, &u, sizeof u);
+    return 0;
+}
+
+extern "C" void *cu_comm_create(int nranks, int rank, const void *id) {
+    if (!nccl_open()) return NULL;
+    ncclUniqueId u;
+    memcpy(&u, id, sizeof u);
+    ncclComm_t comm = NULL;
+    if (nccl_check("ncclCommInitRank", N.init_rank(&comm, nranks, u, rank))) return NULL;
+    return comm;
+}
+
+extern "C" void cu_comm_destroy(void *comm) {
+    if (comm && N.ok) N.destroy((ncclComm_t)comm);
+}
+
+extern "C" int cu_comm_all_reduce(void *comm, void *buf, int64_t count, int dtype, int op) {
+    ncclDataType_t t;
+    if (!N.ok || nccl_type(dtype, &t)) return -1;
+    ncclRedOp_t o = op == ULY_REDUCE_AVG ? ncclAvg : op == ULY_REDUCE_MAX ? ncclMax : ncclSum;
+    return nccl_check("ncclAllReduce", N.all_reduce(buf, buf, (size_t)count, t, o, (ncclComm_t)comm, uly_cu_stream));
+}
+
+extern "C" int cu_comm_all_to_all_v(void *comm, const void *send, const int64_t *scounts, const int64_t *sdispls, void *recv,
+                                    const int64_t *rcounts, const int64_t *rdispls, int dtype) {
+    ncclDataType_t t;
+    if (!N.ok || nccl_type(dtype, &t)) return -1;
+    int nranks = 0;   /* the peers are the communicator's ranks 0..P-1 */
+    if (nccl_check("ncclCommCount", N.count((ncclComm_t)comm, &nranks))) return -1;
+    size_t es = dtype == ULY_DTYPE_BF16 ? 2 : (dtype == ULY_DTYPE_F32 || dtype == ULY_DTYPE_I32) ? 4 : 8;
+    int rc = nccl_check("ncclGroupStart", N.group_start());
+    for (int j = 0; !rc && j < nranks; j++) {
+        if (scounts[j]) rc = nccl_check("ncclSend", N.send((const char *)send + sdispls[j] * es, (size_t)scounts[j], t, j,
+                                                         (ncclComm_t)comm, uly_cu_stream));
+        if (!rc && rcounts[j]) rc = nccl_check("ncclRecv", N.recv((char *)recv + rdispls[j] * es, (size_t)rcounts[j], t, j,
+                                                                (ncclComm_t)comm, uly_cu_stream));
+    }
+    int end = nccl_check("ncclGroupEnd", N.group_end());
+    return rc ? rc : end;
+}
+#else /* built without nccl.h: no device collectives, the core stages through host memory */
+extern "C" int cu_comm_unique_id(void *id, int64_t len) { uly_cu_fail_msg("NCCL", "built without nccl.h"); return -1; }
+extern "C" void *cu_comm_create(int nranks, int rank, const void *id) { return NULL; }
+extern "C" void cu_comm_destroy(void *comm) {}
+extern "C" int cu_comm_all_reduce(void *comm, void *buf, int64_t count, int dtype, int op) { return -1; }
+extern "C" int cu_comm_all_to_all_v(void *comm, const void *send, const int64_t *scounts, const int64_t *sdispls, void *recv,
+                                    const int64_t *rcounts, const int64_t *rdispls, int dtype) { return -1; }
+#endif
