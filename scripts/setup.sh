@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(
-  gcc make cmake pkg-config
+  gcc g++ make cmake pkg-config
   luajit libluajit-5.1-dev lua-busted libreadline8
   libopenblas-dev
   libopenmpi-dev openmpi-bin

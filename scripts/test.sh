@@ -3,8 +3,9 @@
 #  1. builds the Release library (build/) and a Debug + AddressSanitizer/UBSan/LeakSanitizer one
 #     (build-asan/);
 #  2. runs every busted spec (spec/*_spec.lua, under LuaJIT) against the Release build, then the
-#     #mpi specs under mpirun with 1, 2 and 4 ranks (Release build only), then the plain specs
-#     against the sanitizer build;
+#     #mpi specs under mpirun with 1, 2 and 4 ranks (Release build only), then the CUDA backend's
+#     kernels on the CPU emulator (spec/device_spec.lua and the #mpi device cases), then the plain
+#     specs against the sanitizer build;
 #  3. ends with one line "N passed, N failed" over all runs; exits non-zero on any failure,
 #     error or crash.
 # ULY_SEED=<n> replays the random inputs of a run (the seed is printed first).
@@ -25,12 +26,13 @@ build() { # dir, cmake args...
 }
 
 # one busted run; a run that dies before its closing line counts as one failure
+# (SPEC_ARGS, when set, are extra busted arguments: spec files, --filter, --run)
 run_specs() { # label, env...
   local label=$1; shift
   echo "== specs: $label"
   local before after
   before=$(wc -l <"$summary")
-  env "$@" luajit /usr/bin/busted
+  env "$@" luajit /usr/bin/busted ${SPEC_ARGS:-}
   local rc=$?
   after=$(wc -l <"$summary")
   if [ "$after" -eq "$before" ] || { [ $rc -ne 0 ] && ! tail -1 "$summary" | grep -q ' [1-9]'; }; then
@@ -72,6 +74,32 @@ run_mpi_specs() {
 if ! build build -DCMAKE_BUILD_TYPE=Release -DULY_CUDA=AUTO; then echo "test: Release build failed"; echo "0 passed, 1 failed"; exit 1; fi
 run_specs "Release"
 run_mpi_specs
+
+# The CUDA backend's own kernels (kernels/cuda/*.cu) on the CPU emulator (kernels/cuda/emu/,
+# build/libulysses_cuemu.so): the device suite, then the device cases of the #mpi specs on 2 and
+# 4 ranks (exchanges staged through host memory, as with ranks sharing one GPU)
+if [ -e build/libulysses_cuemu.so ]; then
+  SPEC_ARGS="spec/device_spec.lua" run_specs "CUDA kernels on the emulator" ULY_TEST_DEVICE=emu \
+    ULY_CUDA_LIB=build/libulysses_cuemu.so
+  if command -v mpirun >/dev/null 2>&1; then
+    for np in 2 4; do
+      echo "== specs: #mpi device cases on $np ranks, CUDA kernels on the emulator"
+      before=$(wc -l <"$summary")
+      env "${mpi_env[@]}" ULY_TEST_SP="$np" ULY_TEST_DEVICE=emu ULY_CUDA_LIB=build/libulysses_cuemu.so timeout 300 \
+        mpirun --allow-run-as-root --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -x ULY_TEST_SP \
+        -x ULY_TEST_DEVICE -x ULY_CUDA_LIB -np "$np" luajit /usr/bin/busted --run=mpi --filter=device \
+        spec/ulysses_spec.lua spec/dist_spec.lua
+      rc=$?
+      after=$(wc -l <"$summary")
+      if [ "$after" -eq "$before" ] || { [ $rc -ne 0 ] && ! tail -1 "$summary" | grep -q ' [1-9]'; }; then
+        echo "test: the emulated #mpi device run on $np ranks failed or ended abnormally (exit code $rc)"
+        crashed=$((crashed + 1))
+      fi
+    done
+  fi
+else
+  echo "== CUDA emulator specs skipped: no build/libulysses_cuemu.so (needs a C++ compiler)"
+fi
 
 if build build-asan -DCMAKE_BUILD_TYPE=Debug -DULY_SANITIZE=ON -DULY_CUDA=OFF; then
   asan=$(gcc -print-file-name=libasan.so)

@@ -126,7 +126,7 @@ describe('dist on a grid of ranks #mpi', function()
   end)
 
   it('collectives take device tensors (the simulation here: staged through host memory) and refuse mixed devices', function()
-    local real = os.getenv('ULY_TEST_DEVICE') == 'cuda'
+    local real = os.getenv('ULY_TEST_DEVICE') == 'cuda' or os.getenv('ULY_TEST_DEVICE') == 'emu'
     if not uly.cuda.backend() then assert(real and uly.cuda.ensure() or uly.cuda.simulate()) end
     local s = uly.tensor({ me + 1, 2 * me }):cuda()
     local m = uly.tensor({ me + 1, -me }):cuda()

@@ -254,14 +254,14 @@ static int backward(float *dq, float *dk, float *dv, const float *dout, const fl
     if (check_dims(op, g)) return -1;
     int64_t qrows = g.B * g.H * g.Tq, krows = g.B * g.Hkv * g.Tk;
     if (qrows == 0) return 0;
-    flash_delta<<<warps_grid(qrows), 32 * WARPS, 0, uly_cu_stream>>>(delta, dout, out, g);
+    ULY_LAUNCH(flash_delta, warps_grid(qrows), 32 * WARPS, uly_cu_stream)(delta, dout, out, g);
     ULY_CU_LAUNCHED("flash_delta");
     if (dq) {
-        flash_dq<<<warps_grid(qrows), 32 * WARPS, 0, uly_cu_stream>>>(dq, dout, lse, probs, delta, g);
+        ULY_LAUNCH(flash_dq, warps_grid(qrows), 32 * WARPS, uly_cu_stream)(dq, dout, lse, probs, delta, g);
         ULY_CU_LAUNCHED("flash_dq");
     }
     if ((dk || dv) && krows) {
-        flash_dkv<<<warps_grid(krows), 32 * WARPS, 0, uly_cu_stream>>>(dk, dv, dout, lse, probs, delta, g);
+        ULY_LAUNCH(flash_dkv, warps_grid(krows), 32 * WARPS, uly_cu_stream)(dk, dv, dout, lse, probs, delta, g);
         ULY_CU_LAUNCHED("flash_dkv");
     }
     return 0;
@@ -275,7 +275,7 @@ extern "C" int cu_flash_forward(float *out, float *lse, float *scratch, const fl
     if (check_dims("flash_attention_forward", g)) return 0;  /* reported through take_error */
     int64_t rows = g.B * g.H * g.Tq;
     if (rows == 0) return 0;
-    flash_fw<<<warps_grid(rows), 32 * WARPS, 0, uly_cu_stream>>>(out, lse, g);
+    ULY_LAUNCH(flash_fw, warps_grid(rows), 32 * WARPS, uly_cu_stream)(out, lse, g);
     ULY_CU_LAUNCHED("flash_fw");
     return 0;
 }
@@ -309,10 +309,10 @@ extern "C" void cu_attention_forward(float *out, float *probs, const float *q, c
     float *lse = NULL;
     cudaError_t e = cudaMallocAsync((void **)&lse, (size_t)rows * sizeof(float), uly_cu_stream);
     if (e != cudaSuccess) { uly_cu_fail("attention_forward scratch", e); return; }
-    flash_fw<<<warps_grid(rows), 32 * WARPS, 0, uly_cu_stream>>>(out, lse, g);
+    ULY_LAUNCH(flash_fw, warps_grid(rows), 32 * WARPS, uly_cu_stream)(out, lse, g);
     ULY_CU_LAUNCHED("flash_fw");
     if (Tk > 0) {
-        write_probs<<<warps_grid(rows), 32 * WARPS, 0, uly_cu_stream>>>(probs, lse, g);
+        ULY_LAUNCH(write_probs, warps_grid(rows), 32 * WARPS, uly_cu_stream)(probs, lse, g);
         ULY_CU_LAUNCHED("write_probs");
     }
     cudaFreeAsync(lse, uly_cu_stream);
@@ -332,7 +332,7 @@ extern "C" int cu_attention_backward(float *dq, float *dk, float *dv, const floa
     (void)lse;
     cudaError_t e2 = cudaMallocAsync((void **)&lse, (size_t)rows * sizeof(float), uly_cu_stream);
     if (e2 != cudaSuccess) { cudaFreeAsync(scratch, uly_cu_stream); uly_cu_fail("attention_backward scratch", e2); return -1; }
-    flash_fw<<<warps_grid(rows), 32 * WARPS, 0, uly_cu_stream>>>(out, lse, g);
+    ULY_LAUNCH(flash_fw, warps_grid(rows), 32 * WARPS, uly_cu_stream)(out, lse, g);
     ULY_CU_LAUNCHED("flash_fw");
     int rc = backward(dq, dk, dv, dout, out, lse, probs, delta, g, "attention_backward");
     cudaFreeAsync(lse, uly_cu_stream);

@@ -41,8 +41,8 @@ static void launch_layout(void *dst, const void *src, const uly_comm_layout *L, 
     lay l = lay_of(L);
     int64_t n = l.per * l.count;
     if (n <= 0) return;
-    if (gather) pack_k<T><<<uly_cu_blocks(n, 256), 256, 0, uly_cu_stream>>>((T *)dst, (const T *)src, l, n);
-    else unpack_k<T><<<uly_cu_blocks(n, 256), 256, 0, uly_cu_stream>>>((T *)dst, (const T *)src, l, n);
+    if (gather) ULY_LAUNCH(pack_k<T>, uly_cu_blocks(n, 256), 256, uly_cu_stream)((T *)dst, (const T *)src, l, n);
+    else ULY_LAUNCH(unpack_k<T>, uly_cu_blocks(n, 256), 256, uly_cu_stream)((T *)dst, (const T *)src, l, n);
     ULY_CU_LAUNCHED(gather ? "pack_layout" : "unpack_layout");
 }
 
@@ -66,7 +66,7 @@ extern "C" int cu_device_uuid(unsigned char *uuid16) {
     return 0;
 }
 
-#if __has_include(<nccl.h>)
+#if !defined(ULY_CUDA_EMU) && __has_include(<nccl.h>)
 #include <nccl.h>
 /* ---- NCCL, opened on first use ---- */
 static struct {

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include "uly.h"
+#include "launch.cuh"
 #include "uly_backend.h"
 
 /* the backend's stream and its failure record (backend.cu) */

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 #include "uly_cuda.h"
+#include "launch.cuh"
 
 static char last_error[512] = "no error";
 
@@ -134,7 +135,7 @@ int uly_cuda_fill_f32(float *p, int64_t n, float v) {
     const int threads = 256;
     int64_t blocks = (n + threads - 1) / threads;
     if (blocks > 65535) blocks = 65535; /* grid-stride loop covers the rest */
-    fill_f32_kernel<<<(unsigned)blocks, threads>>>(p, n, v);
+    ULY_LAUNCH(fill_f32_kernel, (unsigned)blocks, threads, 0)(p, n, v);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return fail("uly_cuda_fill_f32 launch", err);
     err = cudaDeviceSynchronize();

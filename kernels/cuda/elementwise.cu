@@ -8,7 +8,7 @@
 
 #define THREADS 256
 #define LAUNCH(kernel, n, ...) do { \
-        if ((n) > 0) kernel<<<uly_cu_blocks((n), THREADS), THREADS, 0, uly_cu_stream>>>(__VA_ARGS__); \
+        if ((n) > 0) ULY_LAUNCH(kernel, uly_cu_blocks((n), THREADS), THREADS, uly_cu_stream)(__VA_ARGS__); \
         ULY_CU_LAUNCHED(#kernel); } while (0)
 
 /* ---- activations ---- */

@@ -104,8 +104,8 @@ extern "C" void cu_gemm_batched_bf16(int nb, const int64_t *bshape, uly_mat A, u
     cudaError_t e = cudaMallocAsync((void **)&a16, (size_t)(na + nbb) * sizeof(__nv_bfloat16), uly_cu_stream);
     if (e != cudaSuccess) { uly_cu_fail("bf16 GEMM operand copies", e); return; }
     b16 = a16 + na;
-    to_bf16<<<uly_cu_blocks(na, 256), 256, 0, uly_cu_stream>>>(a16, A.p, na);
-    to_bf16<<<uly_cu_blocks(nbb, 256), 256, 0, uly_cu_stream>>>(b16, B.p, nbb);
+    ULY_LAUNCH(to_bf16, uly_cu_blocks(na, 256), 256, uly_cu_stream)(a16, A.p, na);
+    ULY_LAUNCH(to_bf16, uly_cu_blocks(nbb, 256), 256, uly_cu_stream)(b16, B.p, nbb);
     ULY_CU_LAUNCHED("to_bf16");
     gemm_typed(nb, bshape, A, a16, B, b16, C, M, N, K, beta, CUDA_R_16BF);
     cudaFreeAsync(a16, uly_cu_stream);
@@ -131,7 +131,7 @@ static void gemm_typed(int nb, const int64_t *bshape, uly_mat A, const void *ap,
         for (int64_t bi = 0; bi < batches; bi++) {
             int64_t oc = 0;
             for (int d = 0; d < nb; d++) oc += idx[d] * C.bstride[d];
-            scale_c<<<uly_cu_blocks(M * N, 256), 256, 0, uly_cu_stream>>>(C.p + oc, M, N, ldc, beta);
+            ULY_LAUNCH(scale_c, uly_cu_blocks(M * N, 256), 256, uly_cu_stream)(C.p + oc, M, N, ldc, beta);
             ULY_CU_LAUNCHED("gemm scale_c");
             for (int d = nb - 1; d >= 0; d--) { if (++idx[d] < bshape[d]) break; idx[d] = 0; }
         }

@@ -10,13 +10,13 @@
 
 #define THREADS 256
 #define LAUNCH(kernel, n, ...) do { \
-        if ((n) > 0) kernel<<<uly_cu_blocks((n), THREADS), THREADS, 0, uly_cu_stream>>>(__VA_ARGS__); \
+        if ((n) > 0) ULY_LAUNCH(kernel, uly_cu_blocks((n), THREADS), THREADS, uly_cu_stream)(__VA_ARGS__); \
         ULY_CU_LAUNCHED(#kernel); } while (0)
 /* one block of ROWT threads per row (rows <= 2^31 - 1 handled by a grid-stride over rows) */
 #define ROWT 256
 #define ROW_BLOCKS(rows) ((unsigned)((rows) < 65535 * 16 ? (rows) : 65535 * 16))
 #define LAUNCH_ROWS(kernel, rows, ...) do { \
-        if ((rows) > 0) kernel<<<ROW_BLOCKS(rows), ROWT, 0, uly_cu_stream>>>(__VA_ARGS__); \
+        if ((rows) > 0) ULY_LAUNCH(kernel, ROW_BLOCKS(rows), ROWT, uly_cu_stream)(__VA_ARGS__); \
         ULY_CU_LAUNCHED(#kernel); } while (0)
 
 extern "C" void *uly_cu_scratch(void);                                   /* backend.cu: 64 KiB of device memory */
@@ -316,7 +316,7 @@ extern "C" void cu_optim_sgd(float *p, const float *g, float *buf, int64_t n, fl
                              int nesterov, int init) {
     LAUNCH(sgd_k, n, p, g, buf, n, lr, wd, momentum, damp, nesterov, init);
 }
-/* sum of squares: fixed SUMSQ_BLOCKS partial sums (a function of n only), then added in order */
+/* sum of squares: up to SUMSQ_BLOCKS partial sums (how many is a function of n only), added in order */
 #define SUMSQ_BLOCKS 1024
 __global__ static void sumsq_part(double *part, const float *x, int64_t n) {
     double s = 0.0;
@@ -334,9 +334,10 @@ __global__ static void sumsq_total(double *part, int nparts) {
 extern "C" double cu_optim_sumsq(const float *x, int64_t n) {
     if (n <= 0) return 0.0;
     double *part = (double *)uly_cu_scratch(), host = 0.0;
-    sumsq_part<<<SUMSQ_BLOCKS, THREADS, 0, uly_cu_stream>>>(part, x, n);
+    int blocks = (int)((n + THREADS - 1) / THREADS < SUMSQ_BLOCKS ? (n + THREADS - 1) / THREADS : SUMSQ_BLOCKS);
+    ULY_LAUNCH(sumsq_part, blocks, THREADS, uly_cu_stream)(part, x, n);
     ULY_CU_LAUNCHED("sumsq_part");
-    sumsq_total<<<1, 1024, 0, uly_cu_stream>>>(part, SUMSQ_BLOCKS);
+    ULY_LAUNCH(sumsq_total, 1, 1024, uly_cu_stream)(part, blocks);
     ULY_CU_LAUNCHED("sumsq_total");
     if (uly_cu_read_back(&host, part, sizeof host)) return 0.0;
     return host;

@@ -1,0 +1,305 @@
+/* kernels/cuda/emu/cuda_emu.cpp — the CUDA emulator's machinery (see cuda_emu.h): the fiber
+ * scheduler behind launches, __syncthreads and warp shuffles as barriers with deadlock
+ * detection, host-memory "device" allocations with a limit, and the cuBLAS GEMM as loops.
+ * Fibers switch with a few instructions on x86-64 (callee-saved registers and the stack
+ * pointer; ucontext's swapcontext makes two system calls per switch), with ucontext elsewhere. */
+#include "cuda_emu.h"
+#include <stdio.h>
+#include <time.h>
+#include <ucontext.h>
+#include <vector>
+
+dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+#if defined(__x86_64__)
+/* uly_emu_swap(&save_sp, load_sp): push the callee-saved registers, switch stacks, pop them */
+extern "C" void uly_emu_swap(void **save_sp, void *load_sp);
+__asm__(".text\n.globl uly_emu_swap\n.type uly_emu_swap,@function\nuly_emu_swap:\n"
+        "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+        "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
+        "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n"
+        ".size uly_emu_swap, .-uly_emu_swap\n");
+#define FAST_SWITCH 1
+#endif
+
+namespace uly_emu {
+namespace {
+enum { NONE = 0, BLOCK = 1, WARP = 2 };
+const size_t STACK = 64 << 10;
+
+struct fiber {
+#ifdef FAST_SWITCH
+    void *sp;
+#else
+    ucontext_t ctx;
+#endif
+    int done, wait;
+    unsigned gen;
+};
+
+struct block_state {
+    std::vector<fiber> fibers;
+    std::vector<char> stacks;
+#ifdef FAST_SWITCH
+    void *sched_sp;
+#else
+    ucontext_t sched;
+#endif
+    const std::function<void()> *body;
+    unsigned n, cur, alive;
+    unsigned block_gen, block_waiting;
+    std::vector<unsigned> warp_gen, warp_waiting, warp_alive;
+    std::vector<uint64_t> slots;   /* one value per lane for shuffles */
+} B;
+
+/* from the running fiber back to the scheduler */
+void to_scheduler(fiber &f) {
+#ifdef FAST_SWITCH
+    uly_emu_swap(&f.sp, B.sched_sp);
+#else
+    swapcontext(&f.ctx, &B.sched);
+#endif
+}
+
+void trampoline() {
+    (*B.body)();
+    fiber &f = B.fibers[B.cur];
+    f.done = 1;
+    B.alive--;
+    B.warp_alive[B.cur >> 5]--;
+#ifdef FAST_SWITCH
+    void *dead;
+    uly_emu_swap(&dead, B.sched_sp);   /* never resumed */
+#endif
+    /* (ucontext: returning resumes uc_link, the scheduler) */
+}
+
+void wait_at(int kind) {
+    fiber &f = B.fibers[B.cur];
+    f.wait = kind;
+    if (kind == BLOCK) { f.gen = B.block_gen; B.block_waiting++; }
+    else { unsigned w = B.cur >> 5; f.gen = B.warp_gen[w]; B.warp_waiting[w]++; }
+    to_scheduler(f);
+}
+
+/* release every barrier whose live threads have all arrived; 1 if any was */
+int release() {
+    int any = 0;
+    if (B.block_waiting && B.block_waiting == B.alive) {
+        B.block_gen++;
+        B.block_waiting = 0;
+        for (auto &f : B.fibers) if (f.wait == BLOCK) f.wait = NONE;
+        any = 1;
+    }
+    for (unsigned w = 0; w < B.warp_gen.size(); w++)
+        if (B.warp_waiting[w] && B.warp_waiting[w] == B.warp_alive[w]) {
+            B.warp_gen[w]++;
+            B.warp_waiting[w] = 0;
+            for (unsigned t = w * 32; t < B.n && t < w * 32 + 32; t++)
+                if (B.fibers[t].wait == WARP) B.fibers[t].wait = NONE;
+            any = 1;
+        }
+    return any;
+}
+} // namespace
+
+void run_grid(unsigned blocks, unsigned threads, const std::function<void()> &body) {
+    if (threads == 0 || threads > 1024) { fprintf(stderr, "cuda emulator: %u threads per block\n", threads); abort(); }
+    unsigned warps = (threads + 31) / 32;
+    B.fibers.assign(threads, fiber());
+    if (B.stacks.size() < threads * STACK) B.stacks.resize(threads * STACK);
+    B.warp_gen.assign(warps, 0);
+    B.warp_waiting.assign(warps, 0);
+    B.warp_alive.assign(warps, 0);
+    B.slots.assign(warps * 32, 0);
+    B.body = &body;
+    gridDim.x = blocks; gridDim.y = gridDim.z = 1;
+    blockDim.x = threads; blockDim.y = blockDim.z = 1;
+    for (unsigned b = 0; b < blocks; b++) {
+        blockIdx.x = b; blockIdx.y = blockIdx.z = 0;
+        B.n = threads;
+        B.alive = threads;
+        B.block_gen = B.block_waiting = 0;
+        for (unsigned w = 0; w < warps; w++) {
+            B.warp_waiting[w] = 0;
+            B.warp_alive[w] = (w + 1) * 32 <= threads ? 32 : threads - w * 32;
+        }
+        for (unsigned t = 0; t < threads; t++) {
+            fiber &f = B.fibers[t];
+            f.done = f.wait = NONE;
+            f.gen = 0;
+#ifdef FAST_SWITCH
+            /* a fresh stack that "returns" into trampoline: 6 zero registers, then its address */
+            uintptr_t top = ((uintptr_t)(B.stacks.data() + (t + 1) * STACK)) & ~(uintptr_t)15;
+            void **sp = (void **)top;
+            *--sp = NULL;                        /* trampoline's own return address: never used */
+            *--sp = (void *)trampoline;
+            for (int r = 0; r < 6; r++) *--sp = NULL;
+            f.sp = sp;
+#else
+            getcontext(&f.ctx);
+            f.ctx.uc_stack.ss_sp = B.stacks.data() + t * STACK;
+            f.ctx.uc_stack.ss_size = STACK;
+            f.ctx.uc_link = &B.sched;
+            makecontext(&f.ctx, trampoline, 0);
+#endif
+        }
+        while (B.alive) {
+            int ran = 0;
+            for (unsigned t = 0; t < threads; t++) {
+                fiber &f = B.fibers[t];
+                if (f.done || f.wait) continue;
+                B.cur = t;
+                threadIdx.x = t; threadIdx.y = threadIdx.z = 0;
+#ifdef FAST_SWITCH
+                uly_emu_swap(&B.sched_sp, f.sp);
+#else
+                swapcontext(&B.sched, &f.ctx);
+#endif
+                ran = 1;
+            }
+            if (!release() && !ran && B.alive) {
+                fprintf(stderr, "cuda emulator: deadlock in block %u: %u live threads wait at barriers that not all "
+                                "of them reach (a __syncthreads or shuffle inside divergent code)\n", b, B.alive);
+                abort();
+            }
+        }
+    }
+}
+
+void sync_block() { wait_at(BLOCK); }
+
+uint64_t shuffle_xor(uint64_t bits, int lane_mask) {
+    unsigned me = B.cur, w = me >> 5, lane = me & 31, other = (lane ^ (unsigned)lane_mask) & 31;
+    B.slots[w * 32 + lane] = bits;
+    wait_at(WARP);                     /* every lane has written */
+    uint64_t got = (w * 32 + other < B.n) ? B.slots[w * 32 + other] : bits;
+    wait_at(WARP);                     /* every lane has read before the slots are reused */
+    return got;
+}
+} // namespace uly_emu
+
+/* ---------------------------------------------------------------- runtime */
+static cudaError_t last = cudaSuccess;
+static size_t in_use;
+
+static size_t emu_total(void) {
+    const char *e = getenv("ULY_EMU_MEMORY");
+    return (e && atoll(e) > 0) ? (size_t)atoll(e) : ((size_t)4 << 30);
+}
+
+static cudaError_t fail(cudaError_t e) { last = e; return e; }
+
+cudaError_t cudaGetDeviceCount(int *n) { *n = 1; return cudaSuccess; }
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int dev) {
+    if (dev != 0) return fail(cudaErrorInvalidValue);
+    memset(prop, 0, sizeof *prop);
+    snprintf(prop->name, sizeof prop->name, "ulysses CUDA emulator");
+    for (int i = 0; i < 16; i++) prop->uuid.bytes[i] = (unsigned char)(0xe0 + i);
+    prop->totalGlobalMem = emu_total();
+    prop->major = 9;
+    return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int dev) { return dev == 0 ? cudaSuccess : fail(cudaErrorInvalidValue); }
+cudaError_t cudaGetDevice(int *dev) { *dev = 0; return cudaSuccess; }
+cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b) {
+    *total_b = emu_total();
+    *free_b = *total_b > in_use ? *total_b - in_use : 0;
+    return cudaSuccess;
+}
+cudaError_t cudaMalloc(void **p, size_t bytes) {
+    if (in_use + bytes > emu_total()) return fail(cudaErrorMemoryAllocation);
+    void *q = NULL;
+    if (posix_memalign(&q, 256, bytes + 256)) return fail(cudaErrorMemoryAllocation);
+    *(size_t *)q = bytes;
+    in_use += bytes;
+    *p = (char *)q + 256;
+    return cudaSuccess;
+}
+cudaError_t cudaFree(void *p) {
+    if (!p) return cudaSuccess;
+    char *q = (char *)p - 256;
+    in_use -= *(size_t *)q;
+    free(q);
+    return cudaSuccess;
+}
+cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t) { return cudaMalloc(p, bytes); }
+cudaError_t cudaFreeAsync(void *p, cudaStream_t) { return cudaFree(p); }
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind) { if (bytes) memmove(dst, src, bytes); return cudaSuccess; }
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind k, cudaStream_t) { return cudaMemcpy(dst, src, bytes, k); }
+cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t) { if (bytes) memset(p, value, bytes); return cudaSuccess; }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { *s = (cudaStream_t)1; return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaGetLastError(void) { cudaError_t e = last; last = cudaSuccess; return e; }
+const char *cudaGetErrorName(cudaError_t e) {
+    return e == cudaSuccess ? "cudaSuccess" : e == cudaErrorMemoryAllocation ? "cudaErrorMemoryAllocation"
+         : e == cudaErrorInvalidValue ? "cudaErrorInvalidValue" : "cudaErrorNoDevice";
+}
+const char *cudaGetErrorString(cudaError_t e) {
+    return e == cudaSuccess ? "no error" : e == cudaErrorMemoryAllocation ? "out of memory (emulated device)"
+         : e == cudaErrorInvalidValue ? "invalid argument" : "no CUDA-capable device is detected";
+}
+cudaError_t cudaRuntimeGetVersion(int *v) { *v = 13000; return cudaSuccess; }
+cudaError_t cudaDriverGetVersion(int *v) { *v = 13000; return cudaSuccess; }
+
+struct uly_emu_event { double t; };
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+cudaError_t cudaEventCreate(cudaEvent_t *e) { *e = new uly_emu_event{0}; return cudaSuccess; }
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) { e->t = seconds_now(); return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) { *ms = (float)((b->t - a->t) * 1e3); return cudaSuccess; }
+cudaError_t cudaEventDestroy(cudaEvent_t e) { delete e; return cudaSuccess; }
+
+/* ---------------------------------------------------------------- cuBLAS */
+cublasStatus_t cublasCreate(cublasHandle_t *h) { *h = (cublasHandle_t)1; return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasSetStream(cublasHandle_t, cudaStream_t) { return CUBLAS_STATUS_SUCCESS; }
+
+static float element(const void *p, cudaDataType_t t, long long i) {
+    if (t == CUDA_R_16BF) { __nv_bfloat16 b = ((const __nv_bfloat16 *)p)[i]; return __bfloat162float(b); }
+    return ((const float *)p)[i];
+}
+
+/* column-major C = alpha op(A) op(B) + beta C, f32 accumulation in index order */
+static void gemm1(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, float alpha, const void *A,
+                  cudaDataType_t at, int lda, const void *B, cudaDataType_t bt, int ldb, float beta, float *C, int ldc) {
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++) {
+            float s = 0.0f;
+            for (int l = 0; l < k; l++) {
+                float a = ta == CUBLAS_OP_N ? element(A, at, i + (long long)l * lda) : element(A, at, l + (long long)i * lda);
+                float b = tb == CUBLAS_OP_N ? element(B, bt, l + (long long)j * ldb) : element(B, bt, j + (long long)l * ldb);
+                s += a * b;
+            }
+            float *c = C + i + (long long)j * ldc;
+            *c = alpha * s + (beta == 0.0f ? 0.0f : beta * *c);
+        }
+}
+
+cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                            const void *alpha, const void *A, cudaDataType_t at, int lda, const void *B, cudaDataType_t bt,
+                            int ldb, const void *beta, void *C, cudaDataType_t ct, int ldc, cublasComputeType_t,
+                            cublasGemmAlgo_t) {
+    if (ct != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
+    gemm1(ta, tb, m, n, k, *(const float *)alpha, A, at, lda, B, bt, ldb, *(const float *)beta, (float *)C, ldc);
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                                          int k, const void *alpha, const void *A, cudaDataType_t at, int lda,
+                                          long long sa, const void *B, cudaDataType_t bt, int ldb, long long sb,
+                                          const void *beta, void *C, cudaDataType_t ct, int ldc, long long sc, int batches,
+                                          cublasComputeType_t compute, cublasGemmAlgo_t algo) {
+    size_t ea = at == CUDA_R_16BF ? 2 : 4, eb = bt == CUDA_R_16BF ? 2 : 4;
+    for (int i = 0; i < batches; i++) {
+        cublasStatus_t s = cublasGemmEx(h, ta, tb, m, n, k, alpha, (const char *)A + i * sa * ea, at, lda,
+                                        (const char *)B + i * sb * eb, bt, ldb, beta, (float *)C + i * sc, ct, ldc,
+                                        compute, algo);
+        if (s != CUBLAS_STATUS_SUCCESS) return s;
+    }
+    return CUBLAS_STATUS_SUCCESS;
+}

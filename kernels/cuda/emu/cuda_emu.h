@@ -1,0 +1,141 @@
+/* kernels/cuda/emu/cuda_emu.h — a small CUDA emulator, so the CUDA backend's own kernels run (and
+ * are tested) on machines without a GPU. The .cu files compile unchanged as C++ with this header
+ * in front (kernels/cuda/emu/include/ stands in for cuda_runtime.h, cuda_bf16.h, cublas_v2.h):
+ *  - a launch runs the blocks one after another; each block's threads are fibers (ucontext) on
+ *    the calling thread, switched only at __syncthreads() and warp shuffles, which are real
+ *    barriers: a kernel whose threads diverge at a barrier is reported as a deadlock;
+ *  - __shared__ is static storage (blocks never overlap, so it is per block);
+ *  - device memory is host memory; copies are memcpy; streams and events are synchronous;
+ *  - cuBLAS GEMMs are plain loops (f32 accumulation; bf16 inputs rounded as on the GPU);
+ *  - one device, "ulysses CUDA emulator", with the memory limit ULY_EMU_MEMORY (default 4 GiB).
+ * What it cannot show: speed, races between blocks or streams, and warp-divergent shuffles
+ * beyond the barrier check. Built as libulysses_cuemu.so (CMake, next to libulysses_cuda.so);
+ * ULY_CUDA_LIB=build/libulysses_cuemu.so makes uly.cuda load it in place of the real one. */
+#ifndef ULY_CUDA_EMU_H
+#define ULY_CUDA_EMU_H
+#define ULY_CUDA_EMU 1
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <functional>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+
+struct dim3 { unsigned x, y, z; };
+extern dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+namespace uly_emu {
+void run_grid(unsigned blocks, unsigned threads, const std::function<void()> &body);
+void sync_block();
+uint64_t shuffle_xor(uint64_t bits, int lane_mask);
+
+template <typename... P>
+struct launcher {
+    void (*kernel)(P...);
+    unsigned blocks, threads;
+    template <typename... A>
+    void operator()(A &&...args) const {
+        auto k = kernel;
+        std::function<void()> body = [&]() { k(args...); };
+        run_grid(blocks, threads, body);
+    }
+};
+template <typename... P>
+launcher<P...> launch(void (*kernel)(P...), unsigned blocks, unsigned threads) { return launcher<P...>{kernel, blocks, threads}; }
+} // namespace uly_emu
+
+static inline void __syncthreads(void) { uly_emu::sync_block(); }
+template <typename T>
+static inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+    (void)mask;
+    uint64_t bits = 0;
+    memcpy(&bits, &v, sizeof v);
+    bits = uly_emu::shuffle_xor(bits, lane_mask);
+    T out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+#define __expf(x) expf(x)   /* glibc declares its own __expf */
+static inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t __float_as_uint(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+/* one thread runs at a time: atomics are plain read-modify-writes */
+static inline unsigned long long atomicMin(unsigned long long *p, unsigned long long v) { unsigned long long o = *p; if (v < o) *p = v; return o; }
+static inline unsigned long long atomicAdd(unsigned long long *p, unsigned long long v) { unsigned long long o = *p; *p = o + v; return o; }
+
+/* ---- bf16 ---- */
+struct __nv_bfloat16 { uint16_t x; };
+static inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+    uint32_t u = __float_as_uint(f);
+    __nv_bfloat16 b;
+    if ((u & 0x7fffffffu) > 0x7f800000u) { b.x = (uint16_t)((u >> 16) | 0x40); return b; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    b.x = (uint16_t)(u >> 16);
+    return b;
+}
+static inline float __bfloat162float(__nv_bfloat16 b) { return __uint_as_float((uint32_t)b.x << 16); }
+
+/* ---- runtime ---- */
+typedef enum cudaError { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorMemoryAllocation = 2,
+                         cudaErrorNoDevice = 100 } cudaError_t;
+typedef enum cudaMemcpyKind { cudaMemcpyHostToHost = 0, cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2,
+                              cudaMemcpyDeviceToDevice = 3, cudaMemcpyDefault = 4 } cudaMemcpyKind;
+typedef enum cudaDataType_t { CUDA_R_32F = 0, CUDA_R_16BF = 14 } cudaDataType_t;
+typedef struct uly_emu_stream *cudaStream_t;
+typedef struct uly_emu_event *cudaEvent_t;
+#define cudaStreamNonBlocking 1
+typedef struct { unsigned char bytes[16]; } cudaUUID_t;
+typedef struct cudaDeviceProp { char name[256]; cudaUUID_t uuid; size_t totalGlobalMem; int major, minor; } cudaDeviceProp;
+
+cudaError_t cudaGetDeviceCount(int *n);
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int dev);
+cudaError_t cudaSetDevice(int dev);
+cudaError_t cudaGetDevice(int *dev);
+cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b);
+cudaError_t cudaMalloc(void **p, size_t bytes);
+template <typename T> static inline cudaError_t cudaMalloc(T **p, size_t bytes) { return cudaMalloc((void **)p, bytes); }
+cudaError_t cudaFree(void *p);
+cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t s);
+cudaError_t cudaFreeAsync(void *p, cudaStream_t s);
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind);
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, cudaStream_t s);
+cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags);
+cudaError_t cudaStreamSynchronize(cudaStream_t s);
+cudaError_t cudaDeviceSynchronize(void);
+cudaError_t cudaGetLastError(void);
+const char *cudaGetErrorName(cudaError_t e);
+const char *cudaGetErrorString(cudaError_t e);
+cudaError_t cudaRuntimeGetVersion(int *v);
+cudaError_t cudaDriverGetVersion(int *v);
+cudaError_t cudaEventCreate(cudaEvent_t *e);
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
+cudaError_t cudaEventSynchronize(cudaEvent_t e);
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b);
+cudaError_t cudaEventDestroy(cudaEvent_t e);
+
+/* ---- cuBLAS (column-major GEMMs) ---- */
+typedef enum { CUBLAS_STATUS_SUCCESS = 0, CUBLAS_STATUS_NOT_INITIALIZED = 1, CUBLAS_STATUS_ALLOC_FAILED = 3,
+               CUBLAS_STATUS_INVALID_VALUE = 7, CUBLAS_STATUS_ARCH_MISMATCH = 8, CUBLAS_STATUS_EXECUTION_FAILED = 13,
+               CUBLAS_STATUS_INTERNAL_ERROR = 14, CUBLAS_STATUS_NOT_SUPPORTED = 15 } cublasStatus_t;
+typedef enum { CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 } cublasOperation_t;
+typedef enum { CUBLAS_COMPUTE_32F = 68, CUBLAS_COMPUTE_32F_FAST_TF32 = 77 } cublasComputeType_t;
+typedef enum { CUBLAS_GEMM_DEFAULT = -1 } cublasGemmAlgo_t;
+typedef struct uly_emu_cublas *cublasHandle_t;
+cublasStatus_t cublasCreate(cublasHandle_t *h);
+cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s);
+cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                            const void *alpha, const void *A, cudaDataType_t at, int lda, const void *B, cudaDataType_t bt,
+                            int ldb, const void *beta, void *C, cudaDataType_t ct, int ldc, cublasComputeType_t compute,
+                            cublasGemmAlgo_t algo);
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                                          int k, const void *alpha, const void *A, cudaDataType_t at, int lda,
+                                          long long sa, const void *B, cudaDataType_t bt, int ldb, long long sb,
+                                          const void *beta, void *C, cudaDataType_t ct, int ldc, long long sc, int batches,
+                                          cublasComputeType_t compute, cublasGemmAlgo_t algo);
+#endif
