@@ -79,7 +79,7 @@ run_mpi_specs
 # build/libulysses_cuemu.so): the device suite, then the device cases of the #mpi specs on 2 and
 # 4 ranks (exchanges staged through host memory, as with ranks sharing one GPU)
 if [ -e build/libulysses_cuemu.so ]; then
-  SPEC_ARGS="spec/device_spec.lua" run_specs "CUDA kernels on the emulator" ULY_TEST_DEVICE=emu \
+  SPEC_ARGS="spec/device_spec.lua" run_specs "CUDA kernels on the emulator" ULY_TEST_DEVICE=emu ULY_CUDA_ATTN_CHUNK=16 \
     ULY_CUDA_LIB=build/libulysses_cuemu.so
   if command -v mpirun >/dev/null 2>&1; then
     for np in 2 4; do

@@ -186,6 +186,19 @@ describe('device tensors', function()
       end, { q, k, v, docs })
     end)
 
+    it('flash attention: block-sparse layout, two-sided window, fewer queries than keys, strided q/k/v', function()
+      -- q/k/v are narrows of one fused [B, T, H + 2 Hkv, D] buffer (the Ulysses receive layout)
+      local fused = uly.randn(1, 45, 6 + 2 * 2, 8):requires_grad_()
+      local layout = uly.attention_layouts.from_function(2, 3, function(r, c) return c == 0 or c == r + 1 end)
+      same_on_device(function(f, lay)
+        local q = f:narrow(3, 1, 6):narrow(2, 15, 31)       -- 31 queries, the last ones
+        local k, v = f:narrow(3, 7, 2), f:narrow(3, 9, 2)   -- 45 keys
+        local a = uly.flash_attention(q, k, v, { window = { 9, 3 } })
+        local b = uly.flash_attention(q, k, v, { block_layout = lay, block_size = 16, causal = true })
+        return a + b
+      end, { fused, layout })
+    end)
+
     it('refuse bad input exactly as on the CPU (embedding ids, targets out of range)', function()
       local w = uly.randn(5, 3):cuda()
       local msg = helpers.error_of(function() return uly.embedding(uly.tensor({ 1, 7 }, { dtype = 'i32' }):cuda(), w) end)

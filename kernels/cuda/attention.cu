@@ -1,12 +1,22 @@
 /* kernels/cuda/attention.cu — attention on the GPU, the contracts of kernels/cpu/attention_ref.c
- * and kernels/cpu/flash_attention.h: flash attention (online softmax, only the output and one
- * log-sum-exp per row kept; causal, sliding-window, block-sparse and document masks; GQA without
+ * and kernels/cpu/flash_attention.h: flash attention (only the output and one log-sum-exp per row
+ * kept for backward; causal, sliding-window, block-sparse and document masks; GQA without
  * repeating K/V; strided q/k/v read in place) and the reference kernel that also writes the
- * probabilities. This is the portable version (any sm_80+): one warp per query row (forward, dQ)
- * or per key row (dK, dV), head dims up to 256 spread over the lanes, keys outside the causal /
- * window band never visited, no float atomics (the same bits run to run). */
+ * probabilities.
+ *
+ * Flash attention runs on tensor cores through cuBLAS, a chunk of query rows at a time: for each
+ * (batch, head, chunk) S = scale Q K^T over only the keys inside the chunk's causal / window band
+ * (a TF32 GEMM into a scratch of chunk x band floats, at most ~256 MiB), a masked softmax kernel
+ * (layout and document masks too) turns S into P and writes the log-sum-exp, and O = P V.
+ * Backward recomputes P from the log-sum-exp per chunk and runs dP = dO V^T, dS = P (dP - delta),
+ * dV += P^T dO, dK += dS^T Q, dQ += dS K: every GEMM on tensor cores, accumulations in a fixed
+ * order (no atomics: the same bits run to run). Memory is O(N D) plus the chunk's scratch.
+ * ULY_CUDA_ATTN_CHUNK=n forces the chunk (specs use small ones to cross chunk borders).
+ * The warp-per-row kernels below the chunked path are the reference kernel's. */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <cublas_v2.h>
 #include "common.cuh"
 
 #define WARPS 4
@@ -267,16 +277,126 @@ static int backward(float *dq, float *dk, float *dv, const float *dout, const fl
     return 0;
 }
 
+/* ---- the chunked tensor-core path ---- */
+extern "C" cublasHandle_t uly_cu_cublas(void);   /* gemm.cu */
+
+/* query rows of a chunk: ~256 MiB of scratch per S-sized buffer, a multiple of 16, at least 16 */
+static int64_t chunk_rows(const geom &g) {
+    const char *env = getenv("ULY_CUDA_ATTN_CHUNK");
+    if (env && atoll(env) > 0) return atoll(env);
+    int64_t c = ((int64_t)64 << 20) / (g.Tk > 0 ? g.Tk : 1);
+    c = c / 16 * 16;
+    if (c < 16) c = 16;
+    return c < g.Tq ? c : g.Tq;
+}
+
+/* the keys any row of [i0, i1) may see: the union of the rows' causal / window bands */
+static void chunk_band(const geom &g, int64_t i0, int64_t i1, int64_t *lo, int64_t *hi) {
+    int64_t off = g.Tk - g.Tq, a = 0, b = g.Tk - 1;
+    if (g.causal && i1 - 1 + off < b) b = i1 - 1 + off;
+    if (g.left >= 0 && i0 + off - g.left > a) a = i0 + off - g.left;
+    if (g.right >= 0 && i1 - 1 + off + g.right < b) b = i1 - 1 + off + g.right;
+    *lo = a;
+    *hi = b;
+}
+
+/* S [c, nk] (already scaled) -> P = exp(S - lse) where visible, else 0; lse of each row written
+ * (forward: mode 0) or read (backward: mode 1). A block per row. */
+__global__ static void chunk_softmax(float *S, float *lse, geom g, int64_t b, int64_t h, int64_t i0, int64_t c,
+                                     int64_t lo, int64_t nk, int mode) {
+    for (int64_t r = blockIdx.x; r < c; r += gridDim.x) {
+        int64_t i = i0 + r;
+        float *row = S + r * nk;
+        float *L = lse + (b * g.H + h) * g.Tq + i;
+        float Lr;
+        if (mode == 0) {
+            float m = -INFINITY;
+            for (int64_t j = threadIdx.x; j < nk; j += blockDim.x)
+                if (visible(g, b, i, lo + j)) m = fmaxf(m, row[j]);
+            m = uly_cu_block_max(m);
+            double s = 0.0;
+            if (m > -INFINITY)
+                for (int64_t j = threadIdx.x; j < nk; j += blockDim.x)
+                    if (visible(g, b, i, lo + j)) s += expf(row[j] - m);
+            s = uly_cu_block_sum(s);
+            Lr = s > 0.0 ? m + (float)log(s) : -INFINITY;
+            if (threadIdx.x == 0) *L = Lr;
+        } else {
+            Lr = *L;
+        }
+        for (int64_t j = threadIdx.x; j < nk; j += blockDim.x)
+            row[j] = (Lr > -INFINITY && visible(g, b, i, lo + j)) ? expf(row[j] - Lr) : 0.0f;
+    }
+}
+
+/* dP [c, nk] -> dS = P (dP - delta_i) scale, in place */
+__global__ static void chunk_ds(float *dP, const float *P, const float *delta, geom g, int64_t b, int64_t h, int64_t i0,
+                                int64_t c, int64_t nk) {
+    ULY_CU_FOR(e, c * nk) {
+        int64_t r = e / nk;
+        dP[e] = P[e] * (dP[e] - delta[(b * g.H + h) * g.Tq + i0 + r]) * g.scale;
+    }
+}
+
+/* out rows with no visible key at all (their chunk has an empty band) are 0, lse -inf */
+__global__ static void empty_rows(float *out, float *lse, geom g, int64_t b, int64_t h, int64_t i0, int64_t c) {
+    ULY_CU_FOR(e, c * g.D) {
+        int64_t r = e / g.D;
+        out[((b * g.Tq + i0 + r) * g.H + h) * g.D + e % g.D] = 0.0f;
+        if (e % g.D == 0) lse[(b * g.H + h) * g.Tq + i0 + r] = -INFINITY;
+    }
+}
+
+static int gemm_ok(cublasStatus_t s, const char *what) {
+    if (s == CUBLAS_STATUS_SUCCESS) return 0;
+    uly_cu_fail_msg(what, "cuBLAS call failed");
+    return -1;
+}
+
+/* C (col-major m x n, ldc) = alpha op(A) op(B) + beta C, TF32 tensor cores, f32 accumulation */
+static int gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha, const float *A,
+                int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc, const char *what) {
+    return gemm_ok(cublasGemmEx(uly_cu_cublas(), ta, tb, (int)m, (int)n, (int)k, &alpha, A, CUDA_R_32F, (int)lda, B,
+                                CUDA_R_32F, (int)ldb, &beta, C, CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F_FAST_TF32,
+                                CUBLAS_GEMM_DEFAULT), what);
+}
+
 extern "C" int64_t cu_flash_scratch_floats(const flash_problem *p, int backward_) { (void)p; (void)backward_; return 0; }
 
 extern "C" int cu_flash_forward(float *out, float *lse, float *scratch, const flash_problem *p) {
     (void)scratch;
     geom g = geom_of(p);
-    if (check_dims("flash_attention_forward", g)) return 0;  /* reported through take_error */
-    int64_t rows = g.B * g.H * g.Tq;
-    if (rows == 0) return 0;
-    ULY_LAUNCH(flash_fw, warps_grid(rows), 32 * WARPS, uly_cu_stream)(out, lse, g);
-    ULY_CU_LAUNCHED("flash_fw");
+    if (g.B * g.H * g.Tq == 0) return 0;
+    if (!uly_cu_cublas()) { uly_cu_fail_msg("flash_attention_forward", "no cuBLAS handle"); return 0; }
+    int64_t C = chunk_rows(g), group = g.H / g.Hkv;
+    float *S = NULL;
+    cudaError_t e = cudaMallocAsync((void **)&S, (size_t)(C * (g.Tk > 0 ? g.Tk : 1)) * sizeof(float), uly_cu_stream);
+    if (e != cudaSuccess) { uly_cu_fail("flash_attention_forward scratch", e); return 0; }
+    int rc = 0;
+    for (int64_t b = 0; b < g.B && !rc; b++)
+        for (int64_t h = 0; h < g.H && !rc; h++) {
+            int64_t hk = h / group;
+            const float *Q = g.q + b * g.qb + h * g.qh, *K = g.k + b * g.kb + hk * g.kh, *V = g.v + b * g.vb + hk * g.vh;
+            for (int64_t i0 = 0; i0 < g.Tq && !rc; i0 += C) {
+                int64_t c = g.Tq - i0 < C ? g.Tq - i0 : C, lo, hi;
+                chunk_band(g, i0, i0 + c, &lo, &hi);
+                if (lo > hi) {
+                    ULY_LAUNCH(empty_rows, uly_cu_blocks(c * g.D, 256), 256, uly_cu_stream)(out, lse, g, b, h, i0, c);
+                    ULY_CU_LAUNCHED("empty_rows");
+                    continue;
+                }
+                int64_t nk = hi - lo + 1;
+                rc = gemm(CUBLAS_OP_T, CUBLAS_OP_N, nk, c, g.D, g.scale, K + lo * g.kt, g.kt, Q + i0 * g.qt, g.qt, 0.0f, S,
+                          nk, "flash attention S = Q K^T");
+                if (rc) break;
+                ULY_LAUNCH(chunk_softmax, (unsigned)(c < 65535 ? c : 65535), 256, uly_cu_stream)(S, lse, g, b, h, i0, c, lo,
+                                                                                               nk, 0);
+                ULY_CU_LAUNCHED("chunk_softmax");
+                rc = gemm(CUBLAS_OP_N, CUBLAS_OP_N, g.D, c, nk, 1.0f, V + lo * g.vt, g.vt, S, nk, 0.0f,
+                          out + ((b * g.Tq + i0) * g.H + h) * g.D, g.H * g.D, "flash attention O = P V");
+            }
+        }
+    cudaFreeAsync(S, uly_cu_stream);
     return 0;
 }
 
@@ -284,7 +404,53 @@ extern "C" int cu_flash_backward(float *dq, float *dk, float *dv, const float *d
                                  float *delta, float *scratch, const flash_problem *p) {
     (void)scratch;
     geom g = geom_of(p);
-    backward(dq, dk, dv, dout, out, lse, NULL, delta, g, "flash_attention_backward");
+    int64_t qrows = g.B * g.H * g.Tq;
+    if (qrows == 0) return 0;
+    if (!uly_cu_cublas()) { uly_cu_fail_msg("flash_attention_backward", "no cuBLAS handle"); return 0; }
+    ULY_LAUNCH(flash_delta, warps_grid(qrows), 32 * WARPS, uly_cu_stream)(delta, dout, out, g);
+    ULY_CU_LAUNCHED("flash_delta");
+    int64_t C = chunk_rows(g), group = g.H / g.Hkv;
+    float *P = NULL;
+    size_t per = (size_t)(C * (g.Tk > 0 ? g.Tk : 1));
+    cudaError_t e = cudaMallocAsync((void **)&P, 2 * per * sizeof(float), uly_cu_stream);
+    if (e != cudaSuccess) { uly_cu_fail("flash_attention_backward scratch", e); return 0; }
+    float *dS = P + per;
+    int rc = 0;
+    const int64_t ldo = g.H * g.D, ldkv = g.Hkv * g.D;
+    for (int64_t b = 0; b < g.B && !rc; b++)
+        for (int64_t h = 0; h < g.H && !rc; h++) {
+            int64_t hk = h / group;
+            const float *Q = g.q + b * g.qb + h * g.qh, *K = g.k + b * g.kb + hk * g.kh, *V = g.v + b * g.vb + hk * g.vh;
+            for (int64_t i0 = 0; i0 < g.Tq && !rc; i0 += C) {
+                int64_t c = g.Tq - i0 < C ? g.Tq - i0 : C, lo, hi;
+                chunk_band(g, i0, i0 + c, &lo, &hi);
+                if (lo > hi) continue;
+                int64_t nk = hi - lo + 1;
+                const float *dO = dout + ((b * g.Tq + i0) * g.H + h) * g.D;
+                rc = gemm(CUBLAS_OP_T, CUBLAS_OP_N, nk, c, g.D, g.scale, K + lo * g.kt, g.kt, Q + i0 * g.qt, g.qt, 0.0f, P,
+                          nk, "flash attention backward S = Q K^T");
+                if (rc) break;
+                ULY_LAUNCH(chunk_softmax, (unsigned)(c < 65535 ? c : 65535), 256, uly_cu_stream)(P, (float *)lse, g, b, h,
+                                                                                               i0, c, lo, nk, 1);
+                ULY_CU_LAUNCHED("chunk_softmax");
+                if (dv && (rc = gemm(CUBLAS_OP_N, CUBLAS_OP_T, g.D, nk, c, 1.0f, dO, ldo, P, nk, 1.0f,
+                                     dv + (b * g.Tk + lo) * ldkv + hk * g.D, ldkv, "flash attention dV += P^T dO")))
+                    break;
+                if (!dq && !dk) continue;
+                if ((rc = gemm(CUBLAS_OP_T, CUBLAS_OP_N, nk, c, g.D, 1.0f, V + lo * g.vt, g.vt, dO, ldo, 0.0f, dS, nk,
+                               "flash attention dP = dO V^T")))
+                    break;
+                ULY_LAUNCH(chunk_ds, uly_cu_blocks(c * nk, 256), 256, uly_cu_stream)(dS, P, delta, g, b, h, i0, c, nk);
+                ULY_CU_LAUNCHED("chunk_ds");
+                if (dk && (rc = gemm(CUBLAS_OP_N, CUBLAS_OP_T, g.D, nk, c, 1.0f, Q + i0 * g.qt, g.qt, dS, nk, 1.0f,
+                                     dk + (b * g.Tk + lo) * ldkv + hk * g.D, ldkv, "flash attention dK += dS^T Q")))
+                    break;
+                if (dq && (rc = gemm(CUBLAS_OP_N, CUBLAS_OP_N, g.D, c, nk, 1.0f, K + lo * g.kt, g.kt, dS, nk, 1.0f,
+                                     dq + (b * g.Tq + i0) * ldo + h * g.D, ldo, "flash attention dQ += dS K")))
+                    break;
+            }
+        }
+    cudaFreeAsync(P, uly_cu_stream);
     return 0;
 }
 

@@ -15,6 +15,12 @@ static int use_tf32 = 1;
 
 extern "C" void uly_cuda_set_tf32(int on) { use_tf32 = on != 0; }
 
+/* the backend's cuBLAS handle (on its stream), made on first use; NULL if cuBLAS failed */
+extern "C" cublasHandle_t uly_cu_cublas(void) {
+    if (!handle) cu_gemm_init();
+    return handle;
+}
+
 static const char *cublas_name(cublasStatus_t s) {
     switch (s) {
     case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
