@@ -213,6 +213,13 @@ static void s_optim_sgd(float *p, const float *g, float *buf, int64_t n, float l
 static double s_optim_sumsq(const float *x, int64_t n) { return optim_sumsq(UC(x), n); }
 static void s_optim_scale(float *x, int64_t n, float s) { optim_scale(UF(x), n, s); }
 
+/* the one-launch AdamW of a device backend, as the loop it stands for (exercises the core's path) */
+static void s_optim_adamw_multi(int n, float *const *p, const float *const *g, float *const *m, float *const *v,
+                                const int64_t *sizes, const float *decay, float b1, float b2, float ss, float bc2,
+                                float eps) {
+    for (int i = 0; i < n; i++) optim_adamw(UF(p[i]), UC(g[i]), UF(m[i]), UF(v[i]), sizes[i], decay[i], b1, b2, ss, bc2, eps);
+}
+
 static void s_pack_layout(void *dst, const void *src, const uly_comm_layout *L, int64_t es) {
     uly_backend_cpu.pack_layout(U(dst), U(src), L, es);
 }
@@ -244,5 +251,6 @@ const uly_backend uly_backend_sim = {
     .flash_attention_forward = s_flash_forward, .flash_attention_backward = s_flash_backward,
     .optim_adamw = s_optim_adamw, .optim_sgd = s_optim_sgd, .optim_sumsq = s_optim_sumsq, .optim_scale = s_optim_scale,
     .pack_layout = s_pack_layout, .unpack_layout = s_unpack_layout,
+    .optim_adamw_multi = s_optim_adamw_multi,
     /* no device collectives: exchanges of simulated device memory stage through the host */
 };

@@ -5,6 +5,7 @@
  * a graph that saved a parameter before the step notices). Messages number tensors 1-based, in
  * the order of the list, as the Lua package's opt.params does. */
 #include <math.h>
+#include <stdlib.h>
 #include "internal.h"
 
 /* a parameter (or a gradient / state tensor) the update loops can run over: f32, contiguous (on
@@ -71,6 +72,36 @@ static int check_step(const char *op, int64_t step) {
     return 0;
 }
 
+/* every parameter with a grad in ONE launch, when they share a device whose backend can (1); else
+ * 0 and the caller loops */
+static int adamw_multi(uly_tensor *const *params, uly_tensor *const *exp_avg, uly_tensor *const *exp_avg_sq,
+                       const double *weight_decay, int n, double lr, double beta1, double beta2, double eps,
+                       float step_size, float bc2_sqrt) {
+    const uly_backend *be = uly_be(params[0]);
+    if (!be->optim_adamw_multi) return 0;
+    for (int i = 1; i < n; i++)
+        if (uly_dev(params[i]) != uly_dev(params[0])) return 0;
+    float **p = malloc((size_t)n * (4 * sizeof(float *) + sizeof(int64_t) + sizeof(float)));
+    if (!p) return 0;
+    float **g = p + n, **m = g + n, **v = m + n;
+    int64_t *sizes = (int64_t *)(v + n);
+    float *decay = (float *)(sizes + n);
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        if (!params[i]->grad) continue;
+        p[k] = uly_f32(params[i]); g[k] = uly_f32(params[i]->grad);
+        m[k] = uly_f32(exp_avg[i]); v[k] = uly_f32(exp_avg_sq[i]);
+        sizes[k] = uly_tensor_numel(params[i]);
+        decay[k] = (float)(1.0 - lr * (weight_decay ? weight_decay[i] : 0.0));
+        uly_bump_version(params[i]); uly_bump_version(exp_avg[i]); uly_bump_version(exp_avg_sq[i]);
+        k++;
+    }
+    if (k) be->optim_adamw_multi(k, p, (const float *const *)g, m, v, sizes, decay, (float)beta1, (float)beta2, step_size,
+                                 bc2_sqrt, (float)eps);
+    free(p);
+    return 1;
+}
+
 int uly_adamw_step(uly_tensor *const *params, uly_tensor *const *exp_avg, uly_tensor *const *exp_avg_sq,
                    const double *weight_decay, int n, double lr, double beta1, double beta2,
                    double eps, int64_t step) {
@@ -92,6 +123,8 @@ int uly_adamw_step(uly_tensor *const *params, uly_tensor *const *exp_avg, uly_te
     }
     const double bc1 = 1.0 - pow(beta1, (double)step), bc2 = 1.0 - pow(beta2, (double)step);
     const float step_size = (float)(lr / bc1), bc2_sqrt = (float)sqrt(bc2);
+    if (n > 1 && adamw_multi(params, exp_avg, exp_avg_sq, weight_decay, n, lr, beta1, beta2, eps, step_size, bc2_sqrt))
+        return uly_device_check(op, ULY_DEVICE_CUDA);
     for (int i = 0; i < n; i++) {
         uly_tensor *p = params[i], *m = exp_avg[i], *v = exp_avg_sq[i];
         if (!p->grad) continue;

@@ -126,6 +126,10 @@ describe('device tensors', function()
     local cases = {
       { 'add (broadcast)', function(a, b) return a + b end, function() return { R(3, 4), R(4) } end },
       { 'sub', function(a, b) return a - b end, function() return { R(3, 4), R(3, 1) } end },
+      { 'a bias gradient summed over 5000 rows (chunked reduction)', function(a, b) return a + b end,
+        function() return { R(5000, 3), R(3) } end },
+      { 'layernorm over 300 rows (chunked parameter gradients)', function(x, w, b) return uly.layernorm(x, w, b) end,
+        function() return { R(300, 5), R(5), R(5) } end },
       { 'mul', function(a, b) return a * b end, function() return { R(2, 3, 4), R(1, 3, 4) } end },
       { 'div', function(a, b) return a / b end, function() return { R(3, 4), uly.rand(3, 4):add(0.5):requires_grad_() } end },
       { 'scalars', function(a) return ((a + 1) * 3) ^ 2 end, function() return { R(5, 3) } end },

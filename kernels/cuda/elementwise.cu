@@ -228,24 +228,52 @@ extern "C" void cu_fill_view(const uly_view *dst, double value) {
 typedef struct { int nk, nr; int64_t kshape[ULY_VIEW_MAX_DIMS], kd[ULY_VIEW_MAX_DIMS], ks[ULY_VIEW_MAX_DIMS];
                  int64_t rshape[ULY_VIEW_MAX_DIMS], rs[ULY_VIEW_MAX_DIMS]; } sum_geom;
 
+/* kept element k's offsets in dst and src */
+__device__ static inline void kept_offsets(const sum_geom &g, int64_t k, int64_t *od, int64_t *os) {
+    int64_t rem = k, a = 0, b = 0;
+    for (int d = g.nk - 1; d >= 0; d--) {
+        int64_t x = rem % g.kshape[d];
+        rem /= g.kshape[d];
+        a += x * g.kd[d];
+        b += x * g.ks[d];
+    }
+    *od = a;
+    *os = b;
+}
+__device__ static inline float sum_range(const sum_geom &g, const float *src, int64_t os, int64_t r0, int64_t r1) {
+    float acc = 0.0f;
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t rr = r, o = os;
+        for (int d = g.nr - 1; d >= 0; d--) {
+            o += (rr % g.rshape[d]) * g.rs[d];
+            rr /= g.rshape[d];
+        }
+        acc += src[o];
+    }
+    return acc;
+}
 __global__ static void sum_view_k(float *dst, const float *src, sum_geom g, int64_t kept, int64_t red, float alpha) {
     ULY_CU_FOR(k, kept) {
-        int64_t rem = k, od = 0, os = 0;
-        for (int d = g.nk - 1; d >= 0; d--) {
-            int64_t x = rem % g.kshape[d];
-            rem /= g.kshape[d];
-            od += x * g.kd[d];
-            os += x * g.ks[d];
-        }
+        int64_t od, os;
+        kept_offsets(g, k, &od, &os);
+        dst[od] += alpha * sum_range(g, src, os, 0, red);
+    }
+}
+/* long reductions (a bias gradient over B x T rows): NCH chunks of the summed positions per kept
+ * element in parallel, then the chunks added in order */
+__global__ static void sum_view_part(float *part, const float *src, sum_geom g, int64_t kept, int64_t red, int64_t nch) {
+    ULY_CU_FOR(e, nch * kept) {
+        int64_t ch = e / kept, k = e % kept, od, os;
+        kept_offsets(g, k, &od, &os);
+        part[e] = sum_range(g, src, os, red * ch / nch, red * (ch + 1) / nch);
+    }
+}
+__global__ static void sum_view_total(float *dst, const float *part, sum_geom g, int64_t kept, int64_t nch, float alpha) {
+    ULY_CU_FOR(k, kept) {
+        int64_t od, os;
+        kept_offsets(g, k, &od, &os);
         float acc = 0.0f;
-        for (int64_t r = 0; r < red; r++) {
-            int64_t rr = r, o = os;
-            for (int d = g.nr - 1; d >= 0; d--) {
-                o += (rr % g.rshape[d]) * g.rs[d];
-                rr /= g.rshape[d];
-            }
-            acc += src[o];
-        }
+        for (int64_t ch = 0; ch < nch; ch++) acc += part[ch * kept + k];
         dst[od] += alpha * acc;
     }
 }
@@ -266,5 +294,15 @@ extern "C" void cu_sum_view(const uly_view *dst, const uly_view *src, float alph
         }
     }
     if (red == 0) return;
-    LAUNCH(sum_view_k, kept, (float *)dst->p, (const float *)src->p, g, kept, red, alpha);
+    if (red < 4096 || kept >= 65536) {
+        LAUNCH(sum_view_k, kept, (float *)dst->p, (const float *)src->p, g, kept, red, alpha);
+        return;
+    }
+    int64_t nch = red / 1024 < 128 ? red / 1024 : 128;
+    float *part = NULL;
+    cudaError_t e = cudaMallocAsync((void **)&part, (size_t)(nch * kept) * sizeof(float), uly_cu_stream);
+    if (e != cudaSuccess) { uly_cu_fail("sum_view scratch", e); return; }
+    LAUNCH(sum_view_part, nch * kept, part, (const float *)src->p, g, kept, red, nch);
+    LAUNCH(sum_view_total, kept, (float *)dst->p, part, g, kept, nch, alpha);
+    cudaFreeAsync(part, uly_cu_stream);
 }

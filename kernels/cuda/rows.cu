@@ -6,6 +6,7 @@
  * float atomics), so results repeat run to run. Values the host needs (a count, a norm, the
  * first bad index) come back through the backend's small scratch buffers. */
 #include <math.h>
+#include <stdlib.h>
 #include "common.cuh"
 
 #define THREADS 256
@@ -168,18 +169,41 @@ __global__ static void norm_bw_input(float *dinp, const float *dout, const float
         }
     }
 }
-__global__ static void norm_bw_params(float *dw, float *db, const float *dout, const float *inp, const float *mean,
-                                      const float *rstd, int64_t rows, int64_t C, int rms) {
-    ULY_CU_FOR(c, C) {
+/* parameter gradients, two passes with a fixed order: NCHUNK row chunks x C columns of partial
+ * sums (a thread per (chunk, column), coalesced along the columns), then a thread per column adds
+ * its chunks in order */
+#define NCHUNK 128
+__global__ static void norm_bw_partial(double *part, const float *dout, const float *inp, const float *mean,
+                                       const float *rstd, int64_t rows, int64_t C, int64_t nch, int rms) {
+    ULY_CU_FOR(e, nch * C) {
+        int64_t k = e / C, c = e % C, r0 = rows * k / nch, r1 = rows * (k + 1) / nch;
         double sw = 0.0, sb = 0.0;
-        for (int64_t r = 0; r < rows; r++) {
+        for (int64_t r = r0; r < r1; r++) {
             float d = dout[r * C + c], xh = (inp[r * C + c] - (rms ? 0.0f : mean[r])) * rstd[r];
             sw += (double)d * xh;
             sb += d;
         }
+        part[e] = sw;
+        part[nch * C + e] = sb;
+    }
+}
+__global__ static void norm_bw_total(float *dw, float *db, const double *part, int64_t C, int64_t nch) {
+    ULY_CU_FOR(c, C) {
+        double sw = 0.0, sb = 0.0;
+        for (int64_t k = 0; k < nch; k++) { sw += part[k * C + c]; sb += part[nch * C + k * C + c]; }
         if (dw) dw[c] += (float)sw;
         if (db) db[c] += (float)sb;
     }
+}
+static void norm_bw_params(float *dw, float *db, const float *dout, const float *inp, const float *mean,
+                           const float *rstd, int64_t rows, int64_t C, int rms) {
+    int64_t nch = rows < NCHUNK ? (rows > 0 ? rows : 1) : NCHUNK;
+    double *part = NULL;
+    cudaError_t e = cudaMallocAsync((void **)&part, (size_t)(2 * nch * C) * sizeof(double), uly_cu_stream);
+    if (e != cudaSuccess) { uly_cu_fail("norm backward scratch", e); return; }
+    LAUNCH(norm_bw_partial, nch * C, part, dout, inp, mean, rstd, rows, C, nch, rms);
+    LAUNCH(norm_bw_total, C, dw, db, part, C, nch);
+    cudaFreeAsync(part, uly_cu_stream);
 }
 extern "C" void cu_layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w, const float *b,
                                      int64_t rows, int64_t C, float eps) {
@@ -189,7 +213,7 @@ extern "C" void cu_layernorm_backward(float *dinp, float *dw, float *db, const f
                                       const float *mean, const float *rstd, int64_t rows, int64_t C) {
     if (C <= 0) return;
     if (dinp) LAUNCH_ROWS(norm_bw_input, rows, dinp, dout, inp, w, mean, rstd, rows, C, 0);
-    if (dw || db) LAUNCH(norm_bw_params, C, dw, db, dout, inp, mean, rstd, rows, C, 0);
+    if (dw || db) norm_bw_params(dw, db, dout, inp, mean, rstd, rows, C, 0);
 }
 extern "C" void cu_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int64_t rows, int64_t C, float eps) {
     if (C > 0) LAUNCH_ROWS(norm_fw, rows, out, (float *)NULL, rstd, inp, w, (const float *)NULL, rows, C, eps, 1);
@@ -198,7 +222,7 @@ extern "C" void cu_rmsnorm_backward(float *dinp, float *dw, const float *dout, c
                                     const float *rstd, int64_t rows, int64_t C) {
     if (C <= 0) return;
     if (dinp) LAUNCH_ROWS(norm_bw_input, rows, dinp, dout, inp, w, (const float *)NULL, rstd, rows, C, 1);
-    if (dw) LAUNCH(norm_bw_params, C, dw, (float *)NULL, dout, inp, (const float *)NULL, rstd, rows, C, 1);
+    if (dw) norm_bw_params(dw, (float *)NULL, dout, inp, (const float *)NULL, rstd, rows, C, 1);
 }
 
 /* ---- embedding ---- */
@@ -300,6 +324,48 @@ extern "C" void cu_optim_adamw(float *p, const float *g, float *m, float *v, int
                                float step_size, float bc2_sqrt, float eps) {
     LAUNCH(adamw_k, n, p, g, m, v, n, decay, b1, b2, step_size, bc2_sqrt, eps);
 }
+/* AdamW over many parameters in one launch: element e of the concatenation belongs to the
+ * parameter whose [offset, next offset) holds it (binary search over the prefix offsets) */
+typedef struct { float *p; const float *g; float *m, *v; int64_t offset; float decay; } adamw_part;
+__global__ static void adamw_multi_k(const adamw_part *parts, int n, int64_t total, float b1, float b2, float step_size,
+                                     float bc2_sqrt, float eps) {
+    ULY_CU_FOR(e, total) {
+        int lo = 0, hi = n - 1;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) / 2;
+            if (parts[mid].offset <= e) lo = mid; else hi = mid - 1;
+        }
+        const adamw_part &q = parts[lo];
+        int64_t i = e - q.offset;
+        float gi = q.g[i];
+        float mi = b1 * q.m[i] + (1.0f - b1) * gi, vi = b2 * q.v[i] + (1.0f - b2) * gi * gi;
+        q.m[i] = mi;
+        q.v[i] = vi;
+        q.p[i] = q.p[i] * q.decay - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+    }
+}
+extern "C" void cu_optim_adamw_multi(int n, float *const *p, const float *const *g, float *const *m, float *const *v,
+                                     const int64_t *sizes, const float *decay, float b1, float b2, float step_size,
+                                     float bc2_sqrt, float eps) {
+    if (n <= 0) return;
+    adamw_part *host = (adamw_part *)malloc((size_t)n * sizeof *host), *dev = NULL;
+    if (!host) { uly_cu_fail_msg("optim_adamw_multi", "out of host memory"); return; }
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        host[i].p = p[i]; host[i].g = g[i]; host[i].m = m[i]; host[i].v = v[i];
+        host[i].offset = total;
+        host[i].decay = decay[i];
+        total += sizes[i];
+    }
+    cudaError_t e = cudaMallocAsync((void **)&dev, (size_t)n * sizeof *dev, uly_cu_stream);
+    if (e == cudaSuccess) e = cudaMemcpyAsync(dev, host, (size_t)n * sizeof *dev, cudaMemcpyHostToDevice, uly_cu_stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(uly_cu_stream);   /* the host array is freed next */
+    free(host);
+    if (e != cudaSuccess) { uly_cu_fail("optim_adamw_multi", e); if (dev) cudaFreeAsync(dev, uly_cu_stream); return; }
+    LAUNCH(adamw_multi_k, total, dev, n, total, b1, b2, step_size, bc2_sqrt, eps);
+    cudaFreeAsync(dev, uly_cu_stream);
+}
+
 __global__ static void sgd_k(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float mom, float damp,
                              int nesterov, int init) {
     ULY_CU_FOR(i, n) {
