@@ -33,7 +33,7 @@ static const char *op_names[ULY_OP_COUNT] = {
     [ULY_OP_CUSTOM] = "CustomBackward", [ULY_OP_ULYSSES_QKV] = "UlyssesQKVBackward", [ULY_OP_ULYSSES_OUT] = "UlyssesOutBackward",
     [ULY_OP_VIEW] = "ViewBackward", [ULY_OP_PERMUTE] = "PermuteBackward", [ULY_OP_NARROW] = "NarrowBackward",
     [ULY_OP_EXPAND] = "ExpandBackward", [ULY_OP_COPY] = "CopyBackward", [ULY_OP_CAT] = "CatBackward",
-    [ULY_OP_FLASH_ATTENTION] = "FlashAttentionBackward",
+    [ULY_OP_FLASH_ATTENTION] = "FlashAttentionBackward", [ULY_OP_ADDMM] = "AddmmBackward",
 };
 const char *uly_op_name(int op) { return (op >= 0 && op < ULY_OP_COUNT && op_names[op]) ? op_names[op] : "?"; }
 
@@ -246,9 +246,15 @@ int64_t uly_profile_report(char *buf, int64_t buflen) {
     return used + 1;
 }
 
-/* the buffer that input edge e accumulates into (created zeroed on first use) */
-static uly_tensor *edge_grad(uly_edge *e) {
+/* the buffer that input edge e accumulates into: created zeroed on first use, or left
+ * uninitialised when the rule can write it (*fresh set then) */
+static uly_tensor *edge_grad_fresh(uly_edge *e, int can_write, int *fresh) {
     uly_tensor **slot = e->node ? &e->node->grad_out : &e->leaf->grad;
+    if (!*slot && can_write) {
+        *slot = uly_new_contiguous(e->ndim, e->shape, ULY_DTYPE_F32, e->device);
+        if (*slot) *fresh = 1;
+        return *slot;
+    }
     if (!*slot) *slot = uly_new_zeros(e->ndim, e->shape, ULY_DTYPE_F32, e->device);
     else if (e->node && e->node->grad_out_borrowed) { /* about to accumulate: take a private copy */
         uly_tensor *own = uly_new_contiguous(e->ndim, e->shape, ULY_DTYPE_F32, e->device);
@@ -288,6 +294,14 @@ static int pass_gradient(uly_edge *e, uly_tensor *g) {
     return 0;
 }
 
+static uly_tensor *edge_grad(uly_edge *e) {
+    int fresh = 0;
+    return edge_grad_fresh(e, 0, &fresh);
+}
+
+/* rules that can write input k's uninitialised gradient buffer (n->fresh) instead of adding into zeros */
+static int writes_fresh(int op, int k) { return op == ULY_OP_MATMUL || (op == ULY_OP_ADDMM && k < 2); }
+
 static int run_node(uly_node *n, int retain_graph) {
     if (n->released)
         return uly_set_error("backward: trying to backward through %s a second time, but its saved tensors were "
@@ -311,8 +325,10 @@ static int run_node(uly_node *n, int retain_graph) {
             continue;
         }
         pending++;
-        gin[k] = edge_grad(e);
+        int fresh = 0;
+        gin[k] = edge_grad_fresh(e, writes_fresh(n->op, k), &fresh);
         if (!gin[k]) { rc = -1; break; }
+        if (fresh) n->fresh |= 1 << k;
         for (int j = 0; j < k; j++) /* the same input twice (x * x): accumulate separately, add after */
             if (gin[j] == gin[k]) {
                 tmp[k] = uly_new_zeros(e->ndim, e->shape, ULY_DTYPE_F32, e->device);
@@ -323,6 +339,9 @@ static int run_node(uly_node *n, int retain_graph) {
     }
     double t0 = profile_on ? now_seconds() : 0;
     if (!rc && pending) rc = uly_backward_rules[n->op](n, n->grad_out, gin);
+    for (int k = 0; rc && k < n->n_inputs; k++)  /* a failed rule leaves no uninitialised gradient behind */
+        if ((n->fresh >> k) & 1) uly_tensor_fill_(gin[k], 0.0);
+    n->fresh = 0;
     if (!rc && pending) rc = uly_device_check(uly_op_name(n->op), ULY_DEVICE_CUDA);
     for (int k = 0; k < n->n_inputs; k++) {
         if (!tmp[k]) continue;

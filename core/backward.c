@@ -140,9 +140,27 @@ static int bw_matmul(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     uly_tensor *gr = (bf16 && !be->gemm_batched_bf16) ? uly_bf16_rounded(g) : NULL;
     if (bf16 && !be->gemm_batched_bf16 && !gr) return -1;
     uly_mat G = uly_as_mat(gr ? gr : g, nb);
-    if (gin[0]) uly_gemm(be, bf16, nb, g->shape, G, transposed(uly_as_mat(b, nb)), uly_as_mat(gin[0], nb), M, K, N, 1.0f);
-    if (gin[1]) uly_gemm(be, bf16, nb, g->shape, transposed(uly_as_mat(a, nb)), G, uly_as_mat(gin[1], nb), K, N, M, 1.0f);
+    /* a fresh (uninitialised) gradient buffer is written (beta 0), an existing one added into */
+    if (gin[0]) uly_gemm(be, bf16, nb, g->shape, G, transposed(uly_as_mat(b, nb)), uly_as_mat(gin[0], nb), M, K, N,
+                         (n->fresh & 1) ? 0.0f : 1.0f);
+    if (gin[1]) uly_gemm(be, bf16, nb, g->shape, transposed(uly_as_mat(a, nb)), G, uly_as_mat(gin[1], nb), K, N, M,
+                         (n->fresh & 2) ? 0.0f : 1.0f);
     uly_tensor_release(gr);
+    return 0;
+}
+
+/* addmm: a [M, K] (flattened), w [K, N], bias [N]; g [M, N] */
+static int bw_addmm(uly_node *n, uly_tensor *g, uly_tensor **gin) {
+    uly_tensor *a = n->saved[0], *w = n->saved[1];
+    const uly_backend *be = uly_be(g);
+    int64_t M = n->i[1], K = w->shape[0], N = w->shape[1];
+    uly_mat G = {.p = uly_f32(g), .rs = N, .cs = 1}, A = {.p = uly_f32(a), .rs = K, .cs = 1}, W = uly_as_mat(w, 0);
+    if (gin[0]) {
+        uly_mat DA = {.p = uly_f32(gin[0]), .rs = K, .cs = 1};
+        uly_gemm(be, (int)n->i[0], 0, NULL, G, transposed(W), DA, M, K, N, (n->fresh & 1) ? 0.0f : 1.0f);
+    }
+    if (gin[1]) uly_gemm(be, (int)n->i[0], 0, NULL, transposed(A), G, uly_as_mat(gin[1], 0), K, N, M, (n->fresh & 2) ? 0.0f : 1.0f);
+    if (gin[2] && uly_sum_to(gin[2], g, 1.0f)) return -1;
     return 0;
 }
 
@@ -297,5 +315,5 @@ const uly_backward_fn uly_backward_rules[ULY_OP_COUNT] = {
     [ULY_OP_CUSTOM] = uly_bw_custom, [ULY_OP_ULYSSES_QKV] = uly_bw_ulysses_qkv, [ULY_OP_ULYSSES_OUT] = uly_bw_ulysses_out,
     [ULY_OP_VIEW] = bw_view, [ULY_OP_PERMUTE] = bw_permute, [ULY_OP_NARROW] = bw_narrow,
     [ULY_OP_EXPAND] = bw_expand, [ULY_OP_COPY] = bw_copy, [ULY_OP_CAT] = bw_cat,
-    [ULY_OP_FLASH_ATTENTION] = uly_bw_flash_attention,
+    [ULY_OP_FLASH_ATTENTION] = uly_bw_flash_attention, [ULY_OP_ADDMM] = bw_addmm,
 };

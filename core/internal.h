@@ -132,6 +132,7 @@ enum uly_op {
     ULY_OP_VIEW, ULY_OP_PERMUTE, ULY_OP_NARROW, ULY_OP_EXPAND, ULY_OP_COPY, ULY_OP_CAT,
     ULY_OP_ULYSSES_QKV, ULY_OP_ULYSSES_OUT, ULY_OP_CUSTOM,
     ULY_OP_FLASH_ATTENTION,
+    ULY_OP_ADDMM,
     ULY_OP_COUNT
 };
 
@@ -158,6 +159,7 @@ typedef struct uly_node {
     int released;            /* saved tensors freed after a backward without retain_graph */
     uly_tensor *grad_out;    /* accumulated gradient of the output during backward */
     int grad_out_borrowed;   /* grad_out shares a downstream gradient's storage: read-only, cloned on write */
+    int fresh;               /* during its backward: bit k set = gin[k] is new and uninitialised (the rule writes it) */
 } uly_node;
 
 /* Start recording `op` on `n_inputs` inputs: NULL (and no error) when grad mode is off or no

@@ -45,12 +45,15 @@ static int default_threads(void) {
 
 static int current_threads;
 
+/* OpenBLAS stays single-threaded: kernels/cpu/matmul.c splits GEMMs over the OpenMP threads */
+__attribute__((constructor)) static void blas_single_threaded(void) { openblas_set_num_threads(1); }
+
 int uly_set_num_threads(int n) {
     if (n <= 0) n = default_threads();
 #ifdef _OPENMP
     omp_set_num_threads(n);
 #endif
-    openblas_set_num_threads(n);
+    openblas_set_num_threads(1);  /* GEMMs split over our own threads (kernels/cpu/matmul.c) */
     current_threads = n;
     return 0;
 }

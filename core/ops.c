@@ -158,6 +158,51 @@ uly_tensor *uly_matmul(uly_tensor *a, uly_tensor *b) {
     return out;
 }
 
+/* ---- addmm: a Linear layer in one op ---- */
+uly_tensor *uly_addmm(uly_tensor *a, uly_tensor *w, uly_tensor *bias) {
+    const char *op = "addmm";
+    if (uly_check_float(op, "a", a) || uly_check_float(op, "w", w) || uly_check_float(op, "bias", bias) ||
+        uly_check_same_device(op, "a", a, "w", w) || uly_check_same_device(op, "a", a, "bias", bias))
+        return NULL;
+    if (w->ndim != 2 || a->ndim < 1 || a->shape[a->ndim - 1] != w->shape[0] || bias->ndim != 1 ||
+        bias->shape[0] != w->shape[1])
+        return uly_set_error_null("addmm: needs a [..., K] @ w [K, N] + bias [N], got %s @ %s + %s", uly_desc(a),
+                                  uly_desc(w), uly_desc(bias));
+    const uly_backend *be = uly_be(a);
+    int64_t K = w->shape[0], N = w->shape[1], M = K ? uly_tensor_numel(a) / K : uly_numel_of(a->ndim - 1, a->shape);
+    const int round_here = matmul_bf16 && !be->gemm_batched_bf16;
+    if (a->ndim < 2 || !uly_tensor_is_contiguous(a) || round_here) { /* the general path: two ops */
+        uly_tensor *t = uly_matmul(a, w);
+        uly_tensor *out = t ? uly_add(t, bias) : NULL;
+        uly_tensor_release(t);
+        return out;
+    }
+    uly_tensor *wc = be->gemm_operand_ok(K, N, w->stride[0], w->stride[1]) ? (w->refcount++, w) : uly_contiguous_raw(w);
+    int64_t oshape[ULY_MAX_DIMS];
+    memcpy(oshape, a->shape, sizeof oshape);
+    oshape[a->ndim - 1] = N;
+    uly_tensor *out = wc ? uly_new_contiguous(a->ndim, oshape, ULY_DTYPE_F32, uly_dev(a)) : NULL;
+    if (out) {
+        /* every row of out = bias, then out += a w */
+        uly_view dv = {.p = uly_f32(out), .dtype = ULY_DTYPE_F32, .ndim = 2, .shape = {M, N}, .stride = {N, 1}};
+        uly_view sv = {.p = uly_f32(bias), .dtype = ULY_DTYPE_F32, .ndim = 2, .shape = {M, N}, .stride = {0, bias->stride[0]}};
+        be->copy_view(&dv, &sv);
+        uly_mat A = {.p = uly_f32(a), .rs = K, .cs = 1}, W = uly_as_mat(wc, 0), O = {.p = uly_f32(out), .rs = N, .cs = 1};
+        uly_gemm(be, matmul_bf16, 0, NULL, A, W, O, M, N, K, 1.0f);
+        uly_tensor *in[3] = {a, w, bias};
+        uly_node *n = uly_node_begin(ULY_OP_ADDMM, 3, in);
+        if (n) {
+            uly_node_save(n, a);
+            uly_node_save(n, wc);
+            n->i[0] = matmul_bf16;
+            n->i[1] = M;
+        }
+        uly_node_attach(n, out);
+    }
+    uly_tensor_release(wc);
+    return out;
+}
+
 /* ---- reductions ---- */
 static int split_dim(const char *op, const uly_tensor *t, int dim, int64_t *outer, int64_t *n, int64_t *inner) {
     if (dim < 0 || dim >= t->ndim)

@@ -135,6 +135,7 @@ describe('device tensors', function()
       { 'scalars', function(a) return ((a + 1) * 3) ^ 2 end, function() return { R(5, 3) } end },
       { 'matmul', function(a, b) return a:matmul(b) end, function() return { R(5, 7), R(7, 3) } end },
       { 'batched matmul', function(a, b) return a:matmul(b) end, function() return { R(2, 4, 5, 6), R(4, 6, 3) } end },
+      { 'addmm (a Linear layer)', function(a, w, b) return uly.addmm(a, w, b) end, function() return { R(2, 5, 7), R(7, 3), R(3) } end },
       { 'matmul of transposes', function(a, b) return a:t():matmul(b:t()) end, function() return { R(6, 5), R(3, 6) } end },
       { 'sum and mean', function(a) return a:sum(2) + a:mean(2) end, function() return { R(3, 5, 2) } end },
       { 'max', function(a) return (a:max(2)) end, function() return { R(4, 6) } end },
@@ -345,7 +346,8 @@ describe('device tensors', function()
         collectgarbage('collect')
         uly.empty_cache('cuda')
         local base_alloc = uly.memory('cuda').allocated
-        pcall(ffi.cdef, "int setenv(const char *name, const char *value, int overwrite); int unsetenv(const char *name);")
+        pcall(ffi.cdef, 'int setenv(const char *name, const char *value, int overwrite);')
+        pcall(ffi.cdef, 'int unsetenv(const char *name);')
         ffi.C.setenv('ULY_SIM_MEMORY', tostring(base_alloc + (48 * 2^20)), 1)
         local ok, err = pcall(function()
           local a = uly.empty({ 8 * 2^20 }, { device = 'cuda' })   -- 32 MiB

@@ -232,3 +232,45 @@ describe('matmul errors', function()
     assert.matches('at least 2 dimensions', tostring(err2), 1, true)
   end)
 end)
+
+describe('addmm (a Linear layer in one op)', function()
+  before_each(function() helpers.reseed() end)
+
+  it('equals matmul + bias in values and gradients, with leading dims and a transposed weight', function()
+    for _, shape in ipairs({ { 5, 7 }, { 2, 3, 7 }, { 1, 1, 7 } }) do
+      local a = uly.randn(shape):requires_grad_()
+      local w = uly.randn(3, 7):t():requires_grad_()           -- [7, 3], column-major storage
+      local b = uly.randn(3):requires_grad_()
+      local out = uly.addmm(a, w, b)
+      local g = uly.randn(out:shape())
+      out:backward(g)
+      local a2, w2, b2 = a:detach():requires_grad_(), w:detach():requires_grad_(), b:detach():requires_grad_()
+      local ref = a2:matmul(w2) + b2
+      ref:backward(g)
+      helpers.assert_close(out, ref, 1e-6, 1e-6, 'value')
+      helpers.assert_close(a.grad, a2.grad, 1e-6, 1e-6, 'grad a')
+      helpers.assert_close(w.grad, w2.grad, 1e-6, 1e-6, 'grad w')
+      helpers.assert_close(b.grad, b2.grad, 1e-6, 1e-6, 'grad bias')
+      assert.equal('AddmmBackward', out.grad_fn)
+    end
+  end)
+
+  it('passes a finite-difference gradient check', function()
+    helpers.gradcheck(function(a, w, b) return uly.addmm(a, w, b) end,
+                      { uly.randn(2, 4, 5):requires_grad_(), uly.randn(5, 3):requires_grad_(), uly.randn(3):requires_grad_() })
+  end)
+
+  it('accumulates into existing gradients (two uses of the same weight)', function()
+    local a, w, b = uly.randn(4, 5), uly.randn(5, 3):requires_grad_(), uly.randn(3):requires_grad_()
+    local y = uly.addmm(a, w, b) + uly.addmm(a * 2, w, b)
+    y:sum():backward()
+    local ref = (a + a * 2):t():matmul(uly.ones(4, 3))
+    helpers.assert_close(w.grad, ref, 1e-5, 1e-5, 'grad w')
+    helpers.assert_close(b.grad, uly.full({ 3 }, 8), 0, 0, 'grad bias')
+  end)
+
+  it('names the shapes when they do not fit', function()
+    local msg = helpers.error_of(function() return uly.addmm(uly.randn(4, 5), uly.randn(6, 3), uly.randn(3)) end)
+    assert.matches('addmm: needs a [..., K] @ w [K, N] + bias [N], got f32[4, 5] @ f32[6, 3] + f32[3]', msg, 1, true)
+  end)
+end)

@@ -142,6 +142,8 @@ uly_tensor *uly_add_scalar(uly_tensor *a, double s);
 uly_tensor *uly_mul_scalar(uly_tensor *a, double s);        /* scale */
 uly_tensor *uly_pow_scalar(uly_tensor *a, double exponent);
 uly_tensor *uly_matmul(uly_tensor *a, uly_tensor *b);       /* [..., M, K] @ [..., K, N], batch dims broadcast */
+uly_tensor *uly_addmm(uly_tensor *a, uly_tensor *w, uly_tensor *bias); /* a [..., K] @ w [K, N] + bias [N]: a Linear layer
+                                     in one op (the bias seeds the output, one GEMM adds into it) */
 int uly_set_matmul_bf16(int on);  /* mixed precision: matmuls (forward and backward) round their f32 operands to bf16,
                                      accumulate in f32 (tensor cores at the bf16 rate on a GPU); returns the previous setting */
 int uly_matmul_bf16(void);

@@ -135,7 +135,8 @@ void axpy_accumulate(float *y, const float *x, int64_t n, float alpha);
  * C[b] = beta * C[b] + A[b] @ B[b] for every index b of the batch shape; a matrix operand has
  * batch strides (0 = broadcast over that batch dim) and row/column strides. A or B must have
  * a unit row or column stride (the caller makes a contiguous copy otherwise); C must have a
- * unit column stride. With beta = 1 and a broadcast C (stride 0), batches accumulate in order. */
+ * unit column stride. A broadcast C (stride 0) gets beta on its first batch only, later batches
+ * add in order: beta = 0 writes the sum over the batches (an uninitialised C is fine). */
 typedef struct uly_mat { float *p; int64_t bstride[8]; int64_t rs, cs; } uly_mat;
 int gemm_operand_ok(int64_t rows, int64_t cols, int64_t rs, int64_t cs);
 void gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,

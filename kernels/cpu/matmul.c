@@ -1,8 +1,18 @@
 /* kernels/cpu/matmul.c — strided, batched, broadcasting GEMM on top of cblas_sgemm.
  * Transposed operands are passed to BLAS as transposes (no copies); batches whose output is
- * broadcast (stride 0, as for a weight gradient) accumulate in a fixed order. */
+ * broadcast (stride 0, as for a weight gradient) accumulate in a fixed order.
+ * Threads: OpenBLAS (pthread build) runs single-threaded (uly_set_num_threads keeps it at 1) and
+ * a large GEMM is cut into one block of output rows (or columns) per OpenMP thread, each a
+ * single-threaded sgemm: OpenBLAS's own worker threads spin between calls and took ~20 % of a
+ * training step from our OpenMP kernels on 2 cores. */
 #include <cblas.h>
 #include "kernels.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define SPLIT_MIN_FLOPS (1LL << 21)   /* multiply-adds below which one thread does the GEMM */
+#define SPLIT_MIN_SIDE 32             /* rows (columns) per thread at least */
 
 /* can (rows x cols, strides rs/cs) be handed to BLAS as row-major or transposed? */
 static int layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, CBLAS_TRANSPOSE *trans, int64_t *ld) {
@@ -21,6 +31,35 @@ int gemm_operand_ok(int64_t rows, int64_t cols, int64_t rs, int64_t cs) {
     return layout(rows, cols, rs, cs, &t, &ld);
 }
 
+/* C (row-major M x N) = A B + beta C with the output cut into per-thread blocks of rows (or of
+ * columns when there are few rows); each block is one single-threaded sgemm over the whole K */
+static void sgemm_split(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int64_t M, int64_t N, int64_t K, const float *a,
+                        int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+    int T = 1;
+#ifdef _OPENMP
+    if (!omp_in_parallel() && M * N * K >= SPLIT_MIN_FLOPS) T = omp_get_max_threads();
+#endif
+    int by_rows = M >= (int64_t)T * SPLIT_MIN_SIDE, by_cols = !by_rows && N >= (int64_t)T * SPLIT_MIN_SIDE;
+    if (T <= 1 || (!by_rows && !by_cols)) {
+        cblas_sgemm(CblasRowMajor, ta, tb, (blasint)M, (blasint)N, (blasint)K, 1.0f, a, (blasint)lda, b, (blasint)ldb,
+                    beta, c, (blasint)ldc);
+        return;
+    }
+    const int64_t len = by_rows ? M : N;
+    #pragma omp parallel for num_threads(T) schedule(static, 1)
+    for (int t = 0; t < T; t++) {
+        int64_t lo = len * t / T, n = len * (t + 1) / T - lo;
+        if (n <= 0) continue;
+        if (by_rows) /* rows lo.. of A (row i of a transposed A is its column i) and of C */
+            cblas_sgemm(CblasRowMajor, ta, tb, (blasint)n, (blasint)N, (blasint)K, 1.0f,
+                        a + (ta == CblasNoTrans ? lo * lda : lo), (blasint)lda, b, (blasint)ldb, beta, c + lo * ldc,
+                        (blasint)ldc);
+        else       /* columns lo.. of B and of C */
+            cblas_sgemm(CblasRowMajor, ta, tb, (blasint)M, (blasint)n, (blasint)K, 1.0f, a, (blasint)lda,
+                        b + (tb == CblasNoTrans ? lo : lo * ldb), (blasint)ldb, beta, c + lo, (blasint)ldc);
+    }
+}
+
 void gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
                   int64_t M, int64_t N, int64_t K, float beta) {
     if (M == 0 || N == 0) return;
@@ -33,13 +72,17 @@ void gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C
     for (int d = 0; d < nb; d++) batches *= bshape[d];
     for (int64_t bi = 0; bi < batches; bi++) {
         int64_t oa = 0, ob = 0, oc = 0;
-        for (int d = 0; d < nb; d++) { oa += idx[d] * A.bstride[d]; ob += idx[d] * B.bstride[d]; oc += idx[d] * C.bstride[d]; }
+        int first = 1; /* the first batch to reach this block of C (C broadcast over a dim: later ones add) */
+        for (int d = 0; d < nb; d++) {
+            oa += idx[d] * A.bstride[d]; ob += idx[d] * B.bstride[d]; oc += idx[d] * C.bstride[d];
+            if (C.bstride[d] == 0 && idx[d] > 0) first = 0;
+        }
+        float b = first ? beta : 1.0f;
         if (K == 0) {
             for (int64_t i = 0; i < M; i++)
-                for (int64_t j = 0; j < N; j++) C.p[oc + i * ldc + j] = beta == 0.0f ? 0.0f : C.p[oc + i * ldc + j] * beta;
+                for (int64_t j = 0; j < N; j++) C.p[oc + i * ldc + j] = b == 0.0f ? 0.0f : C.p[oc + i * ldc + j] * b;
         } else {
-            cblas_sgemm(CblasRowMajor, ta, tb, (blasint)M, (blasint)N, (blasint)K, 1.0f, A.p + oa, (blasint)lda,
-                        B.p + ob, (blasint)ldb, beta, C.p + oc, (blasint)ldc);
+            sgemm_split(ta, tb, M, N, K, A.p + oa, lda, B.p + ob, ldb, b, C.p + oc, ldc);
         }
         for (int d = nb - 1; d >= 0; d--) {
             if (++idx[d] < bshape[d]) break;

@@ -136,8 +136,9 @@ static void gemm_typed(int nb, const int64_t *bshape, uly_mat A, const void *ap,
         int64_t idx[8] = {0};
         for (int64_t bi = 0; bi < batches; bi++) {
             int64_t oc = 0;
-            for (int d = 0; d < nb; d++) oc += idx[d] * C.bstride[d];
-            ULY_LAUNCH(scale_c, uly_cu_blocks(M * N, 256), 256, uly_cu_stream)(C.p + oc, M, N, ldc, beta);
+            int first = 1;
+            for (int d = 0; d < nb; d++) { oc += idx[d] * C.bstride[d]; if (C.bstride[d] == 0 && idx[d] > 0) first = 0; }
+            ULY_LAUNCH(scale_c, uly_cu_blocks(M * N, 256), 256, uly_cu_stream)(C.p + oc, M, N, ldc, first ? beta : 1.0f);
             ULY_CU_LAUNCHED("gemm scale_c");
             for (int d = nb - 1; d >= 0; d--) { if (++idx[d] < bshape[d]) break; idx[d] = 0; }
         }
@@ -154,9 +155,14 @@ static void gemm_typed(int nb, const int64_t *bshape, uly_mat A, const void *ap,
         int64_t idx[8] = {0};
         for (int64_t bi = 0; bi < batches && s == CUBLAS_STATUS_SUCCESS; bi++) {
             int64_t oa = 0, ob = 0, oc = 0;
-            for (int d = 0; d < nb; d++) { oa += idx[d] * A.bstride[d]; ob += idx[d] * B.bstride[d]; oc += idx[d] * C.bstride[d]; }
+            int first = 1;   /* a broadcast C gets beta on its first batch, later batches add */
+            for (int d = 0; d < nb; d++) {
+                oa += idx[d] * A.bstride[d]; ob += idx[d] * B.bstride[d]; oc += idx[d] * C.bstride[d];
+                if (C.bstride[d] == 0 && idx[d] > 0) first = 0;
+            }
+            const float b_eff = first ? beta : 1.0f;
             s = cublasGemmEx(handle, opb, opa, (int)N, (int)M, (int)K, &one, (const char *)bp + ob * es, in_type, (int)ldb,
-                             (const char *)ap + oa * es, in_type, (int)lda, &beta, C.p + oc, CUDA_R_32F, (int)ldc, compute,
+                             (const char *)ap + oa * es, in_type, (int)lda, &b_eff, C.p + oc, CUDA_R_32F, (int)ldc, compute,
                              CUBLAS_GEMM_DEFAULT);
             for (int d = nb - 1; d >= 0; d--) { if (++idx[d] < bshape[d]) break; idx[d] = 0; }
         }

@@ -49,9 +49,12 @@ M.header = header_text(M.header_path)
 -- OpenMP worker threads that spin after each parallel region steal the cores from OpenBLAS's
 -- own threads (measured: a training step 23x slower on 2 cores). Let idle workers sleep unless
 -- the user chose a policy; libgomp reads this when it is loaded, just below.
-if ffi.os ~= 'Windows' and not os.getenv('OMP_WAIT_POLICY') then
+-- OpenBLAS runs single-threaded: the library splits large GEMMs over its own OpenMP threads
+-- (kernels/cpu/matmul.c), and OpenBLAS's pthread pool would only spin beside them.
+if ffi.os ~= 'Windows' then
   ffi.cdef 'int setenv(const char *name, const char *value, int overwrite);'
-  ffi.C.setenv('OMP_WAIT_POLICY', 'passive', 0)
+  if not os.getenv('OMP_WAIT_POLICY') then ffi.C.setenv('OMP_WAIT_POLICY', 'passive', 0) end
+  if not os.getenv('OPENBLAS_NUM_THREADS') then ffi.C.setenv('OPENBLAS_NUM_THREADS', '1', 0) end
 end
 ffi.cdef(M.header)
 M.C = ffi.load(M.library_path)

@@ -87,6 +87,11 @@ function uly.randn_like(t) return uly.randn(t:shape()) end
 
 ---------------------------------------------------------------- functional ops
 function uly.matmul(a, b) return a:matmul(b) end
+-- a [..., K] @ w [K, N] + bias [N] in one op (a Linear layer: the bias seeds the output, one GEMM
+-- adds into it; the same values and gradients as a:matmul(w) + bias)
+function uly.addmm(a, w, bias)
+  return wrap(C.uly_addmm(H(a, 'addmm'), H(w, 'addmm weight'), H(bias, 'addmm bias')))
+end
 function uly.softmax(x, d) return x:softmax(d) end
 function uly.log_softmax(x, d) return x:log_softmax(d) end
 function uly.gelu(x, approximate) return x:gelu(approximate) end

@@ -179,8 +179,8 @@ function Linear:__init(n_in, n_out, opts)
   if opts.bias ~= false then self:param('bias', U().zeros(n_out)) end
 end
 function Linear:forward(x)
+  if self.bias then return U().addmm(x, self.weight, self.bias) end
   local y = x:matmul(self.weight)
-  if self.bias then y = y + self.bias end
   return y
 end
 function Linear:extra_repr()
