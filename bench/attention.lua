@@ -98,7 +98,7 @@ end
 local TORCH = torch_ok()
 local TORCH_SCRIPT = '/work/shared/peers/torch_attn_bench.py'
 local function torch_run(N)
-  local cmd = string.format('/usr/bin/python3 %s %d %d manual %d %d 2>&1', TORCH_SCRIPT, N, N <= 4096 and 3 or 1, H, D)
+  local cmd = string.format(require('bench.util').peer_env() .. '/usr/bin/python3 %s %d %d manual %d %d 2>&1', TORCH_SCRIPT, N, N <= 4096 and 3 or 1, H, D)
   local p = io.popen(cmd)
   local out = p:read('*a')
   p:close()

@@ -86,7 +86,7 @@ local function run_torch(T, B)
     end
   end
   local c = model_cfg
-  local cmd = string.format('CORPUS=%s /usr/bin/python3 %s %d %d %d %d %d %d %d %d 2>&1', corpus, script, T, B,
+  local cmd = string.format(require('bench.util').peer_env() .. 'CORPUS=%s /usr/bin/python3 %s %d %d %d %d %d %d %d %d 2>&1', corpus, script, T, B,
                             opts.steps, opts.warmup, c.layers, c.heads, c.dim, c.vocab)
   local p = io.popen(cmd)
   local out = p:read('*a')

@@ -57,6 +57,13 @@ static void cpu_fill_view(const uly_view *dst, double value) {
 typedef struct { float alpha; } acc_ctx;
 static void acc_run(char *a, char *b, int64_t n, int64_t sa, int64_t sb, void *vctx) {
     float alpha = ((acc_ctx *)vctx)->alpha; /* a = src (walked), b = dst */
+    if (sa == 4 && sb == 4) { /* unit strides (rows of a narrow, e.g. q/k/v of a fused QKV): vectorised */
+        const float *s = (const float *)a;
+        float *d = (float *)b;
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) d[i] += alpha * s[i];
+        return;
+    }
     for (int64_t i = 0; i < n; i++) *(float *)(b + i * sb) += alpha * *(const float *)(a + i * sa);
 }
 

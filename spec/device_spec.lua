@@ -82,6 +82,13 @@ describe('device tensors', function()
       assert.same(h:totable(), d:cpu():totable())
     end
     assert.equal('cuda', uly.zeros(2, 3, { device = 'cuda' }):device())
+    local r = uly.arange(5, { device = 'cuda' })
+    assert.equal('cuda', r:device())
+    assert.same({ 0, 1, 2, 3, 4 }, r:totable())
+    local z = uly.zeros_like(uly.randn(2, 2):cuda())
+    assert.equal('cuda', z:device())
+    assert.equal('f32', z:dtype())
+    assert.equal('cuda', uly.randn_like(z):device())
     assert.same({ { 7, 7 } }, uly.full({ 1, 2 }, 7, { device = 'cuda' }):totable())
   end)
 

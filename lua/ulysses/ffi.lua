@@ -51,10 +51,16 @@ M.header = header_text(M.header_path)
 -- the user chose a policy; libgomp reads this when it is loaded, just below.
 -- OpenBLAS runs single-threaded: the library splits large GEMMs over its own OpenMP threads
 -- (kernels/cpu/matmul.c), and OpenBLAS's pthread pool would only spin beside them.
+-- M.env_set names what was set here, so benchmarks can launch their peers without it.
+M.env_set = {}
 if ffi.os ~= 'Windows' then
   ffi.cdef 'int setenv(const char *name, const char *value, int overwrite);'
-  if not os.getenv('OMP_WAIT_POLICY') then ffi.C.setenv('OMP_WAIT_POLICY', 'passive', 0) end
-  if not os.getenv('OPENBLAS_NUM_THREADS') then ffi.C.setenv('OPENBLAS_NUM_THREADS', '1', 0) end
+  for name, value in pairs({ OMP_WAIT_POLICY = 'passive', OPENBLAS_NUM_THREADS = '1' }) do
+    if not os.getenv(name) then
+      ffi.C.setenv(name, value, 0)
+      M.env_set[#M.env_set + 1] = name
+    end
+  end
 end
 ffi.cdef(M.header)
 M.C = ffi.load(M.library_path)

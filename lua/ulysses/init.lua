@@ -78,12 +78,21 @@ function uly.arange(a, b, c, d)
   step = step or 1
   local integral = start == math.floor(start) and stop == math.floor(stop) and step == math.floor(step)
   local dtype = T.dtype_code(opts.dtype or (integral and 'i64' or 'f32'))
-  return wrap(C.uly_tensor_arange(start, stop, step, dtype))
+  local t = wrap(C.uly_tensor_arange(start, stop, step, dtype))   -- made on the host
+  local device = opts.device or T.default_device
+  if device ~= 'cpu' then t = t:to(device) end
+  return t
 end
 
-function uly.zeros_like(t, opts) return uly.zeros(t:shape(), opts or { dtype = t:dtype() }) end
-function uly.ones_like(t, opts) return uly.ones(t:shape(), opts or { dtype = t:dtype() }) end
-function uly.randn_like(t) return uly.randn(t:shape()) end
+-- a new tensor of t's shape, dtype and device (opts override)
+local function like(t, opts)
+  local o = { dtype = t:dtype(), device = t:device() }
+  for k, v in pairs(opts or {}) do o[k] = v end
+  return o
+end
+function uly.zeros_like(t, opts) return uly.zeros(t:shape(), like(t, opts)) end
+function uly.ones_like(t, opts) return uly.ones(t:shape(), like(t, opts)) end
+function uly.randn_like(t, opts) return uly.randn(t:shape(), like(t, opts)) end
 
 ---------------------------------------------------------------- functional ops
 function uly.matmul(a, b) return a:matmul(b) end

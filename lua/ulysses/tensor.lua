@@ -46,8 +46,8 @@ M.last_error = last_error
 -- that drops large tensors could pile up gigabytes of garbage before a collection runs. Collect
 -- whenever the bytes held by tensors grow by more than a quarter of what was live after the
 -- previous collection (and at least 64 MiB): memory stays near the working set (garbage at most
--- ~25 % on top, which matters for million-token activations) and the caching allocator hands the
--- same blocks back every step.
+-- ~25 % on top, which matters for million-token activations; with tensors on a GPU at most 1/16
+-- of its memory) and the caching allocator hands the same blocks back every step.
 local GC_MIN_GROWTH = 64 * 2 ^ 20
 local gc_next = GC_MIN_GROWTH
 local function held_bytes() return tonumber(C.uly_memory_allocated()) + tonumber(C.uly_device_memory_allocated(1)) end
@@ -57,7 +57,12 @@ local function collect_if_grown()
     collectgarbage('collect')
     if M.after_collect then M.after_collect() end   -- e.g. drop replay closures of freed graphs
     held = held_bytes()
-    gc_next = held + math.max(GC_MIN_GROWTH, held / 4)
+    local growth = math.max(GC_MIN_GROWTH, held / 4)
+    if C.uly_device_memory_allocated(1) > 0 then   -- a GPU's memory is fixed: garbage <= 1/16 of it
+      local s = ffi.new('int64_t[6]')
+      if C.uly_device_memory_stats(1, s) == 0 then growth = math.min(growth, math.max(GC_MIN_GROWTH, tonumber(s[3]) / 16)) end
+    end
+    gc_next = held + growth
   end
 end
 
