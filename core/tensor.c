@@ -355,6 +355,8 @@ static int random_fill(uly_tensor *t, const char *op, int normal, double a, doub
     double *vals = malloc((size_t)(n ? n : 1) * sizeof *vals);
     if (!vals) return uly_set_error("%s: out of memory for %lld values", op, (long long)n);
     uint64_t seed = uly_rng_seed(), first = uly_rng_take((uint64_t)n * (normal ? 2 : 1));
+    /* counter-based: value i depends on (seed, first + i) only, so threads change nothing */
+    #pragma omp parallel for schedule(static) if (n >= 65536)
     for (int64_t i = 0; i < n; i++) {
         if (normal) { /* Box-Muller on two independent counters */
             double u1 = uly_counter_uniform(seed, first + 2 * (uint64_t)i);

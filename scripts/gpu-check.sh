@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # scripts/gpu-check.sh — the one-script GPU check (issue 6), for a machine with an NVIDIA GPU:
 #  1. prints nvidia-smi and checks the tools the build and specs need (nvcc, cmake, a C compiler,
-#     OpenBLAS headers, luajit, busted); .deb files carried in $ULY_GPU_DEBS (default .gpu-debs/)
-#     are unpacked first, for machines whose image lacks some of them;
+#     OpenBLAS headers, luajit, busted); .deb files carried in $ULY_GPU_DEBS (default .gpu-debs/,
+#     collected here with scripts/gpu-debs.sh) are unpacked first, for images that lack them;
 #  2. builds build-gpu/ with -DULY_CUDA=ON (libulysses.so + libulysses_cuda.so);
 #  3. runs the #gpu specs (`busted --run=gpu`, see .busted) against that build, then the device
 #     suite against the real CUDA backend (spec/device_spec.lua with ULY_TEST_DEVICE=cuda: every
@@ -92,7 +92,7 @@ fi
 
 if [ -e bench/gpu.lua ]; then
   say "== benchmarks (bench/gpu.lua)"
-  timeout 240 luajit bench/gpu.lua 2>&1 | tee -a "$log"
+  timeout 240 bin/ulysses bench/gpu.lua 2>&1 | tee -a "$log"
   [ ${PIPESTATUS[0]} -eq 0 ] || failures+="benchmarks; "
 fi
 [ -z "$failures" ] || finish "failed: $failures" 1
