@@ -11,6 +11,8 @@
 #  4. writes a report (date, device, driver/runtime versions, build time, spec summaries, the
 #     benchmark table) to $1, else $OUT/gpu-report.txt, else build-gpu/gpu-report.txt.
 # Exits non-zero when a tool is missing, the build fails or any #gpu spec fails.
+# ULY_GPU_CHECK_EMULATE=1 runs the same script on a machine without a GPU against the CUDA
+# emulator (build-gpu/libulysses_cuemu.so, bench/gpu.lua --quick): a rehearsal of the script.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 report=${1:-${OUT:+$OUT/gpu-report.txt}}
@@ -59,6 +61,13 @@ say "build: $(( $(date +%s) - start )) s"
 
 say "== devices and versions"
 export ULY_LIB=build-gpu/libulysses.so ULY_CUDA_LIB=build-gpu/libulysses_cuda.so
+emulate=${ULY_GPU_CHECK_EMULATE:-0}
+test_device=cuda bench_args=""
+if [ "$emulate" = 1 ]; then
+  export ULY_CUDA_LIB=build-gpu/libulysses_cuemu.so
+  test_device=emu bench_args="--quick"
+  say "(rehearsal: the CUDA emulator stands in for the GPU)"
+fi
 LUA_PATH='lua/?.lua;lua/?/init.lua;;' luajit -e '
   local cuda = require("ulysses").cuda
   print(("runtime %s, driver %s, devices %d%s"):format(cuda.version_string(cuda.runtime_version()),
@@ -74,14 +83,14 @@ summary=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -1)
 failures=""
 [ $rc -eq 0 ] && [ -n "$summary" ] || failures="#gpu specs (exit $rc: ${summary:-no summary}); "
 
-say "== device suite on the GPU (spec/device_spec.lua, ULY_TEST_DEVICE=cuda)"
-ULY_TEST_DEVICE=cuda timeout 240 luajit /usr/bin/busted spec/device_spec.lua 2>&1 | tee -a "$log"
+say "== device suite on the GPU (spec/device_spec.lua, ULY_TEST_DEVICE=$test_device)"
+ULY_TEST_DEVICE=$test_device timeout 240 luajit /usr/bin/busted spec/device_spec.lua 2>&1 | tee -a "$log"
 rc=${PIPESTATUS[0]}
 [ $rc -eq 0 ] || failures+="device suite (exit $rc); "
 
 if command -v mpirun >/dev/null; then
   say "== Ulysses on 2 ranks sharing the GPU (host-staged exchanges)"
-  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ULY_TEST_DEVICE=cuda ULY_TEST_SP=2 timeout 180 \
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ULY_TEST_DEVICE=$test_device ULY_TEST_SP=2 timeout 180 \
     mpirun --oversubscribe --bind-to none -x ULY_TEST_DEVICE -x ULY_TEST_SP -x ULY_LIB -x ULY_CUDA_LIB -np 2 \
     luajit /usr/bin/busted --run=mpi --filter=device spec/ulysses_spec.lua 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
@@ -92,7 +101,7 @@ fi
 
 if [ -e bench/gpu.lua ]; then
   say "== benchmarks (bench/gpu.lua)"
-  timeout 240 bin/ulysses bench/gpu.lua 2>&1 | tee -a "$log"
+  timeout 240 bin/ulysses bench/gpu.lua $bench_args 2>&1 | tee -a "$log"
   [ ${PIPESTATUS[0]} -eq 0 ] || failures+="benchmarks; "
 fi
 [ -z "$failures" ] || finish "failed: $failures" 1
