@@ -361,6 +361,24 @@ static int gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n
                                 CUBLAS_GEMM_DEFAULT), what);
 }
 
+/* one (batch, head)'s operands: query head h reads K/V head h / (H / Hkv) */
+typedef struct { const float *Q, *K, *V; int64_t hk; } head_ops;
+static head_ops head_of(const geom &g, int64_t b, int64_t h) {
+    head_ops o;
+    o.hk = h / (g.H / g.Hkv);
+    o.Q = g.q + b * g.qb + h * g.qh;
+    o.K = g.k + b * g.kb + o.hk * g.kh;
+    o.V = g.v + b * g.vb + o.hk * g.vh;
+    return o;
+}
+
+/* S [c, nk] = scale Q[i0 .. i0 + c) K[lo .. lo + nk)^T (row-major, as col-major S^T = K Q^T) */
+static int chunk_scores(const geom &g, const head_ops &o, int64_t i0, int64_t c, int64_t lo, int64_t nk, float *S,
+                        const char *what) {
+    return gemm(CUBLAS_OP_T, CUBLAS_OP_N, nk, c, g.D, g.scale, o.K + lo * g.kt, g.kt, o.Q + i0 * g.qt, g.qt, 0.0f, S, nk,
+                what);
+}
+
 extern "C" int64_t cu_flash_scratch_floats(const flash_problem *p, int backward_) { (void)p; (void)backward_; return 0; }
 
 extern "C" int cu_flash_forward(float *out, float *lse, float *scratch, const flash_problem *p) {
@@ -368,15 +386,14 @@ extern "C" int cu_flash_forward(float *out, float *lse, float *scratch, const fl
     geom g = geom_of(p);
     if (g.B * g.H * g.Tq == 0) return 0;
     if (!uly_cu_cublas()) { uly_cu_fail_msg("flash_attention_forward", "no cuBLAS handle"); return 0; }
-    int64_t C = chunk_rows(g), group = g.H / g.Hkv;
+    int64_t C = chunk_rows(g);
     float *S = NULL;
     cudaError_t e = cudaMallocAsync((void **)&S, (size_t)(C * (g.Tk > 0 ? g.Tk : 1)) * sizeof(float), uly_cu_stream);
     if (e != cudaSuccess) { uly_cu_fail("flash_attention_forward scratch", e); return 0; }
     int rc = 0;
     for (int64_t b = 0; b < g.B && !rc; b++)
         for (int64_t h = 0; h < g.H && !rc; h++) {
-            int64_t hk = h / group;
-            const float *Q = g.q + b * g.qb + h * g.qh, *K = g.k + b * g.kb + hk * g.kh, *V = g.v + b * g.vb + hk * g.vh;
+            const head_ops o = head_of(g, b, h);
             for (int64_t i0 = 0; i0 < g.Tq && !rc; i0 += C) {
                 int64_t c = g.Tq - i0 < C ? g.Tq - i0 : C, lo, hi;
                 chunk_band(g, i0, i0 + c, &lo, &hi);
@@ -386,13 +403,11 @@ extern "C" int cu_flash_forward(float *out, float *lse, float *scratch, const fl
                     continue;
                 }
                 int64_t nk = hi - lo + 1;
-                rc = gemm(CUBLAS_OP_T, CUBLAS_OP_N, nk, c, g.D, g.scale, K + lo * g.kt, g.kt, Q + i0 * g.qt, g.qt, 0.0f, S,
-                          nk, "flash attention S = Q K^T");
-                if (rc) break;
+                if ((rc = chunk_scores(g, o, i0, c, lo, nk, S, "flash attention S = Q K^T"))) break;
                 ULY_LAUNCH(chunk_softmax, (unsigned)(c < 65535 ? c : 65535), 256, uly_cu_stream)(S, lse, g, b, h, i0, c, lo,
                                                                                                nk, 0);
                 ULY_CU_LAUNCHED("chunk_softmax");
-                rc = gemm(CUBLAS_OP_N, CUBLAS_OP_N, g.D, c, nk, 1.0f, V + lo * g.vt, g.vt, S, nk, 0.0f,
+                rc = gemm(CUBLAS_OP_N, CUBLAS_OP_N, g.D, c, nk, 1.0f, o.V + lo * g.vt, g.vt, S, nk, 0.0f,
                           out + ((b * g.Tq + i0) * g.H + h) * g.D, g.H * g.D, "flash attention O = P V");
             }
         }
@@ -409,7 +424,7 @@ extern "C" int cu_flash_backward(float *dq, float *dk, float *dv, const float *d
     if (!uly_cu_cublas()) { uly_cu_fail_msg("flash_attention_backward", "no cuBLAS handle"); return 0; }
     ULY_LAUNCH(flash_delta, warps_grid(qrows), 32 * WARPS, uly_cu_stream)(delta, dout, out, g);
     ULY_CU_LAUNCHED("flash_delta");
-    int64_t C = chunk_rows(g), group = g.H / g.Hkv;
+    int64_t C = chunk_rows(g);
     float *P = NULL;
     size_t per = (size_t)(C * (g.Tk > 0 ? g.Tk : 1));
     cudaError_t e = cudaMallocAsync((void **)&P, 2 * per * sizeof(float), uly_cu_stream);
@@ -419,17 +434,16 @@ extern "C" int cu_flash_backward(float *dq, float *dk, float *dv, const float *d
     const int64_t ldo = g.H * g.D, ldkv = g.Hkv * g.D;
     for (int64_t b = 0; b < g.B && !rc; b++)
         for (int64_t h = 0; h < g.H && !rc; h++) {
-            int64_t hk = h / group;
-            const float *Q = g.q + b * g.qb + h * g.qh, *K = g.k + b * g.kb + hk * g.kh, *V = g.v + b * g.vb + hk * g.vh;
+            const head_ops o = head_of(g, b, h);
+            const int64_t hk = o.hk;
+            const float *Q = o.Q, *K = o.K, *V = o.V;
             for (int64_t i0 = 0; i0 < g.Tq && !rc; i0 += C) {
                 int64_t c = g.Tq - i0 < C ? g.Tq - i0 : C, lo, hi;
                 chunk_band(g, i0, i0 + c, &lo, &hi);
                 if (lo > hi) continue;
                 int64_t nk = hi - lo + 1;
                 const float *dO = dout + ((b * g.Tq + i0) * g.H + h) * g.D;
-                rc = gemm(CUBLAS_OP_T, CUBLAS_OP_N, nk, c, g.D, g.scale, K + lo * g.kt, g.kt, Q + i0 * g.qt, g.qt, 0.0f, P,
-                          nk, "flash attention backward S = Q K^T");
-                if (rc) break;
+                if ((rc = chunk_scores(g, o, i0, c, lo, nk, P, "flash attention backward S = Q K^T"))) break;
                 ULY_LAUNCH(chunk_softmax, (unsigned)(c < 65535 ? c : 65535), 256, uly_cu_stream)(P, (float *)lse, g, b, h,
                                                                                                i0, c, lo, nk, 1);
                 ULY_CU_LAUNCHED("chunk_softmax");
