@@ -2,8 +2,9 @@
 -- dense bf16 peak (989 TFLOP/s; --peak to change) for
 --   1. GEMM: uly.matmul on device tensors (our dispatch, cuBLAS underneath) vs raw cuBLAS on the
 --      same shapes, f32 (TF32) and mixed precision (bf16 operands, f32 accumulation);
---   2. attention: uly.flash_attention forward + backward, causal, by N (cuDNN's fused attention
---      is not bound yet: no comparison column);
+--   2. attention: uly.flash_attention forward + backward, causal, by N, next to cuDNN's fused
+--      attention called through PyTorch (bench/peers/torch_sdpa.py; bf16, as cuDNN requires;
+--      ours runs f32 inputs on TF32 tensor cores) when the GPU machine's python3 has torch;
 --   3. a training step of a Llama-style model (preset 1b: 1.24 B parameters) at 32k tokens:
 --      flash attention, activation checkpointing, tiled loss, bf16 matmuls, AdamW.
 -- Never asserts on time. Each timing is the median of --reps runs after a warm-up, bracketed by
@@ -100,8 +101,23 @@ end
 
 ---------------------------------------------------------------- 2. attention
 local H, D = opts.quick and 2 or 16, opts.quick and 16 or 128
-print(('\n== flash attention, causal, forward + backward (B 1, H %d, D %d; cuDNN fused attention: not bound yet)'):format(H, D))
-print(('%-8s %10s %10s %10s %10s %7s'):format('N', 'fwd ms', 'bwd ms', 'fwd TF/s', 'f+b TF/s', 'MFU'))
+local here = (debug.getinfo(1, 'S').source:match('^@(.*)/[^/]*$') or '.')
+-- cuDNN's fused attention through PyTorch: { fwd = s, both = s, backend = name }, or nil and why
+local function cudnn_attention(n)
+  if backend ~= 'cuda' then return nil, 'no GPU' end
+  local cmd = ('%spython3 %s/peers/torch_sdpa.py attention %d %d %d %d 2>&1'):format(require('bench.util').peer_env(),
+                                                                                 here, n, H, D, opts.reps)
+  local p = io.popen(cmd)
+  local out = p:read('*a')
+  p:close()
+  local fwd, both = out:match('"fwd_s": ([%d%.e%-]+), "fwd_bwd_s": ([%d%.e%-]+)')
+  if not fwd then return nil, (out:match('"error": "([^"]*)"') or out:gsub('\n', ' '):sub(1, 120)) end
+  return { fwd = tonumber(fwd), both = tonumber(both), backend = out:match('"backend": "([^"]*)"') }
+end
+print(('\n== flash attention, causal, forward + backward (B 1, H %d, D %d), ours (f32, TF32) vs cuDNN fused (bf16)'):format(H, D))
+print(('%-8s %10s %10s %10s %10s %7s %12s %9s'):format('N', 'fwd ms', 'bwd ms', 'fwd TF/s', 'f+b TF/s', 'MFU',
+                                                      'cuDNN f+b TF/s', 'ours/cuDNN'))
+local peer_note
 local n = opts.quick and 128 or 4096
 while n <= (opts.quick and 128 or opts.attn_max) do
   local q = uly.randn(1, n, H, D, { device = 'cuda' }):requires_grad_()
@@ -114,12 +130,23 @@ while n <= (opts.quick and 128 or opts.attn_max) do
     o:backward(g)
   end, opts.reps)
   local f_flops = 2 * n * n * D * H
-  print(('%-8d %10.2f %10.2f %10.1f %10.1f %6.1f%%'):format(n, fwd * 1e3, (both - fwd) * 1e3, tf(f_flops, fwd),
-                                                         tf(3.5 * f_flops, both), 100 * 3.5 * f_flops / both / peak))
+  local peer, why = cudnn_attention(n)
+  local c_col, ratio = 'n/a', ''
+  if peer then
+    c_col = ('%.1f'):format(tf(3.5 * f_flops, peer.both))
+    ratio = ('%.2f'):format(peer.both / both)
+    peer_note = 'peer: PyTorch scaled_dot_product_attention, backend ' .. tostring(peer.backend)
+  else
+    peer_note = 'cuDNN column: ' .. tostring(why)
+  end
+  print(('%-8d %10.2f %10.2f %10.1f %10.1f %6.1f%% %12s %9s'):format(n, fwd * 1e3, (both - fwd) * 1e3, tf(f_flops, fwd),
+                                                                 tf(3.5 * f_flops, both), 100 * 3.5 * f_flops / both / peak,
+                                                                 c_col, ratio))
   q, k, v, g = nil, nil, nil, nil
   collectgarbage('collect')
   n = n * 2
 end
+if peer_note then print(peer_note) end
 
 ---------------------------------------------------------------- 3. training step
 if opts.step then
