@@ -5,7 +5,7 @@
 #  2. runs every busted spec (spec/*_spec.lua, under LuaJIT) against the Release build, then the
 #     #mpi specs under mpirun with 1, 2 and 4 ranks (Release build only), then the CUDA backend's
 #     kernels on the CPU emulator (spec/device_spec.lua and the #mpi device cases), then the plain
-#     specs against the sanitizer build;
+#     specs and the emulated CUDA kernels against the sanitizer build;
 #  3. ends with one line "N passed, N failed" over all runs; exits non-zero on any failure,
 #     error or crash.
 # ULY_SEED=<n> replays the random inputs of a run (the seed is printed first).
@@ -105,6 +105,14 @@ if build build-asan -DCMAKE_BUILD_TYPE=Debug -DULY_SANITIZE=ON -DULY_CUDA=OFF; t
   asan=$(gcc -print-file-name=libasan.so)
   run_specs "Debug + sanitizers" ULY_LIB=build-asan/libulysses.so LD_PRELOAD="$asan" \
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1
+  # the CUDA kernels on the emulator under the sanitizers: device memory is host memory there,
+  # so an out-of-bounds access in a kernel is caught
+  if [ -e build-asan/libulysses_cuemu.so ]; then
+    SPEC_ARGS="spec/device_spec.lua" run_specs "CUDA kernels on the emulator + sanitizers" \
+      ULY_LIB=build-asan/libulysses.so LD_PRELOAD="$asan" ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 \
+      UBSAN_OPTIONS=print_stacktrace=1 ULY_TEST_DEVICE=emu ULY_CUDA_LIB=build-asan/libulysses_cuemu.so \
+      ULY_CUDA_ATTN_CHUNK=16
+  fi
 else
   echo "test: sanitizer build failed"; crashed=$((crashed + 1))
 fi

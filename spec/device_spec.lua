@@ -139,7 +139,7 @@ describe('device tensors', function()
       { 'add (broadcast)', function(a, b) return a + b end, function() return { R(3, 4), R(4) } end },
       { 'sub', function(a, b) return a - b end, function() return { R(3, 4), R(3, 1) } end },
       { 'a bias gradient summed over 5000 rows (chunked reduction)', function(a, b) return a + b end,
-        function() return { R(5000, 3), R(3) } end },
+        function() return { R(5000, 3), R(3) } end, { rtol = math.max(RTOL, 1e-4) } },  -- the CPU sums 5000 floats
       { 'layernorm over 300 rows (chunked parameter gradients)', function(x, w, b) return uly.layernorm(x, w, b) end,
         function() return { R(300, 5), R(5), R(5) } end },
       { 'mul', function(a, b) return a * b end, function() return { R(2, 3, 4), R(1, 3, 4) } end },
@@ -168,7 +168,7 @@ describe('device tensors', function()
       { 'dtype round trip', function(a) return a:double():float() * 2 end, function() return { R(3, 3) } end },
     }
     for _, c in ipairs(cases) do
-      it(c[1], function() same_on_device(c[2], c[3]()) end)
+      it(c[1], function() same_on_device(c[2], c[3](), c[4]) end)
     end
 
     it('embedding (integer ids on the device too)', function()

@@ -240,8 +240,8 @@ __device__ static inline void kept_offsets(const sum_geom &g, int64_t k, int64_t
     *od = a;
     *os = b;
 }
-__device__ static inline float sum_range(const sum_geom &g, const float *src, int64_t os, int64_t r0, int64_t r1) {
-    float acc = 0.0f;
+__device__ static inline double sum_range(const sum_geom &g, const float *src, int64_t os, int64_t r0, int64_t r1) {
+    double acc = 0.0;   /* long reductions (bias gradients over B x T rows) in double */
     for (int64_t r = r0; r < r1; r++) {
         int64_t rr = r, o = os;
         for (int d = g.nr - 1; d >= 0; d--) {
@@ -256,25 +256,25 @@ __global__ static void sum_view_k(float *dst, const float *src, sum_geom g, int6
     ULY_CU_FOR(k, kept) {
         int64_t od, os;
         kept_offsets(g, k, &od, &os);
-        dst[od] += alpha * sum_range(g, src, os, 0, red);
+        dst[od] += alpha * (float)sum_range(g, src, os, 0, red);
     }
 }
 /* long reductions (a bias gradient over B x T rows): NCH chunks of the summed positions per kept
  * element in parallel, then the chunks added in order */
-__global__ static void sum_view_part(float *part, const float *src, sum_geom g, int64_t kept, int64_t red, int64_t nch) {
+__global__ static void sum_view_part(double *part, const float *src, sum_geom g, int64_t kept, int64_t red, int64_t nch) {
     ULY_CU_FOR(e, nch * kept) {
         int64_t ch = e / kept, k = e % kept, od, os;
         kept_offsets(g, k, &od, &os);
         part[e] = sum_range(g, src, os, red * ch / nch, red * (ch + 1) / nch);
     }
 }
-__global__ static void sum_view_total(float *dst, const float *part, sum_geom g, int64_t kept, int64_t nch, float alpha) {
+__global__ static void sum_view_total(float *dst, const double *part, sum_geom g, int64_t kept, int64_t nch, float alpha) {
     ULY_CU_FOR(k, kept) {
         int64_t od, os;
         kept_offsets(g, k, &od, &os);
-        float acc = 0.0f;
+        double acc = 0.0;
         for (int64_t ch = 0; ch < nch; ch++) acc += part[ch * kept + k];
-        dst[od] += alpha * acc;
+        dst[od] += alpha * (float)acc;
     }
 }
 extern "C" void cu_sum_view(const uly_view *dst, const uly_view *src, float alpha) {
@@ -299,8 +299,8 @@ extern "C" void cu_sum_view(const uly_view *dst, const uly_view *src, float alph
         return;
     }
     int64_t nch = red / 1024 < 128 ? red / 1024 : 128;
-    float *part = NULL;
-    cudaError_t e = cudaMallocAsync((void **)&part, (size_t)(nch * kept) * sizeof(float), uly_cu_stream);
+    double *part = NULL;
+    cudaError_t e = cudaMallocAsync((void **)&part, (size_t)(nch * kept) * sizeof(double), uly_cu_stream);
     if (e != cudaSuccess) { uly_cu_fail("sum_view scratch", e); return; }
     LAUNCH(sum_view_part, nch * kept, part, (const float *)src->p, g, kept, red, nch);
     LAUNCH(sum_view_total, kept, (float *)dst->p, part, g, kept, nch, alpha);

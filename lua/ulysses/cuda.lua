@@ -42,6 +42,7 @@ local function load()
     state = { reason = 'cannot load the CUDA library ' .. path .. ': ' .. tostring(lib) }
     return state
   end
+  base.pin(path)   -- never unloaded: device memory and the stream outlive lua_close
   state = { lib = lib }
   return state
 end

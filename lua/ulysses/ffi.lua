@@ -67,12 +67,14 @@ M.C = ffi.load(M.library_path)
 -- Pin the library (and so libgomp/OpenBLAS) for the life of the process: lua_close would
 -- otherwise dlclose it while OpenMP/BLAS worker threads are still parked in that code, and the
 -- process crashes on exit. RTLD_NOLOAD | RTLD_NODELETE | RTLD_LAZY, glibc values.
-if ffi.os == 'Linux' then
+function M.pin(path)
+  if ffi.os ~= 'Linux' then return end
   pcall(function()
-    ffi.cdef 'void *dlopen(const char *filename, int flags);'
-    ffi.C.dlopen(M.library_path, 0x00004 + 0x01000 + 0x00001)
+    pcall(ffi.cdef, 'void *dlopen(const char *filename, int flags);')
+    ffi.C.dlopen(path, 0x00004 + 0x01000 + 0x00001)
   end)
 end
+M.pin(M.library_path)
 
 -- every function name the header declares (the FFI-surface spec checks they all resolve)
 function M.declared_functions()

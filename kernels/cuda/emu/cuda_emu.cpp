@@ -5,6 +5,13 @@
  * pointer; ucontext's swapcontext makes two system calls per switch), with ucontext elsewhere. */
 #include "cuda_emu.h"
 #include <stdio.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+/* fibers end without unwinding: their frames' redzones stay poisoned, so clear a stack before reuse */
+#define UNPOISON(p, n) __asan_unpoison_memory_region((p), (n))
+#else
+#define UNPOISON(p, n) ((void)0)
+#endif
 #include <time.h>
 #include <ucontext.h>
 #include <vector>
@@ -39,7 +46,8 @@ struct fiber {
 
 struct block_state {
     std::vector<fiber> fibers;
-    std::vector<char> stacks;
+    char *stacks;            /* threads x STACK bytes, grown (never copied) as blocks get larger */
+    size_t stacks_bytes;
 #ifdef FAST_SWITCH
     void *sched_sp;
 #else
@@ -107,7 +115,13 @@ void run_grid(unsigned blocks, unsigned threads, const std::function<void()> &bo
     if (threads == 0 || threads > 1024) { fprintf(stderr, "cuda emulator: %u threads per block\n", threads); abort(); }
     unsigned warps = (threads + 31) / 32;
     B.fibers.assign(threads, fiber());
-    if (B.stacks.size() < threads * STACK) B.stacks.resize(threads * STACK);
+    if (B.stacks_bytes < threads * STACK) {
+        if (B.stacks) UNPOISON(B.stacks, B.stacks_bytes);
+        free(B.stacks);
+        B.stacks_bytes = threads * STACK;
+        B.stacks = (char *)malloc(B.stacks_bytes);
+        if (!B.stacks) { fprintf(stderr, "cuda emulator: no memory for %u fiber stacks\n", threads); abort(); }
+    }
     B.warp_gen.assign(warps, 0);
     B.warp_waiting.assign(warps, 0);
     B.warp_alive.assign(warps, 0);
@@ -124,13 +138,14 @@ void run_grid(unsigned blocks, unsigned threads, const std::function<void()> &bo
             B.warp_waiting[w] = 0;
             B.warp_alive[w] = (w + 1) * 32 <= threads ? 32 : threads - w * 32;
         }
+        UNPOISON(B.stacks, threads * STACK);
         for (unsigned t = 0; t < threads; t++) {
             fiber &f = B.fibers[t];
             f.done = f.wait = NONE;
             f.gen = 0;
 #ifdef FAST_SWITCH
             /* a fresh stack that "returns" into trampoline: 6 zero registers, then its address */
-            uintptr_t top = ((uintptr_t)(B.stacks.data() + (t + 1) * STACK)) & ~(uintptr_t)15;
+            uintptr_t top = ((uintptr_t)(B.stacks + (t + 1) * STACK)) & ~(uintptr_t)15;
             void **sp = (void **)top;
             *--sp = NULL;                        /* trampoline's own return address: never used */
             *--sp = (void *)trampoline;
@@ -138,7 +153,7 @@ void run_grid(unsigned blocks, unsigned threads, const std::function<void()> &bo
             f.sp = sp;
 #else
             getcontext(&f.ctx);
-            f.ctx.uc_stack.ss_sp = B.stacks.data() + t * STACK;
+            f.ctx.uc_stack.ss_sp = B.stacks + t * STACK;
             f.ctx.uc_stack.ss_size = STACK;
             f.ctx.uc_link = &B.sched;
             makecontext(&f.ctx, trampoline, 0);
