@@ -269,7 +269,9 @@ describe('device tensors', function()
           for i = 0, n - 1 do scale = math.max(scale, math.abs(v[i])) end
           helpers.assert_close(gd[name], g, 10 * RTOL, 10 * RTOL * scale + 1e-12, 'gradient of ' .. name)
         end
-        local patol = MODE == 'sim' and 10 * ATOL or 2e-4
+        -- (an element whose gradient is ~0 can move by up to lr per step either way: allow 20 % of
+        -- the 3 steps of lr 1e-2 beyond the simulation, which runs the CPU's own kernels)
+        local patol = MODE == 'sim' and 10 * ATOL or 0.2 * 3 * 1e-2
         for name, p in pairs(pc) do helpers.assert_close(pd[name], p, 10 * RTOL, patol, name) end
         for _, p in ipairs(m:parameters()) do assert.equal('cuda', p:device()) end
       end)
