@@ -439,8 +439,10 @@ describe('mixed precision (matmul in bf16)', function()
       return out
     end
     local cpu16, dev16, cpu32 = losses('cpu', 'bf16'), losses('cuda', 'bf16'), losses('cpu', 'f32')
+    -- other kernels sum in other orders, and a last-bit difference can flip a bf16 rounding (2^-8)
+    local tol16 = MODE == 'sim' and 10 * RTOL or 2e-3
     for s = 1, 3 do
-      assert.is_true(math.abs(cpu16[s] - dev16[s]) <= 10 * RTOL * cpu16[s], ('step %d: %g vs %g'):format(s, cpu16[s], dev16[s]))
+      assert.is_true(math.abs(cpu16[s] - dev16[s]) <= tol16 * cpu16[s], ('step %d: %g vs %g'):format(s, cpu16[s], dev16[s]))
       assert.is_true(math.abs(cpu16[s] - cpu32[s]) <= 2e-2 * cpu32[s], ('step %d: bf16 %g vs f32 %g'):format(s, cpu16[s], cpu32[s]))
     end
     assert.is_true(cpu16[3] ~= cpu32[3])
