@@ -83,7 +83,7 @@ end
 function M.loop(env)
   local read = line_reader()
   local uly = env.uly
-  io.write(string.format('ulysses %s on %s: `uly` is loaded; %d threads, BLAS %s. Ctrl-D quits.\n',
+  io.write(string.format('ulysses %s on %s: `uly` is loaded; %d threads, BLAS %s; uly.cuda.devices() lists GPUs. Ctrl-D quits.\n',
                          uly.version, jit.version, uly.get_num_threads(), uly.blas_corename()))
   local buffer
   while true do
