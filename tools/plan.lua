@@ -290,15 +290,16 @@ local function matmul(self, x, rows, k, n, w, cat)
   return out
 end
 
+-- nn.Linear: with a bias one addmm (core/ops.c: the bias seeds the output, one GEMM adds; x is
+-- saved as it is, being contiguous here), else a matmul
 local function linear(self, x, rows, k, n, lin, cat)
-  local y = matmul(self, x, rows, k, n, lin.weight, cat)
-  if lin.bias then
-    local z = result(self, rows * n * F, cat or 'activations')
-    self:record(z, { y, lin.bias }, nil, nil, { true })
-    self:wrapped()
-    return z
-  end
-  return y
+  if not lin.bias then return matmul(self, x, rows, k, n, lin.weight, cat) end
+  local xs = contiguous(self, x)
+  local out = result(self, rows * n * F, cat or 'activations')
+  self:record(out, { x, lin.weight, lin.bias }, { xs })
+  self:unref(xs)
+  self:wrapped()
+  return out
 end
 
 local function add(self, a, b)
