@@ -119,6 +119,7 @@ static flash_problem problem(const uly_tensor *q, const uly_tensor *k, const uly
     p.q = operand(q); p.k = operand(k); p.v = operand(v);
     p.causal = (int)i[6]; p.left = i[7]; p.right = i[8];
     p.bs = i[9];
+    p.bf16 = (int)i[11];
     const int32_t *ids = pack ? (const int32_t *)uly_ptr(pack) : NULL;
     if (i[10] & 1) {
         p.layout = ids;
@@ -156,8 +157,9 @@ uly_tensor *uly_flash_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, dou
     uly_tensor *lse = vc ? uly_new_contiguous(3, lshape, ULY_DTYPE_F32, uly_dev(q)) : NULL;
     uly_tensor *out = lse ? uly_new_like(q) : NULL;
     if (out) {
-        int64_t ints[11] = {B, Tq, Tk, H, Hkv, D, m->causal != 0, m->window_left, m->window_right,
-                            m->block_layout ? m->block_size : 0, (m->block_layout ? 1 : 0) | (m->q_doc ? 2 : 0)};
+        int64_t ints[12] = {B, Tq, Tk, H, Hkv, D, m->causal != 0, m->window_left, m->window_right,
+                            m->block_layout ? m->block_size : 0, (m->block_layout ? 1 : 0) | (m->q_doc ? 2 : 0),
+                            uly_matmul_bf16()};
         flash_problem p = problem(qc, kc, vc, pack, ints, scale);
         uly_tensor *scratch = new_scratch(uly_be(q), uly_dev(q), &p, 0);
         if (!scratch || uly_be(q)->flash_attention_forward(uly_f32(out), uly_f32(lse), uly_f32(scratch), &p)) {

@@ -415,6 +415,29 @@ describe('mixed precision (matmul in bf16)', function()
     assert.is_true(helpers.values(full)[0] ~= helpers.values(out)[0] or helpers.values(full)[1] ~= helpers.values(out)[1])
   end)
 
+  it('runs the CUDA attention GEMMs in bf16 too (the CPU kernel stays f32), close to f32', function()
+    use_device()
+    helpers.reseed(9)
+    local q, k, v = uly.randn(1, 40, 4, 16), uly.randn(1, 40, 2, 16), uly.randn(1, 40, 2, 16)
+    local function run(precision)
+      uly.matmul_precision(precision)
+      local qd, kd, vd = q:cuda():requires_grad_(), k:cuda():requires_grad_(), v:cuda():requires_grad_()
+      local o = uly.flash_attention(qd, kd, vd, { causal = true })
+      o:sum():backward()
+      uly.matmul_precision('f32')
+      return o:detach():cpu(), qd.grad:cpu(), vd.grad:cpu()   -- detached: o's graph holds the device leaves
+    end
+    local o32, gq32, gv32 = run('f32')
+    local o16, gq16, gv16 = run('bf16')
+    helpers.assert_close(o16, o32, 3e-2, 3e-2, 'output')
+    helpers.assert_close(gq16, gq32, 5e-2, 5e-2, 'dq')
+    helpers.assert_close(gv16, gv32, 3e-2, 3e-2, 'dv')
+    local same = helpers.values(o16)[0] == helpers.values(o32)[0] and helpers.values(o16)[5] == helpers.values(o32)[5]
+    if MODE == 'sim' then assert.is_true(same, 'the CPU kernel ignores the flag')
+    else assert.is_false(same, 'bf16 attention GEMMs round their operands') end
+    release_device()
+  end)
+
   it('refuses other precisions', function()
     assert.matches("expected 'bf16' or 'f32'", helpers.error_of(function() uly.matmul_precision('fp8') end), 1, true)
   end)
@@ -439,9 +462,10 @@ describe('mixed precision (matmul in bf16)', function()
       return out
     end
     local cpu16, dev16, cpu32 = losses('cpu', 'bf16'), losses('cuda', 'bf16'), losses('cpu', 'f32')
-    -- other kernels sum in other orders, and a last-bit difference can flip a bf16 rounding (2^-8)
-    local tol16 = MODE == 'sim' and 10 * RTOL or 2e-3
+    -- the CUDA backend also runs the attention GEMMs in bf16 (the CPU kernel stays f32), and AdamW
+    -- at lr 1e-2 amplifies what differs: the first loss closely, the later ones like bf16 vs f32
     for s = 1, 3 do
+      local tol16 = MODE == 'sim' and 10 * RTOL or (s == 1 and 5e-3 or 2e-2)
       assert.is_true(math.abs(cpu16[s] - dev16[s]) <= tol16 * cpu16[s], ('step %d: %g vs %g'):format(s, cpu16[s], dev16[s]))
       assert.is_true(math.abs(cpu16[s] - cpu32[s]) <= 2e-2 * cpu32[s], ('step %d: bf16 %g vs f32 %g'):format(s, cpu16[s], cpu32[s]))
     end

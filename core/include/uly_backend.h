@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define ULY_BACKEND_ABI 4
+#define ULY_BACKEND_ABI 5
 #define ULY_VIEW_MAX_DIMS 8
 
 /* a strided window over backend memory: element [0, ..., 0] at p, strides in elements */

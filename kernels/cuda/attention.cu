@@ -16,7 +16,9 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include "common.cuh"
 
 #define WARPS 4
@@ -303,7 +305,7 @@ static void chunk_band(const geom &g, int64_t i0, int64_t i1, int64_t *lo, int64
 /* S [c, nk] (already scaled) -> P = exp(S - lse) where visible, else 0; lse of each row written
  * (forward: mode 0) or read (backward: mode 1). A block per row. */
 __global__ static void chunk_softmax(float *S, float *lse, geom g, int64_t b, int64_t h, int64_t i0, int64_t c,
-                                     int64_t lo, int64_t nk, int mode) {
+                                     int64_t lo, int64_t nk, int mode, __nv_bfloat16 *P16) {
     for (int64_t r = blockIdx.x; r < c; r += gridDim.x) {
         int64_t i = i0 + r;
         float *row = S + r * nk;
@@ -324,17 +326,31 @@ __global__ static void chunk_softmax(float *S, float *lse, geom g, int64_t b, in
         } else {
             Lr = *L;
         }
-        for (int64_t j = threadIdx.x; j < nk; j += blockDim.x)
-            row[j] = (Lr > -INFINITY && visible(g, b, i, lo + j)) ? expf(row[j] - Lr) : 0.0f;
+        for (int64_t j = threadIdx.x; j < nk; j += blockDim.x) {
+            float pj = (Lr > -INFINITY && visible(g, b, i, lo + j)) ? expf(row[j] - Lr) : 0.0f;
+            row[j] = pj;
+            if (P16) P16[r * nk + j] = __float2bfloat16_rn(pj);   /* the bf16 operand of the next GEMMs */
+        }
     }
 }
 
 /* dP [c, nk] -> dS = P (dP - delta_i) scale, in place */
 __global__ static void chunk_ds(float *dP, const float *P, const float *delta, geom g, int64_t b, int64_t h, int64_t i0,
-                                int64_t c, int64_t nk) {
+                                int64_t c, int64_t nk, __nv_bfloat16 *dS16) {
     ULY_CU_FOR(e, c * nk) {
         int64_t r = e / nk;
-        dP[e] = P[e] * (dP[e] - delta[(b * g.H + h) * g.Tq + i0 + r]) * g.scale;
+        float ds = P[e] * (dP[e] - delta[(b * g.H + h) * g.Tq + i0 + r]) * g.scale;
+        dP[e] = ds;
+        if (dS16) dS16[e] = __float2bfloat16_rn(ds);
+    }
+}
+
+/* [B, T, Hh, D] strided f32 -> contiguous bf16 (the operands of the bf16 attention GEMMs) */
+__global__ static void to_bf16_4d(__nv_bfloat16 *dst, const float *src, int64_t T, int64_t Hh, int64_t D, int64_t sb,
+                                  int64_t st, int64_t sh, int64_t n) {
+    ULY_CU_FOR(e, n) {
+        int64_t d = e % D, h = (e / D) % Hh, t = (e / (D * Hh)) % T, b = e / (D * Hh * T);
+        dst[e] = __float2bfloat16_rn(src[b * sb + t * st + h * sh + d]);
     }
 }
 
@@ -353,30 +369,78 @@ static int gemm_ok(cublasStatus_t s, const char *what) {
     return -1;
 }
 
-/* C (col-major m x n, ldc) = alpha op(A) op(B) + beta C, TF32 tensor cores, f32 accumulation */
-static int gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha, const float *A,
-                int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc, const char *what) {
-    return gemm_ok(cublasGemmEx(uly_cu_cublas(), ta, tb, (int)m, (int)n, (int)k, &alpha, A, CUDA_R_32F, (int)lda, B,
-                                CUDA_R_32F, (int)ldb, &beta, C, CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F_FAST_TF32,
-                                CUBLAS_GEMM_DEFAULT), what);
+/* C (col-major m x n, ldc) = alpha op(A) op(B) + beta C with f32 accumulation: f32 operands on TF32
+ * tensor cores, or bf16 operands (mixed precision) at the bf16 rate */
+static int gemm_t(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha, const void *A,
+                  int64_t lda, const void *B, int64_t ldb, float beta, float *C, int64_t ldc, cudaDataType_t type,
+                  const char *what) {
+    cublasComputeType_t compute = type == CUDA_R_32F ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    return gemm_ok(cublasGemmEx(uly_cu_cublas(), ta, tb, (int)m, (int)n, (int)k, &alpha, A, type, (int)lda, B, type,
+                                (int)ldb, &beta, C, CUDA_R_32F, (int)ldc, compute, CUBLAS_GEMM_DEFAULT), what);
 }
 
-/* one (batch, head)'s operands: query head h reads K/V head h / (H / Hkv) */
-typedef struct { const float *Q, *K, *V; int64_t hk; } head_ops;
-static head_ops head_of(const geom &g, int64_t b, int64_t h) {
+/* the GEMM operands of one problem: the f32 tensors in place, or (mixed precision) contiguous bf16
+ * copies made once per call; element size and row strides follow */
+typedef struct {
+    int bf16;
+    cudaDataType_t type;
+    size_t es;
+    const void *q, *k, *v, *dout;
+    int64_t qb, qt, qh, kb, kt, kh, vb, vt, vh;
+    __nv_bfloat16 *buf;
+} operands;
+
+static int operands_make(operands *o, const geom &g, const float *dout) {
+    memset(o, 0, sizeof *o);
+    o->bf16 = 0;
+    o->type = CUDA_R_32F;
+    o->es = 4;
+    o->q = g.q; o->k = g.k; o->v = g.v; o->dout = dout;
+    o->qb = g.qb; o->qt = g.qt; o->qh = g.qh; o->kb = g.kb; o->kt = g.kt; o->kh = g.kh;
+    o->vb = g.vb; o->vt = g.vt; o->vh = g.vh;
+    return 0;
+}
+
+static int operands_bf16(operands *o, const geom &g, const float *dout) {
+    int64_t nq = g.B * g.Tq * g.H * g.D, nk = g.B * g.Tk * g.Hkv * g.D, total = nq + 2 * nk + (dout ? nq : 0);
+    cudaError_t e = cudaMallocAsync((void **)&o->buf, (size_t)total * sizeof(__nv_bfloat16), uly_cu_stream);
+    if (e != cudaSuccess) { uly_cu_fail("bf16 attention operands", e); return -1; }
+    __nv_bfloat16 *q = o->buf, *k = q + nq, *v = k + nk, *d = v + nk;
+    ULY_LAUNCH(to_bf16_4d, uly_cu_blocks(nq, 256), 256, uly_cu_stream)(q, g.q, g.Tq, g.H, g.D, g.qb, g.qt, g.qh, nq);
+    ULY_LAUNCH(to_bf16_4d, uly_cu_blocks(nk, 256), 256, uly_cu_stream)(k, g.k, g.Tk, g.Hkv, g.D, g.kb, g.kt, g.kh, nk);
+    ULY_LAUNCH(to_bf16_4d, uly_cu_blocks(nk, 256), 256, uly_cu_stream)(v, g.v, g.Tk, g.Hkv, g.D, g.vb, g.vt, g.vh, nk);
+    if (dout)
+        ULY_LAUNCH(to_bf16_4d, uly_cu_blocks(nq, 256), 256, uly_cu_stream)(d, dout, g.Tq, g.H, g.D, g.Tq * g.H * g.D,
+                                                                          g.H * g.D, g.D, nq);
+    ULY_CU_LAUNCHED("to_bf16_4d");
+    o->bf16 = 1;
+    o->type = CUDA_R_16BF;
+    o->es = 2;
+    o->q = q; o->k = k; o->v = v; o->dout = dout ? d : NULL;
+    o->qt = g.H * g.D; o->qh = g.D; o->qb = g.Tq * o->qt;
+    o->kt = o->vt = g.Hkv * g.D; o->kh = o->vh = g.D; o->kb = o->vb = g.Tk * o->kt;
+    return 0;
+}
+
+static const void *at(const void *p, int64_t elems, size_t es) { return (const char *)p + elems * (int64_t)es; }
+
+/* one (batch, head)'s operands (f32 in place or the bf16 copies): query head h reads K/V head
+ * h / (H / Hkv); rows of Q, K, V are qt, kt, vt elements apart */
+typedef struct { const void *Q, *K, *V; int64_t hk; } head_ops;
+static head_ops head_of(const geom &g, const operands &op, int64_t b, int64_t h) {
     head_ops o;
     o.hk = h / (g.H / g.Hkv);
-    o.Q = g.q + b * g.qb + h * g.qh;
-    o.K = g.k + b * g.kb + o.hk * g.kh;
-    o.V = g.v + b * g.vb + o.hk * g.vh;
+    o.Q = at(op.q, b * op.qb + h * op.qh, op.es);
+    o.K = at(op.k, b * op.kb + o.hk * op.kh, op.es);
+    o.V = at(op.v, b * op.vb + o.hk * op.vh, op.es);
     return o;
 }
 
 /* S [c, nk] = scale Q[i0 .. i0 + c) K[lo .. lo + nk)^T (row-major, as col-major S^T = K Q^T) */
-static int chunk_scores(const geom &g, const head_ops &o, int64_t i0, int64_t c, int64_t lo, int64_t nk, float *S,
-                        const char *what) {
-    return gemm(CUBLAS_OP_T, CUBLAS_OP_N, nk, c, g.D, g.scale, o.K + lo * g.kt, g.kt, o.Q + i0 * g.qt, g.qt, 0.0f, S, nk,
-                what);
+static int chunk_scores(const geom &g, const operands &op, const head_ops &o, int64_t i0, int64_t c, int64_t lo,
+                        int64_t nk, float *S, const char *what) {
+    return gemm_t(CUBLAS_OP_T, CUBLAS_OP_N, nk, c, g.D, g.scale, at(o.K, lo * op.kt, op.es), op.kt,
+                  at(o.Q, i0 * op.qt, op.es), op.qt, 0.0f, S, nk, op.type, what);
 }
 
 extern "C" int64_t cu_flash_scratch_floats(const flash_problem *p, int backward_) { (void)p; (void)backward_; return 0; }
@@ -386,14 +450,19 @@ extern "C" int cu_flash_forward(float *out, float *lse, float *scratch, const fl
     geom g = geom_of(p);
     if (g.B * g.H * g.Tq == 0) return 0;
     if (!uly_cu_cublas()) { uly_cu_fail_msg("flash_attention_forward", "no cuBLAS handle"); return 0; }
-    int64_t C = chunk_rows(g);
+    operands op;
+    operands_make(&op, g, NULL);
+    if (p->bf16 && operands_bf16(&op, g, NULL)) return 0;
+    int64_t C = chunk_rows(g), per = C * (g.Tk > 0 ? g.Tk : 1);
     float *S = NULL;
-    cudaError_t e = cudaMallocAsync((void **)&S, (size_t)(C * (g.Tk > 0 ? g.Tk : 1)) * sizeof(float), uly_cu_stream);
-    if (e != cudaSuccess) { uly_cu_fail("flash_attention_forward scratch", e); return 0; }
+    /* S (f32), and in bf16 mode P's bf16 copy after it */
+    cudaError_t e = cudaMallocAsync((void **)&S, (size_t)per * (sizeof(float) + (op.bf16 ? 2 : 0)), uly_cu_stream);
+    if (e != cudaSuccess) { uly_cu_fail("flash_attention_forward scratch", e); if (op.buf) cudaFreeAsync(op.buf, uly_cu_stream); return 0; }
+    __nv_bfloat16 *P16 = op.bf16 ? (__nv_bfloat16 *)(S + per) : NULL;
     int rc = 0;
     for (int64_t b = 0; b < g.B && !rc; b++)
         for (int64_t h = 0; h < g.H && !rc; h++) {
-            const head_ops o = head_of(g, b, h);
+            const head_ops o = head_of(g, op, b, h);
             for (int64_t i0 = 0; i0 < g.Tq && !rc; i0 += C) {
                 int64_t c = g.Tq - i0 < C ? g.Tq - i0 : C, lo, hi;
                 chunk_band(g, i0, i0 + c, &lo, &hi);
@@ -403,15 +472,17 @@ extern "C" int cu_flash_forward(float *out, float *lse, float *scratch, const fl
                     continue;
                 }
                 int64_t nk = hi - lo + 1;
-                if ((rc = chunk_scores(g, o, i0, c, lo, nk, S, "flash attention S = Q K^T"))) break;
+                if ((rc = chunk_scores(g, op, o, i0, c, lo, nk, S, "flash attention S = Q K^T"))) break;
                 ULY_LAUNCH(chunk_softmax, (unsigned)(c < 65535 ? c : 65535), 256, uly_cu_stream)(S, lse, g, b, h, i0, c, lo,
-                                                                                               nk, 0);
+                                                                                               nk, 0, P16);
                 ULY_CU_LAUNCHED("chunk_softmax");
-                rc = gemm(CUBLAS_OP_N, CUBLAS_OP_N, g.D, c, nk, 1.0f, o.V + lo * g.vt, g.vt, S, nk, 0.0f,
-                          out + ((b * g.Tq + i0) * g.H + h) * g.D, g.H * g.D, "flash attention O = P V");
+                rc = gemm_t(CUBLAS_OP_N, CUBLAS_OP_N, g.D, c, nk, 1.0f, at(o.V, lo * op.vt, op.es), op.vt,
+                            op.bf16 ? (const void *)P16 : (const void *)S, nk, 0.0f,
+                            out + ((b * g.Tq + i0) * g.H + h) * g.D, g.H * g.D, op.type, "flash attention O = P V");
             }
         }
     cudaFreeAsync(S, uly_cu_stream);
+    if (op.buf) cudaFreeAsync(op.buf, uly_cu_stream);
     return 0;
 }
 
@@ -424,47 +495,54 @@ extern "C" int cu_flash_backward(float *dq, float *dk, float *dv, const float *d
     if (!uly_cu_cublas()) { uly_cu_fail_msg("flash_attention_backward", "no cuBLAS handle"); return 0; }
     ULY_LAUNCH(flash_delta, warps_grid(qrows), 32 * WARPS, uly_cu_stream)(delta, dout, out, g);
     ULY_CU_LAUNCHED("flash_delta");
-    int64_t C = chunk_rows(g);
+    operands op;
+    operands_make(&op, g, dout);
+    if (p->bf16 && operands_bf16(&op, g, dout)) return 0;
+    int64_t C = chunk_rows(g), per = C * (g.Tk > 0 ? g.Tk : 1);
     float *P = NULL;
-    size_t per = (size_t)(C * (g.Tk > 0 ? g.Tk : 1));
-    cudaError_t e = cudaMallocAsync((void **)&P, 2 * per * sizeof(float), uly_cu_stream);
-    if (e != cudaSuccess) { uly_cu_fail("flash_attention_backward scratch", e); return 0; }
+    /* P and dS (f32), and in bf16 mode their bf16 copies after them */
+    cudaError_t e = cudaMallocAsync((void **)&P, (size_t)per * 2 * (sizeof(float) + (op.bf16 ? 2 : 0)), uly_cu_stream);
+    if (e != cudaSuccess) { uly_cu_fail("flash_attention_backward scratch", e); if (op.buf) cudaFreeAsync(op.buf, uly_cu_stream); return 0; }
     float *dS = P + per;
+    __nv_bfloat16 *P16 = op.bf16 ? (__nv_bfloat16 *)(dS + per) : NULL, *dS16 = op.bf16 ? P16 + per : NULL;
+    const void *Pg = op.bf16 ? (const void *)P16 : (const void *)P, *dSg = op.bf16 ? (const void *)dS16 : (const void *)dS;
     int rc = 0;
-    const int64_t ldo = g.H * g.D, ldkv = g.Hkv * g.D;
+    const int64_t ldo = g.H * g.D, ldkv = g.Hkv * g.D;   /* rows of dout (and its bf16 copy), dq, dk, dv */
     for (int64_t b = 0; b < g.B && !rc; b++)
         for (int64_t h = 0; h < g.H && !rc; h++) {
-            const head_ops o = head_of(g, b, h);
+            const head_ops o = head_of(g, op, b, h);
             const int64_t hk = o.hk;
-            const float *Q = o.Q, *K = o.K, *V = o.V;
             for (int64_t i0 = 0; i0 < g.Tq && !rc; i0 += C) {
                 int64_t c = g.Tq - i0 < C ? g.Tq - i0 : C, lo, hi;
                 chunk_band(g, i0, i0 + c, &lo, &hi);
                 if (lo > hi) continue;
                 int64_t nk = hi - lo + 1;
-                const float *dO = dout + ((b * g.Tq + i0) * g.H + h) * g.D;
-                if ((rc = chunk_scores(g, o, i0, c, lo, nk, P, "flash attention backward S = Q K^T"))) break;
+                const void *dO = at(op.dout, ((b * g.Tq + i0) * g.H + h) * g.D, op.es);
+                if ((rc = chunk_scores(g, op, o, i0, c, lo, nk, P, "flash attention backward S = Q K^T"))) break;
                 ULY_LAUNCH(chunk_softmax, (unsigned)(c < 65535 ? c : 65535), 256, uly_cu_stream)(P, (float *)lse, g, b, h,
-                                                                                               i0, c, lo, nk, 1);
+                                                                                               i0, c, lo, nk, 1, P16);
                 ULY_CU_LAUNCHED("chunk_softmax");
-                if (dv && (rc = gemm(CUBLAS_OP_N, CUBLAS_OP_T, g.D, nk, c, 1.0f, dO, ldo, P, nk, 1.0f,
-                                     dv + (b * g.Tk + lo) * ldkv + hk * g.D, ldkv, "flash attention dV += P^T dO")))
+                if (dv && (rc = gemm_t(CUBLAS_OP_N, CUBLAS_OP_T, g.D, nk, c, 1.0f, dO, ldo, Pg, nk, 1.0f,
+                                       dv + (b * g.Tk + lo) * ldkv + hk * g.D, ldkv, op.type, "flash attention dV += P^T dO")))
                     break;
                 if (!dq && !dk) continue;
-                if ((rc = gemm(CUBLAS_OP_T, CUBLAS_OP_N, nk, c, g.D, 1.0f, V + lo * g.vt, g.vt, dO, ldo, 0.0f, dS, nk,
-                               "flash attention dP = dO V^T")))
+                if ((rc = gemm_t(CUBLAS_OP_T, CUBLAS_OP_N, nk, c, g.D, 1.0f, at(o.V, lo * op.vt, op.es), op.vt, dO, ldo,
+                                 0.0f, dS, nk, op.type, "flash attention dP = dO V^T")))
                     break;
-                ULY_LAUNCH(chunk_ds, uly_cu_blocks(c * nk, 256), 256, uly_cu_stream)(dS, P, delta, g, b, h, i0, c, nk);
+                ULY_LAUNCH(chunk_ds, uly_cu_blocks(c * nk, 256), 256, uly_cu_stream)(dS, P, delta, g, b, h, i0, c, nk, dS16);
                 ULY_CU_LAUNCHED("chunk_ds");
-                if (dk && (rc = gemm(CUBLAS_OP_N, CUBLAS_OP_T, g.D, nk, c, 1.0f, Q + i0 * g.qt, g.qt, dS, nk, 1.0f,
-                                     dk + (b * g.Tk + lo) * ldkv + hk * g.D, ldkv, "flash attention dK += dS^T Q")))
+                if (dk && (rc = gemm_t(CUBLAS_OP_N, CUBLAS_OP_T, g.D, nk, c, 1.0f, at(o.Q, i0 * op.qt, op.es), op.qt, dSg,
+                                       nk, 1.0f, dk + (b * g.Tk + lo) * ldkv + hk * g.D, ldkv, op.type,
+                                       "flash attention dK += dS^T Q")))
                     break;
-                if (dq && (rc = gemm(CUBLAS_OP_N, CUBLAS_OP_N, g.D, c, nk, 1.0f, K + lo * g.kt, g.kt, dS, nk, 1.0f,
-                                     dq + (b * g.Tq + i0) * ldo + h * g.D, ldo, "flash attention dQ += dS K")))
+                if (dq && (rc = gemm_t(CUBLAS_OP_N, CUBLAS_OP_N, g.D, c, nk, 1.0f, at(o.K, lo * op.kt, op.es), op.kt, dSg,
+                                       nk, 1.0f, dq + (b * g.Tq + i0) * ldo + h * g.D, ldo, op.type,
+                                       "flash attention dQ += dS K")))
                     break;
             }
         }
     cudaFreeAsync(P, uly_cu_stream);
+    if (op.buf) cudaFreeAsync(op.buf, uly_cu_stream);
     return 0;
 }
 
