@@ -55,12 +55,9 @@ int uly_device_check(const char *op, int device) {
 
 int uly_device_synchronize(int device) {
     if (!uly_device_available(device)) return uly_set_error("synchronize: device '%s' has no backend", uly_device_name(device));
-    const uly_backend *be = uly_backends[device];
-    if (be->synchronize() != 0 || uly_device_check("synchronize", device)) {
-        if (!uly_device_check("synchronize", device)) uly_set_error("synchronize on %s failed", uly_device_name(device));
-        return -1;
-    }
-    return 0;
+    int failed = uly_backends[device]->synchronize() != 0;
+    if (uly_device_check("synchronize", device)) return -1;   /* the kept failure names what failed */
+    return failed ? uly_set_error("synchronize on %s failed", uly_device_name(device)) : 0;
 }
 
 int uly_check_same_device(const char *op, const char *an, const uly_tensor *a, const char *bn, const uly_tensor *b) {
@@ -68,17 +65,6 @@ int uly_check_same_device(const char *op, const char *an, const uly_tensor *a, c
     return uly_set_error("%s: '%s' is on %s but '%s' is on %s; move one with :to('%s') (or :to('%s'))", op, bn,
                          uly_device_name(uly_dev(b)), an, uly_device_name(uly_dev(a)), uly_device_name(uly_dev(a)),
                          uly_device_name(uly_dev(b)));
-}
-
-int uly_check_device(const char *op, int n, const char *const *names, const uly_tensor *const *ts) {
-    const uly_tensor *first = NULL;
-    const char *first_name = NULL;
-    for (int k = 0; k < n; k++) {
-        if (!ts[k]) continue;
-        if (!first) { first = ts[k]; first_name = names[k]; continue; }
-        if (uly_check_same_device(op, first_name, first, names[k], ts[k])) return -1;
-    }
-    return 0;
 }
 
 uly_view uly_view_of(const uly_tensor *t) {

@@ -33,8 +33,7 @@ extern const uly_backend uly_backend_cpu;   /* backend_cpu.c */
 extern const uly_backend uly_backend_sim;   /* backend_sim.c */
 /* the first failure a device backend kept since the last check, as an error naming `op`; 0 if none */
 int uly_device_check(const char *op, int device);
-/* every tensor argument on one device: "op: 'b' is on cpu but 'a' on cuda; move it with :to('cuda')" */
-int uly_check_device(const char *op, int n, const char *const *names, const uly_tensor *const *ts);
+/* two tensor arguments on one device: "op: 'b' is on cpu but 'a' is on cuda; move one with :to(...)" */
 int uly_check_same_device(const char *op, const char *an, const uly_tensor *a, const char *bn, const uly_tensor *b);
 const char *uly_device_name(int device);
 

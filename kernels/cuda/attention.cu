@@ -390,15 +390,13 @@ typedef struct {
     __nv_bfloat16 *buf;
 } operands;
 
-static int operands_make(operands *o, const geom &g, const float *dout) {
+static void operands_make(operands *o, const geom &g, const float *dout) {
     memset(o, 0, sizeof *o);
-    o->bf16 = 0;
     o->type = CUDA_R_32F;
     o->es = 4;
     o->q = g.q; o->k = g.k; o->v = g.v; o->dout = dout;
     o->qb = g.qb; o->qt = g.qt; o->qh = g.qh; o->kb = g.kb; o->kt = g.kt; o->kh = g.kh;
     o->vb = g.vb; o->vt = g.vt; o->vh = g.vh;
-    return 0;
 }
 
 static int operands_bf16(operands *o, const geom &g, const float *dout) {

@@ -6,6 +6,7 @@ local ffi = require 'ffi'
 local base = require 'ulysses.ffi'
 
 local M = {}
+local last_error = require('ulysses.tensor').last_error   -- the core's message, cleared
 
 local state -- nil until first asked; then { lib = clib } or { reason = string }
 
@@ -115,8 +116,7 @@ function M.ensure()
   local table_ptr = lib.uly_cuda_backend()
   if table_ptr == nil then return false, 'the CUDA backend failed to start: ' .. ffi.string(lib.uly_cuda_last_error()) end
   if C.uly_device_register(1, table_ptr) ~= 0 then
-    local msg = ffi.string(C.uly_last_error())
-    C.uly_clear_error()
+    local msg = last_error()
     return false, msg
   end
   return true
@@ -127,8 +127,7 @@ end
 function M.simulate()
   local C = base.C
   if C.uly_device_simulate() ~= 0 then
-    local msg = ffi.string(C.uly_last_error())
-    C.uly_clear_error()
+    local msg = last_error()
     return false, msg
   end
   return true
@@ -139,8 +138,7 @@ function M.reset()
   local C = base.C
   collectgarbage('collect')
   if C.uly_device_register(1, nil) ~= 0 then
-    local msg = ffi.string(C.uly_last_error())
-    C.uly_clear_error()
+    local msg = last_error()
     error('uly.cuda.reset: ' .. msg, 2)
   end
 end
