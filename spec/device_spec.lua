@@ -139,7 +139,8 @@ describe('device tensors', function()
       { 'add (broadcast)', function(a, b) return a + b end, function() return { R(3, 4), R(4) } end },
       { 'sub', function(a, b) return a - b end, function() return { R(3, 4), R(3, 1) } end },
       { 'a bias gradient summed over 5000 rows (chunked reduction)', function(a, b) return a + b end,
-        function() return { R(5000, 3), R(3) } end, { rtol = math.max(RTOL, 1e-4) } },  -- the CPU sums 5000 floats
+        -- the CPU adds 5000 unit-scale floats in f32: its own rounding reaches ~1e-4 where they cancel
+        function() return { R(5000, 3), R(3) } end, { rtol = math.max(RTOL, 1e-4), atol = math.max(ATOL, 1e-3) } },
       { 'layernorm over 300 rows (chunked parameter gradients)', function(x, w, b) return uly.layernorm(x, w, b) end,
         function() return { R(300, 5), R(5), R(5) } end },
       { 'mul', function(a, b) return a * b end, function() return { R(2, 3, 4), R(1, 3, 4) } end },
