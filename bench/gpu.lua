@@ -3,8 +3,9 @@
 --   1. GEMM: uly.matmul on device tensors (our dispatch, cuBLAS underneath) vs raw cuBLAS on the
 --      same shapes, f32 (TF32) and mixed precision (bf16 operands, f32 accumulation);
 --   2. attention: uly.flash_attention forward + backward, causal, by N, next to cuDNN's fused
---      attention called through PyTorch (bench/peers/torch_sdpa.py; bf16, as cuDNN requires;
---      ours runs f32 inputs on TF32 tensor cores) when the GPU machine's python3 has torch;
+--      attention called through PyTorch (bench/peers/torch_sdpa.py; bf16, as cuDNN requires)
+--      when the GPU machine's python3 has torch; ours three ways: f32 (TF32) and bf16 on the
+--      chunked cuBLAS path, and bf16 on the fused tensor-core kernels (attention_fused.cu);
 --   3. a training step of a Llama-style model (preset 1b: 1.24 B parameters) at 32k tokens:
 --      flash attention, activation checkpointing, tiled loss, bf16 matmuls, AdamW.
 -- Never asserts on time. Each timing is the median of --reps runs after a warm-up, bracketed by
@@ -100,7 +101,7 @@ for _, s in ipairs(shapes) do
 end
 
 ---------------------------------------------------------------- 2. attention
-local H, D = opts.quick and 2 or 16, opts.quick and 16 or 128
+local H, D = opts.quick and 2 or 16, opts.quick and 32 or 128
 local here = (debug.getinfo(1, 'S').source:match('^@(.*)/[^/]*$') or '.')
 -- cuDNN's fused attention through PyTorch: { fwd = s, both = s, backend = name }, or nil and why
 local function cudnn_attention(n)
@@ -114,34 +115,42 @@ local function cudnn_attention(n)
   if not fwd then return nil, (out:match('"error": "([^"]*)"') or out:gsub('\n', ' '):sub(1, 120)) end
   return { fwd = tonumber(fwd), both = tonumber(both), backend = out:match('"backend": "([^"]*)"') }
 end
-print(('\n== flash attention, causal, forward + backward (B 1, H %d, D %d), ours (f32, TF32) vs cuDNN fused (bf16)'):format(H, D))
-print(('%-8s %10s %10s %10s %10s %7s %12s %9s'):format('N', 'fwd ms', 'bwd ms', 'fwd TF/s', 'f+b TF/s', 'MFU',
-                                                      'cuDNN f+b TF/s', 'ours/cuDNN'))
+print(('\n== flash attention, causal, forward + backward (B 1, H %d, D %d): ours in f32 (TF32, chunked cuBLAS),'
+       .. ' bf16 chunked, bf16 fused tensor-core kernels, vs cuDNN fused (bf16)'):format(H, D))
+print(('%-8s %-13s %10s %10s %10s %10s %7s %14s %10s'):format('N', 'path', 'fwd ms', 'bwd ms', 'fwd TF/s', 'f+b TF/s',
+                                                          'MFU', 'cuDNN f+b TF/s', 'ours/cuDNN'))
 local peer_note
+-- the paths: matmul precision and ULY_CUDA_ATTN (kernels/cuda/attention_fused.cu takes bf16 at D 32/64/128)
+local paths = { { 'f32 chunked', 'f32', 'chunked' }, { 'bf16 chunked', 'bf16', 'chunked' }, { 'bf16 fused', 'bf16', 'fused' } }
 local n = opts.quick and 128 or 4096
 while n <= (opts.quick and 128 or opts.attn_max) do
   local q = uly.randn(1, n, H, D, { device = 'cuda' }):requires_grad_()
   local k = uly.randn(1, n, H, D, { device = 'cuda' }):requires_grad_()
   local v = uly.randn(1, n, H, D, { device = 'cuda' }):requires_grad_()
   local g = uly.randn(1, n, H, D, { device = 'cuda' })
-  local fwd = time(function() local o = uly.no_grad(uly.flash_attention, q, k, v, { causal = true }) end, opts.reps)
-  local both = time(function()
-    local o = uly.flash_attention(q, k, v, { causal = true })
-    o:backward(g)
-  end, opts.reps)
   local f_flops = 2 * n * n * D * H
   local peer, why = cudnn_attention(n)
-  local c_col, ratio = 'n/a', ''
+  local c_col = 'n/a'
   if peer then
     c_col = ('%.1f'):format(tf(3.5 * f_flops, peer.both))
-    ratio = ('%.2f'):format(peer.both / both)
     peer_note = 'peer: PyTorch scaled_dot_product_attention, backend ' .. tostring(peer.backend)
   else
     peer_note = 'cuDNN column: ' .. tostring(why)
   end
-  print(('%-8d %10.2f %10.2f %10.1f %10.1f %6.1f%% %12s %9s'):format(n, fwd * 1e3, (both - fwd) * 1e3, tf(f_flops, fwd),
-                                                                 tf(3.5 * f_flops, both), 100 * 3.5 * f_flops / both / peak,
-                                                                 c_col, ratio))
+  for _, path in ipairs(paths) do
+    uly.matmul_precision(path[2])
+    ffi.C.setenv('ULY_CUDA_ATTN', path[3], 1)
+    local fwd = time(function() local o = uly.no_grad(uly.flash_attention, q, k, v, { causal = true }) end, opts.reps)
+    local both = time(function()
+      local o = uly.flash_attention(q, k, v, { causal = true })
+      o:backward(g)
+    end, opts.reps)
+    print(('%-8d %-13s %10.2f %10.2f %10.1f %10.1f %6.1f%% %14s %10s'):format(n, path[1], fwd * 1e3, (both - fwd) * 1e3,
+      tf(f_flops, fwd), tf(3.5 * f_flops, both), 100 * 3.5 * f_flops / both / peak, c_col,
+      peer and ('%.2f'):format(peer.both / both) or ''))
+  end
+  uly.matmul_precision('f32')
+  ffi.C.setenv('ULY_CUDA_ATTN', 'fused', 1)
   q, k, v, g = nil, nil, nil, nil
   collectgarbage('collect')
   n = n * 2

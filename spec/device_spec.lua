@@ -475,6 +475,102 @@ describe('mixed precision (matmul in bf16)', function()
   end)
 end)
 
+-- attention in mixed precision runs kernels/cuda/attention_fused.cu (head dims 32, 64, 128):
+-- tensor-core tiles of 64 queries x 64 (forward) or 32 (backward) keys, with every mask; the
+-- reference is the CPU's f32 kernel on the same bf16-rounded q, k, v (what the fused kernels add
+-- is P, dO and dS rounded to bf16: within 1 % of the largest value, where a wrong fragment or
+-- tile gives O(1))
+describe('fused tensor-core attention (mixed precision)', function()
+  local function rounded(t) return t:bf16():float() end
+  local function set_path(path) ffi.C.setenv('ULY_CUDA_ATTN', path, 1) end
+  after_each(function() set_path('fused'); uly.matmul_precision('f32') end)
+
+  -- fn(q, k, v) -> attention output; returns the output and the gradients of sum(out * w)
+  local function run(device, precision, fn, inputs, w)
+    uly.matmul_precision(precision)
+    local leaves = {}
+    for i, x in ipairs(inputs) do
+      leaves[i] = x:detach():to(device)
+      if x:dtype() == 'f32' then leaves[i]:requires_grad_() end
+    end
+    local out = fn(unpack(leaves))
+    ;(out * w:to(device)):sum():backward()
+    uly.matmul_precision('f32')
+    local got = { out:detach():cpu() }
+    for i, x in ipairs(leaves) do if x:dtype() == 'f32' then got[i + 1] = x.grad:cpu() end end
+    return got
+  end
+
+  local function against_cpu(fn, inputs)
+    use_device()
+    for i, x in ipairs(inputs) do if x:dtype() == 'f32' then inputs[i] = rounded(x) end end
+    local w = uly.randn(unpack(fn(unpack(inputs)):shape()))
+    local want = run('cpu', 'f32', fn, inputs, w)
+    set_path('fused')
+    local fused = run('cuda', 'bf16', fn, inputs, w)
+    set_path('chunked')
+    local chunked = run('cuda', 'bf16', fn, inputs, w)
+    local names = { 'output', 'grad q', 'grad k', 'grad v' }
+    for i = 1, #want do   -- absolute slack: 1 % of the largest value (dO in bf16 against an f32 delta)
+      local vals, n = helpers.values(want[i])
+      local big = 0
+      for e = 0, n - 1 do big = math.max(big, math.abs(vals[e])) end
+      helpers.assert_close(fused[i], want[i], 1e-2, 1e-2 * big, 'fused ' .. (names[i] or i))
+      helpers.assert_close(chunked[i], want[i], 1e-2, 1e-2 * big, 'chunked ' .. (names[i] or i))
+    end
+    if REAL then   -- two different kernels ran: the bits differ somewhere
+      local a, n = helpers.values(fused[1])
+      local b = helpers.values(chunked[1])
+      local differ = false
+      for e = 0, n - 1 do differ = differ or a[e] ~= b[e] end
+      assert.is_true(differ, 'the fused and the chunked path gave the same bits')
+    end
+    release_device()
+  end
+
+  it('causal, GQA, sequences that end inside a tile (D = 64)', function()
+    helpers.reseed(31)
+    against_cpu(function(q, k, v) return uly.flash_attention(q, k, v, { causal = true }) end,
+      { uly.randn(2, 100, 4, 64), uly.randn(2, 100, 2, 64), uly.randn(2, 100, 2, 64) })
+  end)
+
+  it('two-sided window, fewer queries than keys, strided q/k/v from one fused buffer (D = 32)', function()
+    helpers.reseed(32)
+    against_cpu(function(f)
+      local q = f:narrow(3, 1, 4):narrow(2, 61, 70)       -- the last 70 of 130 positions
+      local k, v = f:narrow(3, 5, 2), f:narrow(3, 7, 2)
+      return uly.flash_attention(q, k, v, { window = { 40, 7 } })
+    end, { uly.randn(1, 130, 4 + 2 * 2, 32) })
+  end)
+
+  it('block-sparse layouts: blocks smaller than, equal to and larger than a tile (D = 32)', function()
+    helpers.reseed(33)
+    local T = 150
+    against_cpu(function(q, k, v)
+      local out
+      for _, bs in ipairs({ 4, 16, 64, 100 }) do
+        local n = math.ceil(T / bs)
+        local lay = uly.attention_layouts.from_function(n, n, function(r, c) return c == 0 or c == r or (r + c) % 3 == 0 end)
+        local o = uly.flash_attention(q, k, v, { block_layout = lay, block_size = bs, causal = bs ~= 64 })
+        out = out and out + o or o
+      end
+      return out
+    end, { uly.randn(1, T, 2, 32), uly.randn(1, T, 2, 32), uly.randn(1, T, 2, 32) })
+  end)
+
+  it('documents, a sliding window and rows that see nothing (D = 128)', function()
+    helpers.reseed(34)
+    -- query document 9 appears among no keys: those rows give 0 and pass no gradient
+    local qd = uly.tensor({ 0, 0, 0, 1, 1, 9, 2, 2, 2, 2, 2, 2, 9, 3, 3, 3, 3, 3, 3, 3 }, { dtype = 'i32' }):view(1, 20)
+    local kd = uly.tensor({ 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3 }, { dtype = 'i32' }):view(1, 20)
+    qd = uly.cat({ qd, uly.full({ 1, 60 }, 4, { dtype = 'i32' }) }, 2)
+    kd = uly.cat({ kd, uly.full({ 1, 60 }, 4, { dtype = 'i32' }) }, 2)
+    against_cpu(function(q, k, v, a, b)
+      return uly.flash_attention(q, k, v, { causal = true, window = 50, q_doc = a, k_doc = b })
+    end, { uly.randn(1, 80, 2, 128), uly.randn(1, 80, 1, 128), uly.randn(1, 80, 1, 128), qd, kd })
+  end)
+end)
+
 describe('bench/gpu.lua', function()
   it('runs its whole code path on the simulation or the emulator (--quick), printing every table', function()
     if MODE == 'cuda' then return end   -- scripts/gpu-check.sh runs the real benchmark

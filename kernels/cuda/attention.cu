@@ -12,6 +12,8 @@
  * dV += P^T dO, dK += dS^T Q, dQ += dS K: every GEMM on tensor cores, accumulations in a fixed
  * order (no atomics: the same bits run to run). Memory is O(N D) plus the chunk's scratch.
  * ULY_CUDA_ATTN_CHUNK=n forces the chunk (specs use small ones to cross chunk borders).
+ * In mixed precision, head dims 32, 64 and 128 run the fused kernels of attention_fused.cu
+ * instead (no score matrix in memory); ULY_CUDA_ATTN=chunked keeps them on this path.
  * The warp-per-row kernels below the chunked path are the reference kernel's. */
 #include <math.h>
 #include <stdio.h>
@@ -20,53 +22,11 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include "common.cuh"
+#include "attention.cuh"
 
 #define WARPS 4
 #define MAXD 256
 #define PER_LANE (MAXD / 32)
-
-typedef struct {
-    int64_t B, Tq, Tk, H, Hkv, D;
-    float scale;
-    const float *q, *k, *v;
-    int64_t qb, qt, qh, kb, kt, kh, vb, vt, vh;
-    int causal;
-    int64_t left, right;
-    const int32_t *layout;
-    int64_t bs, nbc;
-    const int32_t *q_doc, *k_doc;
-} geom;
-
-static geom geom_of(const flash_problem *p) {
-    geom g;
-    g.B = p->B; g.Tq = p->Tq; g.Tk = p->Tk; g.H = p->H; g.Hkv = p->Hkv; g.D = p->D; g.scale = p->scale;
-    g.q = p->q.p; g.k = p->k.p; g.v = p->v.p;
-    g.qb = p->q.sb; g.qt = p->q.st; g.qh = p->q.sh;
-    g.kb = p->k.sb; g.kt = p->k.st; g.kh = p->k.sh;
-    g.vb = p->v.sb; g.vt = p->v.st; g.vh = p->v.sh;
-    g.causal = p->causal; g.left = p->left; g.right = p->right;
-    g.layout = p->layout; g.bs = p->bs; g.nbc = p->nbc;
-    g.q_doc = p->q_doc; g.k_doc = p->k_doc;
-    return g;
-}
-
-/* the band of keys query i may see ([lo, hi], empty when lo > hi) before the layout/doc checks */
-__device__ static inline void band(const geom &g, int64_t i, int64_t *lo, int64_t *hi) {
-    int64_t ip = i + g.Tk - g.Tq, a = 0, b = g.Tk - 1;
-    if (g.causal && ip < b) b = ip;
-    if (g.left >= 0 && ip - g.left > a) a = ip - g.left;
-    if (g.right >= 0 && ip + g.right < b) b = ip + g.right;
-    *lo = a;
-    *hi = b;
-}
-__device__ static inline int visible(const geom &g, int64_t b, int64_t i, int64_t j) {
-    int64_t lo, hi;
-    band(g, i, &lo, &hi);
-    if (j < lo || j > hi) return 0;
-    if (g.layout && !g.layout[(i / g.bs) * g.nbc + j / g.bs]) return 0;
-    if (g.q_doc && g.q_doc[b * g.Tq + i] != g.k_doc[b * g.Tk + j]) return 0;
-    return 1;
-}
 
 /* sum over the warp, every lane gets it */
 __device__ static inline float warp_sum(float v) {
@@ -292,16 +252,6 @@ static int64_t chunk_rows(const geom &g) {
     return c < g.Tq ? c : g.Tq;
 }
 
-/* the keys any row of [i0, i1) may see: the union of the rows' causal / window bands */
-static void chunk_band(const geom &g, int64_t i0, int64_t i1, int64_t *lo, int64_t *hi) {
-    int64_t off = g.Tk - g.Tq, a = 0, b = g.Tk - 1;
-    if (g.causal && i1 - 1 + off < b) b = i1 - 1 + off;
-    if (g.left >= 0 && i0 + off - g.left > a) a = i0 + off - g.left;
-    if (g.right >= 0 && i1 - 1 + off + g.right < b) b = i1 - 1 + off + g.right;
-    *lo = a;
-    *hi = b;
-}
-
 /* S [c, nk] (already scaled) -> P = exp(S - lse) where visible, else 0; lse of each row written
  * (forward: mode 0) or read (backward: mode 1). A block per row. */
 __global__ static void chunk_softmax(float *S, float *lse, geom g, int64_t b, int64_t h, int64_t i0, int64_t c,
@@ -451,6 +401,12 @@ extern "C" int cu_flash_forward(float *out, float *lse, float *scratch, const fl
     operands op;
     operands_make(&op, g, NULL);
     if (p->bf16 && operands_bf16(&op, g, NULL)) return 0;
+    if (op.bf16 && uly_cu_fused_attention_ok(g)) {
+        uly_cu_fused_attention_forward(out, lse, g, (const __nv_bfloat16 *)op.q, (const __nv_bfloat16 *)op.k,
+                                       (const __nv_bfloat16 *)op.v);
+        cudaFreeAsync(op.buf, uly_cu_stream);
+        return 0;
+    }
     int64_t C = chunk_rows(g), per = C * (g.Tk > 0 ? g.Tk : 1);
     float *S = NULL;
     /* S (f32), and in bf16 mode P's bf16 copy after it */
@@ -496,6 +452,12 @@ extern "C" int cu_flash_backward(float *dq, float *dk, float *dv, const float *d
     operands op;
     operands_make(&op, g, dout);
     if (p->bf16 && operands_bf16(&op, g, dout)) return 0;
+    if (op.bf16 && uly_cu_fused_attention_ok(g)) {
+        uly_cu_fused_attention_backward(dq, dk, dv, g, (const __nv_bfloat16 *)op.q, (const __nv_bfloat16 *)op.k,
+                                        (const __nv_bfloat16 *)op.v, (const __nv_bfloat16 *)op.dout, lse, delta);
+        cudaFreeAsync(op.buf, uly_cu_stream);
+        return 0;
+    }
     int64_t C = chunk_rows(g), per = C * (g.Tk > 0 ? g.Tk : 1);
     float *P = NULL;
     /* P and dS (f32), and in bf16 mode their bf16 copies after them */

@@ -58,6 +58,7 @@ struct block_state {
     unsigned block_gen, block_waiting;
     std::vector<unsigned> warp_gen, warp_waiting, warp_alive;
     std::vector<uint64_t> slots;   /* one value per lane for shuffles */
+    std::vector<unsigned char> gathered;   /* 64 bytes per lane for warp_gather */
 } B;
 
 /* from the running fiber back to the scheduler */
@@ -126,6 +127,7 @@ void run_grid(unsigned blocks, unsigned threads, const std::function<void()> &bo
     B.warp_waiting.assign(warps, 0);
     B.warp_alive.assign(warps, 0);
     B.slots.assign(warps * 32, 0);
+    B.gathered.assign((size_t)warps * 32 * 64, 0);
     B.body = &body;
     gridDim.x = blocks; gridDim.y = gridDim.z = 1;
     blockDim.x = threads; blockDim.y = blockDim.z = 1;
@@ -191,6 +193,18 @@ uint64_t shuffle_xor(uint64_t bits, int lane_mask) {
     uint64_t got = (w * 32 + other < B.n) ? B.slots[w * 32 + other] : bits;
     wait_at(WARP);                     /* every lane has read before the slots are reused */
     return got;
+}
+void warp_gather(const void *mine, size_t bytes, void *all) {
+    if (bytes > 64) { fprintf(stderr, "cuda emulator: warp_gather of %zu bytes per lane\n", bytes); abort(); }
+    unsigned me = B.cur, w = me >> 5, lane = me & 31;
+    if (B.warp_alive[w] != 32 || (w + 1) * 32 > B.n) {
+        fprintf(stderr, "cuda emulator: a warp-collective instruction (mma/ldmatrix) needs all 32 lanes\n");
+        abort();
+    }
+    memcpy(&B.gathered[((size_t)w * 32 + lane) * 64], mine, bytes);
+    wait_at(WARP);                     /* every lane has written */
+    for (unsigned l = 0; l < 32; l++) memcpy((char *)all + l * bytes, &B.gathered[((size_t)w * 32 + l) * 64], bytes);
+    wait_at(WARP);                     /* every lane has read */
 }
 } // namespace uly_emu
 

@@ -25,6 +25,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __shared__ static
 
 struct dim3 { unsigned x, y, z; };
@@ -34,6 +35,9 @@ namespace uly_emu {
 void run_grid(unsigned blocks, unsigned threads, const std::function<void()> &body);
 void sync_block();
 uint64_t shuffle_xor(uint64_t bits, int lane_mask);
+/* a warp-wide barrier that hands every lane all 32 lanes' `bytes` (at most 64) in lane order:
+ * the emulation of the warp-collective tensor-core instructions (kernels/cuda/mma.cuh) */
+void warp_gather(const void *mine, size_t bytes, void *all);
 
 template <typename... P>
 struct launcher {
@@ -79,6 +83,8 @@ static inline __nv_bfloat16 __float2bfloat16_rn(float f) {
     return b;
 }
 static inline float __bfloat162float(__nv_bfloat16 b) { return __uint_as_float((uint32_t)b.x << 16); }
+static inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.x; }
+struct uint4 { unsigned x, y, z, w; };
 
 /* ---- runtime ---- */
 typedef enum cudaError { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorMemoryAllocation = 2,

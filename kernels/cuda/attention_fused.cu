@@ -1,0 +1,474 @@
+/* kernels/cuda/attention_fused.cu — fused flash attention on tensor cores (mixed precision): bf16
+ * Q, K, V, dO operands, f32 accumulation, f32 outputs, the contract of kernels/cpu/flash_attention.h
+ * (every mask, GQA, backward accumulating). No score matrix ever leaves the chip.
+ *
+ * Forward: a block of 4 warps per 64 query rows of one (batch, head); each warp owns 16 rows and
+ * walks the 64-key tiles of the rows' causal / window band: S = Q K^T (mma.sync m16n8k16), the
+ * online softmax in registers (row max and sum across the 4 lanes of a quad), P rounded to bf16
+ * straight from the accumulators into the A operand of O += P V. Writes O and one log-sum-exp
+ * per row.
+ * Backward, two kernels, so that nothing is accumulated with atomics (the same bits run to run):
+ *  - dK, dV: a block per 64 keys of one (batch, kv head); each warp owns 16 keys and walks the
+ *    32-query tiles that can see them, of every query head sharing the kv head (GQA): S^T = K Q^T,
+ *    P^T = exp(scale S^T - lse), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta) scale,
+ *    dK += dS^T Q;
+ *  - dQ: a block per 64 query rows; each warp walks 32-key tiles: S and dP again, dQ += dS K.
+ * Tiles no pair of which is visible are skipped (band, block-sparse layout); tiles wholly visible
+ * skip the per-element mask. Shared tiles are swizzled in 16-byte chunks so that ldmatrix reads
+ * conflict-free; static shared memory stays within 48 KiB at D = 128.
+ * Head dims 32, 64 and 128; attention.cu runs everything else (and f32 precision) on its chunked
+ * cuBLAS path. ULY_CUDA_ATTN=chunked forces that path for comparisons. */
+#include <stdlib.h>
+#include <string.h>
+#include <cuda_bf16.h>
+#include "attention.cuh"
+#include "mma.cuh"
+
+#define FA_THREADS 128   /* 4 warps */
+typedef __nv_bfloat16 bf16;
+
+/* chunk c (16 bytes, 8 bf16) of row r of a shared tile of D-element rows */
+template <int D>
+__device__ static inline int sw_at(int r, int c) {
+    constexpr int CH = D / 8, SW = CH >= 8 ? 7 : CH - 1;
+    return r * CH + (c ^ (r & SW));
+}
+
+/* rows [r0, r0 + ROWS) of a bf16 matrix with `stride`-element rows into a swizzled shared tile;
+ * rows at or past `nrows` are zeros */
+template <int D, int ROWS>
+__device__ static inline void load_tile(uint4 *s, const bf16 *src, int64_t r0, int64_t nrows, int64_t stride) {
+    constexpr int CH = D / 8;
+    for (int e = threadIdx.x; e < ROWS * CH; e += FA_THREADS) {
+        int r = e / CH, c = e % CH;
+        uint4 v = {0u, 0u, 0u, 0u};
+        if (r0 + r < nrows) v = *(const uint4 *)(src + (r0 + r) * stride + c * 8);
+        s[sw_at<D>(r, c)] = v;
+    }
+}
+
+/* this lane's ldmatrix row for the 16 x 16 block at row r0, chunk kc: in A order (matrices
+ * (r0, kc) (r0+8, kc) (r0, kc+1) (r0+8, kc+1)), which transposed is also the B operand of two
+ * n-tiles (kc, kc+1) when the tile's rows are k */
+template <int D>
+__device__ static inline const uint4 *frag_a(const uint4 *s, int r0, int kc) {
+    int l = threadIdx.x & 31, j = l >> 3;
+    return s + sw_at<D>(r0 + (l & 7) + ((j & 1) << 3), kc + (j >> 1));
+}
+/* in B order when the tile's rows are n: b of n-tile r0 (regs 0, 1) and of n-tile r0 + 8 (2, 3) */
+template <int D>
+__device__ static inline const uint4 *frag_b(const uint4 *s, int r0, int kc) {
+    int l = threadIdx.x & 31, j = l >> 3;
+    return s + sw_at<D>(r0 + (l & 7) + ((j >> 1) << 3), kc + (j & 1));
+}
+
+/* the A operand (16 x 16) from two 16 x 8 accumulator tiles side by side */
+__device__ static inline void acc_to_a(uint32_t a[4], const float l[4], const float r[4]) {
+    a[0] = mma_pack_bf16(l[0], l[1]);
+    a[1] = mma_pack_bf16(l[2], l[3]);
+    a[2] = mma_pack_bf16(r[0], r[1]);
+    a[3] = mma_pack_bf16(r[2], r[3]);
+}
+
+__device__ static inline float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ static inline float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+enum { TILE_EMPTY = 0, TILE_MASKED = 1, TILE_FULL = 2 };
+
+/* which pairs of query rows [i0, i1] x keys [j0, j1] are visible: none, some, or all */
+__device__ static int tile_state(const geom &g, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+    int partial = i1 >= g.Tq || j1 >= g.Tk;
+    if (i1 >= g.Tq) i1 = g.Tq - 1;
+    if (j1 >= g.Tk) j1 = g.Tk - 1;
+    if (i0 > i1 || j0 > j1) return TILE_EMPTY;
+    int64_t lo0, hi0, lo1, hi1;   /* both ends of the band grow with the row */
+    band(g, i0, &lo0, &hi0);
+    band(g, i1, &lo1, &hi1);
+    if (hi1 < j0 || lo0 > j1) return TILE_EMPTY;
+    int all = lo1 <= j0 && hi0 >= j1;
+    if (g.layout) {
+        int64_t b0 = i0 / g.bs, b1 = i1 / g.bs, c0 = j0 / g.bs, c1 = j1 / g.bs;
+        if ((b1 - b0 + 1) * (c1 - c0 + 1) > 64) {
+            all = 0;   /* small blocks: masked element by element */
+        } else {
+            int any = 0, every = 1;
+            for (int64_t r = b0; r <= b1; r++)
+                for (int64_t c = c0; c <= c1; c++) {
+                    int on = g.layout[r * g.nbc + c] != 0;
+                    any |= on;
+                    every &= on;
+                }
+            if (!any) return TILE_EMPTY;
+            all &= every;
+        }
+    }
+    return all && !partial && !g.q_doc ? TILE_FULL : TILE_MASKED;
+}
+
+/* ---- forward ---- */
+template <int D>
+__global__ static void __launch_bounds__(FA_THREADS)
+fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const bf16 *V) {
+    constexpr int CH = D / 8, KS = D / 16;
+    __shared__ uint4 sQ[64 * CH], sK[64 * CH], sV[64 * CH];
+    const int64_t nt = (g.Tq + 63) / 64, tile = nt - 1 - (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
+    const int64_t b = bh / g.H, h = bh % g.H, hk = h / (g.H / g.Hkv), i0 = tile * 64;
+    const int64_t qs = g.H * D, ks = g.Hkv * D;
+    const bf16 *q = Q + b * g.Tq * qs + h * D, *k = K + b * g.Tk * ks + hk * D, *v = V + b * g.Tk * ks + hk * D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
+    const int64_t rows[2] = {i0 + warp * 16 + (lane >> 2), i0 + warp * 16 + (lane >> 2) + 8};
+
+    load_tile<D, 64>(sQ, q, i0, g.Tq, qs);
+    __syncthreads();
+    uint32_t qa[KS][4];
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++) ldmatrix_x4(qa[kk], frag_a<D>(sQ, warp * 16, 2 * kk));
+
+    float o[CH][4];
+#pragma unroll
+    for (int n = 0; n < CH; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    int64_t lo, hi;
+    chunk_band(g, i0, i0 + 64 < g.Tq ? i0 + 64 : g.Tq, &lo, &hi);
+    for (int64_t j0 = lo / 64 * 64; lo <= hi && j0 <= hi; j0 += 64) {
+        const int st = tile_state(g, i0, i0 + 63, j0, j0 + 63);
+        if (st == TILE_EMPTY) continue;
+        __syncthreads();   /* every warp is done with the previous K and V */
+        load_tile<D, 64>(sK, k, j0, g.Tk, ks);
+        load_tile<D, 64>(sV, v, j0, g.Tk, ks);
+        __syncthreads();
+        float s[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++)
+#pragma unroll
+            for (int np = 0; np < 4; np++) {
+                uint32_t bb[4];
+                ldmatrix_x4(bb, frag_b<D>(sK, np * 16, 2 * kk));
+                mma_bf16_16816(s[2 * np], qa[kk], bb);
+                mma_bf16_16816(s[2 * np + 1], qa[kk], bb + 2);
+            }
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float x = s[n][e] * g.scale;
+                if (st == TILE_MASKED) {
+                    int64_t i = rows[e >> 1], j = j0 + n * 8 + 2 * tq + (e & 1);
+                    if (i >= g.Tq || j >= g.Tk || !visible(g, b, i, j)) x = -INFINITY;
+                }
+                s[n][e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        float base[2], alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float mn = fmaxf(m[r], quad_max(mx[r]));
+            base[r] = mn == -INFINITY ? 0.0f : mn;   /* a row with nothing visible yet stays at 0 */
+            alpha[r] = __expf(m[r] - base[r]);
+            m[r] = mn;
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int n = 0; n < CH; n++) {
+            o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+        }
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float p = __expf(s[n][e] - base[e >> 1]);
+                s[n][e] = p;
+                l[e >> 1] += p;
+            }
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            uint32_t pa[4];
+            acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+            for (int np = 0; np < KS; np++) {
+                uint32_t bb[4];
+                ldmatrix_x4_trans(bb, frag_a<D>(sV, kk * 16, 2 * np));
+                mma_bf16_16816(o[2 * np], pa, bb);
+                mma_bf16_16816(o[2 * np + 1], pa, bb + 2);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float sum = quad_sum(l[r]);
+        int64_t i = rows[r];
+        if (i >= g.Tq) continue;
+        float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        float *dst = out + ((b * g.Tq + i) * g.H + h) * D + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < CH; n++) {
+            dst[n * 8] = o[n][2 * r] * inv;
+            dst[n * 8 + 1] = o[n][2 * r + 1] * inv;
+        }
+        if (tq == 0) lse[(b * g.H + h) * g.Tq + i] = sum > 0.0f ? m[r] + logf(sum) : -INFINITY;
+    }
+}
+
+/* ---- backward: dK and dV ---- */
+/* the query rows that can see some key of [j0, j1]: the inverse of the causal / window band */
+__device__ static inline void query_span(const geom &g, int64_t j0, int64_t j1, int64_t *i_lo, int64_t *i_hi) {
+    int64_t off = g.Tk - g.Tq, a = 0, z = g.Tq - 1;
+    if (g.causal && j0 - off > a) a = j0 - off;
+    if (g.right >= 0 && j0 - g.right - off > a) a = j0 - g.right - off;
+    if (g.left >= 0 && j1 + g.left - off < z) z = j1 + g.left - off;
+    *i_lo = a;
+    *i_hi = z;
+}
+
+template <int D>
+__global__ static void __launch_bounds__(FA_THREADS)
+fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO,
+                const float *lse, const float *delta) {
+    constexpr int CH = D / 8, KS = D / 16;
+    __shared__ uint4 sK[64 * CH], sV[64 * CH], sQ[32 * CH], sO[32 * CH];
+    const int64_t nt = (g.Tk + 63) / 64, tile = (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
+    const int64_t b = bh / g.Hkv, hk = bh % g.Hkv, j0 = tile * 64, G = g.H / g.Hkv;
+    const int64_t qs = g.H * D, ks = g.Hkv * D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
+    const int64_t keys[2] = {j0 + warp * 16 + (lane >> 2), j0 + warp * 16 + (lane >> 2) + 8};
+
+    load_tile<D, 64>(sK, K + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
+    load_tile<D, 64>(sV, V + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
+    float dka[CH][4], dva[CH][4];
+#pragma unroll
+    for (int n = 0; n < CH; n++)
+        for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.0f;
+    int64_t i_lo, i_hi;
+    query_span(g, j0, j0 + 63 < g.Tk ? j0 + 63 : g.Tk - 1, &i_lo, &i_hi);
+    for (int64_t h = hk * G; h < hk * G + G; h++) {
+        const bf16 *q = Q + b * g.Tq * qs + h * D, *d = dO + b * g.Tq * qs + h * D;
+        const float *L = lse + (b * g.H + h) * g.Tq, *dl = delta + (b * g.H + h) * g.Tq;
+        for (int64_t i0 = i_lo / 32 * 32; i_lo <= i_hi && i0 <= i_hi; i0 += 32) {
+            const int st = tile_state(g, i0, i0 + 31, j0, j0 + 63);
+            if (st == TILE_EMPTY) continue;
+            __syncthreads();   /* every warp is done with the previous Q and dO (and K, V are loaded) */
+            load_tile<D, 32>(sQ, q, i0, g.Tq, qs);
+            load_tile<D, 32>(sO, d, i0, g.Tq, qs);
+            __syncthreads();
+            float s[4][4], dp[4][4];
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+                for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KS; kk++) {
+                uint32_t ka[4], va[4];
+                ldmatrix_x4(ka, frag_a<D>(sK, warp * 16, 2 * kk));
+                ldmatrix_x4(va, frag_a<D>(sV, warp * 16, 2 * kk));
+#pragma unroll
+                for (int np = 0; np < 2; np++) {
+                    uint32_t bq[4], bo[4];
+                    ldmatrix_x4(bq, frag_b<D>(sQ, np * 16, 2 * kk));
+                    mma_bf16_16816(s[2 * np], ka, bq);
+                    mma_bf16_16816(s[2 * np + 1], ka, bq + 2);
+                    ldmatrix_x4(bo, frag_b<D>(sO, np * 16, 2 * kk));
+                    mma_bf16_16816(dp[2 * np], va, bo);
+                    mma_bf16_16816(dp[2 * np + 1], va, bo + 2);
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int64_t j = keys[e >> 1], i = i0 + n * 8 + 2 * tq + (e & 1);
+                    float Li = i < g.Tq ? L[i] : -INFINITY, p = 0.0f, ds = 0.0f;
+                    if (Li > -INFINITY && (st == TILE_FULL || (j < g.Tk && visible(g, b, i, j)))) {
+                        p = __expf(s[n][e] * g.scale - Li);
+                        ds = p * (dp[n][e] - dl[i]) * g.scale;
+                    }
+                    s[n][e] = p;
+                    dp[n][e] = ds;
+                }
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                uint32_t pa[4], da[4];
+                acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
+                acc_to_a(da, dp[2 * kk], dp[2 * kk + 1]);
+#pragma unroll
+                for (int np = 0; np < KS; np++) {
+                    uint32_t bb[4];
+                    ldmatrix_x4_trans(bb, frag_a<D>(sO, kk * 16, 2 * np));
+                    mma_bf16_16816(dva[2 * np], pa, bb);
+                    mma_bf16_16816(dva[2 * np + 1], pa, bb + 2);
+                    ldmatrix_x4_trans(bb, frag_a<D>(sQ, kk * 16, 2 * np));
+                    mma_bf16_16816(dka[2 * np], da, bb);
+                    mma_bf16_16816(dka[2 * np + 1], da, bb + 2);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int64_t j = keys[r];
+        if (j >= g.Tk) continue;
+        int64_t at = ((b * g.Tk + j) * g.Hkv + hk) * D + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < CH; n++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                if (dk) dk[at + n * 8 + c] += dka[n][2 * r + c];
+                if (dv) dv[at + n * 8 + c] += dva[n][2 * r + c];
+            }
+    }
+}
+
+/* ---- backward: dQ ---- */
+template <int D>
+__global__ static void __launch_bounds__(FA_THREADS)
+fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO, const float *lse,
+               const float *delta) {
+    constexpr int CH = D / 8, KS = D / 16;
+    __shared__ uint4 sQ[64 * CH], sO[64 * CH], sK[32 * CH], sV[32 * CH];
+    const int64_t nt = (g.Tq + 63) / 64, tile = nt - 1 - (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
+    const int64_t b = bh / g.H, h = bh % g.H, hk = h / (g.H / g.Hkv), i0 = tile * 64;
+    const int64_t qs = g.H * D, ks = g.Hkv * D;
+    const bf16 *k = K + b * g.Tk * ks + hk * D, *v = V + b * g.Tk * ks + hk * D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
+    const int64_t rows[2] = {i0 + warp * 16 + (lane >> 2), i0 + warp * 16 + (lane >> 2) + 8};
+    float L[2], dl[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int in = rows[r] < g.Tq;
+        L[r] = in ? lse[(b * g.H + h) * g.Tq + rows[r]] : -INFINITY;
+        dl[r] = in ? delta[(b * g.H + h) * g.Tq + rows[r]] : 0.0f;
+    }
+    load_tile<D, 64>(sQ, Q + b * g.Tq * qs + h * D, i0, g.Tq, qs);
+    load_tile<D, 64>(sO, dO + b * g.Tq * qs + h * D, i0, g.Tq, qs);
+    float acc[CH][4];
+#pragma unroll
+    for (int n = 0; n < CH; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    int64_t lo, hi;
+    chunk_band(g, i0, i0 + 64 < g.Tq ? i0 + 64 : g.Tq, &lo, &hi);
+    for (int64_t j0 = lo / 32 * 32; lo <= hi && j0 <= hi; j0 += 32) {
+        const int st = tile_state(g, i0, i0 + 63, j0, j0 + 31);
+        if (st == TILE_EMPTY) continue;
+        __syncthreads();   /* every warp is done with the previous K and V (and Q, dO are loaded) */
+        load_tile<D, 32>(sK, k, j0, g.Tk, ks);
+        load_tile<D, 32>(sV, v, j0, g.Tk, ks);
+        __syncthreads();
+        float s[4][4], dp[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; n++)
+            for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++) {
+            uint32_t qa[4], oa[4];
+            ldmatrix_x4(qa, frag_a<D>(sQ, warp * 16, 2 * kk));
+            ldmatrix_x4(oa, frag_a<D>(sO, warp * 16, 2 * kk));
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                uint32_t bk[4], bv[4];
+                ldmatrix_x4(bk, frag_b<D>(sK, np * 16, 2 * kk));
+                mma_bf16_16816(s[2 * np], qa, bk);
+                mma_bf16_16816(s[2 * np + 1], qa, bk + 2);
+                ldmatrix_x4(bv, frag_b<D>(sV, np * 16, 2 * kk));
+                mma_bf16_16816(dp[2 * np], oa, bv);
+                mma_bf16_16816(dp[2 * np + 1], oa, bv + 2);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 4; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int64_t i = rows[e >> 1], j = j0 + n * 8 + 2 * tq + (e & 1);
+                float ds = 0.0f;
+                if (L[e >> 1] > -INFINITY && (st == TILE_FULL || (j < g.Tk && visible(g, b, i, j))))
+                    ds = __expf(s[n][e] * g.scale - L[e >> 1]) * (dp[n][e] - dl[e >> 1]) * g.scale;
+                s[n][e] = ds;
+            }
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            uint32_t da[4];
+            acc_to_a(da, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+            for (int np = 0; np < KS; np++) {
+                uint32_t bb[4];
+                ldmatrix_x4_trans(bb, frag_a<D>(sK, kk * 16, 2 * np));
+                mma_bf16_16816(acc[2 * np], da, bb);
+                mma_bf16_16816(acc[2 * np + 1], da, bb + 2);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int64_t i = rows[r];
+        if (i >= g.Tq) continue;
+        float *dst = dq + ((b * g.Tq + i) * g.H + h) * D + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < CH; n++) {
+            dst[n * 8] += acc[n][2 * r];
+            dst[n * 8 + 1] += acc[n][2 * r + 1];
+        }
+    }
+}
+
+/* ---- host side ---- */
+int uly_cu_fused_attention_ok(const geom &g) {
+    const char *env = getenv("ULY_CUDA_ATTN");
+    if (env && !strcmp(env, "chunked")) return 0;
+    return (g.D == 32 || g.D == 64 || g.D == 128) && g.Tq > 0 && g.Tk > 0;
+}
+
+static int launched(const char *name) {
+    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess) return 0;
+    uly_cu_fail(name, e);
+    return -1;
+}
+
+template <int D>
+static int forward_d(float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v) {
+    int64_t blocks = (g.Tq + 63) / 64 * g.B * g.H;
+    ULY_LAUNCH(fa_forward<D>, blocks, FA_THREADS, uly_cu_stream)(out, lse, g, q, k, v);
+    return launched("fused flash attention forward");
+}
+
+template <int D>
+static int backward_d(float *dq, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
+                      const bf16 *dout, const float *lse, const float *delta) {
+    if (dk || dv) {
+        int64_t blocks = (g.Tk + 63) / 64 * g.B * g.Hkv;
+        ULY_LAUNCH(fa_backward_dkv<D>, blocks, FA_THREADS, uly_cu_stream)(dk, dv, g, q, k, v, dout, lse, delta);
+        if (launched("fused flash attention backward (dK, dV)")) return -1;
+    }
+    if (dq) {
+        int64_t blocks = (g.Tq + 63) / 64 * g.B * g.H;
+        ULY_LAUNCH(fa_backward_dq<D>, blocks, FA_THREADS, uly_cu_stream)(dq, g, q, k, v, dout, lse, delta);
+        if (launched("fused flash attention backward (dQ)")) return -1;
+    }
+    return 0;
+}
+
+int uly_cu_fused_attention_forward(float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k,
+                                   const bf16 *v) {
+    switch (g.D) {
+    case 32: return forward_d<32>(out, lse, g, q, k, v);
+    case 64: return forward_d<64>(out, lse, g, q, k, v);
+    case 128: return forward_d<128>(out, lse, g, q, k, v);
+    default: uly_cu_fail_msg("fused flash attention forward", "head dim not 32, 64 or 128"); return -1;
+    }
+}
+
+int uly_cu_fused_attention_backward(float *dq, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k,
+                                    const bf16 *v, const bf16 *dout, const float *lse, const float *delta) {
+    switch (g.D) {
+    case 32: return backward_d<32>(dq, dk, dv, g, q, k, v, dout, lse, delta);
+    case 64: return backward_d<64>(dq, dk, dv, g, q, k, v, dout, lse, delta);
+    case 128: return backward_d<128>(dq, dk, dv, g, q, k, v, dout, lse, delta);
+    default: uly_cu_fail_msg("fused flash attention backward", "head dim not 32, 64 or 128"); return -1;
+    }
+}

@@ -1,0 +1,93 @@
+/* kernels/cuda/mma.cuh — the warp-level tensor-core instructions of sm_80 and later (also run on
+ * sm_90), as small functions: mma.sync m16n8k16 with bf16 operands and f32 accumulators, and
+ * ldmatrix (x4, plain and transposed) from shared memory. Fragment layouts are the PTX ISA's:
+ * with g = lane / 4 and t = lane % 4,
+ *   A (16 x 16, row-major) a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..]
+ *   B (16 x 8, k x n)      b[0] = B[2t..2t+1][g], b[1] = B[2t+8..2t+9][g]
+ *   C (16 x 8, f32)        c[0..1] = C[g][2t..2t+1], c[2..3] = C[g+8][2t..2t+1]
+ * (two bf16 in a 32-bit register, the lower index in the low half). In the emulator build the same
+ * functions gather the warp's registers (uly_emu::warp_gather) and compute exactly these layouts,
+ * so a fragment mix-up fails the specs on the CPU as it would on the GPU. */
+#ifndef ULY_CUDA_MMA_CUH
+#define ULY_CUDA_MMA_CUH
+#include <stdint.h>
+#include <cuda_bf16.h>
+
+/* two floats -> two bf16 (round to nearest even) in one register, lo in the low half */
+__device__ static inline uint32_t mma_pack_bf16(float lo, float hi) {
+    return (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
+           ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
+}
+
+#ifdef ULY_CUDA_EMU
+__device__ static inline float mma_bf16_at(uint32_t reg, int hi) {
+    return __uint_as_float(hi ? (reg & 0xffff0000u) : (reg << 16));
+}
+
+/* c += A B for one warp's 16 x 8 tile (k = 16) */
+__device__ static inline void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+    struct regs { uint32_t a[4], b[2]; } mine, all[32];
+    for (int i = 0; i < 4; i++) mine.a[i] = a[i];
+    mine.b[0] = b[0];
+    mine.b[1] = b[1];
+    uly_emu::warp_gather(&mine, sizeof mine, all);
+    float A[16][16], Bm[16][8];
+    for (int l = 0; l < 32; l++) {
+        int g = l >> 2, t = l & 3;
+        for (int e = 0; e < 2; e++) {
+            A[g][2 * t + e] = mma_bf16_at(all[l].a[0], e);
+            A[g + 8][2 * t + e] = mma_bf16_at(all[l].a[1], e);
+            A[g][2 * t + 8 + e] = mma_bf16_at(all[l].a[2], e);
+            A[g + 8][2 * t + 8 + e] = mma_bf16_at(all[l].a[3], e);
+            Bm[2 * t + e][g] = mma_bf16_at(all[l].b[0], e);
+            Bm[2 * t + 8 + e][g] = mma_bf16_at(all[l].b[1], e);
+        }
+    }
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int i = 0; i < 4; i++) {
+        int r = g + 8 * (i >> 1), n = 2 * t + (i & 1);
+        float s = 0.0f;
+        for (int k = 0; k < 16; k++) s += A[r][k] * Bm[k][n];
+        c[i] += s;
+    }
+}
+
+/* four 8 x 8 bf16 matrices; lanes 8j .. 8j+7 give the 16-byte rows of matrix j; r[j] of lane l
+ * holds row l/4, columns 2(l%4), 2(l%4)+1 (transposed: rows 2(l%4), 2(l%4)+1 of column l/4) */
+__device__ static inline void ldmatrix_x4_impl(uint32_t r[4], const void *row, int trans) {
+    const void *rows[32];
+    uly_emu::warp_gather(&row, sizeof row, rows);
+    int lane = threadIdx.x & 31;
+    for (int j = 0; j < 4; j++) {
+        uint16_t e[2];
+        for (int h = 0; h < 2; h++) {
+            int rr = trans ? 2 * (lane & 3) + h : lane >> 2, cc = trans ? lane >> 2 : 2 * (lane & 3) + h;
+            e[h] = ((const uint16_t *)rows[8 * j + rr])[cc];
+        }
+        r[j] = (uint32_t)e[0] | ((uint32_t)e[1] << 16);
+    }
+}
+__device__ static inline void ldmatrix_x4(uint32_t r[4], const void *row) { ldmatrix_x4_impl(r, row, 0); }
+__device__ static inline void ldmatrix_x4_trans(uint32_t r[4], const void *row) { ldmatrix_x4_impl(r, row, 1); }
+
+#else
+__device__ static inline void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ static inline void ldmatrix_x4(uint32_t r[4], const void *row) {
+    unsigned addr = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ static inline void ldmatrix_x4_trans(uint32_t r[4], const void *row) {
+    unsigned addr = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+#endif
+#endif
