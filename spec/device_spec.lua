@@ -508,6 +508,12 @@ describe('fused tensor-core attention (mixed precision)', function()
     local want = run('cpu', 'f32', fn, inputs, w)
     set_path('fused')
     local fused = run('cuda', 'bf16', fn, inputs, w)
+    local again = run('cuda', 'bf16', fn, inputs, w)
+    for i = 1, #fused do   -- no atomics: the same bits run to run
+      local a, n = helpers.values(fused[i])
+      local b = helpers.values(again[i])
+      for e = 0, n - 1 do assert(a[e] == b[e] or (a[e] ~= a[e] and b[e] ~= b[e]), 'fused attention is not deterministic') end
+    end
     set_path('chunked')
     local chunked = run('cuda', 'bf16', fn, inputs, w)
     local names = { 'output', 'grad q', 'grad k', 'grad v' }

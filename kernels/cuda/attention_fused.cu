@@ -13,6 +13,8 @@
  *    P^T = exp(scale S^T - lse), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta) scale,
  *    dK += dS^T Q;
  *  - dQ: a block per 64 query rows; each warp walks 32-key tiles: S and dP again, dQ += dS K.
+ * Tiles arrive by cp.async: in the forward the next K loads during the softmax and P V, the next
+ * V during S; in dQ the next V during dS and the dQ GEMM.
  * Tiles no pair of which is visible are skipped (band, block-sparse layout); tiles wholly visible
  * skip the per-element mask. Shared tiles are swizzled in 16-byte chunks so that ldmatrix reads
  * conflict-free; static shared memory stays within 48 KiB at D = 128.
@@ -44,6 +46,16 @@ __device__ static inline void load_tile(uint4 *s, const bf16 *src, int64_t r0, i
         uint4 v = {0u, 0u, 0u, 0u};
         if (r0 + r < nrows) v = *(const uint4 *)(src + (r0 + r) * stride + c * 8);
         s[sw_at<D>(r, c)] = v;
+    }
+}
+
+/* the same, queued as cp.async copies (the caller commits the group and waits for it) */
+template <int D, int ROWS>
+__device__ static inline void load_tile_async(uint4 *s, const bf16 *src, int64_t r0, int64_t nrows, int64_t stride) {
+    constexpr int CH = D / 8;
+    for (int e = threadIdx.x; e < ROWS * CH; e += FA_THREADS) {
+        int r = e / CH, c = e % CH, in = r0 + r < nrows;
+        cp_async16(&s[sw_at<D>(r, c)], in ? src + (r0 + r) * stride + c * 8 : src, in);
     }
 }
 
@@ -111,6 +123,16 @@ __device__ static int tile_state(const geom &g, int64_t i0, int64_t i1, int64_t 
     return all && !partial && !g.q_doc ? TILE_FULL : TILE_MASKED;
 }
 
+/* the first key tile [j, j + step) at or after j (up to key hi) with a visible pair for query
+ * rows [i0, i0 + 63], and its state; -1 when none is left */
+__device__ static inline int64_t next_key_tile(const geom &g, int64_t i0, int64_t j, int64_t hi, int step, int *st) {
+    for (; j <= hi; j += step) {
+        *st = tile_state(g, i0, i0 + 63, j, j + step - 1);
+        if (*st != TILE_EMPTY) return j;
+    }
+    return -1;
+}
+
 /* ---- forward ---- */
 template <int D>
 __global__ static void __launch_bounds__(FA_THREADS)
@@ -124,7 +146,17 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
     const int64_t rows[2] = {i0 + warp * 16 + (lane >> 2), i0 + warp * 16 + (lane >> 2) + 8};
 
-    load_tile<D, 64>(sQ, q, i0, g.Tq, qs);
+    /* pipeline: K of the next tile loads during this tile's softmax and P V, V during its S */
+    int64_t lo, hi;
+    chunk_band(g, i0, i0 + 64 < g.Tq ? i0 + 64 : g.Tq, &lo, &hi);
+    int st = TILE_EMPTY;
+    int64_t j0 = lo <= hi ? next_key_tile(g, i0, lo / 64 * 64, hi, 64, &st) : -1;
+    load_tile_async<D, 64>(sQ, q, i0, g.Tq, qs);
+    if (j0 >= 0) load_tile_async<D, 64>(sK, k, j0, g.Tk, ks);
+    cp_async_commit();
+    if (j0 >= 0) load_tile_async<D, 64>(sV, v, j0, g.Tk, ks);
+    cp_async_commit();
+    cp_async_wait<1>();   /* Q and the first K */
     __syncthreads();
     uint32_t qa[KS][4];
 #pragma unroll
@@ -134,15 +166,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
 #pragma unroll
     for (int n = 0; n < CH; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    int64_t lo, hi;
-    chunk_band(g, i0, i0 + 64 < g.Tq ? i0 + 64 : g.Tq, &lo, &hi);
-    for (int64_t j0 = lo / 64 * 64; lo <= hi && j0 <= hi; j0 += 64) {
-        const int st = tile_state(g, i0, i0 + 63, j0, j0 + 63);
-        if (st == TILE_EMPTY) continue;
-        __syncthreads();   /* every warp is done with the previous K and V */
-        load_tile<D, 64>(sK, k, j0, g.Tk, ks);
-        load_tile<D, 64>(sV, v, j0, g.Tk, ks);
-        __syncthreads();
+    while (j0 >= 0) {
         float s[8][4];
 #pragma unroll
         for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
@@ -155,6 +179,11 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
                 mma_bf16_16816(s[2 * np], qa[kk], bb);
                 mma_bf16_16816(s[2 * np + 1], qa[kk], bb + 2);
             }
+        __syncthreads();   /* every warp is done with K */
+        int st_next = TILE_EMPTY;
+        const int64_t j_next = next_key_tile(g, i0, j0 + 64, hi, 64, &st_next);
+        if (j_next >= 0) load_tile_async<D, 64>(sK, k, j_next, g.Tk, ks);
+        cp_async_commit();
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < 8; n++)
@@ -190,6 +219,8 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
                 s[n][e] = p;
                 l[e >> 1] += p;
             }
+        cp_async_wait<1>();   /* this tile's V (the next K may still be in flight) */
+        __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             uint32_t pa[4];
@@ -202,6 +233,13 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
                 mma_bf16_16816(o[2 * np + 1], pa, bb + 2);
             }
         }
+        __syncthreads();   /* every warp is done with V */
+        if (j_next >= 0) load_tile_async<D, 64>(sV, v, j_next, g.Tk, ks);
+        cp_async_commit();
+        cp_async_wait<1>();   /* the next K (its V may still be in flight) */
+        __syncthreads();
+        j0 = j_next;
+        st = st_next;
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -346,20 +384,24 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
         L[r] = in ? lse[(b * g.H + h) * g.Tq + rows[r]] : -INFINITY;
         dl[r] = in ? delta[(b * g.H + h) * g.Tq + rows[r]] : 0.0f;
     }
-    load_tile<D, 64>(sQ, Q + b * g.Tq * qs + h * D, i0, g.Tq, qs);
-    load_tile<D, 64>(sO, dO + b * g.Tq * qs + h * D, i0, g.Tq, qs);
+    /* pipeline: the next tile's V loads during this tile's dS and dQ GEMM */
+    int64_t lo, hi;
+    chunk_band(g, i0, i0 + 64 < g.Tq ? i0 + 64 : g.Tq, &lo, &hi);
+    int st = TILE_EMPTY;
+    int64_t j0 = lo <= hi ? next_key_tile(g, i0, lo / 32 * 32, hi, 32, &st) : -1;
+    load_tile_async<D, 64>(sQ, Q + b * g.Tq * qs + h * D, i0, g.Tq, qs);
+    load_tile_async<D, 64>(sO, dO + b * g.Tq * qs + h * D, i0, g.Tq, qs);
+    if (j0 >= 0) {
+        load_tile_async<D, 32>(sK, k, j0, g.Tk, ks);
+        load_tile_async<D, 32>(sV, v, j0, g.Tk, ks);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
     float acc[CH][4];
 #pragma unroll
     for (int n = 0; n < CH; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    int64_t lo, hi;
-    chunk_band(g, i0, i0 + 64 < g.Tq ? i0 + 64 : g.Tq, &lo, &hi);
-    for (int64_t j0 = lo / 32 * 32; lo <= hi && j0 <= hi; j0 += 32) {
-        const int st = tile_state(g, i0, i0 + 63, j0, j0 + 31);
-        if (st == TILE_EMPTY) continue;
-        __syncthreads();   /* every warp is done with the previous K and V (and Q, dO are loaded) */
-        load_tile<D, 32>(sK, k, j0, g.Tk, ks);
-        load_tile<D, 32>(sV, v, j0, g.Tk, ks);
-        __syncthreads();
+    while (j0 >= 0) {
         float s[4][4], dp[4][4];
 #pragma unroll
         for (int n = 0; n < 4; n++)
@@ -380,6 +422,11 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
                 mma_bf16_16816(dp[2 * np + 1], oa, bv + 2);
             }
         }
+        __syncthreads();   /* every warp is done with V */
+        int st_next = TILE_EMPTY;
+        const int64_t j_next = next_key_tile(g, i0, j0 + 32, hi, 32, &st_next);
+        if (j_next >= 0) load_tile_async<D, 32>(sV, v, j_next, g.Tk, ks);
+        cp_async_commit();
 #pragma unroll
         for (int n = 0; n < 4; n++)
 #pragma unroll
@@ -402,6 +449,13 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
                 mma_bf16_16816(acc[2 * np + 1], da, bb + 2);
             }
         }
+        __syncthreads();   /* every warp is done with K */
+        if (j_next >= 0) load_tile_async<D, 32>(sK, k, j_next, g.Tk, ks);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        j0 = j_next;
+        st = st_next;
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {

@@ -1,13 +1,16 @@
 /* kernels/cuda/mma.cuh — the warp-level tensor-core instructions of sm_80 and later (also run on
- * sm_90), as small functions: mma.sync m16n8k16 with bf16 operands and f32 accumulators, and
- * ldmatrix (x4, plain and transposed) from shared memory. Fragment layouts are the PTX ISA's:
+ * sm_90), as small functions: mma.sync m16n8k16 with bf16 operands and f32 accumulators,
+ * ldmatrix (x4, plain and transposed) from shared memory, and the asynchronous global -> shared
+ * copies (cp.async, 16 bytes, zero-filled past the end; commit / wait by group) that let a tile
+ * load run under the math of the previous one. Fragment layouts are the PTX ISA's:
  * with g = lane / 4 and t = lane % 4,
  *   A (16 x 16, row-major) a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..]
  *   B (16 x 8, k x n)      b[0] = B[2t..2t+1][g], b[1] = B[2t+8..2t+9][g]
  *   C (16 x 8, f32)        c[0..1] = C[g][2t..2t+1], c[2..3] = C[g+8][2t..2t+1]
  * (two bf16 in a 32-bit register, the lower index in the low half). In the emulator build the same
  * functions gather the warp's registers (uly_emu::warp_gather) and compute exactly these layouts,
- * so a fragment mix-up fails the specs on the CPU as it would on the GPU. */
+ * so a fragment mix-up fails the specs on the CPU as it would on the GPU; cp.async copies at
+ * once there (a missing wait or barrier is a race only the GPU shows). */
 #ifndef ULY_CUDA_MMA_CUH
 #define ULY_CUDA_MMA_CUH
 #include <stdint.h>
@@ -70,6 +73,15 @@ __device__ static inline void ldmatrix_x4_impl(uint32_t r[4], const void *row, i
 __device__ static inline void ldmatrix_x4(uint32_t r[4], const void *row) { ldmatrix_x4_impl(r, row, 0); }
 __device__ static inline void ldmatrix_x4_trans(uint32_t r[4], const void *row) { ldmatrix_x4_impl(r, row, 1); }
 
+/* 16 bytes global -> shared, or 16 zero bytes when !valid (src is then not read) */
+__device__ static inline void cp_async16(void *dst, const void *src, int valid) {
+    if (valid) memcpy(dst, src, 16);
+    else memset(dst, 0, 16);
+}
+__device__ static inline void cp_async_commit(void) {}
+template <int N>
+__device__ static inline void cp_async_wait(void) {}
+
 #else
 __device__ static inline void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -89,5 +101,14 @@ __device__ static inline void ldmatrix_x4_trans(uint32_t r[4], const void *row) 
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
+
+__device__ static inline void cp_async16(void *dst, const void *src, int valid) {
+    unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ static inline void cp_async_commit(void) { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+/* until at most N of the groups committed so far are still in flight */
+template <int N>
+__device__ static inline void cp_async_wait(void) { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 #endif
 #endif
