@@ -35,9 +35,20 @@ extern "C" int uly_cu_read_back(void *host, const void *dev, int64_t bytes) {
     return 0;
 }
 
+/* the stream-ordered allocator's pool (cudaMallocAsync: kernels' temporaries such as bf16 operand
+ * copies) keeps what it has between synchronizations instead of returning it to the driver at
+ * each one (its default), so a warm step maps no memory; an out-of-memory here trims it first */
+static cudaMemPool_t async_pool;
+
 static void *cu_raw_alloc(int64_t bytes) {
     void *p = NULL;
     cudaError_t e = cudaMalloc(&p, (size_t)bytes);
+    if (e == cudaErrorMemoryAllocation && async_pool) {
+        cudaGetLastError();
+        cudaStreamSynchronize(uly_cu_stream);
+        cudaMemPoolTrimTo(async_pool, 0);
+        e = cudaMalloc(&p, (size_t)bytes);
+    }
     if (e != cudaSuccess) {
         char what[96];
         snprintf(what, sizeof what, "cudaMalloc of %lld bytes", (long long)bytes);
@@ -134,6 +145,11 @@ extern "C" const void *uly_cuda_backend(void) {
     cudaError_t e = cudaSetDevice(dev);
     if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&uly_cu_stream, cudaStreamNonBlocking);
     if (e == cudaSuccess) e = cudaMalloc(&scratch, 64 << 10);
+    if (e == cudaSuccess && cudaDeviceGetDefaultMemPool(&async_pool, dev) == cudaSuccess) {
+        uint64_t keep = UINT64_MAX;
+        if (cudaMemPoolSetAttribute(async_pool, cudaMemPoolAttrReleaseThreshold, &keep) != cudaSuccess) async_pool = NULL;
+    }
+    cudaGetLastError();   /* a device without memory pools just keeps the default */
     if (e != cudaSuccess) {
         uly_cu_fail("starting the CUDA backend", e);
         uly_cuda_record_error(first_error);

@@ -272,6 +272,15 @@ const char *cudaGetErrorString(cudaError_t e) {
 cudaError_t cudaRuntimeGetVersion(int *v) { *v = 13000; return cudaSuccess; }
 cudaError_t cudaDriverGetVersion(int *v) { *v = 13000; return cudaSuccess; }
 
+/* cudaMallocAsync is cudaMalloc here: the pool has nothing to keep or trim */
+cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t *pool, int dev) {
+    if (dev != 0) return fail(cudaErrorInvalidValue);
+    *pool = (cudaMemPool_t)1;
+    return cudaSuccess;
+}
+cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t, cudaMemPoolAttr, void *) { return cudaSuccess; }
+cudaError_t cudaMemPoolTrimTo(cudaMemPool_t, size_t) { return cudaSuccess; }
+
 struct uly_emu_event { double t; };
 static double seconds_now(void) {
     struct timespec ts;
