@@ -9,8 +9,8 @@
  *   C (16 x 8, f32)        c[0..1] = C[g][2t..2t+1], c[2..3] = C[g+8][2t..2t+1]
  * (two bf16 in a 32-bit register, the lower index in the low half). In the emulator build the same
  * functions gather the warp's registers (uly_emu::warp_gather) and compute exactly these layouts,
- * so a fragment mix-up fails the specs on the CPU as it would on the GPU; cp.async copies at
- * once there (a missing wait or barrier is a race only the GPU shows). */
+ * so a fragment mix-up fails the specs on the CPU as it would on the GPU; cp.async copies land
+ * only at the wait that covers them, so a missing wait fails there too. */
 #ifndef ULY_CUDA_MMA_CUH
 #define ULY_CUDA_MMA_CUH
 #include <stdint.h>
@@ -74,13 +74,10 @@ __device__ static inline void ldmatrix_x4(uint32_t r[4], const void *row) { ldma
 __device__ static inline void ldmatrix_x4_trans(uint32_t r[4], const void *row) { ldmatrix_x4_impl(r, row, 1); }
 
 /* 16 bytes global -> shared, or 16 zero bytes when !valid (src is then not read) */
-__device__ static inline void cp_async16(void *dst, const void *src, int valid) {
-    if (valid) memcpy(dst, src, 16);
-    else memset(dst, 0, 16);
-}
-__device__ static inline void cp_async_commit(void) {}
+__device__ static inline void cp_async16(void *dst, const void *src, int valid) { uly_emu::async_copy16(dst, src, valid); }
+__device__ static inline void cp_async_commit(void) { uly_emu::async_commit(); }
 template <int N>
-__device__ static inline void cp_async_wait(void) {}
+__device__ static inline void cp_async_wait(void) { uly_emu::async_wait(N); }
 
 #else
 __device__ static inline void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {

@@ -34,6 +34,14 @@ namespace {
 enum { NONE = 0, BLOCK = 1, WARP = 2 };
 const size_t STACK = 64 << 10;
 
+/* a cp.async copy not yet done: it happens at the cp.async.wait_group that covers its group */
+struct async_copy {
+    void *dst;
+    const void *src;
+    int valid;
+    unsigned group;
+};
+
 struct fiber {
 #ifdef FAST_SWITCH
     void *sp;
@@ -42,6 +50,8 @@ struct fiber {
 #endif
     int done, wait;
     unsigned gen;
+    std::vector<async_copy> copies;   /* issued, not yet waited for */
+    unsigned commits;                 /* groups committed so far */
 };
 
 struct block_state {
@@ -59,6 +69,7 @@ struct block_state {
     std::vector<unsigned> warp_gen, warp_waiting, warp_alive;
     std::vector<uint64_t> slots;   /* one value per lane for shuffles */
     std::vector<unsigned char> gathered;   /* 64 bytes per lane for warp_gather */
+    int eager_copies;                      /* cp.async done at issue (ULY_EMU_ASYNC=eager) */
 } B;
 
 /* from the running fiber back to the scheduler */
@@ -110,11 +121,31 @@ int release() {
         }
     return any;
 }
+/* runs thread t until it waits or ends; 0 if it could not run */
+int run_fiber(unsigned t) {
+    fiber &f = B.fibers[t];
+    if (f.done || f.wait) return 0;
+    B.cur = t;
+    threadIdx.x = t; threadIdx.y = threadIdx.z = 0;
+#ifdef FAST_SWITCH
+    uly_emu_swap(&B.sched_sp, f.sp);
+#else
+    swapcontext(&B.sched, &f.ctx);
+#endif
+    return 1;
+}
 } // namespace
 
 void run_grid(unsigned blocks, unsigned threads, const std::function<void()> &body) {
     if (threads == 0 || threads > 1024) { fprintf(stderr, "cuda emulator: %u threads per block\n", threads); abort(); }
     unsigned warps = (threads + 31) / 32;
+    /* ULY_EMU_ORDER=reverse runs one warp at a time, the last first, each up to its next
+     * __syncthreads: a read of shared memory that another warp writes without a barrier between
+     * them sees what the default order (all threads in turn, warps in step) would hide */
+    const char *order = getenv("ULY_EMU_ORDER");
+    const int reverse = order && !strcmp(order, "reverse");
+    const char *async = getenv("ULY_EMU_ASYNC");
+    B.eager_copies = async && !strcmp(async, "eager");
     B.fibers.assign(threads, fiber());
     if (B.stacks_bytes < threads * STACK) {
         if (B.stacks) UNPOISON(B.stacks, B.stacks_bytes);
@@ -145,6 +176,8 @@ void run_grid(unsigned blocks, unsigned threads, const std::function<void()> &bo
             fiber &f = B.fibers[t];
             f.done = f.wait = NONE;
             f.gen = 0;
+            f.copies.clear();
+            f.commits = 0;
 #ifdef FAST_SWITCH
             /* a fresh stack that "returns" into trampoline: 6 zero registers, then its address */
             uintptr_t top = ((uintptr_t)(B.stacks + (t + 1) * STACK)) & ~(uintptr_t)15;
@@ -163,17 +196,21 @@ void run_grid(unsigned blocks, unsigned threads, const std::function<void()> &bo
         }
         while (B.alive) {
             int ran = 0;
-            for (unsigned t = 0; t < threads; t++) {
-                fiber &f = B.fibers[t];
-                if (f.done || f.wait) continue;
-                B.cur = t;
-                threadIdx.x = t; threadIdx.y = threadIdx.z = 0;
-#ifdef FAST_SWITCH
-                uly_emu_swap(&B.sched_sp, f.sp);
-#else
-                swapcontext(&B.sched, &f.ctx);
-#endif
-                ran = 1;
+            if (reverse) {
+                /* one warp at a time, last first, each as far as it goes before a __syncthreads */
+                for (unsigned wi = 0; wi < warps; wi++) {
+                    unsigned w = warps - 1 - wi, lo = w * 32, hi = lo + 32 < threads ? lo + 32 : threads;
+                    for (;;) {
+                        int any = 0;
+                        for (unsigned t = hi; t-- > lo;) any |= run_fiber(t);
+                        if (!any) break;
+                        ran = 1;
+                        release();
+                    }
+                }
+            } else {
+                /* every thread in turn to its next barrier: the warps advance together */
+                for (unsigned t = 0; t < threads; t++) ran |= run_fiber(t);
             }
             if (!release() && !ran && B.alive) {
                 fprintf(stderr, "cuda emulator: deadlock in block %u: %u live threads wait at barriers that not all "
@@ -185,6 +222,32 @@ void run_grid(unsigned blocks, unsigned threads, const std::function<void()> &bo
 }
 
 void sync_block() { wait_at(BLOCK); }
+
+/* cp.async: queued per thread, done when a wait covers its group (late, as the GPU may be: a
+ * read of the tile before the wait sees the old bytes) */
+void async_copy16(void *dst, const void *src, int valid) {
+    if (B.eager_copies) {   /* ULY_EMU_ASYNC=eager: at once, as early as the GPU may land them */
+        if (valid) memcpy(dst, src, 16);
+        else memset(dst, 0, 16);
+        return;
+    }
+    fiber &f = B.fibers[B.cur];
+    f.copies.push_back(async_copy{dst, src, valid, f.commits});
+}
+void async_commit() { B.fibers[B.cur].commits++; }
+void async_wait(unsigned in_flight) {
+    fiber &f = B.fibers[B.cur];
+    std::vector<async_copy> left;
+    for (const async_copy &c : f.copies) {
+        if (c.group + in_flight < f.commits) {   /* committed, and not among the newest in_flight groups */
+            if (c.valid) memcpy(c.dst, c.src, 16);
+            else memset(c.dst, 0, 16);
+        } else {
+            left.push_back(c);
+        }
+    }
+    f.copies.swap(left);
+}
 
 uint64_t shuffle_xor(uint64_t bits, int lane_mask) {
     unsigned me = B.cur, w = me >> 5, lane = me & 31, other = (lane ^ (unsigned)lane_mask) & 31;

@@ -6,6 +6,11 @@
  *    barriers: a kernel whose threads diverge at a barrier is reported as a deadlock;
  *  - __shared__ is static storage (blocks never overlap, so it is per block);
  *  - device memory is host memory; copies are memcpy; streams and events are synchronous;
+ *  - cp.async copies happen at the wait that covers them, not before (a read that skips the wait
+ *    sees stale bytes), or with ULY_EMU_ASYNC=eager at issue (an overwrite of a tile other
+ *    warps still read shows); ULY_EMU_ORDER=reverse runs one warp at a time, last first, each up
+ *    to its next __syncthreads, so a missing barrier between warps shows (scripts/test.sh runs
+ *    the specs both ways);
  *  - cuBLAS GEMMs are plain loops (f32 accumulation; bf16 inputs rounded as on the GPU);
  *  - one device, "ulysses CUDA emulator", with the memory limit ULY_EMU_MEMORY (default 4 GiB).
  * What it cannot show: speed, races between blocks or streams, and warp-divergent shuffles
@@ -38,6 +43,11 @@ uint64_t shuffle_xor(uint64_t bits, int lane_mask);
 /* a warp-wide barrier that hands every lane all 32 lanes' `bytes` (at most 64) in lane order:
  * the emulation of the warp-collective tensor-core instructions (kernels/cuda/mma.cuh) */
 void warp_gather(const void *mine, size_t bytes, void *all);
+/* cp.async (kernels/cuda/mma.cuh): 16 bytes (zeros when !valid) queued by this thread, done at
+ * the async_wait that leaves fewer than in_flight + 1 of its committed groups pending */
+void async_copy16(void *dst, const void *src, int valid);
+void async_commit();
+void async_wait(unsigned in_flight);
 
 template <typename... P>
 struct launcher {
