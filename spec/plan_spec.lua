@@ -27,28 +27,35 @@ local ids = helpers.token_ids
 
 -- free what earlier specs left: dropped tensors, and the replay closures of checkpointed or
 -- tiled segments whose graphs are gone (they hold their inputs until swept)
-local function collect()
+local function held_bytes(dev)
+  return uly.memory().allocated + ((dev and dev ~= 'cpu') and uly.memory(dev).allocated or 0)
+end
+local function collect(dev)
   local held
   repeat
-    held = uly.memory().allocated
+    held = held_bytes(dev)
     collectgarbage(); collectgarbage()
     uly.nn.checkpoint_pending()
-  until uly.memory().allocated == held
+  until held_bytes(dev) == held
 end
 
 -- build the model and AdamW, then one step as train.lua runs it; returns measured peak and the
 -- planner's estimate, both counted from the bytes held before the model existed
+-- pc.device = 'cuda': the model, its step and the measured pool are the device's (the simulation
+-- here: device pools, the CPU's kernels); the collector still counts host and device bytes
 local function measure(pc, grid)
-  collect()
-  local base = uly.memory().allocated
+  local dev = pc.device or 'cpu'
+  collect(dev)
+  local base = uly.memory(dev).allocated
   local Model = require(pc.model == 'gpt' and 'models.gpt' or 'models.llama')
   local mc = { preset = pc.preset, seq = pc.seq, checkpoint = pc.checkpoint, tile = pc.tile, window = pc.window,
                attention = pc.attention, sp = grid and pc.sp or nil }
-  local m = Model(mc)
+  local m = Model(mc):to(dev)
   local opt = uly.optim.AdamW(m:parameters())
   local B, N, P = pc.batch or 1, pc.seq, pc.sp or 1
-  collect()
+  collect(dev)
   local threshold = gc_next()
+  local outside = held_bytes(dev) - uly.memory(dev).allocated + base   -- held, but not the step's pool
   -- Two things free dropped tensors earlier than the package's growth trigger, by amounts that
   -- vary run to run: LuaJIT's incremental collector (paced by unrelated Lua allocations, e.g.
   -- busted's timing strings) and compiled traces, which decide whether a dead local still holds
@@ -58,25 +65,26 @@ local function measure(pc, grid)
   collectgarbage('stop')
   jit.flush()
   jit.off()
-  uly.reset_peak_memory()
+  uly.reset_peak_memory(dev)
   local lo, n = 0, N
   if grid then lo, n = uly.dist.split(N, P, grid.sp_group:rank()) end
-  local x, y = ids(B, n, m.config.vocab), ids(B, n, m.config.vocab)
+  local x, y = ids(B, n, m.config.vocab):to(dev), ids(B, n, m.config.vocab):to(dev)
   opt:zero_grad()
   local loss = m:loss(x, y, { pos = lo, seq_total = N })
   loss:backward()
   if grid then uly.dist.all_reduce_grads(m:parameters(), grid.world_group) end
   opt:step()
-  local peak = uly.memory().peak - base
+  local peak = uly.memory(dev).peak - base
   jit.on()
   collectgarbage('restart')
   local cfg = {}
   for k, v in pairs(pc) do cfg[k] = v end
-  cfg.gc_next = threshold - base
+  cfg.gc_next = threshold - outside
   cfg.world = grid and grid.world or 1
+  if dev ~= 'cpu' then cfg.device_memory = uly.memory(dev).limit end
   local est = plan.estimate(cfg)
   loss, x, y, m, opt = nil, nil, nil, nil, nil
-  collect()
+  collect(dev)
   return peak, est
 end
 
@@ -146,6 +154,62 @@ describe('memory planner', function()
     assert.are.equal(4 * 2 ^ 20, plan.round_size(2 * 2 ^ 20 + 1))
     assert.are.equal(20 * 2 ^ 30, plan.parse_bytes('20GiB'))
     assert.has_error(function() plan.estimate { model = 'bert' } end)
+  end)
+end)
+
+-- the device pool (512 B size classes) under the collector's cap of 1/16 of the device's memory
+-- (a 1 GiB limit: the cap binds once a step holds more than 256 MiB), and checkpoint / tile
+-- collecting by the device's bytes too
+describe('memory planner on a device (the simulation: device pools, the CPU kernels)', function()
+  before_each(function()
+    helpers.reseed(42)
+    assert(uly.cuda.simulate())
+    uly.memory_limit(2 ^ 30, 'cuda')
+  end)
+  after_each(function()
+    collect('cuda')
+    uly.cuda.reset()
+  end)
+  for _, pc in ipairs {
+    { what = 'llama, flash', model = 'llama', preset = 'small', seq = 4096, attention = 'flash', binds = true },
+    { what = 'llama, reference, tile', model = 'llama', preset = 'small', seq = 2048, attention = 'reference', tile = 512,
+      binds = true },
+    { what = 'gpt, flash, checkpoint + tile', model = 'gpt', preset = 'small', seq = 1024, attention = 'flash',
+      checkpoint = true, tile = 256 },
+  } do
+    it('estimates the device pool\'s peak of one step within 10 %: ' .. pc.what, function()
+      pc.device, pc.kernels = 'cuda', 'cpu'
+      local _, est = check(pc)
+      if pc.binds then assert.is_true(est.total > 2 ^ 28, 'the step should hold more than 256 MiB, where the cap binds') end
+    end)
+  end
+
+  it('replays the cap: less device memory, earlier collections, a lower peak', function()
+    local cfg = { model = 'llama', preset = 'small', seq = 4096, attention = 'flash', device = 'cuda', kernels = 'cpu' }
+    cfg.device_memory = 2 ^ 30
+    local small = plan.estimate(cfg)
+    cfg.device_memory = 139 * 2 ^ 30
+    local big = plan.estimate(cfg)
+    assert.is_true(small.total < big.total, ('%d vs %d'):format(small.total, big.total))
+    cfg.device = 'cpu'
+    assert.are.equal(plan.estimate(cfg).total, plan.estimate((function() cfg.device_memory = 2 ^ 30 return cfg end)()).total)
+  end)
+
+  it('counts the CUDA kernels\' temporaries as untracked, and refuses what it does not model', function()
+    local base = { model = 'llama', preset = '1b', seq = 32768, checkpoint = true, tile = 4096, device = 'cuda' }
+    local function with(t) local c = {} for k, v in pairs(base) do c[k] = v end for k, v in pairs(t) do c[k] = v end return c end
+    local f32, bf16 = plan.estimate(with { precision = 'f32' }), plan.estimate(with { precision = 'bf16' })
+    -- f32: the chunked attention's scores, 64 Mi floats (a chunk of 2048 rows x 32768 keys) twice
+    assert.are.equal(2 * 2 ^ 26 * 4, f32.untracked)
+    -- bf16 at head dim 64: the fused kernels need only q, k, v, dO copies; the largest bf16 copy
+    -- pair is now a GEMM's (the 128256-wide vocabulary projection of a 4096-token tile)
+    local C, V, T = 2048, 128256, 4096
+    assert.are.equal((T * V + math.max(V, T) * C) * 2, bf16.untracked)
+    assert.are.equal(f32.total, bf16.total)   -- the pool's replay does not change
+    assert.matches("precision must be 'f32' or 'bf16'", helpers.error_of(function() plan.estimate(with { precision = 'fp8' }) end), 1, true)
+    assert.matches('bf16 matmuls only with the CUDA kernels', helpers.error_of(function()
+      plan.estimate(with { precision = 'bf16', kernels = 'cpu' })
+    end), 1, true)
   end)
 end)
 

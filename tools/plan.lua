@@ -4,6 +4,7 @@
 --
 --   luajit tools/plan.lua --model llama --preset small --seq 65536 --sp 4 --attention flash \
 --     --checkpoint 1 --tile 1024 [--budget 20GiB] [--window 4096] [--batch 1] [--dim ..]
+--     [--device cuda [--precision bf16] [--gpu-memory 139GiB]]   (one GPU per rank)
 --   local plan = require 'tools.plan'
 --   plan.estimate(cfg) -> { total = bytes, parts = { parameters = .., ... }, untracked = .., ... }
 --   plan.longest(cfg, budget_bytes) -> N (a multiple of cfg.step, default 1024), its estimate
@@ -19,6 +20,11 @@
 -- collector runs when the bytes held grow past a threshold (lua/ulysses/tensor.lua: wrap) or
 -- when checkpoint/chunked force it. Memory malloc'ed inside kernels (the reference attention's
 -- dS scratch) is outside the allocator's counters: reported as `untracked`.
+-- On a GPU (--device cuda) the same replay runs against the device pool (512 B granularity,
+-- garbage capped at 1/16 of the GPU's memory), the CUDA attention takes no pool scratch, and the
+-- kernels' stream-ordered temporaries (bf16 operand copies, chunked score scratch) are the
+-- untracked part: the largest one call takes. kernels = 'cpu' replays the simulated device
+-- (ULY_CUDA_SIMULATE: device pools, the CPU's kernels), as the specs check it.
 -- Not replayed: LuaJIT's own incremental cycles (paced by Lua-side allocation). They can only
 -- free garbage earlier, so the estimate is an upper bound; measured within 10 % for most
 -- configs, but reference attention + checkpoint without tile can measure ~40 % lower in some
@@ -29,10 +35,12 @@ local MiB, GiB = 2 ^ 20, 2 ^ 30
 local GC_MIN_GROWTH = 64 * MiB          -- lua/ulysses/tensor.lua
 local HUGE_PAGE = 2 * MiB               -- core/alloc.c
 
--- core/alloc.c round_size: 64 B granularity to 64 KiB, 1/8 power-of-two steps, whole huge pages
-local function round_size(n)
+-- core/alloc.c round_size: 64 B granularity to 64 KiB (512 B in a device pool), 1/8 power-of-two
+-- steps, whole huge pages
+local function round_size(n, device)
   if n <= 0 then n = 1 end
-  if n <= 65536 then return math.ceil(n / 64) * 64 end
+  local g = device and device ~= 'cpu' and 512 or 64
+  if n <= 65536 then return math.ceil(n / g) * g end
   if n >= HUGE_PAGE then return math.ceil(n / HUGE_PAGE) * HUGE_PAGE end
   local p = 2 ^ math.floor(math.log(n) / math.log(2))
   while p * 2 <= n do p = p * 2 end
@@ -41,6 +49,8 @@ local function round_size(n)
   return math.ceil(n / step) * step
 end
 M.round_size = round_size
+
+M.H200_MEMORY = 139 * GiB   -- an H200 as lent here ("about 139 GiB"); pass the real total with --gpu-memory
 
 M.PARTS = { 'parameters', 'gradients', 'optimizer', 'inputs', 'activations', 'attention', 'communication',
             'logits', 'backward', 'uncollected' }
@@ -61,12 +71,15 @@ M.PART_HELP = {
 local Sim = {}
 Sim.__index = Sim
 
-local function new_sim(gc_next)
+-- c.device: the pool replayed ('cpu' or 'cuda'); c.device_memory: its size (a device pool's
+-- garbage is capped at 1/16 of it, lua/ulysses/tensor.lua)
+local function new_sim(c, gc_next)
   local by = {}
   for _, p in ipairs(M.PARTS) do by[p] = 0 end
   return setmetatable({ cur = 0, peak = 0, by = by, at_peak = {}, gc_next = gc_next or GC_MIN_GROWTH,
                         garbage = {}, frame = {}, grad = true, pending = {}, seq = 0, untracked = 0, phase = 'setup',
-                        peak_phase = 'setup' }, Sim)
+                        peak_phase = 'setup', device = c.device, device_memory = c.device_memory,
+                        kernels = c.kernels, precision = c.precision }, Sim)
 end
 
 function Sim:mark_peak()
@@ -79,7 +92,7 @@ end
 
 -- a new storage of `bytes` owned by one handle
 function Sim:alloc(bytes, cat)
-  local b = round_size(bytes)
+  local b = round_size(bytes, self.device)
   local s = { b = b, cat = cat, refs = 1, dead = 0 }
   self.cur = self.cur + b
   self.by[cat] = self.by[cat] + b
@@ -161,8 +174,17 @@ end
 function Sim:wrapped()
   if self.cur > self.gc_next then
     self:collect()
-    self.gc_next = self.cur + math.max(GC_MIN_GROWTH, self.cur / 4)  -- lua/ulysses/tensor.lua
+    local growth = math.max(GC_MIN_GROWTH, self.cur / 4)                -- lua/ulysses/tensor.lua
+    if self.device ~= 'cpu' then growth = math.min(growth, math.max(GC_MIN_GROWTH, self.device_memory / 16)) end
+    self.gc_next = self.cur + growth
   end
+end
+
+-- memory a CUDA kernel takes from the stream-ordered allocator for one call (bf16 operand
+-- copies, score scratch): outside the pool, freed in stream order, so its pool keeps the
+-- largest call's worth (kernels/cuda/backend.cu)
+function Sim:cuda_temporary(bytes)
+  if self.kernels == 'cuda' then self.untracked = math.max(self.untracked, bytes) end
 end
 
 ---------------------------------------------------------------- tensors and autograd
@@ -281,10 +303,22 @@ local function contiguous(self, t, cat)
   return self:alloc(t.b, cat or 'activations')
 end
 
+-- the CUDA GEMM's temporaries (kernels/cuda/gemm.cu): in bf16, copies of both operands, in the
+-- forward (x [rows, k], w [n, k]) and in each backward GEMM; a bias gradient over >= 4096 rows
+-- sums partials in doubles (kernels/cuda/elementwise.cu sum_view); returns the backward's rule
+local function gemm_temporaries(self, rows, k, n, bias)
+  if self.kernels ~= 'cuda' then return nil end
+  if self.precision == 'bf16' then self:cuda_temporary((rows * k + n * k) * 2) end
+  return function(sim)
+    if sim.precision == 'bf16' then sim:cuda_temporary((rows * n + math.max(n, rows) * k) * 2) end
+    if bias and rows >= 4096 and n < 65536 then sim:cuda_temporary(math.min(math.floor(rows / 1024), 128) * n * 8) end
+  end
+end
+
 local function matmul(self, x, rows, k, n, w, cat)
   local xs = contiguous(self, x)
   local out = result(self, rows * n * F, cat or 'activations')
-  self:record(out, { x, w }, { xs })
+  self:record(out, { x, w }, { xs }, gemm_temporaries(self, rows, k, n, false))
   self:unref(xs)
   self:wrapped()
   return out
@@ -296,7 +330,7 @@ local function linear(self, x, rows, k, n, lin, cat)
   if not lin.bias then return matmul(self, x, rows, k, n, lin.weight, cat) end
   local xs = contiguous(self, x)
   local out = result(self, rows * n * F, cat or 'activations')
-  self:record(out, { x, lin.weight, lin.bias }, { xs })
+  self:record(out, { x, lin.weight, lin.bias }, { xs }, gemm_temporaries(self, rows, k, n, true))
   self:unref(xs)
   self:wrapped()
   return out
@@ -314,7 +348,10 @@ local function norm(self, x, rows, kind, mod)
   local out = result(self, x.b, 'activations')
   local stats = { self:alloc(rows * F, 'activations') }
   if kind == 'layernorm' then stats[2] = self:alloc(rows * F, 'activations') end
-  self:record(out, { x, mod.weight, mod.bias }, { xs, stats[1], stats[2] })
+  local rule = self.kernels == 'cuda' and function(sim)   -- kernels/cuda/rows.cu: per-chunk partial sums
+    sim:cuda_temporary(2 * math.min(rows, 128) * (x.b / F / rows) * 8)
+  end or nil
+  self:record(out, { x, mod.weight, mod.bias }, { xs, stats[1], stats[2] }, rule)
   self:unref(xs)
   for _, s in ipairs(stats) do self:unref(s) end
   self:wrapped()
@@ -354,7 +391,12 @@ local function attention_ref(self, q, k, v, a)
   local qs, ks, vs = contiguous(self, q), contiguous(self, k), contiguous(self, v)
   local probs = self:alloc(a.B * a.H * a.Tq * a.Tk * F, 'attention')
   local out = result(self, a.B * a.Tq * a.H * a.D * F, 'activations')
+  if self.kernels == 'cuda' then self:cuda_temporary(a.B * a.H * a.Tq * F) end   -- the lse of the fused pass
   local function rule(sim)
+    if sim.kernels == 'cuda' then   -- out, delta and lse recomputed (kernels/cuda/attention.cu)
+      sim:cuda_temporary(a.B * a.H * a.Tq * (a.D + 2) * F)
+      return
+    end
     local rep, nt = a.H / a.Hkv, a.threads
     local nrb, nkb = math.ceil(a.Tq / 64), math.ceil(a.Tk / 64)
     local stride = math.ceil(a.Tq * a.Tk / 16) * 16
@@ -375,17 +417,40 @@ end
 -- storage), output and log-sum-exp saved, K tile scratch in forward, Q/dO tiles + two dQ
 -- partial-sum buffers + delta in backward (kernels/cpu/flash_attention.c
 -- flash_attention_scratch_floats)
+-- The CUDA kernels take no scratch from the pool (one float, the minimum) but stream-ordered
+-- temporaries (kernels/cuda/attention.cu): in bf16 copies of q, k, v (and dO in backward); at
+-- head dims 32 / 64 / 128 in bf16 the fused kernels need nothing else, otherwise the chunked
+-- path's scores (and probabilities / dS in backward) for a chunk of ~64 Mi / Tk query rows.
+local function cuda_flash_temporaries(a, precision, backward)
+  local nq, nk = a.B * a.Tq * a.H * a.D, a.B * a.Tk * a.Hkv * a.D
+  local bf16 = precision == 'bf16'
+  local bytes = bf16 and (nq + 2 * nk + (backward and nq or 0)) * 2 or 0
+  if not (bf16 and (a.D == 32 or a.D == 64 or a.D == 128)) then
+    local rows = tonumber(os.getenv('ULY_CUDA_ATTN_CHUNK') or '') or math.max(16, math.floor(2 ^ 26 / math.max(a.Tk, 1) / 16) * 16)
+    local per = math.min(rows, a.Tq) * math.max(a.Tk, 1)
+    bytes = bytes + per * (backward and 2 or 1) * (F + (bf16 and 2 or 0))
+  end
+  return bytes
+end
+
 local function attention_flash(self, q, k, v, a)
   local nqt, nkt = math.ceil(a.Tq / 64), math.ceil(a.Tk / 64)
   local kt, qt = a.B * a.Hkv * nkt * a.D * 64, a.B * a.H * nqt * a.D * 64
   local lse = self:alloc(a.B * a.H * a.Tq * F, 'attention')
   local out = result(self, a.B * a.Tq * a.H * a.D * F, 'activations')
-  self:scratch(kt * F, 'attention')
+  local cuda = self.kernels == 'cuda'
+  self:scratch(cuda and F or kt * F, 'attention')
+  if cuda then self:cuda_temporary(cuda_flash_temporaries(a, self.precision, false)) end
   local Dp = math.ceil(a.D / 16) * 16
   local dq_groups = 2 * a.B * a.H * nqt * 64 * Dp    -- DQ_GROUPS = 2 partial dQ buffers
   local function rule(sim)
     local delta = sim:alloc(a.B * a.H * a.Tq * F, 'backward')
-    sim:scratch((2 * qt + dq_groups) * F, 'attention')   -- Q^T and dO^T tiles + the dQ groups
+    if cuda then
+      sim:scratch(F, 'attention')
+      sim:cuda_temporary(cuda_flash_temporaries(a, sim.precision, true))
+    else
+      sim:scratch((2 * qt + dq_groups) * F, 'attention')   -- Q^T and dO^T tiles + the dQ groups
+    end
     sim:unref(delta)
   end
   self:record(out, { q, k, v }, { q.s, k.s, v.s, out.s, lse }, rule)
@@ -692,6 +757,20 @@ function M.config(cfg)
   c.checkpoint = cfg.checkpoint == true or cfg.checkpoint == 1
   c.tile = cfg.tile and cfg.tile > 0 and cfg.tile or nil
   c.threads = cfg.threads or tonumber(os.getenv('OMP_NUM_THREADS') or '') or 2
+  -- the device the step runs on, the kernels behind it (the simulation runs the CPU's), its
+  -- memory and the matmul precision
+  c.device = cfg.device or 'cpu'
+  if c.device ~= 'cpu' and c.device ~= 'cuda' then error("plan: device must be 'cpu' or 'cuda', got " .. tostring(c.device), 3) end
+  c.kernels = cfg.kernels or c.device
+  if c.kernels ~= 'cpu' and c.kernels ~= 'cuda' then error("plan: kernels must be 'cpu' or 'cuda', got " .. tostring(c.kernels), 3) end
+  c.device_memory = cfg.device_memory or M.H200_MEMORY
+  c.precision = cfg.precision or 'f32'
+  if c.precision ~= 'f32' and c.precision ~= 'bf16' then
+    error("plan: precision must be 'f32' or 'bf16', got " .. tostring(c.precision), 3)
+  end
+  if c.precision == 'bf16' and c.kernels ~= 'cuda' then   -- the CPU's rounded operand copies are not replayed
+    error('plan: bf16 matmuls only with the CUDA kernels (--device cuda); on the CPU plan in f32', 3)
+  end
   if model == 'llama' then
     c.kv_heads = cfg.kv_heads or preset.kv_heads or c.heads
     c.hidden = cfg.hidden or preset.hidden or mod.hidden_for(c.dim)
@@ -741,7 +820,7 @@ M.count_params = count_params
 -- model and optimizer are taken as built, and one step is replayed by default).
 function M.estimate(cfg)
   local c = M.config(cfg)
-  local sim = new_sim(cfg.gc_next)
+  local sim = new_sim(c, cfg.gc_next)
   local frame = sim:enter()
   local model = build_params(sim, c)
   local opt = {}
@@ -836,12 +915,18 @@ function M.report(est)
       c.layers, c.heads, c.kv_heads, c.hidden, c.vocab, est.params)
   add('N = %d, P = %d (%d tokens on this rank), batch %d, attention %s%s, checkpoint %s, tile %s', c.seq_total, c.sp,
       c.n, c.batch, c.attention, c.window and (' window ' .. c.window) or '', tostring(c.checkpoint), tostring(c.tile))
+  if c.device == 'cuda' then
+    add('device cuda (%s kernels, %s GiB), matmul precision %s', c.kernels, string.format('%.1f', c.device_memory / GiB),
+        c.precision)
+  end
   add('peak per rank (in the %s), by part:', est.phase)
   for _, k in ipairs(M.PARTS) do
     add('  %-14s %12s   %s', k, fmt(est.parts[k]), M.PART_HELP[k])
   end
   add('  %-14s %12s   (the allocator high-water mark, uly.memory().peak)', 'total', fmt(est.total))
-  add('  %-14s %12s   kernel scratch malloc\'ed outside the allocator (reference attention dS)', 'untracked', fmt(est.untracked))
+  add('  %-14s %12s   %s', 'untracked', fmt(est.untracked), c.kernels == 'cuda'
+      and "the CUDA kernels' largest stream-ordered temporaries (bf16 operand copies, score chunks)"
+      or "kernel scratch malloc'ed outside the allocator (reference attention dS)")
   add('  %-14s %12s', 'total + untracked', fmt(est.with_untracked))
   return table.concat(lines, '\n')
 end
@@ -858,7 +943,9 @@ local function main(args)
     if v == nil then error('plan: --' .. key .. ' needs a value', 0) end
     if key == 'budget' then budget = parse_bytes(v)
     elseif key == 'checkpoint' then cfg.checkpoint = v == '1' or v == 'true'
-    elseif key == 'model' or key == 'preset' or key == 'attention' then cfg[key] = v
+    elseif key == 'model' or key == 'preset' or key == 'attention' or key == 'device' or key == 'kernels'
+      or key == 'precision' then cfg[key] = v
+    elseif key == 'gpu-memory' then cfg.device_memory = parse_bytes(v)
     elseif numeric[key] then
       cfg[key] = tonumber(v) or error('plan: --' .. key .. ' expects a number, got ' .. v, 0)
     else error('plan: unknown option --' .. key, 0) end

@@ -51,6 +51,7 @@ M.last_error = last_error
 local GC_MIN_GROWTH = 64 * 2 ^ 20
 local gc_next = GC_MIN_GROWTH
 local function held_bytes() return tonumber(C.uly_memory_allocated()) + tonumber(C.uly_device_memory_allocated(1)) end
+M.held_bytes = held_bytes   -- bytes held by tensors on the host and the device together
 local function collect_if_grown()
   local held = held_bytes()
   if held > gc_next then

@@ -12,6 +12,8 @@ return function(nn, U)
   local pending = {}       -- id -> replay closure, until the C node is freed
   local next_id = 0
   local released = ffi.new('int64_t[64]')
+  -- bytes held by tensors, host and device together: segments run on either
+  local function held() return require('ulysses.tensor').held_bytes() end
 
   local function sweep(C)
     while true do
@@ -52,11 +54,11 @@ return function(nn, U)
     end
     if #tensors > 4 then error('nn.checkpoint: at most 4 tensor arguments, got ' .. #tensors, 2) end
     local rng = uly.rng_state()
-    local before = uly.memory().allocated
+    local before = held()
     local y = uly.no_grad(fn, ...)
     -- the segment's temporaries are garbage now: free them before the next segment runs, or the
     -- peak would not go down (LuaJIT's collector does not see their C memory)
-    if uly.memory().allocated - before > 2 ^ 20 then collectgarbage() end
+    if held() - before > 2 ^ 20 then collectgarbage() end
     if not uly.is_tensor(y) then error('nn.checkpoint: the function must return one tensor', 2) end
     sweep(C)
     next_id = next_id + 1
@@ -126,7 +128,7 @@ return function(nn, U)
     uly.no_grad(function()
       for i, s0 in ipairs(starts) do
         rngs[i] = uly.rng_state()
-        local before = uly.memory().allocated
+        local before = held()
         local y = call(slice(x, s0), s0)
         if reduce == 'sum' then total = total and (total + y) or y:clone()
         else
@@ -138,7 +140,7 @@ return function(nn, U)
           slice(out, s0):copy_(y)
         end
         y = nil
-        if uly.memory().allocated - before > 2 ^ 20 then collectgarbage() end
+        if held() - before > 2 ^ 20 then collectgarbage() end
       end
     end)
     local result = reduce == 'sum' and total or out
@@ -152,7 +154,7 @@ return function(nn, U)
       local now = uly.rng_state()
       local ok, err = pcall(function()
         for i, s0 in ipairs(starts) do
-          local before = uly.memory().allocated
+          local before = held()
           uly.set_rng_state(rngs[i])
           local xs = slice(x, s0):detach()
           if gin[0] ~= nil then xs = xs:contiguous():requires_grad_(true) end
@@ -164,7 +166,7 @@ return function(nn, U)
             T.check(C.uly_tensor_accumulate_(view._h, xs.grad._h))
           end
           y, xs = nil, nil
-          if uly.memory().allocated - before > 2 ^ 20 then collectgarbage() end   -- this slice's graph
+          if held() - before > 2 ^ 20 then collectgarbage() end   -- this slice's graph
         end
       end)
       uly.set_rng_state(now)
