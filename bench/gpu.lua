@@ -173,6 +173,8 @@ if opts.step then
   end), { dtype = 'i32' }):cuda()
   uly.matmul_precision('bf16')
   uly.reset_peak_memory('cuda')
+  uly.synchronize('cuda')
+  uly.cuda.temporaries_peak(true)
   local losses = {}
   local step_s = time(function()
     opt:zero_grad()
@@ -187,4 +189,12 @@ if opts.step then
         model:flops_per_token(T) / 1e9, losses[1], losses[#losses]))
   print(('step %.2f s, %.0f tokens/s, %.1f TFLOP/s, MFU %.1f%%, peak device memory %.1f GiB'):format(step_s, T / step_s,
         tf(flops, step_s), 100 * flops / step_s / peak, uly.memory('cuda').peak / 2^30))
+  -- the memory planner's GPU mode next to what the step took (pool peak; kernels' temporaries)
+  local plan = require 'tools.plan'
+  local est = plan.estimate { model = 'llama', preset = preset, seq = T, checkpoint = true, tile = math.min(T, 4096),
+                              device = 'cuda', precision = 'bf16', device_memory = uly.memory('cuda').limit }
+  local temporaries = uly.cuda.temporaries_peak()
+  print(('memory: pool peak %s (planner %s), kernels\' temporaries %s (planner %s)'):format(
+    plan.format_bytes(uly.memory('cuda').peak), plan.format_bytes(est.total),
+    temporaries and plan.format_bytes(temporaries) or 'n/a', plan.format_bytes(est.untracked)))
 end

@@ -577,6 +577,62 @@ describe('fused tensor-core attention (mixed precision)', function()
   end)
 end)
 
+-- the memory planner's GPU mode (tools/plan.lua --device cuda) against the CUDA kernels: the
+-- device pool's peak of one step, and the high-water mark of the kernels' stream-ordered
+-- temporaries (bf16 operand copies, attention score chunks) that it reports as untracked
+describe('memory planner on the CUDA kernels', function()
+  it('predicts the pool peak within 10 % and the kernels\' temporaries', function()
+    if not REAL then return end   -- the simulation runs the CPU kernels: spec/plan_spec.lua covers it
+    use_device()
+    local pm, plan = require 'plan_measure', require 'tools.plan'
+    local limit = uly.memory('cuda').limit
+    uly.memory_limit(2 ^ 30, 'cuda')
+    local base = { model = 'llama', preset = 'small', dim = 128, heads = 4, kv_heads = 4, hidden = 256, layers = 2,
+                   seq = 256, attention = 'flash', device = 'cuda', kernels = 'cuda' }
+    for _, extra in ipairs { { precision = 'bf16' }, { precision = 'f32' },
+                             { precision = 'bf16', checkpoint = true, tile = 64 } } do
+      local pc = {}
+      for k, v in pairs(base) do pc[k] = v end
+      for k, v in pairs(extra) do pc[k] = v end
+      local what = ('%s%s'):format(pc.precision, pc.checkpoint and ', checkpoint + tile' or '')
+      helpers.reseed(44)
+      local peak, est, temporaries = pm.measure(pc)
+      local ratio = est.total / peak
+      assert(ratio > 0.9 and ratio < 1.1, ('%s: pool: planner %s vs measured %s'):format(what,
+             plan.format_bytes(est.total), plan.format_bytes(peak)))
+      -- the emulator allocates exactly what is asked; a GPU's pool may round each block up
+      local slack = MODE == 'emu' and 0 or math.max(0.1 * est.untracked, 4 * 2 ^ 20)
+      assert(temporaries >= est.untracked - slack and temporaries <= est.untracked + slack,
+             ('%s: temporaries: planner %d vs measured %d bytes'):format(what, est.untracked, temporaries))
+    end
+    uly.memory_limit(limit, 'cuda')
+    release_device()
+  end)
+
+  it('knows what each attention path takes outside the pool (fused, chunked bf16, chunked f32)', function()
+    if not REAL then return end
+    use_device()
+    local plan = require 'tools.plan'
+    for _, case in ipairs { { 'bf16', 32, 'fused' }, { 'bf16', 16, 'chunked' }, { 'f32', 32, 'chunked' } } do
+      local precision, D, path = case[1], case[2], case[3]
+      local a = { B = 2, Tq = 90, Tk = 90, H = 4, Hkv = 2, D = D }
+      local q = uly.randn(a.B, a.Tq, a.H, D, { device = 'cuda' }):requires_grad_()
+      local k = uly.randn(a.B, a.Tk, a.Hkv, D, { device = 'cuda' }):requires_grad_()
+      local v = uly.randn(a.B, a.Tk, a.Hkv, D, { device = 'cuda' }):requires_grad_()
+      uly.matmul_precision(precision)
+      uly.synchronize('cuda')
+      assert(uly.cuda.temporaries_peak(true))
+      uly.flash_attention(q, k, v, { causal = true }):sum():backward()
+      local measured = assert(uly.cuda.temporaries_peak())
+      uly.matmul_precision('f32')
+      local want = math.max(plan.cuda_flash_temporaries(a, precision, false), plan.cuda_flash_temporaries(a, precision, true))
+      local slack = MODE == 'emu' and 0 or 4 * 2 ^ 20
+      assert(math.abs(measured - want) <= slack, ('%s %s: planner %d vs measured %d bytes'):format(precision, path, want, measured))
+    end
+    release_device()
+  end)
+end)
+
 describe('bench/gpu.lua', function()
   it('runs its whole code path on the simulation or the emulator (--quick), printing every table', function()
     if MODE == 'cuda' then return end   -- scripts/gpu-check.sh runs the real benchmark

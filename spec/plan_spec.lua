@@ -5,88 +5,9 @@
 local uly = require 'ulysses'
 local helpers = require 'helpers'
 local plan = require 'tools.plan'
-local T = require 'ulysses.tensor'
+local pm = require 'plan_measure'
 
-local function upvalue(f, name)
-  for i = 1, 200 do
-    local n, v = debug.getupvalue(f, i)
-    if not n then return nil end
-    if n == name then return v end
-  end
-end
-
--- the collector threshold of lua/ulysses/tensor.lua's wrap (the planner replays it)
-local function gc_next()
-  local f = upvalue(T.wrap, 'collect_if_grown')
-  local v = f and upvalue(f, 'gc_next')
-  assert(type(v) == 'number', 'plan_spec: cannot read the collector threshold of ulysses.tensor wrap')
-  return v
-end
-
-local ids = helpers.token_ids
-
--- free what earlier specs left: dropped tensors, and the replay closures of checkpointed or
--- tiled segments whose graphs are gone (they hold their inputs until swept)
-local function held_bytes(dev)
-  return uly.memory().allocated + ((dev and dev ~= 'cpu') and uly.memory(dev).allocated or 0)
-end
-local function collect(dev)
-  local held
-  repeat
-    held = held_bytes(dev)
-    collectgarbage(); collectgarbage()
-    uly.nn.checkpoint_pending()
-  until held_bytes(dev) == held
-end
-
--- build the model and AdamW, then one step as train.lua runs it; returns measured peak and the
--- planner's estimate, both counted from the bytes held before the model existed
--- pc.device = 'cuda': the model, its step and the measured pool are the device's (the simulation
--- here: device pools, the CPU's kernels); the collector still counts host and device bytes
-local function measure(pc, grid)
-  local dev = pc.device or 'cpu'
-  collect(dev)
-  local base = uly.memory(dev).allocated
-  local Model = require(pc.model == 'gpt' and 'models.gpt' or 'models.llama')
-  local mc = { preset = pc.preset, seq = pc.seq, checkpoint = pc.checkpoint, tile = pc.tile, window = pc.window,
-               attention = pc.attention, sp = grid and pc.sp or nil }
-  local m = Model(mc):to(dev)
-  local opt = uly.optim.AdamW(m:parameters())
-  local B, N, P = pc.batch or 1, pc.seq, pc.sp or 1
-  collect(dev)
-  local threshold = gc_next()
-  local outside = held_bytes(dev) - uly.memory(dev).allocated + base   -- held, but not the step's pool
-  -- Two things free dropped tensors earlier than the package's growth trigger, by amounts that
-  -- vary run to run: LuaJIT's incremental collector (paced by unrelated Lua allocations, e.g.
-  -- busted's timing strings) and compiled traces, which decide whether a dead local still holds
-  -- a tensor (LuaJIT seeds its trace penalties randomly). Either can only lower the real peak.
-  -- Measure the step with both out of the way, so exactly what the planner models happens (its
-  -- estimate is the upper bound; the explicit full collections still run).
-  collectgarbage('stop')
-  jit.flush()
-  jit.off()
-  uly.reset_peak_memory(dev)
-  local lo, n = 0, N
-  if grid then lo, n = uly.dist.split(N, P, grid.sp_group:rank()) end
-  local x, y = ids(B, n, m.config.vocab):to(dev), ids(B, n, m.config.vocab):to(dev)
-  opt:zero_grad()
-  local loss = m:loss(x, y, { pos = lo, seq_total = N })
-  loss:backward()
-  if grid then uly.dist.all_reduce_grads(m:parameters(), grid.world_group) end
-  opt:step()
-  local peak = uly.memory(dev).peak - base
-  jit.on()
-  collectgarbage('restart')
-  local cfg = {}
-  for k, v in pairs(pc) do cfg[k] = v end
-  cfg.gc_next = threshold - outside
-  cfg.world = grid and grid.world or 1
-  if dev ~= 'cpu' then cfg.device_memory = uly.memory(dev).limit end
-  local est = plan.estimate(cfg)
-  loss, x, y, m, opt = nil, nil, nil, nil, nil
-  collect(dev)
-  return peak, est
-end
+local measure, collect = pm.measure, pm.collect
 
 local function check(pc, grid)
   local peak, est = measure(pc, grid)

@@ -433,6 +433,8 @@ local function cuda_flash_temporaries(a, precision, backward)
   return bytes
 end
 
+M.cuda_flash_temporaries = cuda_flash_temporaries
+
 local function attention_flash(self, q, k, v, a)
   local nqt, nkt = math.ceil(a.Tq / 64), math.ceil(a.Tk / 64)
   local kt, qt = a.B * a.Hkv * nkt * a.D * 64, a.B * a.H * nqt * a.D * 64

@@ -32,6 +32,10 @@ const void *uly_cuda_backend(void);
 /* benchmarks: seconds per raw cuBLAS GEMM (M x K @ K x N, TF32 or bf16 inputs, f32 out) */
 int uly_cuda_cublas_gemm_seconds(int64_t M, int64_t N, int64_t K, int bf16, int iters, double *seconds);
 
+/* the kernels' stream-ordered temporaries (bf16 operand copies, score chunks; cudaMallocAsync):
+ * the most bytes in use at once since the last reset (reset = 1 starts over after reading) */
+int uly_cuda_temporaries_peak(int64_t *bytes, int reset);
+
 /* kernels: p[0..n) = v on the current device, synchronised */
 int uly_cuda_fill_f32(float *p, int64_t n, float v);
 

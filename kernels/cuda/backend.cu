@@ -129,6 +129,24 @@ static const uly_backend table = {
     cu_optim_adamw_multi,
 };
 
+extern "C" int uly_cuda_temporaries_peak(int64_t *bytes, int reset) {
+    *bytes = 0;
+    if (!async_pool) { uly_cuda_record_error("the CUDA backend is not started (or its device has no memory pool)"); return -1; }
+    cudaError_t e = cudaStreamSynchronize(uly_cu_stream);
+    uint64_t high = 0;
+    if (e == cudaSuccess) e = cudaMemPoolGetAttribute(async_pool, cudaMemPoolAttrUsedMemHigh, &high);
+    uint64_t zero = 0;
+    if (e == cudaSuccess && reset) e = cudaMemPoolSetAttribute(async_pool, cudaMemPoolAttrUsedMemHigh, &zero);
+    if (e != cudaSuccess) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "reading the temporaries' pool: %s", cudaGetErrorString(e));
+        uly_cuda_record_error(msg);
+        return -1;
+    }
+    *bytes = (int64_t)high;
+    return 0;
+}
+
 extern "C" const void *uly_cuda_backend(void) {
     if (started) return &table;
     int n = uly_cuda_device_count();

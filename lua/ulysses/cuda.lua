@@ -101,6 +101,17 @@ function M.driver_version()
   return lib and lib.uly_cuda_driver_version() or 0
 end
 
+-- the most bytes the CUDA kernels' stream-ordered temporaries (bf16 operand copies, attention
+-- score chunks; outside uly.memory('cuda')) held at once since the last reset; reset = true
+-- starts over. nil and the reason when the CUDA backend is not running (the simulation has none).
+function M.temporaries_peak(reset)
+  local lib = state and state.lib
+  if not lib or base.C.uly_device_available(1) == 0 then return nil, 'the CUDA backend is not running' end
+  local out = ffi.new('int64_t[1]')
+  if lib.uly_cuda_temporaries_peak(out, reset and 1 or 0) ~= 0 then return nil, ffi.string(lib.uly_cuda_last_error()) end
+  return tonumber(out[0])
+end
+
 -- Make device 'cuda' usable: returns true, or false and the reason. Registers the CUDA library's
 -- backend table with the core on first use (one device, its stream and cuBLAS handle). With
 -- ULY_CUDA_SIMULATE=1 in the environment the host-memory simulation stands in instead (runs the

@@ -303,7 +303,8 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
     if (in_use + bytes > emu_total()) return fail(cudaErrorMemoryAllocation);
     void *q = NULL;
     if (posix_memalign(&q, 256, bytes + 256)) return fail(cudaErrorMemoryAllocation);
-    *(size_t *)q = bytes;
+    ((size_t *)q)[0] = bytes;
+    ((size_t *)q)[1] = 0;   /* 1: from the stream-ordered pool */
     in_use += bytes;
     *p = (char *)q + 256;
     return cudaSuccess;
@@ -315,8 +316,22 @@ cudaError_t cudaFree(void *p) {
     free(q);
     return cudaSuccess;
 }
-cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t) { return cudaMalloc(p, bytes); }
-cudaError_t cudaFreeAsync(void *p, cudaStream_t) { return cudaFree(p); }
+/* stream-ordered allocations: device memory as any other, also counted as the pool's use */
+static uint64_t async_used, async_high;
+cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t) {
+    cudaError_t e = cudaMalloc(p, bytes);
+    if (e != cudaSuccess) return e;
+    ((size_t *)((char *)*p - 256))[1] = 1;   /* from the pool */
+    async_used += bytes;
+    if (async_used > async_high) async_high = async_used;
+    return cudaSuccess;
+}
+cudaError_t cudaFreeAsync(void *p, cudaStream_t) {
+    if (!p) return cudaSuccess;
+    size_t *head = (size_t *)((char *)p - 256);
+    if (head[1]) async_used -= head[0];
+    return cudaFree(p);
+}
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind) { if (bytes) memmove(dst, src, bytes); return cudaSuccess; }
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind k, cudaStream_t) { return cudaMemcpy(dst, src, bytes, k); }
 cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t) { if (bytes) memset(p, value, bytes); return cudaSuccess; }
@@ -335,13 +350,22 @@ const char *cudaGetErrorString(cudaError_t e) {
 cudaError_t cudaRuntimeGetVersion(int *v) { *v = 13000; return cudaSuccess; }
 cudaError_t cudaDriverGetVersion(int *v) { *v = 13000; return cudaSuccess; }
 
-/* cudaMallocAsync is cudaMalloc here: the pool has nothing to keep or trim */
+/* the default memory pool: nothing to keep or trim (cudaMallocAsync is cudaMalloc), its use counted */
 cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t *pool, int dev) {
     if (dev != 0) return fail(cudaErrorInvalidValue);
     *pool = (cudaMemPool_t)1;
     return cudaSuccess;
 }
-cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t, cudaMemPoolAttr, void *) { return cudaSuccess; }
+cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t, cudaMemPoolAttr attr, void *value) {
+    if (attr == cudaMemPoolAttrUsedMemHigh) async_high = *(uint64_t *)value ? async_high : async_used;
+    return cudaSuccess;
+}
+cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t, cudaMemPoolAttr attr, void *value) {
+    if (attr == cudaMemPoolAttrUsedMemHigh) *(uint64_t *)value = async_high;
+    else if (attr == cudaMemPoolAttrUsedMemCurrent) *(uint64_t *)value = async_used;
+    else return fail(cudaErrorInvalidValue);
+    return cudaSuccess;
+}
 cudaError_t cudaMemPoolTrimTo(cudaMemPool_t, size_t) { return cudaSuccess; }
 
 struct uly_emu_event { double t; };

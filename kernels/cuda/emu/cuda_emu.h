@@ -130,9 +130,11 @@ const char *cudaGetErrorString(cudaError_t e);
 cudaError_t cudaRuntimeGetVersion(int *v);
 cudaError_t cudaDriverGetVersion(int *v);
 typedef struct uly_emu_mempool *cudaMemPool_t;
-typedef enum cudaMemPoolAttr { cudaMemPoolAttrReleaseThreshold = 4 } cudaMemPoolAttr;
+typedef enum cudaMemPoolAttr { cudaMemPoolAttrReleaseThreshold = 4, cudaMemPoolAttrUsedMemCurrent = 7,
+                               cudaMemPoolAttrUsedMemHigh = 8 } cudaMemPoolAttr;
 cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t *pool, int dev);
 cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void *value);
+cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void *value);
 cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t keep);
 cudaError_t cudaEventCreate(cudaEvent_t *e);
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
