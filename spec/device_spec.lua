@@ -564,6 +564,14 @@ describe('fused tensor-core attention (mixed precision)', function()
     end, { uly.randn(1, T, 2, 32), uly.randn(1, T, 2, 32), uly.randn(1, T, 2, 32) })
   end)
 
+  it('one query against a long cache, GQA 4:1, large logits (D = 64)', function()
+    helpers.reseed(35)
+    -- decoding: Tq = 1 sits at the end of 200 keys (causal sees them all); q scaled by 16 (exact
+    -- in bf16) makes the online softmax rescale by large factors from tile to tile
+    against_cpu(function(q, k, v) return uly.flash_attention(q * 16, k, v, { causal = true }) end,
+      { uly.randn(2, 1, 8, 64), uly.randn(2, 200, 2, 64), uly.randn(2, 200, 2, 64) })
+  end)
+
   it('documents, a sliding window and rows that see nothing (D = 128)', function()
     helpers.reseed(34)
     -- query document 9 appears among no keys: those rows give 0 and pass no gradient

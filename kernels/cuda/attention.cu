@@ -106,14 +106,22 @@ __global__ static void write_probs(float *probs, const float *lse, geom g) {
 
 /* ---- backward ---- */
 /* delta[b, h, i] = dout_i . out_i */
-__global__ static void flash_delta(float *delta, const float *dout, const float *out, geom g) {
+__device__ static inline float as_f32(float x) { return x; }
+__device__ static inline float as_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+/* delta_i = dO_i . O_i; with dO the bf16 copy the bf16 GEMMs use, so that sum_j P_ij dP_ij =
+ * delta_i holds for the rounded dO too (a row with one visible key then gets dS = 0, not the
+ * rounding error of dO) */
+template <typename T>
+__global__ static void flash_delta(float *delta, const T *dout, const float *out, geom g) {
     int lane = threadIdx.x & 31;
     int64_t row = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5), rows = g.B * g.H * g.Tq;
     if (row >= rows) return;
     int64_t i = row % g.Tq, h = (row / g.Tq) % g.H, b = row / (g.Tq * g.H);
-    const float *d = dout + ((b * g.Tq + i) * g.H + h) * g.D, *o = out + ((b * g.Tq + i) * g.H + h) * g.D;
+    const T *d = dout + ((b * g.Tq + i) * g.H + h) * g.D;
+    const float *o = out + ((b * g.Tq + i) * g.H + h) * g.D;
     float s = 0.0f;
-    for (int64_t e = lane; e < g.D; e += 32) s += d[e] * o[e];
+    for (int64_t e = lane; e < g.D; e += 32) s += as_f32(d[e]) * o[e];
     s = warp_sum(s);
     if (lane == 0) delta[(b * g.H + h) * g.Tq + i] = s;
 }
@@ -226,7 +234,7 @@ static int backward(float *dq, float *dk, float *dv, const float *dout, const fl
     if (check_dims(op, g)) return -1;
     int64_t qrows = g.B * g.H * g.Tq, krows = g.B * g.Hkv * g.Tk;
     if (qrows == 0) return 0;
-    ULY_LAUNCH(flash_delta, warps_grid(qrows), 32 * WARPS, uly_cu_stream)(delta, dout, out, g);
+    ULY_LAUNCH(flash_delta<float>, warps_grid(qrows), 32 * WARPS, uly_cu_stream)(delta, dout, out, g);
     ULY_CU_LAUNCHED("flash_delta");
     if (dq) {
         ULY_LAUNCH(flash_dq, warps_grid(qrows), 32 * WARPS, uly_cu_stream)(dq, dout, lse, probs, delta, g);
@@ -447,11 +455,15 @@ extern "C" int cu_flash_backward(float *dq, float *dk, float *dv, const float *d
     int64_t qrows = g.B * g.H * g.Tq;
     if (qrows == 0) return 0;
     if (!uly_cu_cublas()) { uly_cu_fail_msg("flash_attention_backward", "no cuBLAS handle"); return 0; }
-    ULY_LAUNCH(flash_delta, warps_grid(qrows), 32 * WARPS, uly_cu_stream)(delta, dout, out, g);
-    ULY_CU_LAUNCHED("flash_delta");
     operands op;
     operands_make(&op, g, dout);
     if (p->bf16 && operands_bf16(&op, g, dout)) return 0;
+    if (op.bf16)
+        ULY_LAUNCH(flash_delta<__nv_bfloat16>, warps_grid(qrows), 32 * WARPS, uly_cu_stream)(
+            delta, (const __nv_bfloat16 *)op.dout, out, g);
+    else
+        ULY_LAUNCH(flash_delta<float>, warps_grid(qrows), 32 * WARPS, uly_cu_stream)(delta, dout, out, g);
+    ULY_CU_LAUNCHED("flash_delta");
     if (op.bf16 && uly_cu_fused_attention_ok(g)) {
         uly_cu_fused_attention_backward(dq, dk, dv, g, (const __nv_bfloat16 *)op.q, (const __nv_bfloat16 *)op.k,
                                         (const __nv_bfloat16 *)op.v, (const __nv_bfloat16 *)op.dout, lse, delta);

@@ -14,10 +14,11 @@
  *    dK += dS^T Q;
  *  - dQ: a block per 64 query rows; each warp walks 32-key tiles: S and dP again, dQ += dS K.
  * Tiles arrive by cp.async: in the forward the next K loads during the softmax and P V, the next
- * V during S; in dQ the next V during dS and the dQ GEMM.
+ * V during S; in dQ the next V during dS and the dQ GEMM; in dK/dV the next Q and dO into a second
+ * buffer (64 KiB of dynamic shared memory at D = 128) during the whole tile.
  * Tiles no pair of which is visible are skipped (band, block-sparse layout); tiles wholly visible
  * skip the per-element mask. Shared tiles are swizzled in 16-byte chunks so that ldmatrix reads
- * conflict-free; static shared memory stays within 48 KiB at D = 128.
+ * conflict-free; the forward and dQ keep within 48 KiB of static shared memory at D = 128.
  * Head dims 32, 64 and 128; attention.cu runs everything else (and f32 precision) on its chunked
  * cuBLAS path. ULY_CUDA_ATTN=chunked forces that path for comparisons. */
 #include <stdlib.h>
@@ -36,20 +37,9 @@ __device__ static inline int sw_at(int r, int c) {
     return r * CH + (c ^ (r & SW));
 }
 
-/* rows [r0, r0 + ROWS) of a bf16 matrix with `stride`-element rows into a swizzled shared tile;
- * rows at or past `nrows` are zeros */
-template <int D, int ROWS>
-__device__ static inline void load_tile(uint4 *s, const bf16 *src, int64_t r0, int64_t nrows, int64_t stride) {
-    constexpr int CH = D / 8;
-    for (int e = threadIdx.x; e < ROWS * CH; e += FA_THREADS) {
-        int r = e / CH, c = e % CH;
-        uint4 v = {0u, 0u, 0u, 0u};
-        if (r0 + r < nrows) v = *(const uint4 *)(src + (r0 + r) * stride + c * 8);
-        s[sw_at<D>(r, c)] = v;
-    }
-}
-
-/* the same, queued as cp.async copies (the caller commits the group and waits for it) */
+/* rows [r0, r0 + ROWS) of a bf16 matrix with `stride`-element rows into a swizzled shared tile
+ * (rows at or past `nrows` are zeros), queued as cp.async copies: the caller commits the group
+ * and waits for it */
 template <int D, int ROWS>
 __device__ static inline void load_tile_async(uint4 *s, const bf16 *src, int64_t r0, int64_t nrows, int64_t stride) {
     constexpr int CH = D / 8;
@@ -80,6 +70,12 @@ __device__ static inline void acc_to_a(uint32_t a[4], const float l[4], const fl
     a[1] = mma_pack_bf16(l[2], l[3]);
     a[2] = mma_pack_bf16(r[0], r[1]);
     a[3] = mma_pack_bf16(r[2], r[3]);
+}
+
+/* c0 += a b[0..1] and c1 += a b[2..3]: two adjacent n8 tiles from one ldmatrix_x4 B fragment */
+__device__ static inline void mma_two(float c0[4], float c1[4], const uint32_t a[4], const uint32_t b[4]) {
+    mma_bf16_16816(c0, a, b);
+    mma_bf16_16816(c1, a, b + 2);
 }
 
 __device__ static inline float quad_max(float v) {
@@ -176,8 +172,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
             for (int np = 0; np < 4; np++) {
                 uint32_t bb[4];
                 ldmatrix_x4(bb, frag_b<D>(sK, np * 16, 2 * kk));
-                mma_bf16_16816(s[2 * np], qa[kk], bb);
-                mma_bf16_16816(s[2 * np + 1], qa[kk], bb + 2);
+                mma_two(s[2 * np], s[2 * np + 1], qa[kk], bb);
             }
         __syncthreads();   /* every warp is done with K */
         int st_next = TILE_EMPTY;
@@ -229,8 +224,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
             for (int np = 0; np < KS; np++) {
                 uint32_t bb[4];
                 ldmatrix_x4_trans(bb, frag_a<D>(sV, kk * 16, 2 * np));
-                mma_bf16_16816(o[2 * np], pa, bb);
-                mma_bf16_16816(o[2 * np + 1], pa, bb + 2);
+                mma_two(o[2 * np], o[2 * np + 1], pa, bb);
             }
         }
         __syncthreads();   /* every warp is done with V */
@@ -258,6 +252,30 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
 }
 
 /* ---- backward: dK and dV ---- */
+/* the two products of a backward tile for this warp's 16 rows (rows warp * 16 .. of a1 and a2)
+ * against 32 rows of b1 and b2, contracted over D: s = a1 b1^T, dp = a2 b2^T, each 16 x 32 in
+ * accumulator layout (four n8 tiles) */
+template <int D>
+__device__ static inline void two_products(float s[4][4], float dp[4][4], const uint4 *a1, const uint4 *b1,
+                                           const uint4 *a2, const uint4 *b2, int warp) {
+#pragma unroll
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t x[4], y[4];
+        ldmatrix_x4(x, frag_a<D>(a1, warp * 16, 2 * kk));
+        ldmatrix_x4(y, frag_a<D>(a2, warp * 16, 2 * kk));
+#pragma unroll
+        for (int np = 0; np < 2; np++) {
+            uint32_t bx[4], by[4];
+            ldmatrix_x4(bx, frag_b<D>(b1, np * 16, 2 * kk));
+            mma_two(s[2 * np], s[2 * np + 1], x, bx);
+            ldmatrix_x4(by, frag_b<D>(b2, np * 16, 2 * kk));
+            mma_two(dp[2 * np], dp[2 * np + 1], y, by);
+        }
+    }
+}
 /* the query rows that can see some key of [j0, j1]: the inverse of the causal / window band */
 __device__ static inline void query_span(const geom &g, int64_t j0, int64_t j1, int64_t *i_lo, int64_t *i_hi) {
     int64_t off = g.Tk - g.Tq, a = 0, z = g.Tq - 1;
@@ -268,86 +286,103 @@ __device__ static inline void query_span(const geom &g, int64_t j0, int64_t j1, 
     *i_hi = z;
 }
 
+/* the next 32-query tile, head-major over the G query heads sharing kv head hk, at or after
+ * (*h, *i0) with a visible pair against keys [j0, j0 + 63]; 0 when none is left */
+__device__ static inline int next_query_tile(const geom &g, int64_t hk, int64_t G, int64_t j0, int64_t i_lo,
+                                             int64_t i_hi, int64_t *h, int64_t *i0, int *st) {
+    for (; *h < hk * G + G; (*h)++, *i0 = i_lo / 32 * 32)
+        for (; *i0 <= i_hi; *i0 += 32) {
+            *st = tile_state(g, *i0, *i0 + 31, j0, j0 + 63);
+            if (*st != TILE_EMPTY) return 1;
+        }
+    return 0;
+}
+
+/* dynamic shared memory of fa_backward_dkv: K and V (64 rows), two buffers of Q and dO (32 rows) */
+template <int D>
+static constexpr size_t dkv_smem_bytes() { return (size_t)(2 * 64 + 4 * 32) * (D / 8) * 16; }
+
 template <int D>
 __global__ static void __launch_bounds__(FA_THREADS)
 fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO,
                 const float *lse, const float *delta) {
     constexpr int CH = D / 8, KS = D / 16;
-    __shared__ uint4 sK[64 * CH], sV[64 * CH], sQ[32 * CH], sO[32 * CH];
+    ULY_DYNAMIC_SHARED(uint4, smem);
+    /* K, V, then two buffers of Q (32 rows) followed by dO (32 rows) */
+    uint4 *const sK = smem, *const sV = smem + 64 * CH;
     const int64_t nt = (g.Tk + 63) / 64, tile = (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
     const int64_t b = bh / g.Hkv, hk = bh % g.Hkv, j0 = tile * 64, G = g.H / g.Hkv;
     const int64_t qs = g.H * D, ks = g.Hkv * D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
     const int64_t keys[2] = {j0 + warp * 16 + (lane >> 2), j0 + warp * 16 + (lane >> 2) + 8};
+    const bf16 *const qbase = Q + b * g.Tq * qs, *const obase = dO + b * g.Tq * qs;
 
-    load_tile<D, 64>(sK, K + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
-    load_tile<D, 64>(sV, V + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
     float dka[CH][4], dva[CH][4];
 #pragma unroll
     for (int n = 0; n < CH; n++)
         for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.0f;
+    /* pipeline: the next query tile's Q and dO load into the other buffer during this one's math */
     int64_t i_lo, i_hi;
     query_span(g, j0, j0 + 63 < g.Tk ? j0 + 63 : g.Tk - 1, &i_lo, &i_hi);
-    for (int64_t h = hk * G; h < hk * G + G; h++) {
-        const bf16 *q = Q + b * g.Tq * qs + h * D, *d = dO + b * g.Tq * qs + h * D;
+    int64_t h = hk * G, i0 = i_lo / 32 * 32;
+    int st = TILE_EMPTY, buf = 0;
+    int have = i_lo <= i_hi && next_query_tile(g, hk, G, j0, i_lo, i_hi, &h, &i0, &st);
+    load_tile_async<D, 64>(sK, K + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
+    load_tile_async<D, 64>(sV, V + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
+    if (have) {
+        load_tile_async<D, 32>(smem + 128 * CH, qbase + h * D, i0, g.Tq, qs);
+        load_tile_async<D, 32>(smem + 160 * CH, obase + h * D, i0, g.Tq, qs);
+    }
+    cp_async_commit();
+    while (have) {
+        int64_t h_next = h, i_next = i0 + 32;
+        int st_next = TILE_EMPTY;
+        const int more = next_query_tile(g, hk, G, j0, i_lo, i_hi, &h_next, &i_next, &st_next);
+        if (more) {   /* the other buffer: every warp finished with it at the end of the last round */
+            uint4 *const other = smem + (128 + 64 * (buf ^ 1)) * CH;
+            load_tile_async<D, 32>(other, qbase + h_next * D, i_next, g.Tq, qs);
+            load_tile_async<D, 32>(other + 32 * CH, obase + h_next * D, i_next, g.Tq, qs);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();   /* this tile's Q and dO (and K, V): all but the newest group */
+        __syncthreads();
+        const uint4 *const sQ = smem + (128 + 64 * buf) * CH, *const sO = sQ + 32 * CH;
         const float *L = lse + (b * g.H + h) * g.Tq, *dl = delta + (b * g.H + h) * g.Tq;
-        for (int64_t i0 = i_lo / 32 * 32; i_lo <= i_hi && i0 <= i_hi; i0 += 32) {
-            const int st = tile_state(g, i0, i0 + 31, j0, j0 + 63);
-            if (st == TILE_EMPTY) continue;
-            __syncthreads();   /* every warp is done with the previous Q and dO (and K, V are loaded) */
-            load_tile<D, 32>(sQ, q, i0, g.Tq, qs);
-            load_tile<D, 32>(sO, d, i0, g.Tq, qs);
-            __syncthreads();
-            float s[4][4], dp[4][4];
+        float s[4][4], dp[4][4];
+        two_products<D>(s, dp, sK, sQ, sV, sO, warp);   /* S^T = K Q^T, dP^T = V dO^T */
 #pragma unroll
-            for (int n = 0; n < 4; n++)
-                for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
+        for (int n = 0; n < 4; n++)
 #pragma unroll
-            for (int kk = 0; kk < KS; kk++) {
-                uint32_t ka[4], va[4];
-                ldmatrix_x4(ka, frag_a<D>(sK, warp * 16, 2 * kk));
-                ldmatrix_x4(va, frag_a<D>(sV, warp * 16, 2 * kk));
-#pragma unroll
-                for (int np = 0; np < 2; np++) {
-                    uint32_t bq[4], bo[4];
-                    ldmatrix_x4(bq, frag_b<D>(sQ, np * 16, 2 * kk));
-                    mma_bf16_16816(s[2 * np], ka, bq);
-                    mma_bf16_16816(s[2 * np + 1], ka, bq + 2);
-                    ldmatrix_x4(bo, frag_b<D>(sO, np * 16, 2 * kk));
-                    mma_bf16_16816(dp[2 * np], va, bo);
-                    mma_bf16_16816(dp[2 * np + 1], va, bo + 2);
+            for (int e = 0; e < 4; e++) {
+                int64_t j = keys[e >> 1], i = i0 + n * 8 + 2 * tq + (e & 1);
+                float Li = i < g.Tq ? L[i] : -INFINITY, p = 0.0f, ds = 0.0f;
+                if (Li > -INFINITY && (st == TILE_FULL || (j < g.Tk && visible(g, b, i, j)))) {
+                    p = __expf(s[n][e] * g.scale - Li);
+                    ds = p * (dp[n][e] - dl[i]) * g.scale;
                 }
+                s[n][e] = p;
+                dp[n][e] = ds;
             }
 #pragma unroll
-            for (int n = 0; n < 4; n++)
+        for (int kk = 0; kk < 2; kk++) {
+            uint32_t pa[4], da[4];
+            acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
+            acc_to_a(da, dp[2 * kk], dp[2 * kk + 1]);
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int64_t j = keys[e >> 1], i = i0 + n * 8 + 2 * tq + (e & 1);
-                    float Li = i < g.Tq ? L[i] : -INFINITY, p = 0.0f, ds = 0.0f;
-                    if (Li > -INFINITY && (st == TILE_FULL || (j < g.Tk && visible(g, b, i, j)))) {
-                        p = __expf(s[n][e] * g.scale - Li);
-                        ds = p * (dp[n][e] - dl[i]) * g.scale;
-                    }
-                    s[n][e] = p;
-                    dp[n][e] = ds;
-                }
-#pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
-                uint32_t pa[4], da[4];
-                acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
-                acc_to_a(da, dp[2 * kk], dp[2 * kk + 1]);
-#pragma unroll
-                for (int np = 0; np < KS; np++) {
-                    uint32_t bb[4];
-                    ldmatrix_x4_trans(bb, frag_a<D>(sO, kk * 16, 2 * np));
-                    mma_bf16_16816(dva[2 * np], pa, bb);
-                    mma_bf16_16816(dva[2 * np + 1], pa, bb + 2);
-                    ldmatrix_x4_trans(bb, frag_a<D>(sQ, kk * 16, 2 * np));
-                    mma_bf16_16816(dka[2 * np], da, bb);
-                    mma_bf16_16816(dka[2 * np + 1], da, bb + 2);
-                }
+            for (int np = 0; np < KS; np++) {
+                uint32_t bb[4];
+                ldmatrix_x4_trans(bb, frag_a<D>(sO, kk * 16, 2 * np));
+                mma_two(dva[2 * np], dva[2 * np + 1], pa, bb);
+                ldmatrix_x4_trans(bb, frag_a<D>(sQ, kk * 16, 2 * np));
+                mma_two(dka[2 * np], dka[2 * np + 1], da, bb);
             }
         }
+        __syncthreads();   /* every warp is done with this buffer before the next round refills it */
+        h = h_next;
+        i0 = i_next;
+        st = st_next;
+        have = more;
+        buf ^= 1;
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -403,25 +438,7 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
     for (int n = 0; n < CH; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     while (j0 >= 0) {
         float s[4][4], dp[4][4];
-#pragma unroll
-        for (int n = 0; n < 4; n++)
-            for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < KS; kk++) {
-            uint32_t qa[4], oa[4];
-            ldmatrix_x4(qa, frag_a<D>(sQ, warp * 16, 2 * kk));
-            ldmatrix_x4(oa, frag_a<D>(sO, warp * 16, 2 * kk));
-#pragma unroll
-            for (int np = 0; np < 2; np++) {
-                uint32_t bk[4], bv[4];
-                ldmatrix_x4(bk, frag_b<D>(sK, np * 16, 2 * kk));
-                mma_bf16_16816(s[2 * np], qa, bk);
-                mma_bf16_16816(s[2 * np + 1], qa, bk + 2);
-                ldmatrix_x4(bv, frag_b<D>(sV, np * 16, 2 * kk));
-                mma_bf16_16816(dp[2 * np], oa, bv);
-                mma_bf16_16816(dp[2 * np + 1], oa, bv + 2);
-            }
-        }
+        two_products<D>(s, dp, sQ, sK, sO, sV, warp);   /* S = Q K^T, dP = dO V^T */
         __syncthreads();   /* every warp is done with V */
         int st_next = TILE_EMPTY;
         const int64_t j_next = next_key_tile(g, i0, j0 + 32, hi, 32, &st_next);
@@ -445,8 +462,7 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
             for (int np = 0; np < KS; np++) {
                 uint32_t bb[4];
                 ldmatrix_x4_trans(bb, frag_a<D>(sK, kk * 16, 2 * np));
-                mma_bf16_16816(acc[2 * np], da, bb);
-                mma_bf16_16816(acc[2 * np + 1], da, bb + 2);
+                mma_two(acc[2 * np], acc[2 * np + 1], da, bb);
             }
         }
         __syncthreads();   /* every warp is done with K */
@@ -496,7 +512,10 @@ static int backward_d(float *dq, float *dk, float *dv, const geom &g, const bf16
                       const bf16 *dout, const float *lse, const float *delta) {
     if (dk || dv) {
         int64_t blocks = (g.Tk + 63) / 64 * g.B * g.Hkv;
-        ULY_LAUNCH(fa_backward_dkv<D>, blocks, FA_THREADS, uly_cu_stream)(dk, dv, g, q, k, v, dout, lse, delta);
+        const size_t smem = dkv_smem_bytes<D>();
+        cudaError_t e = cudaFuncSetAttribute(fa_backward_dkv<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dK, dV): shared memory", e); return -1; }
+        ULY_LAUNCH_SMEM(fa_backward_dkv<D>, blocks, FA_THREADS, smem, uly_cu_stream)(dk, dv, g, q, k, v, dout, lse, delta);
         if (launched("fused flash attention backward (dK, dV)")) return -1;
     }
     if (dq) {

@@ -136,7 +136,17 @@ int run_fiber(unsigned t) {
 }
 } // namespace
 
-void run_grid(unsigned blocks, unsigned threads, const std::function<void()> &body) {
+static unsigned char *dyn_smem;
+static size_t dyn_smem_bytes;
+void *dynamic_shared() { return dyn_smem; }
+
+void run_grid(unsigned blocks, unsigned threads, size_t dynamic_smem, const std::function<void()> &body) {
+    if (dynamic_smem > dyn_smem_bytes) {
+        free(dyn_smem);
+        dyn_smem = (unsigned char *)aligned_alloc(16, (dynamic_smem + 15) / 16 * 16);
+        if (!dyn_smem) { fprintf(stderr, "cuda emulator: no memory for %zu bytes of shared memory\n", dynamic_smem); abort(); }
+        dyn_smem_bytes = dynamic_smem;
+    }
     if (threads == 0 || threads > 1024) { fprintf(stderr, "cuda emulator: %u threads per block\n", threads); abort(); }
     unsigned warps = (threads + 31) / 32;
     /* ULY_EMU_ORDER=reverse runs one warp at a time, the last first, each up to its next
@@ -164,6 +174,7 @@ void run_grid(unsigned blocks, unsigned threads, const std::function<void()> &bo
     blockDim.x = threads; blockDim.y = blockDim.z = 1;
     for (unsigned b = 0; b < blocks; b++) {
         blockIdx.x = b; blockIdx.y = blockIdx.z = 0;
+        if (dynamic_smem) memset(dyn_smem, 0xff, dynamic_smem);
         B.n = threads;
         B.alive = threads;
         B.block_gen = B.block_waiting = 0;

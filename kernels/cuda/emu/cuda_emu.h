@@ -4,7 +4,9 @@
  *  - a launch runs the blocks one after another; each block's threads are fibers (ucontext) on
  *    the calling thread, switched only at __syncthreads() and warp shuffles, which are real
  *    barriers: a kernel whose threads diverge at a barrier is reported as a deadlock;
- *  - __shared__ is static storage (blocks never overlap, so it is per block);
+ *  - __shared__ is static storage (blocks never overlap, so it is per block); dynamic shared
+ *    memory (ULY_LAUNCH_SMEM / ULY_DYNAMIC_SHARED) is one buffer filled with 0xff (NaNs) before
+ *    each block, so reading what no thread wrote shows;
  *  - device memory is host memory; copies are memcpy; streams and events are synchronous;
  *  - cp.async copies happen at the wait that covers them, not before (a read that skips the wait
  *    sees stale bytes), or with ULY_EMU_ASYNC=eager at issue (an overwrite of a tile other
@@ -37,7 +39,10 @@ struct dim3 { unsigned x, y, z; };
 extern dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 namespace uly_emu {
-void run_grid(unsigned blocks, unsigned threads, const std::function<void()> &body);
+void run_grid(unsigned blocks, unsigned threads, size_t dynamic_smem, const std::function<void()> &body);
+/* the block's dynamic shared memory (ULY_DYNAMIC_SHARED): 16-byte aligned, 0xff bytes (NaNs) at
+ * the start of every block, so a read of what no thread wrote shows */
+void *dynamic_shared();
 void sync_block();
 uint64_t shuffle_xor(uint64_t bits, int lane_mask);
 /* a warp-wide barrier that hands every lane all 32 lanes' `bytes` (at most 64) in lane order:
@@ -53,15 +58,18 @@ template <typename... P>
 struct launcher {
     void (*kernel)(P...);
     unsigned blocks, threads;
+    size_t smem;
     template <typename... A>
     void operator()(A &&...args) const {
         auto k = kernel;
         std::function<void()> body = [&]() { k(args...); };
-        run_grid(blocks, threads, body);
+        run_grid(blocks, threads, smem, body);
     }
 };
 template <typename... P>
-launcher<P...> launch(void (*kernel)(P...), unsigned blocks, unsigned threads) { return launcher<P...>{kernel, blocks, threads}; }
+launcher<P...> launch(void (*kernel)(P...), unsigned blocks, unsigned threads, size_t smem = 0) {
+    return launcher<P...>{kernel, blocks, threads, smem};
+}
 } // namespace uly_emu
 
 static inline void __syncthreads(void) { uly_emu::sync_block(); }
@@ -136,6 +144,9 @@ cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t *pool, int dev);
 cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void *value);
 cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void *value);
 cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t keep);
+typedef enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 } cudaFuncAttribute;
+template <typename F>
+static inline cudaError_t cudaFuncSetAttribute(F *, cudaFuncAttribute, int) { return cudaSuccess; }
 cudaError_t cudaEventCreate(cudaEvent_t *e);
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
 cudaError_t cudaEventSynchronize(cudaEvent_t e);
