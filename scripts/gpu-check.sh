@@ -7,7 +7,7 @@
 #  3. runs the #gpu specs (`busted --run=gpu`, see .busted) against that build, then the device
 #     suite against the real CUDA backend (spec/device_spec.lua with ULY_TEST_DEVICE=cuda: every
 #     op's values and gradients vs the CPU, GPT and Llama training steps, pool, checkpoints) and a
-#     2-rank Ulysses step sharing the one GPU (host-staged exchanges), the fused attention kernels
+#     2-rank Ulysses step sharing the one GPU (host-staged exchanges), the bf16 attention kernels
 #     under compute-sanitizer (racecheck, memcheck; scripts/gpu-sanitize.lua), then bench/gpu.lua;
 #  4. writes a report (date, device, driver/runtime versions, build time, spec summaries, the
 #     benchmark table) to $1, else $OUT/gpu-report.txt, else build-gpu/gpu-report.txt.
@@ -89,18 +89,18 @@ ULY_TEST_DEVICE=$test_device timeout 240 luajit /usr/bin/busted spec/device_spec
 rc=${PIPESTATUS[0]}
 [ $rc -eq 0 ] || failures+="device suite (exit $rc); "
 
-# the fused attention kernels under compute-sanitizer: racecheck (shared-memory hazards: a missing
-# __syncthreads or cp.async wait), memcheck (out-of-bounds, misaligned); small shapes
+# the bf16 attention kernels (fused and chunked) under compute-sanitizer: racecheck (shared-memory
+# hazards: a missing __syncthreads or cp.async wait), memcheck (out-of-bounds, misaligned); small shapes
 sanitizer=""
 if [ "$emulate" != 1 ]; then
   sanitizer=$(command -v compute-sanitizer || true)
   [ -n "$sanitizer" ] || say "compute-sanitizer: not found (the fused kernels run once unchecked)"
 fi
 for tool in racecheck memcheck; do
-  say "== fused attention kernels${sanitizer:+ under compute-sanitizer --tool $tool} (scripts/gpu-sanitize.lua)"
+  say "== attention kernels${sanitizer:+ under compute-sanitizer --tool $tool} (scripts/gpu-sanitize.lua)"
   timeout 150 ${sanitizer:+$sanitizer --tool $tool --error-exitcode 3} luajit scripts/gpu-sanitize.lua 2>&1 | tail -30 | tee -a "$log"
   rc=${PIPESTATUS[0]}
-  [ $rc -eq 0 ] || failures+="fused attention${sanitizer:+ under $tool} (exit $rc); "
+  [ $rc -eq 0 ] || failures+="attention kernels${sanitizer:+ under $tool} (exit $rc); "
   [ -n "$sanitizer" ] || break
 done
 

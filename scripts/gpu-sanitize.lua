@@ -1,6 +1,7 @@
--- scripts/gpu-sanitize.lua — a small run of the fused tensor-core attention kernels
--- (kernels/cuda/attention_fused.cu: forward, dK/dV, dQ at head dims 32, 64, 128, with causal,
--- window, block-sparse and document masks) for scripts/gpu-check.sh to run under NVIDIA's
+-- scripts/gpu-sanitize.lua — a small run of the bf16 attention kernels, fused
+-- (kernels/cuda/attention_fused.cu: forward, dK/dV, dQ) and chunked (attention.cu: cuBLAS with
+-- the masked softmax and dS row kernels), at head dims 32, 64, 128 with causal, window,
+-- block-sparse and document masks, for scripts/gpu-check.sh to run under NVIDIA's
 -- compute-sanitizer (racecheck: shared-memory hazards between threads; memcheck: out-of-bounds
 -- and misaligned accesses). Small shapes: the tools slow kernels down a hundredfold. Checks the
 -- values against the CPU on the same bf16-rounded inputs and exits 1 on any error.
@@ -12,7 +13,6 @@ local ffi = require 'ffi'
 
 local ok, why = uly.cuda.ensure()
 if not ok then io.stderr:write('gpu-sanitize: no CUDA device: ', tostring(why), '\n'); os.exit(1) end
-ffi.C.setenv('ULY_CUDA_ATTN', 'fused', 1)
 
 local function max_rel_err(a, b)
   local x, y = a:float():totable(), b:float():totable()
@@ -49,13 +49,18 @@ for _, D in ipairs({ 32, 64, 128 }) do
                           { 'layout', { block_layout = layout, block_size = 32, causal = true } },
                           { 'documents', { causal = true, q_doc = docs, k_doc = docs } } }) do
     local name, opts = case[1], case[2]
-    local gpu, cpu = run('cuda', 'bf16', q, k, v, opts), run('cpu', 'f32', q, k, v, opts)
-    uly.synchronize('cuda')
-    local worst = 0
-    for i = 1, 4 do worst = math.max(worst, max_rel_err(gpu[i], cpu[i])) end
-    local bad = worst > 2e-2
-    failed = failed or bad
-    print(('D %3d %-9s max error %.2e of the largest value%s'):format(D, name, worst, bad and '  TOO LARGE' or ''))
+    local cpu = run('cpu', 'f32', q, k, v, opts)
+    for _, path in ipairs({ 'fused', 'chunked' }) do
+      ffi.C.setenv('ULY_CUDA_ATTN', path, 1)
+      local gpu = run('cuda', 'bf16', q, k, v, opts)
+      uly.synchronize('cuda')
+      local worst = 0
+      for i = 1, 4 do worst = math.max(worst, max_rel_err(gpu[i], cpu[i])) end
+      local bad = worst > 2e-2
+      failed = failed or bad
+      print(('D %3d %-9s %-7s max error %.2e of the largest value%s'):format(D, name, path, worst,
+                                                                          bad and '  TOO LARGE' or ''))
+    end
   end
 end
 if failed then os.exit(1) end

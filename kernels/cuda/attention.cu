@@ -8,8 +8,9 @@
  * (batch, head, chunk) S = scale Q K^T over only the keys inside the chunk's causal / window band
  * (a TF32 GEMM into a scratch of chunk x band floats, at most ~256 MiB), a masked softmax kernel
  * (layout and document masks too) turns S into P and writes the log-sum-exp, and O = P V.
- * Backward recomputes P from the log-sum-exp per chunk and runs dP = dO V^T, dS = P (dP - delta),
- * dV += P^T dO, dK += dS^T Q, dQ += dS K: every GEMM on tensor cores, accumulations in a fixed
+ * Backward recomputes P from the log-sum-exp per chunk and runs dP = dO V^T, dS = P (dP - delta)
+ * with delta = rowsum(P dP) over the chunk's band, dV += P^T dO, dK += dS^T Q, dQ += dS K: every
+ * GEMM on tensor cores, accumulations in a fixed
  * order (no atomics: the same bits run to run). Memory is O(N D) plus the chunk's scratch.
  * ULY_CUDA_ATTN_CHUNK=n forces the chunk (specs use small ones to cross chunk borders).
  * In mixed precision, head dims 32, 64 and 128 run the fused kernels of attention_fused.cu
@@ -292,14 +293,22 @@ __global__ static void chunk_softmax(float *S, float *lse, geom g, int64_t b, in
     }
 }
 
-/* dP [c, nk] -> dS = P (dP - delta_i) scale, in place */
-__global__ static void chunk_ds(float *dP, const float *P, const float *delta, geom g, int64_t b, int64_t h, int64_t i0,
-                                int64_t c, int64_t nk, __nv_bfloat16 *dS16) {
-    ULY_CU_FOR(e, c * nk) {
-        int64_t r = e / nk;
-        float ds = P[e] * (dP[e] - delta[(b * g.H + h) * g.Tq + i0 + r]) * g.scale;
-        dP[e] = ds;
-        if (dS16) dS16[e] = __float2bfloat16_rn(ds);
+/* dP [c, nk] -> dS = P (dP - delta_i) scale, in place, with delta_i = sum_j P_ij dP_ij over the
+ * row (the chunk's band holds every key the row sees): the same P as dS, so sum_j dS_ij = 0
+ * holds even where P was rounded for the forward's P V (dO . O would carry that rounding: with
+ * one dominant key it swamps the true dS). A block per row. */
+__global__ static void chunk_ds(float *dP, const float *P, int64_t c, int64_t nk, float scale, __nv_bfloat16 *dS16) {
+    for (int64_t r = blockIdx.x; r < c; r += gridDim.x) {
+        float *drow = dP + r * nk;
+        const float *prow = P + r * nk;
+        double s = 0.0;
+        for (int64_t j = threadIdx.x; j < nk; j += blockDim.x) s += (double)prow[j] * drow[j];
+        const float delta = (float)uly_cu_block_sum(s);
+        for (int64_t j = threadIdx.x; j < nk; j += blockDim.x) {
+            float ds = prow[j] * (drow[j] - delta) * scale;
+            drow[j] = ds;
+            if (dS16) dS16[r * nk + j] = __float2bfloat16_rn(ds);   /* the bf16 operand of the next GEMMs */
+        }
     }
 }
 
@@ -458,13 +467,10 @@ extern "C" int cu_flash_backward(float *dq, float *dk, float *dv, const float *d
     operands op;
     operands_make(&op, g, dout);
     if (p->bf16 && operands_bf16(&op, g, dout)) return 0;
-    if (op.bf16)
+    if (op.bf16 && uly_cu_fused_attention_ok(g)) {
         ULY_LAUNCH(flash_delta<__nv_bfloat16>, warps_grid(qrows), 32 * WARPS, uly_cu_stream)(
             delta, (const __nv_bfloat16 *)op.dout, out, g);
-    else
-        ULY_LAUNCH(flash_delta<float>, warps_grid(qrows), 32 * WARPS, uly_cu_stream)(delta, dout, out, g);
-    ULY_CU_LAUNCHED("flash_delta");
-    if (op.bf16 && uly_cu_fused_attention_ok(g)) {
+        ULY_CU_LAUNCHED("flash_delta");
         uly_cu_fused_attention_backward(dq, dk, dv, g, (const __nv_bfloat16 *)op.q, (const __nv_bfloat16 *)op.k,
                                         (const __nv_bfloat16 *)op.v, (const __nv_bfloat16 *)op.dout, lse, delta);
         cudaFreeAsync(op.buf, uly_cu_stream);
@@ -501,7 +507,7 @@ extern "C" int cu_flash_backward(float *dq, float *dk, float *dv, const float *d
                 if ((rc = gemm_t(CUBLAS_OP_T, CUBLAS_OP_N, nk, c, g.D, 1.0f, at(o.V, lo * op.vt, op.es), op.vt, dO, ldo,
                                  0.0f, dS, nk, op.type, "flash attention dP = dO V^T")))
                     break;
-                ULY_LAUNCH(chunk_ds, uly_cu_blocks(c * nk, 256), 256, uly_cu_stream)(dS, P, delta, g, b, h, i0, c, nk, dS16);
+                ULY_LAUNCH(chunk_ds, (unsigned)(c < 65535 ? c : 65535), 256, uly_cu_stream)(dS, P, c, nk, g.scale, dS16);
                 ULY_CU_LAUNCHED("chunk_ds");
                 if (dk && (rc = gemm_t(CUBLAS_OP_N, CUBLAS_OP_T, g.D, nk, c, 1.0f, at(o.Q, i0 * op.qt, op.es), op.qt, dSg,
                                        nk, 1.0f, dk + (b * g.Tk + lo) * ldkv + hk * g.D, ldkv, op.type,

@@ -14,11 +14,11 @@
  *    dK += dS^T Q;
  *  - dQ: a block per 64 query rows; each warp walks 32-key tiles: S and dP again, dQ += dS K.
  * Tiles arrive by cp.async: in the forward the next K loads during the softmax and P V, the next
- * V during S; in dQ the next V during dS and the dQ GEMM; in dK/dV the next Q and dO into a second
- * buffer (64 KiB of dynamic shared memory at D = 128) during the whole tile.
+ * V during S; in the backward kernels the next streaming tiles (dK/dV: Q and dO; dQ: K and V) into
+ * a second buffer during the whole tile (64 KiB of dynamic shared memory at D = 128).
  * Tiles no pair of which is visible are skipped (band, block-sparse layout); tiles wholly visible
  * skip the per-element mask. Shared tiles are swizzled in 16-byte chunks so that ldmatrix reads
- * conflict-free; the forward and dQ keep within 48 KiB of static shared memory at D = 128.
+ * conflict-free; the forward keeps within 48 KiB of static shared memory at D = 128.
  * Head dims 32, 64 and 128; attention.cu runs everything else (and f32 precision) on its chunked
  * cuBLAS path. ULY_CUDA_ATTN=chunked forces that path for comparisons. */
 #include <stdlib.h>
@@ -298,9 +298,10 @@ __device__ static inline int next_query_tile(const geom &g, int64_t hk, int64_t 
     return 0;
 }
 
-/* dynamic shared memory of fa_backward_dkv: K and V (64 rows), two buffers of Q and dO (32 rows) */
+/* dynamic shared memory of either backward kernel: two 64-row tiles that stay (dK/dV: K, V;
+ * dQ: Q, dO) and two buffers of two 32-row tiles that stream (Q, dO; K, V) */
 template <int D>
-static constexpr size_t dkv_smem_bytes() { return (size_t)(2 * 64 + 4 * 32) * (D / 8) * 16; }
+static constexpr size_t backward_smem_bytes() { return (size_t)(2 * 64 + 4 * 32) * (D / 8) * 16; }
 
 template <int D>
 __global__ static void __launch_bounds__(FA_THREADS)
@@ -405,7 +406,9 @@ __global__ static void __launch_bounds__(FA_THREADS)
 fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO, const float *lse,
                const float *delta) {
     constexpr int CH = D / 8, KS = D / 16;
-    __shared__ uint4 sQ[64 * CH], sO[64 * CH], sK[32 * CH], sV[32 * CH];
+    /* Q, dO (64 rows), then two buffers of K (32 rows) followed by V (32 rows) */
+    ULY_DYNAMIC_SHARED(uint4, smem);
+    uint4 *const sQ = smem, *const sO = smem + 64 * CH;
     const int64_t nt = (g.Tq + 63) / 64, tile = nt - 1 - (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
     const int64_t b = bh / g.H, h = bh % g.H, hk = h / (g.H / g.Hkv), i0 = tile * 64;
     const int64_t qs = g.H * D, ks = g.Hkv * D;
@@ -419,31 +422,35 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
         L[r] = in ? lse[(b * g.H + h) * g.Tq + rows[r]] : -INFINITY;
         dl[r] = in ? delta[(b * g.H + h) * g.Tq + rows[r]] : 0.0f;
     }
-    /* pipeline: the next tile's V loads during this tile's dS and dQ GEMM */
+    /* pipeline: the next key tile's K and V load into the other buffer during this one's math */
     int64_t lo, hi;
     chunk_band(g, i0, i0 + 64 < g.Tq ? i0 + 64 : g.Tq, &lo, &hi);
-    int st = TILE_EMPTY;
+    int st = TILE_EMPTY, buf = 0;
     int64_t j0 = lo <= hi ? next_key_tile(g, i0, lo / 32 * 32, hi, 32, &st) : -1;
     load_tile_async<D, 64>(sQ, Q + b * g.Tq * qs + h * D, i0, g.Tq, qs);
     load_tile_async<D, 64>(sO, dO + b * g.Tq * qs + h * D, i0, g.Tq, qs);
     if (j0 >= 0) {
-        load_tile_async<D, 32>(sK, k, j0, g.Tk, ks);
-        load_tile_async<D, 32>(sV, v, j0, g.Tk, ks);
+        load_tile_async<D, 32>(smem + 128 * CH, k, j0, g.Tk, ks);
+        load_tile_async<D, 32>(smem + 160 * CH, v, j0, g.Tk, ks);
     }
     cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
     float acc[CH][4];
 #pragma unroll
     for (int n = 0; n < CH; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     while (j0 >= 0) {
-        float s[4][4], dp[4][4];
-        two_products<D>(s, dp, sQ, sK, sO, sV, warp);   /* S = Q K^T, dP = dO V^T */
-        __syncthreads();   /* every warp is done with V */
         int st_next = TILE_EMPTY;
         const int64_t j_next = next_key_tile(g, i0, j0 + 32, hi, 32, &st_next);
-        if (j_next >= 0) load_tile_async<D, 32>(sV, v, j_next, g.Tk, ks);
+        if (j_next >= 0) {   /* the other buffer: every warp finished with it at the end of the last round */
+            uint4 *const other = smem + (128 + 64 * (buf ^ 1)) * CH;
+            load_tile_async<D, 32>(other, k, j_next, g.Tk, ks);
+            load_tile_async<D, 32>(other + 32 * CH, v, j_next, g.Tk, ks);
+        }
         cp_async_commit();
+        cp_async_wait<1>();   /* this tile's K and V (and Q, dO): all but the newest group */
+        __syncthreads();
+        const uint4 *const sK = smem + (128 + 64 * buf) * CH, *const sV = sK + 32 * CH;
+        float s[4][4], dp[4][4];
+        two_products<D>(s, dp, sQ, sK, sO, sV, warp);   /* S = Q K^T, dP = dO V^T */
 #pragma unroll
         for (int n = 0; n < 4; n++)
 #pragma unroll
@@ -465,13 +472,10 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
                 mma_two(acc[2 * np], acc[2 * np + 1], da, bb);
             }
         }
-        __syncthreads();   /* every warp is done with K */
-        if (j_next >= 0) load_tile_async<D, 32>(sK, k, j_next, g.Tk, ks);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
+        __syncthreads();   /* every warp is done with this buffer before the next round refills it */
         j0 = j_next;
         st = st_next;
+        buf ^= 1;
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -512,7 +516,7 @@ static int backward_d(float *dq, float *dk, float *dv, const geom &g, const bf16
                       const bf16 *dout, const float *lse, const float *delta) {
     if (dk || dv) {
         int64_t blocks = (g.Tk + 63) / 64 * g.B * g.Hkv;
-        const size_t smem = dkv_smem_bytes<D>();
+        const size_t smem = backward_smem_bytes<D>();
         cudaError_t e = cudaFuncSetAttribute(fa_backward_dkv<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dK, dV): shared memory", e); return -1; }
         ULY_LAUNCH_SMEM(fa_backward_dkv<D>, blocks, FA_THREADS, smem, uly_cu_stream)(dk, dv, g, q, k, v, dout, lse, delta);
@@ -520,7 +524,10 @@ static int backward_d(float *dq, float *dk, float *dv, const geom &g, const bf16
     }
     if (dq) {
         int64_t blocks = (g.Tq + 63) / 64 * g.B * g.H;
-        ULY_LAUNCH(fa_backward_dq<D>, blocks, FA_THREADS, uly_cu_stream)(dq, g, q, k, v, dout, lse, delta);
+        const size_t smem = backward_smem_bytes<D>();
+        cudaError_t e = cudaFuncSetAttribute(fa_backward_dq<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dQ): shared memory", e); return -1; }
+        ULY_LAUNCH_SMEM(fa_backward_dq<D>, blocks, FA_THREADS, smem, uly_cu_stream)(dq, g, q, k, v, dout, lse, delta);
         if (launched("fused flash attention backward (dQ)")) return -1;
     }
     return 0;
