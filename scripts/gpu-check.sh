@@ -10,7 +10,8 @@
 #     2-rank Ulysses step sharing the one GPU (host-staged exchanges), the bf16 attention kernels
 #     under compute-sanitizer (racecheck, memcheck; scripts/gpu-sanitize.lua), then bench/gpu.lua;
 #  4. writes a report (date, device, driver/runtime versions, build time, spec summaries, the
-#     benchmark table) to $1, else $OUT/gpu-report.txt, else build-gpu/gpu-report.txt.
+#     benchmark table) to $1, else $OUT/gpu-report.txt, else build-gpu/gpu-report.txt, as it
+#     goes (a run cut short by a time limit keeps its report up to there).
 # Exits non-zero when a tool is missing, the build fails or any #gpu spec fails.
 # ULY_GPU_CHECK_EMULATE=1 runs the same script on a machine without a GPU against the CUDA
 # emulator (build-gpu/libulysses_cuemu.so, bench/gpu.lua --quick): a rehearsal of the script.
@@ -20,13 +21,12 @@ report=${1:-${OUT:+$OUT/gpu-report.txt}}
 report=${report:-build-gpu/gpu-report.txt}
 mkdir -p "$(dirname "$report")" build-gpu
 jobs=$(nproc 2>/dev/null || echo 2)
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+# the report is written as the check goes, so a run stopped by a time limit still leaves what it did
+log=$report
+echo "ulysses GPU check, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" >"$log"
 say() { echo "$*" | tee -a "$log"; }
 finish() { # status line, exit code
-  say "gpu-check: $1"
-  { echo "ulysses GPU check, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-    cat "$log"; } >"$report"
+  say "gpu-check: $1 ($(date -u '+%H:%M:%S UTC'))"
   echo "gpu-check: report written to $report"
   exit "$2"
 }
