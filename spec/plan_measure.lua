@@ -3,7 +3,7 @@
 -- spec/device_spec.lua (the CUDA kernels, on the emulator or a GPU):
 --   measure(pc, grid) -> measured pool peak (bytes, counted from before the model existed),
 --                        the planner's estimate, and the CUDA kernels' temporaries peak (or nil)
---   held_collect(device) frees what earlier specs left (dropped tensors, replay closures)
+--   collect(device)     frees what earlier specs left (dropped tensors, replay closures)
 local uly = require 'ulysses'
 local helpers = require 'helpers'
 local plan = require 'tools.plan'

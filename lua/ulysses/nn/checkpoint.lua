@@ -13,7 +13,7 @@ return function(nn, U)
   local next_id = 0
   local released = ffi.new('int64_t[64]')
   -- bytes held by tensors, host and device together: segments run on either
-  local function held() return require('ulysses.tensor').held_bytes() end
+  local held = require('ulysses.tensor').held_bytes
 
   local function sweep(C)
     while true do
