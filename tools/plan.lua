@@ -733,11 +733,18 @@ local function presets_of(model)
   return mod
 end
 
+-- a setting that must be a or b (the error points at the caller of estimate / config)
+local function one_of(name, value, a, b)
+  if value ~= a and value ~= b then
+    error(("plan: %s must be '%s' or '%s', got %s"):format(name, a, b, tostring(value)), 4)
+  end
+end
+
 -- the planner's config: model defaults + preset + overrides, plus the derived sizes
 function M.config(cfg)
   cfg = cfg or {}
   local model = cfg.model or 'llama'
-  if model ~= 'llama' and model ~= 'gpt' then error("plan: model must be 'llama' or 'gpt', got " .. tostring(model), 3) end
+  one_of('model', model, 'llama', 'gpt')
   local mod = presets_of(model)
   local preset = mod.presets[cfg.preset or 'small']
   if not preset then error('plan: unknown ' .. model .. " preset '" .. tostring(cfg.preset) .. "'", 3) end
@@ -753,23 +760,19 @@ function M.config(cfg)
   c.world = cfg.world or c.sp           -- ranks in all (data parallel x sequence parallel)
   c.distributed = c.world > 1
   c.attention = cfg.attention or 'flash'
-  if c.attention ~= 'reference' and c.attention ~= 'flash' then
-    error("plan: attention must be 'reference' or 'flash', got " .. tostring(c.attention), 3)
-  end
+  one_of('attention', c.attention, 'reference', 'flash')
   c.checkpoint = cfg.checkpoint == true or cfg.checkpoint == 1
   c.tile = cfg.tile and cfg.tile > 0 and cfg.tile or nil
   c.threads = cfg.threads or tonumber(os.getenv('OMP_NUM_THREADS') or '') or 2
   -- the device the step runs on, the kernels behind it (the simulation runs the CPU's), its
   -- memory and the matmul precision
   c.device = cfg.device or 'cpu'
-  if c.device ~= 'cpu' and c.device ~= 'cuda' then error("plan: device must be 'cpu' or 'cuda', got " .. tostring(c.device), 3) end
+  one_of('device', c.device, 'cpu', 'cuda')
   c.kernels = cfg.kernels or c.device
-  if c.kernels ~= 'cpu' and c.kernels ~= 'cuda' then error("plan: kernels must be 'cpu' or 'cuda', got " .. tostring(c.kernels), 3) end
+  one_of('kernels', c.kernels, 'cpu', 'cuda')
   c.device_memory = cfg.device_memory or M.H200_MEMORY
   c.precision = cfg.precision or 'f32'
-  if c.precision ~= 'f32' and c.precision ~= 'bf16' then
-    error("plan: precision must be 'f32' or 'bf16', got " .. tostring(c.precision), 3)
-  end
+  one_of('precision', c.precision, 'f32', 'bf16')
   if c.precision == 'bf16' and c.kernels ~= 'cuda' then   -- the CPU's rounded operand copies are not replayed
     error('plan: bf16 matmuls only with the CUDA kernels (--device cuda); on the CPU plan in f32', 3)
   end

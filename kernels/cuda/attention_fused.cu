@@ -78,6 +78,23 @@ __device__ static inline void mma_two(float c0[4], float c1[4], const uint32_t a
     mma_bf16_16816(c1, a, b + 2);
 }
 
+/* acc (16 x D, accumulator layout) += x t, where x is 16 x 16 KT in accumulator layout (2 KT n8
+ * tiles, rounded to bf16 here) and t the first 16 KT rows of a shared D-wide tile (transposed loads) */
+template <int D, int KT>
+__device__ static inline void acc_times_tile(float acc[D / 8][4], float x[2 * KT][4], const uint4 *t) {
+#pragma unroll
+    for (int kk = 0; kk < KT; kk++) {
+        uint32_t xa[4];
+        acc_to_a(xa, x[2 * kk], x[2 * kk + 1]);
+#pragma unroll
+        for (int np = 0; np < D / 16; np++) {
+            uint32_t bb[4];
+            ldmatrix_x4_trans(bb, frag_a<D>(t, kk * 16, 2 * np));
+            mma_two(acc[2 * np], acc[2 * np + 1], xa, bb);
+        }
+    }
+}
+
 __device__ static inline float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
@@ -216,17 +233,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
             }
         cp_async_wait<1>();   /* this tile's V (the next K may still be in flight) */
         __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            uint32_t pa[4];
-            acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-            for (int np = 0; np < KS; np++) {
-                uint32_t bb[4];
-                ldmatrix_x4_trans(bb, frag_a<D>(sV, kk * 16, 2 * np));
-                mma_two(o[2 * np], o[2 * np + 1], pa, bb);
-            }
-        }
+        acc_times_tile<D, 4>(o, s, sV);   /* O += P V */
         __syncthreads();   /* every warp is done with V */
         if (j_next >= 0) load_tile_async<D, 64>(sV, v, j_next, g.Tk, ks);
         cp_async_commit();
@@ -307,7 +314,7 @@ template <int D>
 __global__ static void __launch_bounds__(FA_THREADS)
 fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO,
                 const float *lse, const float *delta) {
-    constexpr int CH = D / 8, KS = D / 16;
+    constexpr int CH = D / 8;
     ULY_DYNAMIC_SHARED(uint4, smem);
     /* K, V, then two buffers of Q (32 rows) followed by dO (32 rows) */
     uint4 *const sK = smem, *const sV = smem + 64 * CH;
@@ -364,20 +371,8 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
                 s[n][e] = p;
                 dp[n][e] = ds;
             }
-#pragma unroll
-        for (int kk = 0; kk < 2; kk++) {
-            uint32_t pa[4], da[4];
-            acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
-            acc_to_a(da, dp[2 * kk], dp[2 * kk + 1]);
-#pragma unroll
-            for (int np = 0; np < KS; np++) {
-                uint32_t bb[4];
-                ldmatrix_x4_trans(bb, frag_a<D>(sO, kk * 16, 2 * np));
-                mma_two(dva[2 * np], dva[2 * np + 1], pa, bb);
-                ldmatrix_x4_trans(bb, frag_a<D>(sQ, kk * 16, 2 * np));
-                mma_two(dka[2 * np], dka[2 * np + 1], da, bb);
-            }
-        }
+        acc_times_tile<D, 2>(dva, s, sO);    /* dV += P^T dO */
+        acc_times_tile<D, 2>(dka, dp, sQ);   /* dK += dS^T Q */
         __syncthreads();   /* every warp is done with this buffer before the next round refills it */
         h = h_next;
         i0 = i_next;
@@ -405,7 +400,7 @@ template <int D>
 __global__ static void __launch_bounds__(FA_THREADS)
 fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO, const float *lse,
                const float *delta) {
-    constexpr int CH = D / 8, KS = D / 16;
+    constexpr int CH = D / 8;
     /* Q, dO (64 rows), then two buffers of K (32 rows) followed by V (32 rows) */
     ULY_DYNAMIC_SHARED(uint4, smem);
     uint4 *const sQ = smem, *const sO = smem + 64 * CH;
@@ -461,17 +456,7 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
                     ds = __expf(s[n][e] * g.scale - L[e >> 1]) * (dp[n][e] - dl[e >> 1]) * g.scale;
                 s[n][e] = ds;
             }
-#pragma unroll
-        for (int kk = 0; kk < 2; kk++) {
-            uint32_t da[4];
-            acc_to_a(da, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-            for (int np = 0; np < KS; np++) {
-                uint32_t bb[4];
-                ldmatrix_x4_trans(bb, frag_a<D>(sK, kk * 16, 2 * np));
-                mma_two(acc[2 * np], acc[2 * np + 1], da, bb);
-            }
-        }
+        acc_times_tile<D, 2>(acc, s, sK);   /* dQ += dS K */
         __syncthreads();   /* every warp is done with this buffer before the next round refills it */
         j0 = j_next;
         st = st_next;
