@@ -52,6 +52,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'device', 'cpu', 'cpu | cuda (ULY_CUDA_SIMULATE=1 runs the cuda code path in host memory)' },
   { 'precision', 'f32', 'f32 | bf16: matmul operands rounded to bf16, f32 accumulation, f32 master weights and optimizer' },
   { 'sp', 0, 'ranks per sequence-parallel group under mpirun (0 = all ranks; world / sp groups do data parallelism)' },
+  { 'overlap', 1, '1: each layer\'s gradients start their all-reduce during backward (dist.grad_sync); 0: all after backward' },
   { 'peak_gflops', 0, 'peak for MFU (0: cpu 217 GFLOP/s per thread, the AVX-512 FMA peak of one core here; cuda 989000, the H200 bf16 dense peak)' },
   { 'log_every', 0, 'seconds between progress lines (0 = every step)' },
   { 'sample', 200, 'tokens to generate at the end (0 = none)' },
@@ -304,6 +305,9 @@ local function main()
   end
 
   local params = model:parameters()
+  -- under mpirun the gradients are summed over the world; with --overlap 1 during the last
+  -- micro-batch's backward, bucket by bucket as layers finish (NCCL on its own stream on GPUs)
+  local sync = grid and cfg.overlap ~= 0 and uly.dist.grad_sync(params, grid.world_group) or nil
   local t_start = uly.clock()
   local val_loss
   local last_step = cfg.stop_after > 0 and math.min(cfg.stop_after, cfg.steps) or cfg.steps
@@ -313,15 +317,17 @@ local function main()
     opt.lr = schedule(step)
     opt:zero_grad()
     local loss_sum = 0
-    for _ = 1, cfg.accum do
+    for micro = 1, cfg.accum do
       local x, y, doc = train_data:next()
       ctx.doc = doc
+      ctx.grad_sync = micro == cfg.accum and sync or nil
       local loss = model:loss(x:to(device), y:to(device), ctx)
       loss_sum = loss_sum + loss:item()
       if cfg.accum > 1 then loss = loss * (1 / cfg.accum) end
       loss:backward()
     end
-    if grid then uly.dist.all_reduce_grads(params, grid.world_group) end
+    ctx.grad_sync = nil
+    if sync then sync:finish() elseif grid then uly.dist.all_reduce_grads(params, grid.world_group) end
     local loss = common.global_loss(model, loss_sum / cfg.accum)
     local norm = cfg.clip > 0 and uly.optim.clip_grad_norm(params, cfg.clip) or uly.optim.grad_norm(params)
     if loss ~= loss or norm ~= norm or norm == math.huge then

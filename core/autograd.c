@@ -343,6 +343,8 @@ static int run_node(uly_node *n, int retain_graph) {
         if ((n->fresh >> k) & 1) uly_tensor_fill_(gin[k], 0.0);
     n->fresh = 0;
     if (!rc && pending) rc = uly_device_check(uly_op_name(n->op), ULY_DEVICE_CUDA);
+    for (int k = 0; !rc && k < n->n_inputs; k++) /* a leaf's grad changed: its version says so */
+        if (gin[k] && !n->inputs[k].node) uly_bump_version(gin[k]);
     for (int k = 0; k < n->n_inputs; k++) {
         if (!tmp[k]) continue;
         if (!rc) {

@@ -49,6 +49,8 @@ struct uly_comm {
     int broken;            /* a wait timed out: no further collectives on this group */
     void *dev_comm;        /* the device backend's communicator (NCCL) for this group, once made */
     int dev_state;         /* 0 not tried yet, 1 dev_comm ready, -1 none: device buffers stage through the host */
+    struct pending_reduce *pending;   /* all-reduces started and not yet waited for, in order */
+    int n_pending, cap_pending;
 #ifdef ULY_WITH_MPI
     MPI_Comm data, ctrl;   /* payload collectives; header exchanges */
 #endif
@@ -750,25 +752,6 @@ static void count_all_reduce(const uly_comm *c, int64_t nbytes) {
     }
 }
 
-static int all_reduce_host(uly_comm *c, uly_tensor *t, int op) {
-    call k;
-    if (call_begin(&k, c, ULY_COMM_ALL_REDUCE)) return -1;
-    check_tensor_arg(&k, "", t);
-    if (t) {
-        check_op(&k, op, t->dtype);
-        k.h.dtype = t->dtype;
-        k.h.a = uly_tensor_numel(t);
-    }
-    k.h.b = op;
-    if (agree(&k)) return -1;
-    int rc = reduce_tensor(&k, t, op);
-    if (rc == 0) {
-        uly_bump_version(t);
-        count_all_reduce(c, uly_tensor_nbytes(t));
-    }
-    return call_end(&k, rc);
-}
-
 /* out must be in's shape with the first dimension times `factor` (a 0-d in counts as [1]) */
 static void check_stacked(call *k, const uly_tensor *small, const uly_tensor *big, int factor, const char *rule) {
     if (!small || !big || k->h.bad) return;
@@ -1016,6 +999,8 @@ static int mpi_group(uly_comm *g, const char *name, int color) {
 #endif
 
 static void free_group(uly_comm *g) {
+    if (g->n_pending && !g->broken) uly_comm_wait_all(g);   /* MPI must not shut down under them */
+    free(g->pending);
     if (g->dev_comm && uly_backends[ULY_DEVICE_CUDA] && uly_backends[ULY_DEVICE_CUDA]->comm_destroy)
         uly_backends[ULY_DEVICE_CUDA]->comm_destroy(g->dev_comm);
 #ifdef ULY_WITH_MPI
@@ -1123,6 +1108,7 @@ uly_comm *uly_dist_dp_group(void) { return S.initialized ? &S.dp_group : uly_set
 
 int uly_comm_rank(const uly_comm *c) { return c ? c->rank : -1; }
 int uly_comm_size(const uly_comm *c) { return c ? c->size : -1; }
+int uly_comm_device_path(const uly_comm *c) { return c ? c->dev_state : 0; }
 int uly_comm_world_rank_of(const uly_comm *c, int rank) {
     return c && rank >= 0 && rank < c->size ? c->world_ranks[rank] : -1;
 }
@@ -1264,24 +1250,33 @@ static int device_done(call *k, int device, int rc) {
     return 0;
 }
 
-static int all_reduce_device(uly_comm *c, uly_tensor *t, int op) {
-    call k;
-    if (call_begin(&k, c, ULY_COMM_ALL_REDUCE)) return -1;
-    if (!uly_tensor_is_contiguous(t))
-        bad(&k, "the tensor %s is not contiguous: pass a contiguous tensor (t:contiguous())", uly_desc(t));
-    check_op(&k, op, t->dtype);
-    k.h.dtype = t->dtype;
-    k.h.device = uly_dev(t);
-    k.h.a = uly_tensor_numel(t);
-    k.h.b = op;
-    if (agree(&k)) return -1;
+/* the checks and the agreement of an all-reduce of t (host or device) */
+static int all_reduce_agree(call *k, uly_comm *c, uly_tensor *t, int op) {
+    if (call_begin(k, c, ULY_COMM_ALL_REDUCE)) return -1;
+    if (!on_device(t)) check_tensor_arg(k, "", t);
+    else if (!uly_tensor_is_contiguous(t))
+        bad(k, "the tensor %s is not contiguous: pass a contiguous tensor (t:contiguous())", uly_desc(t));
+    if (t) {
+        check_op(k, op, t->dtype);
+        k->h.dtype = t->dtype;
+        k->h.device = uly_dev(t);
+        k->h.a = uly_tensor_numel(t);
+    }
+    k->h.b = op;
+    return agree(k);
+}
+
+/* the agreed all-reduce's data, moved now */
+static int all_reduce_now(call *k, uly_tensor *t, int op) {
+    uly_comm *c = k->c;
     int rc = 0, dev = uly_dev(t);
-    if (c->size > 1 && device_comm(c, dev) == 1) {
+    if (!on_device(t)) rc = reduce_tensor(k, t, op);
+    else if (c->size > 1 && device_comm(c, dev) == 1) {
         const uly_backend *be = uly_backends[dev];
-        rc = device_done(&k, dev, be->comm_all_reduce(c->dev_comm, uly_ptr(t), uly_tensor_numel(t), t->dtype, op));
+        rc = device_done(k, dev, be->comm_all_reduce(c->dev_comm, uly_ptr(t), uly_tensor_numel(t), t->dtype, op));
     } else if (c->size > 1) { /* through host memory */
         uly_tensor *h = uly_new_contiguous(t->ndim, t->shape, t->dtype, ULY_DEVICE_CPU);
-        rc = (!h || uly_copy_raw(h, t)) ? -1 : reduce_tensor(&k, h, op);
+        rc = (!h || uly_copy_raw(h, t)) ? -1 : reduce_tensor(k, h, op);
         if (!rc) rc = uly_copy_raw(t, h);
         if (rc == 0 || !c->broken) uly_tensor_release(h);
     }
@@ -1289,12 +1284,136 @@ static int all_reduce_device(uly_comm *c, uly_tensor *t, int op) {
         uly_bump_version(t);
         count_all_reduce(c, uly_tensor_nbytes(t));
     }
-    return call_end(&k, rc);
+    return rc;
 }
 
 int uly_comm_all_reduce_(uly_comm *c, uly_tensor *t, int op) {
-    if (!on_device(t)) return all_reduce_host(c, t, op);
-    return all_reduce_device(c, t, op);
+    call k;
+    if (all_reduce_agree(&k, c, t, op)) return -1;
+    return call_end(&k, all_reduce_now(&k, t, op));
+}
+
+/* ---- all-reduces that complete later ---- */
+typedef struct pending_reduce {
+    call k;                /* its deadline and the prefix of its messages */
+    uly_tensor *t;         /* retained until it completes */
+    int op;
+    int device;            /* -1: MPI moves host memory (req); else on the device's communication stream */
+#ifdef ULY_WITH_MPI
+    MPI_Request req;
+#endif
+} pending_reduce;
+
+static pending_reduce *push_pending(uly_comm *c) {
+    if (c->n_pending == c->cap_pending) {
+        int cap = c->cap_pending ? 2 * c->cap_pending : 16;
+        pending_reduce *more = realloc(c->pending, (size_t)cap * sizeof *more);
+        if (!more) return NULL;
+        c->pending = more;
+        c->cap_pending = cap;
+    }
+    pending_reduce *p = &c->pending[c->n_pending++];
+    memset(p, 0, sizeof *p);
+    return p;
+}
+
+/* the data of the agreed all-reduce k of t moving in the background, if it can (else -2) */
+static int all_reduce_background(call *k, uly_tensor *t, int op) {
+    uly_comm *c = k->c;
+    int dev = uly_dev(t);
+    pending_reduce *p = NULL;
+    if (on_device(t)) {
+        const uly_backend *be = uly_backends[dev];
+        if (device_comm(c, dev) != 1 || !be->comm_all_reduce_start || !be->comm_join) return -2;
+        if (!(p = push_pending(c))) return -2;
+        int rc = be->comm_all_reduce_start(c->dev_comm, uly_ptr(t), uly_tensor_numel(t), t->dtype, op);
+        const char *why = be->take_error();
+        if (rc || why) {
+            c->n_pending--;
+            msgbuf m = {.n = 0};
+            put_call(&m, k);
+            put(&m, ": the device collective failed: %s", why ? why : "no reason given");
+            return uly_set_error("%s", m.s);
+        }
+    } else {
+#ifdef ULY_WITH_MPI
+        int fits = uly_tensor_numel(t) <= CHUNK && t->dtype != ULY_DTYPE_BF16;   /* bf16 sums through f32 */
+        if (!fits || !(p = push_pending(c))) return -2;
+        int rc = MPI_Iallreduce(MPI_IN_PLACE, uly_ptr(t), (int)uly_tensor_numel(t), mpi_type(t->dtype), mpi_op(op),
+                                c->data, &p->req);
+        if (rc != MPI_SUCCESS) { c->n_pending--; return mpi_failed(k, rc, "MPI_Iallreduce"); }
+#else
+        return -2;
+#endif
+    }
+    p->k = *k;
+    p->t = t;
+    uly_tensor_retain(t);
+    p->op = op;
+    p->device = on_device(t) ? dev : -1;
+    return 0;
+}
+
+int uly_comm_all_reduce_start(uly_comm *c, uly_tensor *t, int op) {
+    call k;
+    if (all_reduce_agree(&k, c, t, op)) return -1;
+    if (c->size == 1) return call_end(&k, all_reduce_now(&k, t, op));
+    double t0 = k.t0;
+    int rc = all_reduce_background(&k, t, op);
+    if (rc == -2) return call_end(&k, all_reduce_now(&k, t, op));   /* staged, or too big: now */
+    if (rc == 0) S.seconds[ULY_COMM_ALL_REDUCE] += now() - t0;       /* counted as a call when it completes */
+    return rc;
+}
+
+int uly_comm_pending(const uly_comm *c) { return c ? c->n_pending : 0; }
+
+/* completes p (the data has arrived): avg's division, the stats */
+static int complete(uly_comm *c, pending_reduce *p) {
+    uly_tensor *t = p->t;
+    if (p->op == ULY_REDUCE_AVG && p->device < 0) {
+        int64_t n = uly_tensor_numel(t);
+        if (t->dtype == ULY_DTYPE_F32) { float *x = uly_f32(t); for (int64_t i = 0; i < n; i++) x[i] /= (float)c->size; }
+        else if (t->dtype == ULY_DTYPE_F64) { double *x = uly_ptr(t); for (int64_t i = 0; i < n; i++) x[i] /= c->size; }
+    }
+    uly_bump_version(t);
+    count_all_reduce(c, uly_tensor_nbytes(t));
+    S.calls[ULY_COMM_ALL_REDUCE]++;
+    return 0;
+}
+
+int uly_comm_wait_all(uly_comm *c) {
+    if (!c) return uly_set_error("wait_all: no group given");
+    int rc = 0, joined = 0;
+    for (int i = 0; i < c->n_pending; i++) {
+        pending_reduce *p = &c->pending[i];
+        double t0 = now();
+        int r = 0, leak = 0;
+        if (p->device >= 0) {
+            const uly_backend *be = uly_backends[p->device];
+            if (!joined) { /* compute work queued from here on runs after every pending one */
+                joined = 1;
+                r = be->comm_join();
+                const char *why = be->take_error();
+                if (r || why) {
+                    msgbuf m = {.n = 0};
+                    put_call(&m, &p->k);
+                    put(&m, ": the device collective failed: %s", why ? why : "no reason given");
+                    r = uly_set_error("%s", m.s);
+                }
+            }
+        } else {
+#ifdef ULY_WITH_MPI
+            r = c->broken ? -1 : wait_one(&p->k, "reducing", &p->req);
+            leak = r != 0;   /* MPI may still write into it */
+#endif
+        }
+        if (!r) r = complete(c, p);
+        S.seconds[ULY_COMM_ALL_REDUCE] += now() - t0;
+        if (r && !rc) rc = -1;
+        if (!leak) uly_tensor_release(p->t);
+    }
+    c->n_pending = 0;
+    return rc;
 }
 
 int uly_comm_all_gather(uly_comm *c, const uly_tensor *in, uly_tensor *out) {

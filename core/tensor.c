@@ -185,6 +185,7 @@ int uly_check_inplace(const char *op, const uly_tensor *t) {
 }
 
 void uly_bump_version(uly_tensor *t) { t->storage->version++; }
+uint64_t uly_tensor_version(const uly_tensor *t) { return t ? t->storage->version : 0; }
 
 /* ---- strided element walks ---- */
 /* Visit the elements of a shape in row-major order, calling fn on the byte offsets of up to two

@@ -46,7 +46,8 @@ function GPT:__init(cfg)
 end
 
 -- idx i32 [B, T] -> final hidden states [B, T, C]; ctx = { pos = offset of idx's first token,
--- caches = per-layer nn.KVCache, seq_total = the whole sequence under sequence parallelism }
+-- caches = per-layer nn.KVCache, seq_total = the whole sequence under sequence parallelism,
+-- grad_sync = a dist.grad_sync marked at each block's input }
 function GPT:features(idx, ctx)
   local cfg = self.config
   local pos = ctx and ctx.pos or 0
@@ -54,11 +55,13 @@ function GPT:features(idx, ctx)
   local T = idx:size(2)
   local h = self.wte(idx) + self.wpe.weight:narrow(1, pos + 1, T)         -- [B, T, C]
   if self.training and cfg.dropout > 0 then h = h:dropout(cfg.dropout, true) end
-  local caches = ctx and ctx.caches
+  local caches, sync = ctx and ctx.caches, ctx and ctx.grad_sync
   for l, block in self.blocks:named_children() do
+    if sync then h = sync:mark(h, block) end                              -- its grads start reducing
     h = block(h, { pos = pos, cache = caches and caches[l], seq_total = ctx and ctx.seq_total,
                   doc = ctx and ctx.doc })
   end
+  if sync then h = sync:mark(h, self.ln_f) end                           -- wte is tied: reduced at finish
   return self.ln_f(h)                                                     -- [B, T, C]
 end
 

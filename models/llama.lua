@@ -58,17 +58,19 @@ function Llama:__init(cfg)
 end
 
 -- idx i32 [B, T] -> final hidden states [B, T, C]; ctx = { pos = global offset of idx's first
--- token, caches, seq_total }
+-- token, caches, seq_total, grad_sync = a dist.grad_sync marked at each layer's input }
 function Llama:features(idx, ctx)
   local cfg = self.config
   local pos = ctx and ctx.pos or 0
   common.check_input('Llama', idx, pos, cfg.seq)
   local h = self.tok_embeddings(idx)                                       -- [B, T, C]
-  local caches = ctx and ctx.caches
+  local caches, sync = ctx and ctx.caches, ctx and ctx.grad_sync
   for l, layer in self.layers:named_children() do
+    if sync then h = sync:mark(h, layer) end                              -- its grads start reducing
     h = layer(h, { pos = pos, cache = caches and caches[l], seq_total = ctx and ctx.seq_total,
                   doc = ctx and ctx.doc })
   end
+  if sync then h = sync:mark(h, { self.norm, not cfg.tied and self.output or nil }) end
   return self.norm(h)                                                     -- [B, T, C]
 end
 

@@ -4,9 +4,10 @@
 #     (build-asan/);
 #  2. runs every busted spec (spec/*_spec.lua, under LuaJIT) against the Release build, then the
 #     #mpi specs under mpirun with 1, 2 and 4 ranks (Release build only), then the CUDA backend's
-#     kernels on the CPU emulator (spec/device_spec.lua and the #mpi device cases; the fused
-#     attention once more with warps run one at a time), then the plain specs and the emulated
-#     CUDA kernels (warps one at a time) against the sanitizer build;
+#     kernels on the CPU emulator (spec/device_spec.lua and the #mpi device cases, over host
+#     staging and over the emulator's NCCL; the fused attention once more with warps run one at a
+#     time), then the plain specs and the emulated CUDA kernels (warps one at a time, stream work
+#     as late as its waits allow) against the sanitizer build;
 #  3. ends with one line "N passed, N failed" over all runs; exits non-zero on any failure,
 #     error or crash.
 # ULY_SEED=<n> replays the random inputs of a run (the seed is printed first).
@@ -78,7 +79,7 @@ run_mpi_specs
 
 # The CUDA backend's own kernels (kernels/cuda/*.cu) on the CPU emulator (kernels/cuda/emu/,
 # build/libulysses_cuemu.so): the device suite, then the device cases of the #mpi specs on 2 and
-# 4 ranks (exchanges staged through host memory, as with ranks sharing one GPU)
+# 4 ranks, sharing one GPU (exchanges staged through host memory) and each with its own (NCCL)
 if [ -e build/libulysses_cuemu.so ]; then
   SPEC_ARGS="spec/device_spec.lua" run_specs "CUDA kernels on the emulator" ULY_TEST_DEVICE=emu ULY_CUDA_ATTN_CHUNK=16 \
     ULY_CUDA_LIB=build/libulysses_cuemu.so
@@ -87,17 +88,21 @@ if [ -e build/libulysses_cuemu.so ]; then
   SPEC_ARGS="--filter=fused spec/device_spec.lua" run_specs "fused attention, warps one at a time, eager cp.async" \
     ULY_TEST_DEVICE=emu ULY_EMU_ORDER=reverse ULY_EMU_ASYNC=eager ULY_CUDA_LIB=build/libulysses_cuemu.so
   if command -v mpirun >/dev/null 2>&1; then
-    for np in 2 4; do
-      echo "== specs: #mpi device cases on $np ranks, CUDA kernels on the emulator"
+    # ranks:gpus — ranks sharing the one emulated GPU (exchanges staged through host memory), then
+    # every rank its own emulated GPU (the NCCL path, over the emulator's NCCL) with lazy streams
+    for run in 2:shared 4:shared 2:own 4:own; do
+      np=${run%:*} gpus=${run#*:} streams=$([ "$gpus" = own ] && echo lazy || echo now)
+      echo "== specs: #mpi device cases on $np ranks, CUDA kernels on the emulator, GPUs $gpus, streams $streams"
       before=$(wc -l <"$summary")
-      env "${mpi_env[@]}" ULY_TEST_SP="$np" ULY_TEST_DEVICE=emu ULY_CUDA_LIB=build/libulysses_cuemu.so timeout 300 \
+      env "${mpi_env[@]}" ULY_TEST_SP="$np" ULY_TEST_DEVICE=emu ULY_CUDA_LIB=build/libulysses_cuemu.so \
+        ULY_EMU_GPUS="$gpus" ULY_EMU_STREAMS="$streams" timeout 300 \
         mpirun --allow-run-as-root --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -x ULY_TEST_SP \
-        -x ULY_TEST_DEVICE -x ULY_CUDA_LIB -np "$np" luajit /usr/bin/busted --run=mpi --filter=device \
-        spec/ulysses_spec.lua spec/dist_spec.lua
+        -x ULY_TEST_DEVICE -x ULY_CUDA_LIB -x ULY_EMU_GPUS -x ULY_EMU_STREAMS -np "$np" luajit /usr/bin/busted \
+        --run=mpi --filter=device spec/ulysses_spec.lua spec/dist_spec.lua spec/grad_sync_spec.lua
       rc=$?
       after=$(wc -l <"$summary")
       if [ "$after" -eq "$before" ] || { [ $rc -ne 0 ] && ! tail -1 "$summary" | grep -q ' [1-9]'; }; then
-        echo "test: the emulated #mpi device run on $np ranks failed or ended abnormally (exit code $rc)"
+        echo "test: the emulated #mpi device run on $np ranks ($gpus GPUs) failed or ended abnormally (exit code $rc)"
         crashed=$((crashed + 1))
       fi
     done
@@ -112,12 +117,13 @@ if build build-asan -DCMAKE_BUILD_TYPE=Debug -DULY_SANITIZE=ON -DULY_CUDA=OFF; t
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1
   # the CUDA kernels on the emulator under the sanitizers: device memory is host memory there,
   # so an out-of-bounds access in a kernel is caught; warps run one at a time, the last first, so
-  # a shared-memory read that lacks a __syncthreads (or a cp.async wait) after its write fails
+  # a shared-memory read that lacks a __syncthreads (or a cp.async wait) after its write fails;
+  # stream work runs only when waited for, so a host read or free without its wait fails too
   if [ -e build-asan/libulysses_cuemu.so ]; then
     SPEC_ARGS="spec/device_spec.lua" run_specs "CUDA kernels on the emulator + sanitizers, warps one at a time" \
       ULY_LIB=build-asan/libulysses.so LD_PRELOAD="$asan" ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 \
       UBSAN_OPTIONS=print_stacktrace=1 ULY_TEST_DEVICE=emu ULY_CUDA_LIB=build-asan/libulysses_cuemu.so \
-      ULY_CUDA_ATTN_CHUNK=16 ULY_EMU_ORDER=reverse
+      ULY_CUDA_ATTN_CHUNK=16 ULY_EMU_ORDER=reverse ULY_EMU_STREAMS=lazy
   fi
 else
   echo "test: sanitizer build failed"; crashed=$((crashed + 1))

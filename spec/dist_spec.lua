@@ -125,9 +125,8 @@ describe('dist on a grid of ranks #mpi', function()
     end
   end)
 
-  it('collectives take device tensors (the simulation here: staged through host memory) and refuse mixed devices', function()
-    local real = os.getenv('ULY_TEST_DEVICE') == 'cuda' or os.getenv('ULY_TEST_DEVICE') == 'emu'
-    if not uly.cuda.backend() then assert(real and uly.cuda.ensure() or uly.cuda.simulate()) end
+  it('collectives take device tensors (over NCCL or staged through host memory) and refuse mixed devices', function()
+    local real = helpers.use_test_device()
     local s = uly.tensor({ me + 1, 2 * me }):cuda()
     local m = uly.tensor({ me + 1, -me }):cuda()
     g.world_group:all_reduce_(s, 'sum')
@@ -140,6 +139,13 @@ describe('dist on a grid of ranks #mpi', function()
     end
     assert.are.same(sum, helpers.list(s))
     assert.are.same(max, helpers.list(m))
+    if P > 1 then  -- NCCL when every rank has its own (emulated) GPU, else staged through the host
+      assert.equal(helpers.expected_device_path(), g.world_group:device_path())
+    end
+    local b = uly.tensor({ me + 1, 0.5 }, { dtype = 'bf16' }):cuda()   -- summed in f32, exact here
+    g.world_group:all_reduce_(b, 'sum')
+    assert.equal('bf16', b:dtype())
+    assert.are.same({ sum[1], 0.5 * P }, helpers.list(b))
     local gathered = g.world_group:all_gather(uly.tensor({ me }):cuda())
     assert.equal('cuda', gathered:device())
     local want = {}
@@ -152,7 +158,7 @@ describe('dist on a grid of ranks #mpi', function()
       assert.matches('the tensors are on different devices: rank 0 has cpu, rank 1 has cuda', tostring(err), 1, true)
       g.world_group:all_reduce_(uly.tensor({ 1 }), 'sum')   -- still usable
     end
-    s, m, gathered = nil, nil, nil
+    s, m, b, gathered = nil, nil, nil, nil
     if not real then jit.flush(); collectgarbage('collect'); collectgarbage('collect'); uly.cuda.reset() end
   end)
 

@@ -156,6 +156,44 @@ function M.error_of(fn, ...)
 end
 
 -- a string quoted for the shell
+-- device 'cuda' for a spec: the CUDA backend (or its emulator) when ULY_TEST_DEVICE is 'cuda' or
+-- 'emu' (an error, not a quiet fallback, when it does not load), else the host-memory
+-- simulation; returns true for the real backend
+function M.use_test_device()
+  local mode = os.getenv('ULY_TEST_DEVICE')
+  local real = mode == 'cuda' or mode == 'emu'
+  if not uly.cuda.backend() then
+    if real then
+      local ok, why = uly.cuda.ensure()
+      assert(ok, 'ULY_TEST_DEVICE=' .. mode .. ' but the CUDA backend did not start: ' .. tostring(why))
+    else
+      assert(uly.cuda.simulate())
+    end
+  end
+  return real
+end
+
+-- removes the simulated device's backend once the tensors it holds are garbage: compiled traces
+-- and the Lua closures of graph nodes (checkpoints, grad_sync marks) let go over a few rounds
+function M.reset_simulated_device()
+  jit.flush()
+  local held, pending
+  repeat
+    held, pending = uly.memory('cuda').allocated, uly.nn.checkpoint_pending()
+    collectgarbage('collect')
+    collectgarbage('collect')
+  until uly.memory('cuda').allocated == held and uly.nn.checkpoint_pending() == pending
+  uly.cuda.reset()
+end
+
+-- how a group of several ranks should move device tensors in this run: over NCCL ('device') when
+-- every rank emulates its own GPU (ULY_EMU_GPUS=own, the emulator's NCCL over MPI), else staged
+-- through host memory ('host': the simulation, or ranks sharing the one GPU of a GPU check)
+function M.expected_device_path()
+  local own = os.getenv('ULY_TEST_DEVICE') == 'emu' and os.getenv('ULY_EMU_GPUS') == 'own'
+  return own and 'device' or 'host'
+end
+
 function M.shq(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
 
 -- a new empty temporary directory (remove it with M.rmtree)

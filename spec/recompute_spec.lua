@@ -125,9 +125,11 @@ describe('tiled MLP and loss (nn.chunked)', function()
     local gx, g1 = x.grad:clone(), mlp.w1.weight.grad:clone()
     x:zero_grad(); mlp:zero_grad()
     local y2 = nn.chunked(function(t) return mlp(t) end, x, { dim = 2, size = 4 })   -- 4 + 4 + 3 rows
-    helpers.assert_close(y2, y1, 0, 0)
+    -- row-wise, but not bit for bit: OpenBLAS may pick another kernel for another number of
+    -- rows (seen on AVX-512 Zen), so the slices agree to float rounding
+    helpers.assert_close(y2, y1, 1e-5, 1e-7)
     ;(y2 * y2):sum():backward()
-    helpers.assert_close(x.grad, gx, 0, 0)                 -- row-wise: the same bits
+    helpers.assert_close(x.grad, gx, 1e-5, 1e-7)
     helpers.assert_close(mlp.w1.weight.grad, g1, 1e-5, 1e-6) -- summed over slices: float order
   end)
 
@@ -145,7 +147,9 @@ describe('tiled MLP and loss (nn.chunked)', function()
                           h, { dim = 2, size = 2, with = { tg }, reduce = 'sum' })
     helpers.assert_close(l2, l1, 1e-6, 1e-6)
     l2:backward()
-    helpers.assert_close(h.grad, gh, 1e-6, 1e-7)
+    -- (p - onehot) W^T cancels terms of order |W| = 1 down to ~1e-3: logits that differ in the
+    -- last bit between the two GEMM paths show at ~1e-6 absolute here
+    helpers.assert_close(h.grad, gh, 1e-5, 1e-5)
     helpers.assert_close(W.grad, gw, 1e-5, 1e-6)
   end)
 

@@ -180,6 +180,26 @@ describe('train.lua under mpirun', function()
     end
   end)
 
+  it('gradient accumulation follows the single-process losses with the all-reduce overlapped or after backward', function()
+    if not has_mpi then pending('no mpirun or a library without MPI') return end
+    local args = TINY .. '--model llama --heads 4 --kv_heads 2 --steps 4 --accum 2 --batch 2 --eval_every 0 --sample 0 --threads 1 '
+    local ref_dir = tmpdir()
+    local out, code = run(args .. '--out ' .. ref_dir)
+    assert.are.equal(0, code, out)
+    local ref = uly.log.read_csv(ref_dir .. '/log.csv')
+    for _, overlap in ipairs({ 1, 0 }) do
+      local dir = tmpdir()
+      out, code = mpirun(2, args .. '--sp 2 --overlap ' .. overlap .. ' --out ' .. dir)
+      assert.are.equal(0, code, out)
+      local rows = uly.log.read_csv(dir .. '/log.csv')
+      assert.are.equal(4, #rows)
+      for i = 1, 4 do
+        assert.is_true(math.abs(rows[i].loss - ref[i].loss) <= 1e-5 * ref[i].loss,
+                       string.format('overlap %d step %d: %.6g vs %.6g', overlap, i, rows[i].loss, ref[i].loss))
+      end
+    end
+  end)
+
   it('a bad grid fails on every rank with one clear message', function()
     if not has_mpi then pending('no mpirun or a library without MPI') return end
     local out, code = mpirun(2, TINY .. '--steps 2 --sp 3 --out ' .. tmpdir())

@@ -10,88 +10,9 @@ local dist = uly.dist
 local nn = uly.nn
 local GPT = require 'models.gpt'
 local Llama = require 'models.llama'
-local common = require 'models.common'
 
--- the grid every #mpi spec file uses: ULY_TEST_SP (set by scripts/test.sh), else SP over all
--- ranks, or 2 x 2 with 4 ranks
-local function grid()
-  local world = tonumber(os.getenv('OMPI_COMM_WORLD_SIZE') or '1')
-  return dist.init { sp = tonumber(os.getenv('ULY_TEST_SP') or '') or (world == 4 and 2 or world) }
-end
-
--- the split rule, written out independently of the C code: first n % P parts get one more
-local function split(n, P, j)
-  local base, extra = math.floor(n / P), n % P
-  local len = base + (j < extra and 1 or 0)
-  return j * base + math.min(j, extra), len
-end
-
-local function batch(B, N, V, seed)
-  math.randomseed(seed)
-  local xt, yt = {}, {}
-  for b = 1, B do
-    xt[b], yt[b] = {}, {}
-    for t = 1, N do
-      xt[b][t] = math.random(0, V - 1)
-      yt[b][t] = (t % 5 == 0) and -1 or math.random(0, V - 1)   -- some targets ignored
-    end
-  end
-  return uly.tensor(xt, { dtype = 'i32' }), uly.tensor(yt, { dtype = 'i32' })
-end
-
-local function copy_cfg(cfg, extra)
-  local out = {}
-  for k, v in pairs(cfg) do out[k] = v end
-  for k, v in pairs(extra or {}) do out[k] = v end
-  return out
-end
-
--- the single-process model vs the sequence-parallel one on the same batch: returns the loss
--- difference and the largest gradient difference relative to each tensor's largest entry
-local function compare(Model, cfg, N, mask_last_shard, with_docs, device)
-  local g = grid()
-  local P, r = g.sp_size, g.sp_rank
-  local x, y = batch(2, N, cfg.vocab or 256, 11)
-  if mask_last_shard then -- every target of the last rank's shard ignored (the reference too)
-    local lo_last, n_last = split(N, P, P - 1)
-    for b = 1, 2 do for t = lo_last + 1, lo_last + n_last do y[b][t] = -1 end end
-  end
-  uly.manual_seed(7)
-  local ref = Model(cfg)
-  uly.manual_seed(7)
-  local m = Model(copy_cfg(cfg, { sp = P }))
-  if device then m:to(device) end
-  local doc
-  if with_docs then -- three packed documents; every rank gets the whole window's ids
-    local d = {}
-    for b = 1, 2 do d[b] = {} for t = 1, N do d[b][t] = t <= N / 3 and 0 or (t <= N / 2 + b and 1 or 2) end end
-    doc = uly.tensor(d, { dtype = 'i32' })
-  end
-  local ref_loss = ref:loss(x, y, { doc = doc })
-  ref_loss:backward()
-  local lo, n = split(N, P, r)
-  local loss = m:loss(x:narrow(2, lo + 1, n):contiguous():to(device or 'cpu'),
-                      y:narrow(2, lo + 1, n):contiguous():to(device or 'cpu'), { pos = lo, seq_total = N, doc = doc })
-  loss:backward()
-  dist.all_reduce_grads(m:parameters(), g.world_group)
-  local global = common.global_loss(m, loss)
-  assert.is_true(loss:item() == loss:item() and global == global, 'NaN loss')
-  local worst, where = 0, nil
-  local rp = ref:parameters()
-  local k = 0
-  for name, p in m:named_parameters() do
-    k = k + 1
-    local a, na = helpers.values(p.grad)
-    local b = helpers.values(rp[k].grad)
-    local scale = 0
-    for i = 0, na - 1 do scale = math.max(scale, math.abs(b[i])) end
-    for i = 0, na - 1 do
-      local e = math.abs(a[i] - b[i]) / math.max(scale, 1e-30)
-      if e > worst then worst, where = e, name end
-    end
-  end
-  return math.abs(global - ref_loss:item()) / math.max(math.abs(ref_loss:item()), 1e-12), worst, where
-end
+local sp = require 'sp_compare'
+local grid, split, batch, copy_cfg, compare = sp.grid, sp.split, sp.batch, sp.copy_cfg, sp.compare
 
 describe('Ulysses sequence parallelism #mpi', function()
   local TOL = 1e-5   -- reached: loss within 1e-7 relative, gradients within 1e-6 of each tensor's largest entry
@@ -117,20 +38,20 @@ describe('Ulysses sequence parallelism #mpi', function()
                          { preset = 'tiny', heads = 4, kv_heads = 2, dim = 32, hidden = 48, seq = 16 }, 12, true }
   for _, c in ipairs(cases) do
     it('matches the single-process loss and gradients: ' .. c[1], function()
-      local dl, dg, where = compare(c[2], c[3], c[4], c[5], c[6])
+      local dl, dg, where = compare(c[2], c[3], c[4], { mask_last_shard = c[5], docs = c[6] })
       assert.is_true(dl <= TOL, string.format('loss differs by %.3g relative', dl))
       assert.is_true(dg <= TOL, string.format('gradient of %s differs by %.3g', tostring(where), dg))
     end)
   end
 
-  -- the model on device 'cuda' (the simulation here; the GPU under scripts/gpu-check.sh, where the
-  -- ranks share one GPU): the exchanges stage through host memory over MPI
-  it('matches the single-process loss and gradients with the model on device cuda (host-staged exchanges)', function()
-    local real = os.getenv('ULY_TEST_DEVICE') == 'cuda' or os.getenv('ULY_TEST_DEVICE') == 'emu'
-    if not uly.cuda.backend() then assert(real and uly.cuda.ensure() or uly.cuda.simulate()) end
+  -- the model on device 'cuda' (the simulation, or the emulator with ranks sharing one GPU or each
+  -- its own; the GPU under scripts/gpu-check.sh, where the ranks share it): the exchanges go over
+  -- NCCL when every rank has its own GPU, else they stage through host memory over MPI
+  it('matches the single-process loss and gradients with the model on device cuda (NCCL or host-staged exchanges)', function()
+    local real = helpers.use_test_device()
     local tol = real and 5e-3 or TOL
     local dl, dg, where = compare(Llama, { preset = 'tiny', heads = 4, kv_heads = 2, dim = 32, hidden = 48, seq = 32,
-                                           window = 6 }, 19, false, true, 'cuda')
+                                           window = 6 }, 19, { docs = true, device = 'cuda' })
     assert.is_true(dl <= tol, string.format('loss differs by %.3g relative', dl))
     assert.is_true(dg <= tol, string.format('gradient of %s differs by %.3g', tostring(where), dg))
     -- and the device exchanges move exactly the bytes the host ones do, peer by peer
@@ -156,6 +77,7 @@ describe('Ulysses sequence parallelism #mpi', function()
       assert.is_true(any > 0, 'the host exchange moved no bytes')
     end
     assert.are.same(host_bytes, exchange_bytes('cuda'))
+    if grid().sp_size > 1 then assert.equal(helpers.expected_device_path(), grid().sp_group:device_path()) end
     if not real then jit.flush(); collectgarbage('collect'); collectgarbage('collect'); uly.cuda.reset() end
   end)
 

@@ -112,6 +112,9 @@ uly_tensor *uly_tensor_cat(int n, uly_tensor *const *ts, int dim);
 int uly_tensor_set_requires_grad(uly_tensor *t, int flag);  /* leaves only */
 int uly_tensor_requires_grad(const uly_tensor *t);
 int uly_tensor_is_leaf(const uly_tensor *t);
+/* how many times t's storage was written in place (ops ending in _, copies, optimizer steps, and
+ * backward accumulating into a leaf's grad): a changed value means changed contents */
+uint64_t uly_tensor_version(const uly_tensor *t);
 uly_tensor *uly_tensor_grad(const uly_tensor *t);           /* NULL without error if none */
 int uly_tensor_set_grad(uly_tensor *t, uly_tensor *grad);   /* grad may be NULL */
 int uly_tensor_zero_grad(uly_tensor *t, int set_to_none);
@@ -226,6 +229,9 @@ uly_comm *uly_dist_dp_group(void);
 int uly_comm_rank(const uly_comm *c);
 int uly_comm_size(const uly_comm *c);
 int uly_comm_world_rank_of(const uly_comm *c, int rank);  /* a group rank's world rank */
+/* how the group moves device tensors, decided at its first device collective: 1 the device
+ * backend's collectives (NCCL), -1 staged through host memory over MPI, 0 not decided yet */
+int uly_comm_device_path(const uly_comm *c);
 const char *uly_comm_name(const uly_comm *c);             /* "world", "sp", "dp" */
 int uly_comm_all_to_all_v(uly_comm *c, const void *send, const int64_t *send_counts, const int64_t *send_displs,
                           void *recv, const int64_t *recv_counts, const int64_t *recv_displs, int dtype);
@@ -243,7 +249,17 @@ int uly_comm_all_to_all_layout(uly_comm *c, const void *send, const uly_comm_lay
  * through host memory over MPI */
 int uly_comm_all_to_all_layout_on(uly_comm *c, int device, const void *send, const uly_comm_layout *send_layouts,
                                   void *recv, const uly_comm_layout *recv_layouts, int dtype);
-int uly_comm_all_reduce_(uly_comm *c, uly_tensor *t, int op);            /* in place, contiguous */
+int uly_comm_all_reduce_(uly_comm *c, uly_tensor *t, int op);
+/* An all-reduce that completes later, so its data moves while the caller goes on (gradient
+ * buckets during backward): host tensors over a non-blocking MPI all-reduce, device tensors on
+ * the device's communication stream (NCCL), after the work queued so far; device tensors staged
+ * through host memory (no NCCL) and bf16 host tensors complete at once. Every rank of the group
+ * starts the same all-reduces in the same order. t must be neither read nor written until
+ * uly_comm_wait_all(c) returns; wait_all completes every started one in order, and on the device
+ * only orders later device work after them (no host wait). */
+int uly_comm_all_reduce_start(uly_comm *c, uly_tensor *t, int op);
+int uly_comm_wait_all(uly_comm *c);
+int uly_comm_pending(const uly_comm *c);      /* started and not yet waited for */            /* in place, contiguous */
 int uly_comm_all_gather(uly_comm *c, const uly_tensor *in, uly_tensor *out); /* out: [size * in.shape[0], ...] */
 int uly_comm_reduce_scatter(uly_comm *c, const uly_tensor *in, uly_tensor *out, int op); /* in: [size * out.shape[0], ...] */
 int uly_comm_broadcast_(uly_comm *c, uly_tensor *t, int root);

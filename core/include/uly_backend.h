@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define ULY_BACKEND_ABI 5
+#define ULY_BACKEND_ABI 6
 #define ULY_VIEW_MAX_DIMS 8
 
 /* a strided window over backend memory: element [0, ..., 0] at p, strides in elements */
@@ -139,6 +139,10 @@ typedef struct uly_backend {
     int (*comm_all_reduce)(void *comm, void *buf, int64_t count, int dtype, int op);  /* in place, ULY_REDUCE_* */
     int (*comm_all_to_all_v)(void *comm, const void *send, const int64_t *send_counts, const int64_t *send_displs,
                              void *recv, const int64_t *recv_counts, const int64_t *recv_displs, int dtype);
+    /* comm_all_reduce without ordering later device work after it until comm_join (which orders it
+     * after every collective queued so far): the data moves while the device computes */
+    int (*comm_all_reduce_start)(void *comm, void *buf, int64_t count, int dtype, int op);
+    int (*comm_join)(void);
 
     /* ---- AdamW over n parameters in one launch (host arrays of device pointers; NULL: the core
      *      calls optim_adamw per parameter). Same arithmetic as optim_adamw, element by element. ---- */

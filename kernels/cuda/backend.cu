@@ -126,6 +126,7 @@ static const uly_backend table = {
     cu_gemm_batched_bf16,
     cu_pack_layout, cu_unpack_layout,
     cu_device_uuid, cu_comm_unique_id, cu_comm_create, cu_comm_destroy, cu_comm_all_reduce, cu_comm_all_to_all_v,
+    cu_comm_all_reduce_start, cu_comm_join,
     cu_optim_adamw_multi,
 };
 

@@ -1,9 +1,13 @@
 /* kernels/cuda/comm.cu — the CUDA backend's side of communication: gathering a layout's elements
  * into a contiguous buffer and scattering them back (the packed form of the Ulysses exchanges),
  * the device's UUID (so ranks sharing one GPU are detected), and NCCL communicators and
- * collectives (all-reduce; all-to-all-v as grouped send/recv) on the backend's stream. NCCL is
+ * collectives (all-reduce; all-to-all-v as grouped send/recv) on a communication stream of their
+ * own, ordered after the compute work that makes their inputs and before the compute work queued
+ * after them; cu_comm_all_reduce_start leaves the second ordering to cu_comm_join, so gradient
+ * buckets reduce while backward computes. NCCL is
  * opened with dlopen on first use, so libulysses_cuda.so loads without it; without NCCL the
- * core stages device buffers through host memory over MPI instead. */
+ * core stages device buffers through host memory over MPI instead. The emulator build links its
+ * own NCCL over MPI (emu/nccl_emu.cpp) in place of libnccl. */
 #include <dlfcn.h>
 #include <stdio.h>
 #include <string.h>
@@ -66,7 +70,39 @@ extern "C" int cu_device_uuid(unsigned char *uuid16) {
     return 0;
 }
 
-#if !defined(ULY_CUDA_EMU) && __has_include(<nccl.h>)
+/* ---- the communication stream: NCCL work runs there, beside the compute stream ---- */
+static cudaStream_t comm_stream;
+static cudaEvent_t computed, communicated;
+
+static int comm_stream_ready(void) {
+    if (comm_stream) return 0;
+    cudaError_t e = cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&computed, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&communicated, cudaEventDisableTiming);
+    if (e != cudaSuccess) { uly_cu_fail("creating the communication stream", e); comm_stream = NULL; return -1; }
+    return 0;
+}
+
+/* the communication queued next starts once the compute work queued so far (its inputs) is done */
+static int after_compute(void) {
+    if (comm_stream_ready()) return -1;
+    cudaError_t e = cudaEventRecord(computed, uly_cu_stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(comm_stream, computed, 0);
+    if (e != cudaSuccess) { uly_cu_fail("ordering communication after compute", e); return -1; }
+    return 0;
+}
+
+/* compute work queued from now on starts once the communication queued so far is done: its
+ * outputs are ready, and the buffers it reads may be reused */
+extern "C" int cu_comm_join(void) {
+    if (!comm_stream) return 0;
+    cudaError_t e = cudaEventRecord(communicated, comm_stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(uly_cu_stream, communicated, 0);
+    if (e != cudaSuccess) { uly_cu_fail("ordering compute after communication", e); return -1; }
+    return 0;
+}
+
+#if defined(ULY_CUDA_EMU) ? defined(ULY_EMU_NCCL) : __has_include(<nccl.h>)
 #include <nccl.h>
 /* ---- NCCL, opened on first use ---- */
 static struct {
@@ -86,20 +122,27 @@ static struct {
 static int nccl_open(void) {
     if (N.tried) return N.ok;
     N.tried = 1;
+#ifdef ULY_CUDA_EMU
+    /* the emulator's NCCL over MPI (kernels/cuda/emu/nccl_emu.cpp) is part of this library */
+#define SYM(field, name) N.field = name;
+#else
     void *h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_GLOBAL);
     if (!h) h = dlopen("libnccl.so", RTLD_NOW | RTLD_GLOBAL);
     if (!h) { uly_cu_fail_msg("NCCL", "libnccl.so.2 not found (device buffers will stage through host memory)"); return 0; }
-#define SYM(field, name) N.field = (decltype(N.field))dlsym(h, name); if (!N.field) { uly_cu_fail_msg("NCCL", "missing " name); return 0; }
-    SYM(get_unique_id, "ncclGetUniqueId")
-    SYM(init_rank, "ncclCommInitRank")
-    SYM(destroy, "ncclCommDestroy")
-    SYM(all_reduce, "ncclAllReduce")
-    SYM(send, "ncclSend")
-    SYM(recv, "ncclRecv")
-    SYM(group_start, "ncclGroupStart")
-    SYM(group_end, "ncclGroupEnd")
-    SYM(error_string, "ncclGetErrorString")
-    SYM(count, "ncclCommCount")
+#define SYM(field, name) \
+    N.field = (decltype(N.field))dlsym(h, #name); \
+    if (!N.field) { uly_cu_fail_msg("NCCL", "missing " #name); return 0; }
+#endif
+    SYM(get_unique_id, ncclGetUniqueId)
+    SYM(init_rank, ncclCommInitRank)
+    SYM(destroy, ncclCommDestroy)
+    SYM(all_reduce, ncclAllReduce)
+    SYM(send, ncclSend)
+    SYM(recv, ncclRecv)
+    SYM(group_start, ncclGroupStart)
+    SYM(group_end, ncclGroupEnd)
+    SYM(error_string, ncclGetErrorString)
+    SYM(count, ncclCommCount)
 #undef SYM
     N.ok = 1;
     return 1;
@@ -143,35 +186,44 @@ extern "C" void cu_comm_destroy(void *comm) {
     if (comm && N.ok) N.destroy((ncclComm_t)comm);
 }
 
-extern "C" int cu_comm_all_reduce(void *comm, void *buf, int64_t count, int dtype, int op) {
+extern "C" int cu_comm_all_reduce_start(void *comm, void *buf, int64_t count, int dtype, int op) {
     ncclDataType_t t;
-    if (!N.ok || nccl_type(dtype, &t)) return -1;
+    if (!N.ok || nccl_type(dtype, &t) || after_compute()) return -1;
     ncclRedOp_t o = op == ULY_REDUCE_AVG ? ncclAvg : op == ULY_REDUCE_MAX ? ncclMax : ncclSum;
-    return nccl_check("ncclAllReduce", N.all_reduce(buf, buf, (size_t)count, t, o, (ncclComm_t)comm, uly_cu_stream));
+    return nccl_check("ncclAllReduce", N.all_reduce(buf, buf, (size_t)count, t, o, (ncclComm_t)comm, comm_stream));
 }
 
+extern "C" int cu_comm_all_reduce(void *comm, void *buf, int64_t count, int dtype, int op) {
+    int rc = cu_comm_all_reduce_start(comm, buf, count, dtype, op);
+    return cu_comm_join() || rc ? -1 : 0;
+}
+
+/* the Ulysses exchange: one grouped send/recv per peer, on the communication stream, then the
+ * compute stream (which unpacks the result) waits for it */
 extern "C" int cu_comm_all_to_all_v(void *comm, const void *send, const int64_t *scounts, const int64_t *sdispls, void *recv,
                                     const int64_t *rcounts, const int64_t *rdispls, int dtype) {
     ncclDataType_t t;
-    if (!N.ok || nccl_type(dtype, &t)) return -1;
+    if (!N.ok || nccl_type(dtype, &t) || after_compute()) return -1;
     int nranks = 0;   /* the peers are the communicator's ranks 0..P-1 */
     if (nccl_check("ncclCommCount", N.count((ncclComm_t)comm, &nranks))) return -1;
     size_t es = dtype == ULY_DTYPE_BF16 ? 2 : (dtype == ULY_DTYPE_F32 || dtype == ULY_DTYPE_I32) ? 4 : 8;
     int rc = nccl_check("ncclGroupStart", N.group_start());
     for (int j = 0; !rc && j < nranks; j++) {
         if (scounts[j]) rc = nccl_check("ncclSend", N.send((const char *)send + sdispls[j] * es, (size_t)scounts[j], t, j,
-                                                         (ncclComm_t)comm, uly_cu_stream));
+                                                         (ncclComm_t)comm, comm_stream));
         if (!rc && rcounts[j]) rc = nccl_check("ncclRecv", N.recv((char *)recv + rdispls[j] * es, (size_t)rcounts[j], t, j,
-                                                                (ncclComm_t)comm, uly_cu_stream));
+                                                                (ncclComm_t)comm, comm_stream));
     }
     int end = nccl_check("ncclGroupEnd", N.group_end());
-    return rc ? rc : end;
+    int joined = cu_comm_join();
+    return rc || end || joined ? -1 : 0;
 }
 #else /* built without nccl.h: no device collectives, the core stages through host memory */
 extern "C" int cu_comm_unique_id(void *id, int64_t len) { uly_cu_fail_msg("NCCL", "built without nccl.h"); return -1; }
 extern "C" void *cu_comm_create(int nranks, int rank, const void *id) { return NULL; }
 extern "C" void cu_comm_destroy(void *comm) {}
 extern "C" int cu_comm_all_reduce(void *comm, void *buf, int64_t count, int dtype, int op) { return -1; }
+extern "C" int cu_comm_all_reduce_start(void *comm, void *buf, int64_t count, int dtype, int op) { return -1; }
 extern "C" int cu_comm_all_to_all_v(void *comm, const void *send, const int64_t *scounts, const int64_t *sdispls, void *recv,
                                     const int64_t *rcounts, const int64_t *rdispls, int dtype) { return -1; }
 #endif

@@ -5,9 +5,10 @@
 #ifndef ULY_CUDA_LAUNCH_CUH
 #define ULY_CUDA_LAUNCH_CUH
 #ifdef ULY_CUDA_EMU
-#define ULY_LAUNCH(kernel, blocks, threads, stream) uly_emu::launch(kernel, (unsigned)(blocks), (unsigned)(threads))
+#define ULY_LAUNCH(kernel, blocks, threads, stream) \
+    uly_emu::launch(kernel, (unsigned)(blocks), (unsigned)(threads), 0, (stream))
 #define ULY_LAUNCH_SMEM(kernel, blocks, threads, smem, stream) \
-    uly_emu::launch(kernel, (unsigned)(blocks), (unsigned)(threads), (size_t)(smem))
+    uly_emu::launch(kernel, (unsigned)(blocks), (unsigned)(threads), (size_t)(smem), (stream))
 #define ULY_DYNAMIC_SHARED(type, name) type *name = (type *)uly_emu::dynamic_shared()
 #else
 #define ULY_LAUNCH(kernel, blocks, threads, stream) kernel<<<(blocks), (threads), 0, (stream)>>>

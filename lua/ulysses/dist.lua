@@ -46,6 +46,13 @@ function Group:size() return C.uly_comm_size(self._c) end
 function Group:name() return ffi.string(C.uly_comm_name(self._c)) end
 -- the world rank of a (0-based) rank of this group
 function Group:world_rank(r) return C.uly_comm_world_rank_of(self._c, r or self:rank()) end
+-- how device tensors move in this group, decided at its first device collective: 'device' (the
+-- backend's own collectives, NCCL), 'host' (staged through host memory over MPI: ranks sharing a
+-- GPU, no NCCL, one rank), or nil before then
+function Group:device_path()
+  local p = C.uly_comm_device_path(self._c)
+  return p == 1 and 'device' or p == -1 and 'host' or nil
+end
 
 local function op_code(op, what)
   local code = OPS[op or 'sum']
@@ -58,6 +65,21 @@ function Group:all_reduce_(t, op)
   check(C.uly_comm_all_reduce_(self._c, H(t, 'all_reduce_'), op_code(op, 'all_reduce_')))
   return t
 end
+
+-- starts an all-reduce of t (contiguous) that completes at group:wait_all(): the data moves
+-- while this rank goes on (NCCL on the device's communication stream; a non-blocking MPI
+-- all-reduce on the host). Every rank starts the same ones in the same order; t must be neither
+-- read nor written until wait_all returns. dist.grad_sync uses it.
+function Group:all_reduce_start_(t, op)
+  check(C.uly_comm_all_reduce_start(self._c, H(t, 'all_reduce_start_'), op_code(op, 'all_reduce_start_')))
+  return t
+end
+
+-- completes every all-reduce started on this group, in order
+function Group:wait_all() check(C.uly_comm_wait_all(self._c)) end
+
+-- how many started all-reduces wait_all has still to complete
+function Group:pending() return C.uly_comm_pending(self._c) end
 
 -- a new tensor: every rank's t stacked along dim 1 in rank order ([size * n, ...]; a scalar gives [size])
 function Group:all_gather(t)
@@ -301,6 +323,10 @@ function dist.all_reduce_grads(params, group, opts)
   local scale = opts.scale or 1
   if scale ~= 1 then check(C.uly_grad_scale_(plan.handles, #params, scale)) end
 end
+
+-- dist.grad_sync(params, group, opts): gradient all-reduce overlapped with backward (grad_sync.lua)
+dist.Group = Group
+function dist.grad_sync(params, group, opts) return require('ulysses.grad_sync').new(dist, params, group, opts) end
 
 ---------------------------------------------------------------- Ulysses exchanges
 -- dist.split(n, parts, index) -> start, length (0-based start; the first n % parts parts get

@@ -167,6 +167,9 @@ function Tensor:dtype() return DTYPE_NAMES[C.uly_tensor_dtype(H(self))] end
 function Tensor:device() return C.uly_tensor_device(H(self)) == 1 and 'cuda' or 'cpu' end
 function Tensor:is_cuda() return C.uly_tensor_device(H(self)) == 1 end
 function Tensor:is_contiguous() return C.uly_tensor_is_contiguous(H(self)) ~= 0 end
+-- a counter of in-place writes to the storage (ops ending in _, copies, optimizer steps, backward
+-- accumulating into a leaf's grad): unchanged means unchanged contents
+function Tensor:version() return tonumber(C.uly_tensor_version(H(self))) end
 function Tensor:data_ptr() return C.uly_tensor_data_ptr(H(self)) end
 function Tensor:storage_offset() return tonumber(C.uly_tensor_storage_offset(H(self))) end
 

@@ -13,6 +13,7 @@
 #define UNPOISON(p, n) ((void)0)
 #endif
 #include <time.h>
+#include <unistd.h>
 #include <ucontext.h>
 #include <vector>
 
@@ -299,6 +300,11 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int dev) {
     memset(prop, 0, sizeof *prop);
     snprintf(prop->name, sizeof prop->name, "ulysses CUDA emulator");
     for (int i = 0; i < 16; i++) prop->uuid.bytes[i] = (unsigned char)(0xe0 + i);
+    const char *own = getenv("ULY_EMU_GPUS");   /* "own": every process its own device (else ranks share one) */
+    if (own && !strcmp(own, "own")) {
+        unsigned pid = (unsigned)getpid();
+        memcpy(prop->uuid.bytes, &pid, sizeof pid);
+    }
     prop->totalGlobalMem = emu_total();
     prop->major = 9;
     return cudaSuccess;
@@ -320,11 +326,16 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
     *p = (char *)q + 256;
     return cudaSuccess;
 }
-cudaError_t cudaFree(void *p) {
-    if (!p) return cudaSuccess;
+/* the allocation's memory back to the host at once (cudaFree waits for the device first) */
+void uly_emu_release(void *p) {
     char *q = (char *)p - 256;
     in_use -= *(size_t *)q;
     free(q);
+}
+cudaError_t cudaFree(void *p) {
+    if (!p) return cudaSuccess;
+    uly_emu::drain_all();
+    uly_emu_release(p);
     return cudaSuccess;
 }
 /* stream-ordered allocations: device memory as any other, also counted as the pool's use */
@@ -337,18 +348,15 @@ cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t) {
     if (async_used > async_high) async_high = async_used;
     return cudaSuccess;
 }
-cudaError_t cudaFreeAsync(void *p, cudaStream_t) {
+/* the pool may hand the bytes out again to later work at once (stream order); the memory itself
+ * goes when the stream reaches the free, so work queued before it still reads valid bytes */
+cudaError_t cudaFreeAsync(void *p, cudaStream_t s) {
     if (!p) return cudaSuccess;
     size_t *head = (size_t *)((char *)p - 256);
     if (head[1]) async_used -= head[0];
-    return cudaFree(p);
+    uly_emu::submit(s, [p]() { uly_emu_release(p); });
+    return cudaSuccess;
 }
-cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind) { if (bytes) memmove(dst, src, bytes); return cudaSuccess; }
-cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind k, cudaStream_t) { return cudaMemcpy(dst, src, bytes, k); }
-cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t) { if (bytes) memset(p, value, bytes); return cudaSuccess; }
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { *s = (cudaStream_t)1; return cudaSuccess; }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
 cudaError_t cudaGetLastError(void) { cudaError_t e = last; last = cudaSuccess; return e; }
 const char *cudaGetErrorName(cudaError_t e) {
     return e == cudaSuccess ? "cudaSuccess" : e == cudaErrorMemoryAllocation ? "cudaErrorMemoryAllocation"
@@ -379,21 +387,10 @@ cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t, cudaMemPoolAttr attr, void *v
 }
 cudaError_t cudaMemPoolTrimTo(cudaMemPool_t, size_t) { return cudaSuccess; }
 
-struct uly_emu_event { double t; };
-static double seconds_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-cudaError_t cudaEventCreate(cudaEvent_t *e) { *e = new uly_emu_event{0}; return cudaSuccess; }
-cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) { e->t = seconds_now(); return cudaSuccess; }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
-cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) { *ms = (float)((b->t - a->t) * 1e3); return cudaSuccess; }
-cudaError_t cudaEventDestroy(cudaEvent_t e) { delete e; return cudaSuccess; }
-
 /* ---------------------------------------------------------------- cuBLAS */
-cublasStatus_t cublasCreate(cublasHandle_t *h) { *h = (cublasHandle_t)1; return CUBLAS_STATUS_SUCCESS; }
-cublasStatus_t cublasSetStream(cublasHandle_t, cudaStream_t) { return CUBLAS_STATUS_SUCCESS; }
+struct uly_emu_cublas { cudaStream_t stream; };
+cublasStatus_t cublasCreate(cublasHandle_t *h) { *h = new uly_emu_cublas{NULL}; return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) { h->stream = s; return CUBLAS_STATUS_SUCCESS; }
 
 static float element(const void *p, cudaDataType_t t, long long i) {
     if (t == CUDA_R_16BF) { __nv_bfloat16 b = ((const __nv_bfloat16 *)p)[i]; return __bfloat162float(b); }
@@ -416,12 +413,13 @@ static void gemm1(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int 
         }
 }
 
-cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                             const void *alpha, const void *A, cudaDataType_t at, int lda, const void *B, cudaDataType_t bt,
                             int ldb, const void *beta, void *C, cudaDataType_t ct, int ldc, cublasComputeType_t,
                             cublasGemmAlgo_t) {
     if (ct != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
-    gemm1(ta, tb, m, n, k, *(const float *)alpha, A, at, lda, B, bt, ldb, *(const float *)beta, (float *)C, ldc);
+    float al = *(const float *)alpha, be = *(const float *)beta;   /* host scalars: read at the call */
+    uly_emu::submit(h->stream, [=]() { gemm1(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, (float *)C, ldc); });
     return CUBLAS_STATUS_SUCCESS;
 }
 

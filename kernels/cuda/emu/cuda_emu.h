@@ -7,7 +7,8 @@
  *  - __shared__ is static storage (blocks never overlap, so it is per block); dynamic shared
  *    memory (ULY_LAUNCH_SMEM / ULY_DYNAMIC_SHARED) is one buffer filled with 0xff (NaNs) before
  *    each block, so reading what no thread wrote shows;
- *  - device memory is host memory; copies are memcpy; streams and events are synchronous;
+ *  - device memory is host memory; copies are memcpy; work on a stream runs at once, or with
+ *    ULY_EMU_STREAMS=lazy as late as the waits allow (a missing cudaStreamWaitEvent shows);
  *  - cp.async copies happen at the wait that covers them, not before (a read that skips the wait
  *    sees stale bytes), or with ULY_EMU_ASYNC=eager at issue (an overwrite of a tile other
  *    warps still read shows); ULY_EMU_ORDER=reverse runs one warp at a time, last first, each up
@@ -15,7 +16,7 @@
  *    the specs both ways);
  *  - cuBLAS GEMMs are plain loops (f32 accumulation; bf16 inputs rounded as on the GPU);
  *  - one device, "ulysses CUDA emulator", with the memory limit ULY_EMU_MEMORY (default 4 GiB).
- * What it cannot show: speed, races between blocks or streams, and warp-divergent shuffles
+ * What it cannot show: speed, races between blocks, and warp-divergent shuffles
  * beyond the barrier check. Built as libulysses_cuemu.so (CMake, next to libulysses_cuda.so);
  * ULY_CUDA_LIB=build/libulysses_cuemu.so makes uly.cuda load it in place of the real one. */
 #ifndef ULY_CUDA_EMU_H
@@ -27,6 +28,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <functional>
+#include <tuple>
+#include <type_traits>
+
+struct uly_emu_stream;
 
 #define __global__
 #define __device__
@@ -54,21 +59,36 @@ void async_copy16(void *dst, const void *src, int valid);
 void async_commit();
 void async_wait(unsigned in_flight);
 
+/* streams (kernels/cuda/emu/streams.cpp): work queued on a stream runs at once, or with
+ * ULY_EMU_STREAMS=lazy only when something waits for it (a stream or event synchronize, a
+ * synchronous copy, cudaFree, or another stream's cudaStreamWaitEvent reached in its own order),
+ * so a read that lacks its wait sees the data from before */
+void submit(uly_emu_stream *s, std::function<void()> work);
+void drain(uly_emu_stream *s);       /* run everything queued on s */
+void drain_all();
+
 template <typename... P>
 struct launcher {
     void (*kernel)(P...);
     unsigned blocks, threads;
     size_t smem;
+    uly_emu_stream *stream;
     template <typename... A>
     void operator()(A &&...args) const {
+        /* the arguments are taken by value now, converted as a real launch converts them */
+        std::tuple<typename std::decay<P>::type...> saved(std::forward<A>(args)...);
         auto k = kernel;
-        std::function<void()> body = [&]() { k(args...); };
-        run_grid(blocks, threads, smem, body);
+        unsigned b = blocks, t = threads;
+        size_t sm = smem;
+        submit(stream, [k, b, t, sm, saved]() {
+            std::function<void()> body = [&]() { std::apply(k, saved); };
+            run_grid(b, t, sm, body);
+        });
     }
 };
 template <typename... P>
-launcher<P...> launch(void (*kernel)(P...), unsigned blocks, unsigned threads, size_t smem = 0) {
-    return launcher<P...>{kernel, blocks, threads, smem};
+launcher<P...> launch(void (*kernel)(P...), unsigned blocks, unsigned threads, size_t smem, uly_emu_stream *stream) {
+    return launcher<P...>{kernel, blocks, threads, smem, stream};
 }
 } // namespace uly_emu
 
@@ -110,7 +130,7 @@ typedef enum cudaError { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorMe
 typedef enum cudaMemcpyKind { cudaMemcpyHostToHost = 0, cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2,
                               cudaMemcpyDeviceToDevice = 3, cudaMemcpyDefault = 4 } cudaMemcpyKind;
 typedef enum cudaDataType_t { CUDA_R_32F = 0, CUDA_R_16BF = 14 } cudaDataType_t;
-typedef struct uly_emu_stream *cudaStream_t;
+typedef uly_emu_stream *cudaStream_t;
 typedef struct uly_emu_event *cudaEvent_t;
 #define cudaStreamNonBlocking 1
 typedef struct { unsigned char bytes[16]; } cudaUUID_t;
@@ -131,6 +151,8 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpy
 cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s);
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags);
 cudaError_t cudaStreamSynchronize(cudaStream_t s);
+cudaError_t cudaStreamDestroy(cudaStream_t s);
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags);
 cudaError_t cudaDeviceSynchronize(void);
 cudaError_t cudaGetLastError(void);
 const char *cudaGetErrorName(cudaError_t e);
@@ -148,6 +170,8 @@ typedef enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8
 template <typename F>
 static inline cudaError_t cudaFuncSetAttribute(F *, cudaFuncAttribute, int) { return cudaSuccess; }
 cudaError_t cudaEventCreate(cudaEvent_t *e);
+#define cudaEventDisableTiming 2
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags);
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
 cudaError_t cudaEventSynchronize(cudaEvent_t e);
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b);

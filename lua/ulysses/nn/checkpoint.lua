@@ -1,4 +1,6 @@
--- lua/ulysses/nn/checkpoint.lua — activation checkpointing: nn.checkpoint(fn, x, ...) runs fn
+-- lua/ulysses/nn/checkpoint.lua — autograd nodes whose backward is Lua: activation
+-- checkpointing, tiled computation (nn.chunked) and backward hooks (nn.on_backward).
+-- nn.checkpoint(fn, x, ...) runs fn
 -- without recording its graph (its activations are freed at once) and returns a tensor whose
 -- backward replays fn on the saved inputs with the random generator rewound to where the forward
 -- found it (so dropout draws the same masks), then backpropagates through the replay. Memory per
@@ -174,6 +176,25 @@ return function(nn, U)
     end
     local hs = ffi.new('uly_tensor *[1]', x._h)
     return T.wrap(C.uly_custom_op(1, hs, result._h, get_callback(C, T), id))
+  end
+
+  -- nn.on_backward(x, fn) -> x (a view) for the forward; in backward the gradient passes through
+  -- unchanged and then fn() runs. Everything computed from x has finished its backward by then,
+  -- so the gradients of parameters used only after x are final (dist.grad_sync's signal to start
+  -- reducing a layer's gradients while backward goes on to the layers before it).
+  function nn.on_backward(x, fn)
+    local uly = U()
+    local C, T = uly.C, require 'ulysses.tensor'
+    if not uly.is_grad_enabled() or not x.requires_grad then return x end
+    sweep(C)
+    next_id = next_id + 1
+    local id = next_id
+    pending[id] = function(g_handle, gin)
+      if gin[0] ~= nil then T.check(C.uly_tensor_accumulate_(gin[0], g_handle)) end
+      fn()
+    end
+    local hs = ffi.new('uly_tensor *[1]', x._h)
+    return T.wrap(C.uly_custom_op(1, hs, x:detach()._h, get_callback(C, T), id))
   end
 
   -- number of segments whose replay is still held (for leak checks)
