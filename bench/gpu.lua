@@ -6,6 +6,7 @@
 --      attention called through PyTorch (bench/peers/torch_sdpa.py; bf16, as cuDNN requires)
 --      when the GPU machine's python3 has torch; ours three ways: f32 (TF32) and bf16 on the
 --      chunked cuBLAS path, and bf16 on the fused tensor-core kernels (attention_fused.cu);
+--   2b. decoding: one query against a KV cache, with and without splitting the key band;
 --   3. a training step of a Llama-style model (preset 1b: 1.24 B parameters) at 32k tokens:
 --      flash attention, activation checkpointing, tiled loss, bf16 matmuls, AdamW.
 -- Never asserts on time. Each timing is the median of --reps runs after a warm-up, bracketed by
@@ -156,6 +157,31 @@ while n <= (opts.quick and 128 or opts.attn_max) do
   n = n * 2
 end
 if peer_note then print(peer_note) end
+
+---------------------------------------------------------------- 2b. decoding
+-- one new token's attention against a KV cache (the 1b preset's 32 query / 8 K/V heads, D 64),
+-- bf16 fused: the key band in one block per head (splits 1) or split over blocks (flash-decoding).
+-- The time includes rounding the f32 cache to bf16, which the fused path does per call.
+do
+  local Hq, Hk, Dd = opts.quick and 4 or 32, opts.quick and 1 or 8, 64
+  print(('\n== decoding: 1 query x Tk cached keys (B 1, H %d, K/V heads %d, D %d), bf16 fused'):format(Hq, Hk, Dd))
+  print(('%-8s %-10s %10s %12s'):format('Tk', 'splits', 'us/call', 'cache GB/s'))
+  uly.matmul_precision('bf16')
+  for _, tk in ipairs(opts.quick and { 200 } or { 4096, 32768 }) do
+    local q = uly.randn(1, 1, Hq, Dd, { device = 'cuda' })
+    local k = uly.randn(1, tk, Hk, Dd, { device = 'cuda' })
+    local v = uly.randn(1, tk, Hk, Dd, { device = 'cuda' })
+    for _, splits in ipairs({ '1', '0' }) do   -- 0: the kernel's own choice
+      ffi.C.setenv('ULY_CUDA_ATTN_SPLITS', splits, 1)
+      local s = time(function() uly.no_grad(uly.flash_attention, q, k, v, { causal = true }) end, opts.reps)
+      print(('%-8d %-10s %10.1f %12.1f'):format(tk, splits == '1' and '1' or 'auto', s * 1e6, 2 * tk * Hk * Dd * 4 / s / 1e9))
+    end
+    q, k, v = nil, nil, nil
+    collectgarbage('collect')
+  end
+  ffi.C.setenv('ULY_CUDA_ATTN_SPLITS', '0', 1)
+  uly.matmul_precision('f32')
+end
 
 ---------------------------------------------------------------- 3. training step
 if opts.step then

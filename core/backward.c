@@ -129,6 +129,15 @@ static uly_mat transposed(uly_mat m) {
     return m;
 }
 
+/* in bf16 precision on a backend with bf16 GEMMs: the output gradient rounded once into a bf16
+ * copy when both backward GEMMs take it (each would round it again), else NULL */
+static uly_tensor *bf16_once(const uly_backend *be, int bf16, uly_tensor *g, int both) {
+    if (!bf16 || !be->gemm_batched_bf16 || !both || !uly_tensor_is_contiguous(g)) return NULL;
+    uly_tensor *c = uly_new_contiguous(g->ndim, g->shape, ULY_DTYPE_BF16, uly_dev(g));
+    if (c && uly_copy_raw(c, g)) { uly_tensor_release(c); c = NULL; }
+    return c;
+}
+
 static int bw_matmul(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     uly_tensor *a = n->saved[0], *b = n->saved[1];
     int nb = g->ndim - 2;
@@ -137,7 +146,7 @@ static int bw_matmul(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     /* in bf16 matmul precision the output gradient is rounded like the operands were (by the
      * backend's bf16 GEMM, or here into a copy) */
     const int bf16 = (int)n->i[0];
-    uly_tensor *gr = (bf16 && !be->gemm_batched_bf16) ? uly_bf16_rounded(g) : NULL;
+    uly_tensor *gr = (bf16 && !be->gemm_batched_bf16) ? uly_bf16_rounded(g) : bf16_once(be, bf16, g, gin[0] && gin[1]);
     if (bf16 && !be->gemm_batched_bf16 && !gr) return -1;
     uly_mat G = uly_as_mat(gr ? gr : g, nb);
     /* a fresh (uninitialised) gradient buffer is written (beta 0), an existing one added into */
@@ -154,12 +163,16 @@ static int bw_addmm(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     uly_tensor *a = n->saved[0], *w = n->saved[1];
     const uly_backend *be = uly_be(g);
     int64_t M = n->i[1], K = w->shape[0], N = w->shape[1];
-    uly_mat G = {.p = uly_f32(g), .rs = N, .cs = 1}, A = {.p = uly_f32(a), .rs = K, .cs = 1}, W = uly_as_mat(w, 0);
+    uly_tensor *g16 = bf16_once(be, (int)n->i[0], g, gin[0] && gin[1]);
+    uly_tensor *gg = g16 ? g16 : g;
+    uly_mat G = {.p = (float *)uly_ptr(gg), .rs = N, .cs = 1, .dtype = gg->dtype},
+            A = {.p = (float *)uly_ptr(a), .rs = K, .cs = 1, .dtype = a->dtype}, W = uly_as_mat(w, 0);
     if (gin[0]) {
         uly_mat DA = {.p = uly_f32(gin[0]), .rs = K, .cs = 1};
         uly_gemm(be, (int)n->i[0], 0, NULL, G, transposed(W), DA, M, K, N, (n->fresh & 1) ? 0.0f : 1.0f);
     }
     if (gin[1]) uly_gemm(be, (int)n->i[0], 0, NULL, transposed(A), G, uly_as_mat(gin[1], 0), K, N, M, (n->fresh & 2) ? 0.0f : 1.0f);
+    uly_tensor_release(g16);
     if (gin[2] && uly_sum_to(gin[2], g, 1.0f)) return -1;
     return 0;
 }

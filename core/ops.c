@@ -91,7 +91,7 @@ void uly_gemm(const uly_backend *be, int bf16, int nb, const int64_t *bshape, ul
 }
 /* describe the last two dims of t as a matrix, batch dims aligned right to nb dims */
 uly_mat uly_as_mat(const uly_tensor *t, int nb) {
-    uly_mat m = {.p = uly_f32(t), .rs = t->stride[t->ndim - 2], .cs = t->stride[t->ndim - 1]};
+    uly_mat m = {.p = (float *)uly_ptr(t), .rs = t->stride[t->ndim - 2], .cs = t->stride[t->ndim - 1], .dtype = t->dtype};
     int tb = t->ndim - 2;
     for (int d = 0; d < nb; d++) {
         int td = d - (nb - tb);

@@ -7,7 +7,10 @@
  *    moves Q, K and V; MPI datatypes pick each destination's heads straight out of qkv and
  *    place each source's tokens straight into the result, so nothing is packed or permuted.
  *  uly_ulysses_heads_to_seq: the attention output o [B, N, Hq_r, D] -> [B, n_r, H, D].
- * Backward of each is the other direction. Splits (the same on every rank):
+ * Backward of each is the other direction. In bf16 mixed precision (uly_matmul_bf16() when the
+ * forward runs) all four exchanges move bf16: what crosses is rounded where the GEMMs that use it
+ * round it anyway (Q, K, V and the attention output feed bf16 GEMMs, and so do their gradients),
+ * and half the bytes cross. Splits (the same on every rank):
  *  - tokens: rank r holds [start_r, start_r + n_r) with the first N % P ranks one token longer;
  *  - query heads: likewise over H; rank r's query heads [h0, h0 + Hq) use K/V heads
  *    g(h) = h / (H / G), a contiguous range [g0, g0 + Gk): with G < P (or uneven head groups)
@@ -87,8 +90,25 @@ static uly_comm_layout heads_of(const plan *p, int j, int64_t count) {
     return L;
 }
 
+/* a contiguous copy of contiguous t in dtype (bf16 for an exchange), or t itself retained */
+static uly_tensor *in_dtype(uly_tensor *t, int dtype) {
+    if (!t || t->dtype == dtype) { if (t) t->refcount++; return t; }
+    uly_tensor *c = uly_new_contiguous(t->ndim, t->shape, dtype, uly_dev(t));
+    if (c && uly_copy_raw(c, t)) { uly_tensor_release(c); return NULL; }
+    return c;
+}
+
+/* the buffer an exchange receives into: `out` itself (f32), or a bf16 one of its shape */
+static uly_tensor *receive_buffer(uly_tensor *out, int dtype) {
+    if (out->dtype == dtype) { out->refcount++; return out; }
+    return uly_new_contiguous(out->ndim, out->shape, dtype, uly_dev(out));
+}
+
+/* after the exchange: a bf16 receive buffer's values into the f32 `out` */
+static int received(uly_tensor *out, uly_tensor *buf) { return buf == out ? 0 : uly_copy_raw(out, buf); }
+
 /* qkv [B, n_r, W, D] -> heads [B, N, w_r, D] */
-static int exchange_qkv(uly_comm *c, const plan *p, int dev, const float *qkv, float *heads) {
+static int exchange_qkv(uly_comm *c, const plan *p, int dev, const void *qkv, void *heads, int dtype) {
     int P = p->P, r = p->r;
     uly_comm_layout *tok = malloc(2 * (size_t)P * sizeof *tok), *hd = tok + P;
     if (!tok) return uly_set_error("ulysses: out of memory");
@@ -96,13 +116,13 @@ static int exchange_qkv(uly_comm *c, const plan *p, int dev, const float *qkv, f
         hd[j] = heads_of(p, j, p->B * p->ntok[r]);                       /* in my qkv: rank j's heads */
         tok[j] = run1(p->tok0[j] * p->w[r] * p->D, p->B, p->N * p->w[r] * p->D, p->ntok[j] * p->w[r] * p->D);
     }                                                                     /* in my heads: rank j's tokens */
-    int rc = uly_comm_all_to_all_layout_on(c, dev, qkv, hd, heads, tok, ULY_DTYPE_F32);
+    int rc = uly_comm_all_to_all_layout_on(c, dev, qkv, hd, heads, tok, dtype);
     free(tok);
     return rc;
 }
 
 /* o [B, N, hq_r, D] <-> y [B, n_r, H, D] (fwd: o -> y) */
-static int exchange_out(uly_comm *c, const plan *p, int dev, float *o, float *y, int forward) {
+static int exchange_out(uly_comm *c, const plan *p, int dev, void *o, void *y, int forward, int dtype) {
     int P = p->P, r = p->r;
     uly_comm_layout *tok = malloc(2 * (size_t)P * sizeof *tok), *hd = tok + P;
     if (!tok) return uly_set_error("ulysses: out of memory");
@@ -110,8 +130,8 @@ static int exchange_out(uly_comm *c, const plan *p, int dev, float *o, float *y,
         tok[j] = run1(p->tok0[j] * p->hq[r] * p->D, p->B, p->N * p->hq[r] * p->D, p->ntok[j] * p->hq[r] * p->D);
         hd[j] = run1(p->h0[j] * p->D, p->B * p->ntok[r], p->H * p->D, p->hq[j] * p->D);
     }
-    int rc = forward ? uly_comm_all_to_all_layout_on(c, dev, o, tok, y, hd, ULY_DTYPE_F32)
-                     : uly_comm_all_to_all_layout_on(c, dev, y, hd, o, tok, ULY_DTYPE_F32);
+    int rc = forward ? uly_comm_all_to_all_layout_on(c, dev, o, tok, y, hd, dtype)
+                     : uly_comm_all_to_all_layout_on(c, dev, y, hd, o, tok, dtype);
     free(tok);
     return rc;
 }
@@ -138,16 +158,24 @@ uly_tensor *uly_ulysses_qkv_to_heads(uly_comm *c, uly_tensor *qkv, int64_t heads
         uly_comm_all_to_all_refuse(c, why);
         return NULL;
     }
+    const int xt = uly_matmul_bf16() ? ULY_DTYPE_BF16 : ULY_DTYPE_F32;   /* what crosses */
     uly_tensor *src = uly_contiguous_raw(qkv);
     if (src && src != qkv) copies++;
+    uly_tensor *send = in_dtype(src, xt);
     int64_t shape[4] = {p.B, p.N, p.w[p.r], p.D};
-    uly_tensor *out = src ? uly_new_contiguous(4, shape, ULY_DTYPE_F32, uly_dev(qkv)) : NULL;
-    if (out && exchange_qkv(c, &p, uly_dev(qkv), uly_f32(src), uly_f32(out))) { uly_tensor_release(out); out = NULL; }
+    uly_tensor *out = send ? uly_new_contiguous(4, shape, ULY_DTYPE_F32, uly_dev(qkv)) : NULL;
+    uly_tensor *recv = out ? receive_buffer(out, xt) : NULL;
+    if (out && (!recv || exchange_qkv(c, &p, uly_dev(qkv), uly_ptr(send), uly_ptr(recv), xt) || received(out, recv))) {
+        uly_tensor_release(out);
+        out = NULL;
+    }
     if (out) {
         uly_node *n = uly_node_begin(ULY_OP_ULYSSES_QKV, 1, &qkv);
-        if (n) { n->i[0] = (int64_t)(intptr_t)c; n->i[1] = heads; n->i[2] = kv_heads; n->i[3] = seq_total; }
+        if (n) { n->i[0] = (int64_t)(intptr_t)c; n->i[1] = heads; n->i[2] = kv_heads; n->i[3] = seq_total; n->i[4] = xt; }
         uly_node_attach(n, out);
     }
+    uly_tensor_release(recv);
+    uly_tensor_release(send);
     uly_tensor_release(src);
     plan_free(&p);
     return out;
@@ -168,16 +196,24 @@ uly_tensor *uly_ulysses_heads_to_seq(uly_comm *c, uly_tensor *o, int64_t heads, 
         uly_comm_all_to_all_refuse(c, why);
         return NULL;
     }
+    const int xt = uly_matmul_bf16() ? ULY_DTYPE_BF16 : ULY_DTYPE_F32;
     uly_tensor *src = uly_contiguous_raw(o);
     if (src && src != o) copies++;
+    uly_tensor *send = in_dtype(src, xt);
     int64_t shape[4] = {p.B, p.ntok[p.r], heads, p.D};
-    uly_tensor *out = src ? uly_new_contiguous(4, shape, ULY_DTYPE_F32, uly_dev(o)) : NULL;
-    if (out && exchange_out(c, &p, uly_dev(o), uly_f32(src), uly_f32(out), 1)) { uly_tensor_release(out); out = NULL; }
+    uly_tensor *out = send ? uly_new_contiguous(4, shape, ULY_DTYPE_F32, uly_dev(o)) : NULL;
+    uly_tensor *recv = out ? receive_buffer(out, xt) : NULL;
+    if (out && (!recv || exchange_out(c, &p, uly_dev(o), uly_ptr(send), uly_ptr(recv), 1, xt) || received(out, recv))) {
+        uly_tensor_release(out);
+        out = NULL;
+    }
     if (out) {
         uly_node *n = uly_node_begin(ULY_OP_ULYSSES_OUT, 1, &o);
-        if (n) { n->i[0] = (int64_t)(intptr_t)c; n->i[1] = heads; n->i[3] = seq_total; }
+        if (n) { n->i[0] = (int64_t)(intptr_t)c; n->i[1] = heads; n->i[3] = seq_total; n->i[4] = xt; }
         uly_node_attach(n, out);
     }
+    uly_tensor_release(recv);
+    uly_tensor_release(send);
     uly_tensor_release(src);
     plan_free(&p);
     return out;
@@ -196,10 +232,12 @@ int uly_bw_ulysses_qkv(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     int P = p.P, r = p.r;
     int64_t per_token = 0; /* staging: for each source j, [B, n_r, w_j, D] */
     for (int j = 0; j < P; j++) per_token += p.w[j];
+    const int xt = (int)n->i[4];   /* the forward's exchange dtype */
     int64_t stage_shape[1] = {p.B * p.ntok[r] * per_token * p.D};
     uly_tensor *stage = uly_new_contiguous(1, stage_shape, ULY_DTYPE_F32, dev);
+    uly_tensor *send = in_dtype(g, xt), *recv = stage ? receive_buffer(stage, xt) : NULL;
     uly_comm_layout *from = malloc(2 * (size_t)P * sizeof *from), *to = from + P;
-    int rc = (!stage || !from) ? uly_set_error("ulysses backward: out of memory") : 0;
+    int rc = (!stage || !from || !send || !recv) ? uly_set_error("ulysses backward: out of memory") : 0;
     if (!rc) {
         int64_t at = 0;
         for (int j = 0; j < P; j++) {
@@ -209,7 +247,8 @@ int uly_bw_ulysses_qkv(uly_node *n, uly_tensor *g, uly_tensor **gin) {
             at += len;
         }
         copies++;
-        rc = uly_comm_all_to_all_layout_on(c, dev, uly_f32(g), to, uly_f32(stage), from, ULY_DTYPE_F32);
+        rc = uly_comm_all_to_all_layout_on(c, dev, uly_ptr(send), to, uly_ptr(recv), from, xt);
+        if (!rc) rc = received(stage, recv);
     }
     if (!rc && dev != ULY_DEVICE_CPU) { /* the same sums as strided views on the device */
         int64_t D = p.D, W = p.W, at = 0;
@@ -253,6 +292,8 @@ int uly_bw_ulysses_qkv(uly_node *n, uly_tensor *g, uly_tensor **gin) {
         }
     }
     free(from);
+    uly_tensor_release(recv);
+    uly_tensor_release(send);
     uly_tensor_release(stage);
     plan_free(&p);
     return rc;
@@ -265,12 +306,18 @@ int uly_bw_ulysses_out(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     uly_tensor *d = gin[0];
     plan p;
     if (plan_make(&p, c, d->shape[0], n->i[3], n->i[1], 1, d->shape[3])) return -1;
+    const int xt = (int)n->i[4];
     uly_tensor *stage = uly_new_like(d);
-    int rc = stage ? exchange_out(c, &p, uly_dev(d), uly_f32(stage), uly_f32(g), 0) : uly_set_error("ulysses backward: out of memory");
+    uly_tensor *send = in_dtype(g, xt), *recv = stage ? receive_buffer(stage, xt) : NULL;
+    int rc = (!stage || !send || !recv) ? uly_set_error("ulysses backward: out of memory")
+           : exchange_out(c, &p, uly_dev(d), uly_ptr(recv), uly_ptr(send), 0, xt);
+    if (!rc) rc = received(stage, recv);
     if (!rc) {
         copies++;
         uly_be(d)->axpy_accumulate(uly_f32(d), uly_f32(stage), uly_tensor_numel(d), 1.0f);
     }
+    uly_tensor_release(recv);
+    uly_tensor_release(send);
     uly_tensor_release(stage);
     plan_free(&p);
     return rc;

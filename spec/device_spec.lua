@@ -572,6 +572,28 @@ describe('fused tensor-core attention (mixed precision)', function()
       { uly.randn(2, 1, 8, 64), uly.randn(2, 200, 2, 64), uly.randn(2, 200, 2, 64) })
   end)
 
+  -- a few queries against a long cache split the key band over blocks, whose partial rows a
+  -- second kernel merges (flash-decoding); ULY_CUDA_ATTN_SPLITS forces the number of splits,
+  -- including splits whose keys some rows (window, documents) do not see at all
+  it('splits a long key band over blocks for a few queries, every split count and mask (D = 64)', function()
+    helpers.reseed(36)
+    local kd = uly.tensor({}, { dtype = 'i32' })
+    local docs = {}
+    for j = 1, 300 do docs[j] = j <= 120 and 0 or (j <= 250 and 1 or 2) end
+    kd = uly.tensor(docs, { dtype = 'i32' }):view(1, 300)
+    local qd = uly.tensor({ 1, 1, 2, 2, 5 }, { dtype = 'i32' }):view(1, 5)   -- document 5: no keys
+    for _, splits in ipairs({ '1', '3', '7' }) do
+      ffi.C.setenv('ULY_CUDA_ATTN_SPLITS', splits, 1)
+      local ok, err = pcall(against_cpu, function(q, k, v, a, b)
+        local full = uly.flash_attention(q, k, v, { causal = true })
+        local windowed = uly.flash_attention(q * 8, k, v, { causal = true, window = 90 })
+        return full + windowed + uly.flash_attention(q, k, v, { causal = true, q_doc = a, k_doc = b })
+      end, { uly.randn(1, 5, 4, 64), uly.randn(1, 300, 2, 64), uly.randn(1, 300, 2, 64), qd, kd })
+      ffi.C.setenv('ULY_CUDA_ATTN_SPLITS', '0', 1)
+      assert(ok, err)
+    end
+  end)
+
   it('documents, a sliding window and rows that see nothing (D = 128)', function()
     helpers.reseed(34)
     -- query document 9 appears among no keys: those rows give 0 and pass no gradient
@@ -650,7 +672,7 @@ describe('bench/gpu.lua', function()
     p:close()
     assert.truthy(out:match('exit=0%s*$'), out)
     local wants = { '== GEMM', '64 x 48 x 32             f32', '64 x 48 x 32             bf16', '== flash attention',
-                    '== training step: Llama tiny', 'tokens/s' }
+                    '== decoding', '200      auto', '== training step: Llama tiny', 'tokens/s' }
     if MODE == 'emu' then wants[#wants + 1] = 'ulysses CUDA emulator' end   -- and raw cuBLAS ran (no n/a)
     for _, want in ipairs(wants) do
       assert.truthy(out:find(want, 1, true), 'missing ' .. want .. ' in:\n' .. out)

@@ -81,6 +81,52 @@ describe('Ulysses sequence parallelism #mpi', function()
     if not real then jit.flush(); collectgarbage('collect'); collectgarbage('collect'); uly.cuda.reset() end
   end)
 
+  -- in bf16 mixed precision the four exchanges move bf16: half the bytes to every peer, and the
+  -- single-process loss and gradients (same precision) to bf16 accuracy (the CPU attention, f32,
+  -- sees Q, K and V rounded to bf16 now)
+  it('moves half the bytes in bf16 mixed precision, and follows the single-process model', function()
+    local cfg = { preset = 'tiny', heads = 4, kv_heads = 2, dim = 32, hidden = 48, seq = 32 }
+    local function exchanged(precision)
+      local g = grid()
+      local prev = uly.matmul_precision(precision)
+      uly.manual_seed(3)
+      local m = Llama(copy_cfg(cfg, { sp = g.sp_size }))
+      local lo, n = split(16, g.sp_size, g.sp_rank)
+      local xs = batch(1, 16, 256, 5):narrow(2, lo + 1, n):contiguous()
+      dist.reset_stats()
+      local ok, err = pcall(function() m:loss(xs, xs, { pos = lo, seq_total = 16 }):backward() end)
+      uly.matmul_precision(prev)
+      assert(ok, err)
+      local out = {}
+      for p, v in pairs(dist.stats().all_to_all.peers) do out[p] = { v.sent, v.received } end
+      return out
+    end
+    local f32, bf16 = exchanged('f32'), exchanged('bf16')
+    for p, v in pairs(f32) do assert.are.same({ v[1] / 2, v[2] / 2 }, bf16[p]) end
+    if grid().sp_size > 1 then assert.is_true(next(f32) ~= nil) end
+    local prev = uly.matmul_precision('bf16')
+    local ok, dl, dg, where = pcall(compare, Llama, cfg, 19)
+    uly.matmul_precision(prev)
+    assert(ok, dl)
+    -- reached: loss within 3e-6 relative, gradients within 5e-3 of each tensor's largest entry
+    assert.is_true(dl <= 1e-4, string.format('loss differs by %.3g relative', dl))
+    assert.is_true(dg <= 2e-2, string.format('gradient of %s differs by %.3g', tostring(where), dg))
+  end)
+
+  it('moves bf16 on device cuda too, following the single-process model', function()
+    local real = helpers.use_test_device()
+    local prev = uly.matmul_precision('bf16')
+    local ok, dl, dg, where = pcall(compare, Llama, { preset = 'tiny', heads = 4, kv_heads = 2, dim = 32, hidden = 48,
+                                                      seq = 32, window = 6 }, 19, { docs = true, device = 'cuda' })
+    uly.matmul_precision(prev)
+    assert(ok, dl)
+    -- reached on the emulator: loss within 5e-6, gradients within 6e-3 (the GPU's bf16 attention
+    -- also rounds P and dS, which the CPU reference does not)
+    assert.is_true(dl <= 1e-3, string.format('loss differs by %.3g relative', dl))
+    assert.is_true(dg <= (real and 5e-2 or 3e-2), string.format('gradient of %s differs by %.3g', tostring(where), dg))
+    if not real then helpers.reset_simulated_device() end
+  end)
+
   it('sends and receives exactly the formula per peer per layer, forward and backward', function()
     local g = grid()
     local P, r = g.sp_size, g.sp_rank

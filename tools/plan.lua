@@ -303,37 +303,41 @@ local function contiguous(self, t, cat)
   return self:alloc(t.b, cat or 'activations')
 end
 
--- the CUDA GEMM's temporaries (kernels/cuda/gemm.cu): in bf16, copies of both operands, in the
--- forward (x [rows, k], w [n, k]) and in each backward GEMM; a bias gradient over >= 4096 rows
--- sums partials in doubles (kernels/cuda/elementwise.cu sum_view); returns the backward's rule
-local function gemm_temporaries(self, rows, k, n, bias)
+-- the CUDA GEMM's temporaries (kernels/cuda/gemm.cu): in bf16, copies of both operands in the
+-- forward (x [rows, k], w [n, k]); in backward the output gradient is rounded once into the pool
+-- when both GEMMs take it (core/backward.c bf16_once), and each GEMM rounds its other operand
+-- (dx = g w^T: w; dw = x^T g: x); a bias gradient over >= 4096 rows sums partials in doubles
+-- (kernels/cuda/elementwise.cu sum_view); returns the backward's rule
+local function gemm_temporaries(self, rows, k, n, bias, x_grad)
   if self.kernels ~= 'cuda' then return nil end
   if self.precision == 'bf16' then self:cuda_temporary((rows * k + n * k) * 2) end
   return function(sim)
-    if sim.precision == 'bf16' then sim:cuda_temporary((rows * n + math.max(n, rows) * k) * 2) end
+    if sim.precision == 'bf16' then
+      if x_grad then
+        sim:scratch(rows * n * 2, 'backward')
+        sim:cuda_temporary(math.max(n, rows) * k * 2)
+      else   -- dw = x^T g alone
+        sim:cuda_temporary((rows * k + rows * n) * 2)
+      end
+    end
     if bias and rows >= 4096 and n < 65536 then sim:cuda_temporary(math.min(math.floor(rows / 1024), 128) * n * 8) end
   end
 end
 
-local function matmul(self, x, rows, k, n, w, cat)
+-- x @ w (w a parameter [k, n]); x saved as it is when contiguous, else a copy. nn.Linear with a
+-- bias is one addmm (core/ops.c: the bias seeds the output, one GEMM adds), which saves the same.
+local function matmul(self, x, rows, k, n, w, cat, bias)
   local xs = contiguous(self, x)
   local out = result(self, rows * n * F, cat or 'activations')
-  self:record(out, { x, w }, { xs }, gemm_temporaries(self, rows, k, n, false))
+  local inputs = bias and { x, w, bias } or { x, w }
+  self:record(out, inputs, { xs }, gemm_temporaries(self, rows, k, n, bias ~= nil, x.rg))
   self:unref(xs)
   self:wrapped()
   return out
 end
 
--- nn.Linear: with a bias one addmm (core/ops.c: the bias seeds the output, one GEMM adds; x is
--- saved as it is, being contiguous here), else a matmul
 local function linear(self, x, rows, k, n, lin, cat)
-  if not lin.bias then return matmul(self, x, rows, k, n, lin.weight, cat) end
-  local xs = contiguous(self, x)
-  local out = result(self, rows * n * F, cat or 'activations')
-  self:record(out, { x, lin.weight, lin.bias }, { xs }, gemm_temporaries(self, rows, k, n, true))
-  self:unref(xs)
-  self:wrapped()
-  return out
+  return matmul(self, x, rows, k, n, lin.weight, cat, lin.bias)
 end
 
 local function add(self, a, b)
@@ -517,6 +521,28 @@ local function build_params(self, c)
   return model
 end
 
+-- A Ulysses exchange's transient buffers around its f32 result or staging buffer (core/ulysses.c,
+-- core/comm.c): in bf16 precision a bf16 copy of what it sends (made before the result) and a
+-- bf16 buffer it receives into (after); on the device also the packed send and receive blocks,
+-- in the exchanged dtype. exchange_begin before the result, exchange_end after it, with the
+-- elements this rank sends and receives.
+local function exchange_begin(sim, send_elems)
+  if sim.precision ~= 'bf16' then return nil end
+  return sim:alloc(send_elems * 2, 'communication')
+end
+
+local function exchange_end(sim, send_copy, send_elems, recv_elems)
+  local es = sim.precision == 'bf16' and 2 or 4
+  local recv = send_copy and sim:alloc(recv_elems * es, 'communication')
+  if sim.device == 'cuda' then
+    local packed = sim:alloc(math.max(send_elems, 1) * es, 'communication')
+    sim:scratch(math.max(recv_elems, 1) * es, 'communication')
+    sim:unref(packed)
+  end
+  if recv then sim:unref(recv) end
+  if send_copy then sim:unref(send_copy) end
+end
+
 -- SelfAttention:forward (+ DistributedAttention:forward_qkv under P > 1) on x [B, n, C]
 local function self_attention(self, c, blk, x)
   local outer = self:enter()
@@ -529,9 +555,15 @@ local function self_attention(self, c, blk, x)
   if c.sp > 1 then
     local N, hq, gk = c.seq_total, c.hq, c.gk
     local src = contiguous(self, qkv)
-    local recv = result(self, B * N * (hq + 2 * gk) * D * F, 'communication')
-    local stage_floats = B * n * c.stage_width * D
-    self:record(recv, { qkv }, nil, function(sim) sim:scratch(stage_floats * F, 'communication') end)
+    local heads, stage_floats = B * N * (hq + 2 * gk) * D, B * n * c.stage_width * D
+    local send = exchange_begin(self, B * n * (H + 2 * G) * D)
+    local recv = result(self, heads * F, 'communication')
+    exchange_end(self, send, stage_floats, heads)
+    self:record(recv, { qkv }, nil, function(sim)
+      local stage = sim:alloc(stage_floats * F, 'communication')
+      exchange_end(sim, exchange_begin(sim, heads), heads, stage_floats)
+      sim:unref(stage)
+    end)
     self:unref(src)
     self:wrapped()
     local q = self:view(recv, B * N * hq * D * F, { narrow = true, contig = false })
@@ -540,9 +572,16 @@ local function self_attention(self, c, blk, x)
     if c.rope then q, k = rope(self, q), rope(self, k) end
     local o = attend(self, q, k, v, { B = B, Tq = N, Tk = N, H = hq, Hkv = gk, D = D, threads = c.threads })
     local os_ = contiguous(self, o)
-    y = result(self, B * n * H * D * F, 'communication')
+    local mine, back = B * N * hq * D, B * n * H * D    -- o's elements, y's elements
+    local send = exchange_begin(self, mine)
+    y = result(self, back * F, 'communication')
+    exchange_end(self, send, mine, back)
     local ob = o.b
-    self:record(y, { o }, nil, function(sim) sim:scratch(ob, 'communication') end)
+    self:record(y, { o }, nil, function(sim)
+      local stage = sim:alloc(ob, 'communication')
+      exchange_end(sim, exchange_begin(sim, back), back, mine)
+      sim:unref(stage)
+    end)
     self:unref(os_)
     self:wrapped()
   else

@@ -137,7 +137,9 @@ void axpy_accumulate(float *y, const float *x, int64_t n, float alpha);
  * a unit row or column stride (the caller makes a contiguous copy otherwise); C must have a
  * unit column stride. A broadcast C (stride 0) gets beta on its first batch only, later batches
  * add in order: beta = 0 writes the sum over the batches (an uninitialised C is fine). */
-typedef struct uly_mat { float *p; int64_t bstride[8]; int64_t rs, cs; } uly_mat;
+/* dtype: ULY_DTYPE_F32 (0, what every CPU kernel takes), or ULY_DTYPE_BF16 (p then points at bf16
+ * values), which only a backend's gemm_batched_bf16 is ever handed */
+typedef struct uly_mat { float *p; int64_t bstride[8]; int64_t rs, cs; int dtype; } uly_mat;
 int gemm_operand_ok(int64_t rows, int64_t cols, int64_t rs, int64_t cs);
 void gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
                   int64_t M, int64_t N, int64_t K, float beta);

@@ -6,7 +6,8 @@
  * walks the 64-key tiles of the rows' causal / window band: S = Q K^T (mma.sync m16n8k16), the
  * online softmax in registers (row max and sum across the 4 lanes of a quad), P rounded to bf16
  * straight from the accumulators into the A operand of O += P V. Writes O and one log-sum-exp
- * per row.
+ * per row. One query tile against a long key band (decoding) splits the band over several
+ * blocks, whose partial rows a second kernel merges (flash-decoding).
  * Backward, two kernels, so that nothing is accumulated with atomics (the same bits run to run):
  *  - dK, dV: a block per 64 keys of one (batch, kv head); each warp owns 16 keys and walks the
  *    32-query tiles that can see them, of every query head sharing the kv head (GQA): S^T = K Q^T,
@@ -147,12 +148,19 @@ __device__ static inline int64_t next_key_tile(const geom &g, int64_t i0, int64_
 }
 
 /* ---- forward ---- */
+/* Split over keys (decoding: one query tile against a long cache, flash-decoding): with
+ * splits > 1 block `split` walks only its share of the band's key tiles and writes its rows'
+ * partial O (normalised by its own sum) and log-sum-exp to part_o / part_lse, which fa_combine
+ * merges; with splits = 1 it writes out and lse itself. */
 template <int D>
 __global__ static void __launch_bounds__(FA_THREADS)
-fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const bf16 *V) {
+fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, int splits, float *part_o,
+           float *part_lse) {
     constexpr int CH = D / 8, KS = D / 16;
     __shared__ uint4 sQ[64 * CH], sK[64 * CH], sV[64 * CH];
-    const int64_t nt = (g.Tq + 63) / 64, tile = nt - 1 - (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
+    const int split = (int)(blockIdx.x % (unsigned)splits);
+    const int64_t blk = (int64_t)(blockIdx.x / (unsigned)splits);
+    const int64_t nt = (g.Tq + 63) / 64, tile = nt - 1 - blk % nt, bh = blk / nt;
     const int64_t b = bh / g.H, h = bh % g.H, hk = h / (g.H / g.Hkv), i0 = tile * 64;
     const int64_t qs = g.H * D, ks = g.Hkv * D;
     const bf16 *q = Q + b * g.Tq * qs + h * D, *k = K + b * g.Tk * ks + hk * D, *v = V + b * g.Tk * ks + hk * D;
@@ -162,6 +170,12 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
     /* pipeline: K of the next tile loads during this tile's softmax and P V, V during its S */
     int64_t lo, hi;
     chunk_band(g, i0, i0 + 64 < g.Tq ? i0 + 64 : g.Tq, &lo, &hi);
+    if (splits > 1 && lo <= hi) {   /* this split's share of the band's key tiles */
+        const int64_t t0 = lo / 64, tiles = hi / 64 - t0 + 1;
+        const int64_t a = t0 + tiles * split / splits, z = t0 + tiles * (split + 1) / splits;
+        lo = a * 64 > lo ? a * 64 : lo;
+        hi = z * 64 - 1 < hi ? z * 64 - 1 : hi;
+    }
     int st = TILE_EMPTY;
     int64_t j0 = lo <= hi ? next_key_tile(g, i0, lo / 64 * 64, hi, 64, &st) : -1;
     load_tile_async<D, 64>(sQ, q, i0, g.Tq, qs);
@@ -242,6 +256,10 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         j0 = j_next;
         st = st_next;
     }
+    if (splits > 1) {   /* this split's partial rows, merged by fa_combine */
+        out = part_o + (int64_t)split * g.B * g.Tq * g.H * D;
+        lse = part_lse + (int64_t)split * g.B * g.H * g.Tq;
+    }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         float sum = quad_sum(l[r]);
@@ -255,6 +273,34 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
             dst[n * 8 + 1] = o[n][2 * r + 1] * inv;
         }
         if (tq == 0) lse[(b * g.H + h) * g.Tq + i] = sum > 0.0f ? m[r] + logf(sum) : -INFINITY;
+    }
+}
+
+/* the splits' partial rows merged, in split order (the same bits every run): a thread per
+ * (batch, head, row) and element d of the row; lse = log sum_s exp(lse_s), O = sum_s
+ * exp(lse_s - lse) O_s; a row no split saw gets O = 0 and lse = -inf */
+__global__ static void fa_combine(float *out, float *lse, geom g, int D, int splits, const float *part_o,
+                                  const float *part_lse) {
+    const int64_t rows = g.B * g.H * g.Tq, plane_o = g.B * g.Tq * g.H * D;
+    ULY_CU_FOR(e, rows * D) {
+        const int64_t row = e / D, d = e % D;           /* row = (b * H + h) * Tq + i */
+        const int64_t b = row / (g.H * g.Tq), h = row / g.Tq % g.H, i = row % g.Tq;
+        float mx = -INFINITY;
+        for (int s = 0; s < splits; s++) mx = fmaxf(mx, part_lse[s * rows + row]);
+        const int64_t at = ((b * g.Tq + i) * g.H + h) * D + d;
+        if (mx == -INFINITY) {
+            out[at] = 0.0f;
+            if (d == 0) lse[row] = -INFINITY;
+            continue;
+        }
+        float sum = 0.0f, acc = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            const float w = __expf(part_lse[s * rows + row] - mx);
+            sum += w;
+            acc += w * part_o[s * plane_o + at];
+        }
+        out[at] = acc / sum;
+        if (d == 0) lse[row] = mx + logf(sum);
     }
 }
 
@@ -489,11 +535,52 @@ static int launched(const char *name) {
     return -1;
 }
 
+/* How many key splits a forward of `blocks` blocks gets: for one query tile (decoding, short
+ * prompts) against at least 4 key tiles, enough to give every multiprocessor about two blocks,
+ * each at least 2 key tiles; ULY_CUDA_ATTN_SPLITS=n forces n (tests). Longer queries fill the GPU
+ * with query tiles already. */
+static int forward_splits(const geom &g, int64_t blocks) {
+    const int64_t key_tiles = (g.Tk + 63) / 64;
+    if ((g.Tq + 63) / 64 != 1 || key_tiles < 2) return 1;
+    const char *env = getenv("ULY_CUDA_ATTN_SPLITS");
+    int64_t n;
+    if (env && atoi(env) > 0) n = atoi(env);
+    else {
+        static int sms;
+        if (!sms) {
+            int dev = 0;
+            if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) !=
+                cudaSuccess || sms < 1)
+                sms = 1;
+            cudaGetLastError();
+        }
+        n = (2 * (int64_t)sms + blocks - 1) / blocks;
+        if (n > key_tiles / 2) n = key_tiles / 2;
+    }
+    if (n > key_tiles) n = key_tiles;
+    return n < 1 ? 1 : n > 64 ? 64 : (int)n;
+}
+
 template <int D>
 static int forward_d(float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v) {
     int64_t blocks = (g.Tq + 63) / 64 * g.B * g.H;
-    ULY_LAUNCH(fa_forward<D>, blocks, FA_THREADS, uly_cu_stream)(out, lse, g, q, k, v);
-    return launched("fused flash attention forward");
+    const int splits = forward_splits(g, blocks);
+    float *part = NULL;
+    if (splits > 1) {
+        const size_t floats = (size_t)splits * g.B * g.H * g.Tq * (D + 1);
+        cudaError_t e = cudaMallocAsync((void **)&part, floats * sizeof(float), uly_cu_stream);
+        if (e != cudaSuccess) { uly_cu_fail("fused flash attention forward: split partials", e); return -1; }
+    }
+    float *part_lse = part ? part + (size_t)splits * g.B * g.H * g.Tq * D : NULL;
+    ULY_LAUNCH(fa_forward<D>, blocks * splits, FA_THREADS, uly_cu_stream)(out, lse, g, q, k, v, splits, part, part_lse);
+    if (launched("fused flash attention forward")) { if (part) cudaFreeAsync(part, uly_cu_stream); return -1; }
+    if (splits > 1) {
+        int64_t n = g.B * g.H * g.Tq * D;
+        ULY_LAUNCH(fa_combine, uly_cu_blocks(n, 256), 256, uly_cu_stream)(out, lse, g, D, splits, part, part_lse);
+        cudaFreeAsync(part, uly_cu_stream);
+        return launched("fused flash attention forward (combining key splits)");
+    }
+    return 0;
 }
 
 template <int D>

@@ -100,21 +100,26 @@ __global__ static void to_bf16(__nv_bfloat16 *dst, const float *src, int64_t n) 
 }
 
 /* mixed precision: A and B rounded to bf16 into stream-ordered temporaries with the operands'
- * own layout, multiplied on tensor cores at the bf16 rate, accumulated and written in f32 */
+ * own layout (an operand the core hands over in bf16 already, uly_mat.dtype, goes in as it is),
+ * multiplied on tensor cores at the bf16 rate, accumulated and written in f32 */
 extern "C" void cu_gemm_batched_bf16(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N,
                                      int64_t K, float beta) {
     if (M == 0 || N == 0) return;
     if (K == 0) { gemm_typed(nb, bshape, A, A.p, B, B.p, C, M, N, K, beta, CUDA_R_32F); return; }
-    int64_t na = extent(nb, bshape, &A, M, K), nbb = extent(nb, bshape, &B, K, N);
-    __nv_bfloat16 *a16 = NULL, *b16 = NULL;
-    cudaError_t e = cudaMallocAsync((void **)&a16, (size_t)(na + nbb) * sizeof(__nv_bfloat16), uly_cu_stream);
-    if (e != cudaSuccess) { uly_cu_fail("bf16 GEMM operand copies", e); return; }
-    b16 = a16 + na;
-    ULY_LAUNCH(to_bf16, uly_cu_blocks(na, 256), 256, uly_cu_stream)(a16, A.p, na);
-    ULY_LAUNCH(to_bf16, uly_cu_blocks(nbb, 256), 256, uly_cu_stream)(b16, B.p, nbb);
+    const int a_f32 = A.dtype != ULY_DTYPE_BF16, b_f32 = B.dtype != ULY_DTYPE_BF16;
+    int64_t na = a_f32 ? extent(nb, bshape, &A, M, K) : 0, nbb = b_f32 ? extent(nb, bshape, &B, K, N) : 0;
+    __nv_bfloat16 *tmp = NULL;
+    if (na + nbb > 0) {
+        cudaError_t e = cudaMallocAsync((void **)&tmp, (size_t)(na + nbb) * sizeof(__nv_bfloat16), uly_cu_stream);
+        if (e != cudaSuccess) { uly_cu_fail("bf16 GEMM operand copies", e); return; }
+    }
+    const __nv_bfloat16 *a16 = a_f32 ? tmp : (const __nv_bfloat16 *)A.p;
+    const __nv_bfloat16 *b16 = b_f32 ? tmp + na : (const __nv_bfloat16 *)B.p;
+    if (a_f32) ULY_LAUNCH(to_bf16, uly_cu_blocks(na, 256), 256, uly_cu_stream)(tmp, A.p, na);
+    if (b_f32) ULY_LAUNCH(to_bf16, uly_cu_blocks(nbb, 256), 256, uly_cu_stream)(tmp + na, B.p, nbb);
     ULY_CU_LAUNCHED("to_bf16");
     gemm_typed(nb, bshape, A, a16, B, b16, C, M, N, K, beta, CUDA_R_16BF);
-    cudaFreeAsync(a16, uly_cu_stream);
+    if (tmp) cudaFreeAsync(tmp, uly_cu_stream);
 }
 
 static void gemm_typed(int nb, const int64_t *bshape, uly_mat A, const void *ap, uly_mat B, const void *bp, uly_mat C,

@@ -105,8 +105,11 @@ end
 -- score chunks; outside uly.memory('cuda')) held at once since the last reset; reset = true
 -- starts over. nil and the reason when the CUDA backend is not running (the simulation has none).
 function M.temporaries_peak(reset)
-  local lib = state and state.lib
-  if not lib or base.C.uly_device_available(1) == 0 then return nil, 'the CUDA backend is not running' end
+  -- asked of the core, not of this module's state: a reloaded module (busted insulates spec
+  -- files) finds the backend registered by an earlier instance
+  if M.backend() ~= 'cuda' then return nil, 'the CUDA backend is not running' end
+  local lib = M.lib()
+  if not lib then return nil, 'the CUDA backend is not running' end
   local out = ffi.new('int64_t[1]')
   if lib.uly_cuda_temporaries_peak(out, reset and 1 or 0) ~= 0 then return nil, ffi.string(lib.uly_cuda_last_error()) end
   return tonumber(out[0])

@@ -309,6 +309,11 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int dev) {
     prop->major = 9;
     return cudaSuccess;
 }
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev) {
+    if (dev != 0 || attr != cudaDevAttrMultiProcessorCount) return fail(cudaErrorInvalidValue);
+    *value = 132;
+    return cudaSuccess;
+}
 cudaError_t cudaSetDevice(int dev) { return dev == 0 ? cudaSuccess : fail(cudaErrorInvalidValue); }
 cudaError_t cudaGetDevice(int *dev) { *dev = 0; return cudaSuccess; }
 cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b) {

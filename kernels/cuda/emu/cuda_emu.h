@@ -138,6 +138,8 @@ typedef struct cudaDeviceProp { char name[256]; cudaUUID_t uuid; size_t totalGlo
 
 cudaError_t cudaGetDeviceCount(int *n);
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int dev);
+typedef enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 } cudaDeviceAttr;
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev);   /* 132 multiprocessors, as an H200 */
 cudaError_t cudaSetDevice(int dev);
 cudaError_t cudaGetDevice(int *dev);
 cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b);
