@@ -21,12 +21,36 @@ static uly_tensor *rows_contiguous(uly_tensor *t) {
 }
 
 static flash_operand operand(const uly_tensor *t) {
-    flash_operand o = {uly_f32(t), t->stride[0], t->stride[1], t->stride[2]};
+    flash_operand o = {(const float *)uly_ptr(t), t->stride[0], t->stride[1], t->stride[2], t->dtype};
     return o;
 }
 
+/* q, k or v as the backend reads it: its rows made contiguous; a bf16 one (a bf16 KV cache,
+ * inference only) as it is where the backend rounds operands to bf16 anyway (bf16 precision on a
+ * backend with bf16 GEMMs), else as an f32 copy */
+static uly_tensor *backend_operand(uly_tensor *t, const char *arg) {
+    uly_tensor *r = rows_contiguous(t);
+    if (!r || r->dtype == ULY_DTYPE_F32 || (uly_matmul_bf16() && uly_be(t)->gemm_batched_bf16)) return r;
+    uly_tensor *f = uly_inference_f32(OP, arg, r);
+    uly_tensor_release(r);
+    return f;
+}
+
+/* f32, or bf16 read for inference only (a bf16 KV cache: no gradient) */
+static int check_operand(const char *arg, const uly_tensor *t) {
+    if (uly_check_tensor(OP, arg, t)) return -1;
+    if (t->dtype == ULY_DTYPE_F32) return 0;
+    if (t->dtype != ULY_DTYPE_BF16)
+        return uly_set_error("%s: '%s' is %s; it takes f32 (or bf16 without gradients); convert with :float()", OP, arg,
+                             uly_desc(t));
+    if (uly_grad_enabled() && t->requires_grad)
+        return uly_set_error("%s: '%s' is %s and requires grad, but bf16 inputs take no gradient: compute in f32 "
+                             "(bf16 is for caches read under no_grad)", OP, arg, uly_desc(t));
+    return 0;
+}
+
 static int check_qkv(uly_tensor *q, uly_tensor *k, uly_tensor *v) {
-    if (uly_check_float(OP, "q", q) || uly_check_float(OP, "k", k) || uly_check_float(OP, "v", v) ||
+    if (check_operand("q", q) || check_operand("k", k) || check_operand("v", v) ||
         uly_check_same_device(OP, "q", q, "k", k) || uly_check_same_device(OP, "q", q, "v", v))
         return -1;
     if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
@@ -152,10 +176,11 @@ uly_tensor *uly_flash_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, dou
     int rc;
     uly_tensor *pack = pack_mask(m, B, Tq, Tk, &nbr, &nbc, uly_dev(q), &rc);
     if (rc) return NULL;
-    uly_tensor *qc = rows_contiguous(q), *kc = qc ? rows_contiguous(k) : NULL, *vc = kc ? rows_contiguous(v) : NULL;
+    uly_tensor *qc = backend_operand(q, "q"), *kc = qc ? backend_operand(k, "k") : NULL;
+    uly_tensor *vc = kc ? backend_operand(v, "v") : NULL;
     int64_t lshape[3] = {B, H, Tq};
     uly_tensor *lse = vc ? uly_new_contiguous(3, lshape, ULY_DTYPE_F32, uly_dev(q)) : NULL;
-    uly_tensor *out = lse ? uly_new_like(q) : NULL;
+    uly_tensor *out = lse ? uly_new_contiguous(4, q->shape, ULY_DTYPE_F32, uly_dev(q)) : NULL;
     if (out) {
         int64_t ints[12] = {B, Tq, Tk, H, Hkv, D, m->causal != 0, m->window_left, m->window_right,
                             m->block_layout ? m->block_size : 0, (m->block_layout ? 1 : 0) | (m->q_doc ? 2 : 0),

@@ -570,7 +570,18 @@ uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t i
 }
 
 /* ---- reference attention ---- */
+static uly_tensor *attention_f32(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale, int causal);
+
+/* bf16 q/k/v (a bf16 KV cache, no gradients) are read as f32 copies */
 uly_tensor *uly_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale, int causal) {
+    uly_tensor *qf = uly_inference_f32("attention", "q", q), *kf = qf ? uly_inference_f32("attention", "k", k) : NULL;
+    uly_tensor *vf = kf ? uly_inference_f32("attention", "v", v) : NULL;
+    uly_tensor *out = vf ? attention_f32(qf, kf, vf, scale, causal) : NULL;
+    uly_tensor_release(qf); uly_tensor_release(kf); uly_tensor_release(vf);
+    return out;
+}
+
+static uly_tensor *attention_f32(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale, int causal) {
     if (uly_check_float("attention", "q", q) || uly_check_float("attention", "k", k) || uly_check_float("attention", "v", v) ||
         uly_check_same_device("attention", "q", q, "k", k) || uly_check_same_device("attention", "q", q, "v", v))
         return NULL;

@@ -594,6 +594,42 @@ describe('fused tensor-core attention (mixed precision)', function()
     end
   end)
 
+  -- decoding from a bf16 KV cache: the kernels round K and V to bf16 anyway, so a bf16 cache gives
+  -- the f32 cache's bits, and it is read in place (only q is copied)
+  it('reads a bf16 KV cache in place with the f32 cache\'s numbers, and generate uses one', function()
+    use_device()
+    helpers.reseed(37)
+    local q, k, v = uly.randn(1, 1, 8, 64), rounded(uly.randn(1, 200, 2, 64)), rounded(uly.randn(1, 200, 2, 64))
+    uly.matmul_precision('bf16')
+    ffi.C.setenv('ULY_CUDA_ATTN_SPLITS', '1', 1)
+    local function decode(kk, vv)
+      if REAL then assert(uly.cuda.temporaries_peak(true)) end
+      local o = uly.no_grad(uly.flash_attention, q:cuda(), kk:cuda(), vv:cuda(), { causal = true })
+      uly.synchronize('cuda')
+      return o:cpu(), REAL and uly.cuda.temporaries_peak() or 0
+    end
+    local o32, t32 = decode(k, v)
+    local o16, t16 = decode(k:bf16(), v:bf16())
+    ffi.C.setenv('ULY_CUDA_ATTN_SPLITS', '0', 1)
+    helpers.assert_close(o16, o32, 0, 0, 'bf16 cache vs f32 cache')
+    if MODE == 'emu' then   -- the operand copies: q, k and v; from a bf16 cache q alone
+      assert.equal((8 * 64 + 2 * 200 * 2 * 64) * 2, t32)
+      assert.equal(8 * 64 * 2, t16)
+    end
+    -- generate: bf16 caches by default in bf16 precision on the device, the same tokens
+    local Llama = require 'models.llama'
+    helpers.reseed(38)
+    local m = Llama({ preset = 'tiny', attention = 'flash', heads = 4, kv_heads = 2, dim = 64, hidden = 64 }):to('cuda')
+    local prompt = helpers.token_ids(1, 6, 256)
+    local a = m:generate(prompt, { max_new_tokens = 8, temperature = 0 })
+    local b = m:generate(prompt, { max_new_tokens = 8, temperature = 0, cache_dtype = 'f32' })
+    uly.matmul_precision('f32')
+    if REAL then assert.are.same(b, a) end   -- the simulation's CPU kernel reads f32 values: they may differ
+    assert.equal(8, #a)
+    m = nil
+    release_device()
+  end)
+
   it('documents, a sliding window and rows that see nothing (D = 128)', function()
     helpers.reseed(34)
     -- query document 9 appears among no keys: those rows give 0 and pass no gradient

@@ -26,6 +26,8 @@
 typedef struct flash_operand {
     const float *p;              /* element [0, 0, 0, 0] */
     int64_t sb, st, sh;          /* element strides of the batch, sequence and head dims */
+    int dtype;                   /* ULY_DTYPE_F32 (0): always, for the CPU kernels; ULY_DTYPE_BF16 (p then
+                                    points at bf16) only for a backend with bf16 GEMMs, in bf16 precision */
 } flash_operand;
 
 typedef struct flash_problem {

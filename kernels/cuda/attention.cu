@@ -313,11 +313,16 @@ __global__ static void chunk_ds(float *dP, const float *P, int64_t c, int64_t nk
 }
 
 /* [B, T, Hh, D] strided f32 -> contiguous bf16 (the operands of the bf16 attention GEMMs) */
-__global__ static void to_bf16_4d(__nv_bfloat16 *dst, const float *src, int64_t T, int64_t Hh, int64_t D, int64_t sb,
+__device__ static inline __nv_bfloat16 as_bf16(float x) { return __float2bfloat16_rn(x); }
+__device__ static inline __nv_bfloat16 as_bf16(__nv_bfloat16 x) { return x; }
+
+/* a strided [B, T, Hh, D] operand into a compact bf16 copy: f32 rounded, bf16 moved */
+template <typename T_>
+__global__ static void to_bf16_4d(__nv_bfloat16 *dst, const T_ *src, int64_t T, int64_t Hh, int64_t D, int64_t sb,
                                   int64_t st, int64_t sh, int64_t n) {
     ULY_CU_FOR(e, n) {
         int64_t d = e % D, h = (e / D) % Hh, t = (e / (D * Hh)) % T, b = e / (D * Hh * T);
-        dst[e] = __float2bfloat16_rn(src[b * sb + t * st + h * sh + d]);
+        dst[e] = as_bf16(src[b * sb + t * st + h * sh + d]);
     }
 }
 
@@ -366,22 +371,45 @@ static void operands_make(operands *o, const geom &g, const float *dout) {
     o->vb = g.vb; o->vt = g.vt; o->vh = g.vh;
 }
 
+/* one operand into the bf16 buffer at *cur (advanced past it): rounded from f32, or compacted from
+ * bf16; a bf16 operand already compact ([B, T, Hh, D] rows Hh D apart) is used in place */
+static int in_place(int is16, int64_t B, int64_t T, int64_t Hh, int64_t D, int64_t sb, int64_t st, int64_t sh) {
+    return is16 && sh == D && st == Hh * D && (sb == T * Hh * D || B == 1);
+}
+
+static const __nv_bfloat16 *bf16_operand(__nv_bfloat16 **cur, const float *src, int is16, int64_t B, int64_t T,
+                                         int64_t Hh, int64_t D, int64_t sb, int64_t st, int64_t sh) {
+    const int64_t n = B * T * Hh * D;
+    if (in_place(is16, B, T, Hh, D, sb, st, sh)) return (const __nv_bfloat16 *)src;
+    __nv_bfloat16 *dst = *cur;
+    *cur += n;
+    if (n == 0) return dst;
+    if (is16)
+        ULY_LAUNCH(to_bf16_4d<__nv_bfloat16>, uly_cu_blocks(n, 256), 256, uly_cu_stream)(
+            dst, (const __nv_bfloat16 *)src, T, Hh, D, sb, st, sh, n);
+    else
+        ULY_LAUNCH(to_bf16_4d<float>, uly_cu_blocks(n, 256), 256, uly_cu_stream)(dst, src, T, Hh, D, sb, st, sh, n);
+    return dst;
+}
+
+/* the bf16 operands (compact copies, made once per call; bf16 inputs already compact are read in
+ * place: a bf16 KV cache is not copied at every decoding step) */
 static int operands_bf16(operands *o, const geom &g, const float *dout) {
-    int64_t nq = g.B * g.Tq * g.H * g.D, nk = g.B * g.Tk * g.Hkv * g.D, total = nq + 2 * nk + (dout ? nq : 0);
-    cudaError_t e = cudaMallocAsync((void **)&o->buf, (size_t)total * sizeof(__nv_bfloat16), uly_cu_stream);
+    int64_t nq = g.B * g.Tq * g.H * g.D, nk = g.B * g.Tk * g.Hkv * g.D, total = dout ? nq : 0;
+    if (!in_place(g.q16, g.B, g.Tq, g.H, g.D, g.qb, g.qt, g.qh)) total += nq;
+    if (!in_place(g.k16, g.B, g.Tk, g.Hkv, g.D, g.kb, g.kt, g.kh)) total += nk;
+    if (!in_place(g.v16, g.B, g.Tk, g.Hkv, g.D, g.vb, g.vt, g.vh)) total += nk;
+    cudaError_t e = cudaMallocAsync((void **)&o->buf, (size_t)(total ? total : 1) * sizeof(__nv_bfloat16), uly_cu_stream);
     if (e != cudaSuccess) { uly_cu_fail("bf16 attention operands", e); return -1; }
-    __nv_bfloat16 *q = o->buf, *k = q + nq, *v = k + nk, *d = v + nk;
-    ULY_LAUNCH(to_bf16_4d, uly_cu_blocks(nq, 256), 256, uly_cu_stream)(q, g.q, g.Tq, g.H, g.D, g.qb, g.qt, g.qh, nq);
-    ULY_LAUNCH(to_bf16_4d, uly_cu_blocks(nk, 256), 256, uly_cu_stream)(k, g.k, g.Tk, g.Hkv, g.D, g.kb, g.kt, g.kh, nk);
-    ULY_LAUNCH(to_bf16_4d, uly_cu_blocks(nk, 256), 256, uly_cu_stream)(v, g.v, g.Tk, g.Hkv, g.D, g.vb, g.vt, g.vh, nk);
-    if (dout)
-        ULY_LAUNCH(to_bf16_4d, uly_cu_blocks(nq, 256), 256, uly_cu_stream)(d, dout, g.Tq, g.H, g.D, g.Tq * g.H * g.D,
-                                                                          g.H * g.D, g.D, nq);
+    __nv_bfloat16 *cur = o->buf;
+    o->q = bf16_operand(&cur, g.q, g.q16, g.B, g.Tq, g.H, g.D, g.qb, g.qt, g.qh);
+    o->k = bf16_operand(&cur, g.k, g.k16, g.B, g.Tk, g.Hkv, g.D, g.kb, g.kt, g.kh);
+    o->v = bf16_operand(&cur, g.v, g.v16, g.B, g.Tk, g.Hkv, g.D, g.vb, g.vt, g.vh);
+    o->dout = dout ? bf16_operand(&cur, dout, 0, g.B, g.Tq, g.H, g.D, g.Tq * g.H * g.D, g.H * g.D, g.D) : NULL;
     ULY_CU_LAUNCHED("to_bf16_4d");
     o->bf16 = 1;
     o->type = CUDA_R_16BF;
     o->es = 2;
-    o->q = q; o->k = k; o->v = v; o->dout = dout ? d : NULL;
     o->qt = g.H * g.D; o->qh = g.D; o->qb = g.Tq * o->qt;
     o->kt = o->vt = g.Hkv * g.D; o->kh = o->vh = g.D; o->kb = o->vb = g.Tk * o->kt;
     return 0;

@@ -12,8 +12,9 @@
 typedef struct {
     int64_t B, Tq, Tk, H, Hkv, D;
     float scale;
-    const float *q, *k, *v;
+    const float *q, *k, *v;       /* f32, or bf16 where q16 / k16 / v16 say so (bf16 precision only) */
     int64_t qb, qt, qh, kb, kt, kh, vb, vt, vh;
+    int q16, k16, v16;
     int causal;
     int64_t left, right;
     const int32_t *layout;
@@ -28,6 +29,7 @@ static inline geom geom_of(const flash_problem *p) {
     g.qb = p->q.sb; g.qt = p->q.st; g.qh = p->q.sh;
     g.kb = p->k.sb; g.kt = p->k.st; g.kh = p->k.sh;
     g.vb = p->v.sb; g.vt = p->v.st; g.vh = p->v.sh;
+    g.q16 = p->q.dtype == ULY_DTYPE_BF16; g.k16 = p->k.dtype == ULY_DTYPE_BF16; g.v16 = p->v.dtype == ULY_DTYPE_BF16;
     g.causal = p->causal; g.left = p->left; g.right = p->right;
     g.layout = p->layout; g.bs = p->bs; g.nbc = p->nbc;
     g.q_doc = p->q_doc; g.k_doc = p->k_doc;

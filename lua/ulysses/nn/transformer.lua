@@ -30,12 +30,18 @@ return function(nn, U)
   end
 
   ---------------------------------------------------------------- KVCache
-  -- KVCache(B, max_T, Hkv, D): preallocated [B, max_T, Hkv, D] buffers; append(k, v) writes
-  -- the new positions and returns views of everything cached so far.
+  -- KVCache(B, max_T, Hkv, D, {dtype = 'f32' | 'bf16', device}): preallocated [B, max_T, Hkv, D]
+  -- buffers; append(k, v) writes the new positions (rounded, for bf16) and returns views of
+  -- everything cached so far. A bf16 cache takes half the memory, and in bf16 precision on the
+  -- GPU attention reads it as it is (it rounds K and V to bf16 anyway: the same numbers as f32).
   local KVCache = {}
   KVCache.__index = KVCache
-  nn.KVCache = setmetatable(KVCache, { __call = function(cls, B, max_T, Hkv, D)
-    return setmetatable({ k = U().zeros(B, max_T, Hkv, D), v = U().zeros(B, max_T, Hkv, D),
+  nn.KVCache = setmetatable(KVCache, { __call = function(cls, B, max_T, Hkv, D, opts)
+    opts = opts or {}
+    local dtype = opts.dtype or 'f32'
+    if dtype ~= 'f32' and dtype ~= 'bf16' then raise("KVCache: dtype must be 'f32' or 'bf16', got " .. tostring(dtype), 2) end
+    local o = { dtype = dtype, device = opts.device }
+    return setmetatable({ k = U().zeros(B, max_T, Hkv, D, o), v = U().zeros(B, max_T, Hkv, D, o),
                           len = 0, max_T = max_T }, cls)
   end })
   -- the cache's buffers on a device (a new cache; the contents move along)
