@@ -1367,6 +1367,19 @@ int uly_comm_all_reduce_start(uly_comm *c, uly_tensor *t, int op) {
 
 int uly_comm_pending(const uly_comm *c) { return c ? c->n_pending : 0; }
 
+/* MPI moves a non-blocking collective's data only inside MPI calls: a poke at the pending ones */
+void uly_comm_progress(uly_comm *c) {
+#ifdef ULY_WITH_MPI
+    for (int i = 0; c && !c->broken && i < c->n_pending; i++) {
+        pending_reduce *p = &c->pending[i];
+        int done = 0;
+        if (p->device < 0 && p->req != MPI_REQUEST_NULL) MPI_Test(&p->req, &done, MPI_STATUS_IGNORE);
+    }
+#else
+    (void)c;
+#endif
+}
+
 /* completes p (the data has arrived): avg's division, the stats */
 static int complete(uly_comm *c, pending_reduce *p) {
     uly_tensor *t = p->t;
@@ -1383,7 +1396,7 @@ static int complete(uly_comm *c, pending_reduce *p) {
 
 int uly_comm_wait_all(uly_comm *c) {
     if (!c) return uly_set_error("wait_all: no group given");
-    int rc = 0, joined = 0;
+    int rc = 0, joined = 0;   /* joined: 1 done, -1 failed (every device one fails then) */
     for (int i = 0; i < c->n_pending; i++) {
         pending_reduce *p = &c->pending[i];
         double t0 = now();
@@ -1391,7 +1404,6 @@ int uly_comm_wait_all(uly_comm *c) {
         if (p->device >= 0) {
             const uly_backend *be = uly_backends[p->device];
             if (!joined) { /* compute work queued from here on runs after every pending one */
-                joined = 1;
                 r = be->comm_join();
                 const char *why = be->take_error();
                 if (r || why) {
@@ -1400,7 +1412,8 @@ int uly_comm_wait_all(uly_comm *c) {
                     put(&m, ": the device collective failed: %s", why ? why : "no reason given");
                     r = uly_set_error("%s", m.s);
                 }
-            }
+                joined = r ? -1 : 1;
+            } else if (joined < 0) r = -1;
         } else {
 #ifdef ULY_WITH_MPI
             r = c->broken ? -1 : wait_one(&p->k, "reducing", &p->req);

@@ -183,12 +183,16 @@ uly_tensor *uly_addmm(uly_tensor *a, uly_tensor *w, uly_tensor *bias) {
     oshape[a->ndim - 1] = N;
     uly_tensor *out = wc ? uly_new_contiguous(a->ndim, oshape, ULY_DTYPE_F32, uly_dev(a)) : NULL;
     if (out) {
-        /* every row of out = bias, then out += a w */
-        uly_view dv = {.p = uly_f32(out), .dtype = ULY_DTYPE_F32, .ndim = 2, .shape = {M, N}, .stride = {N, 1}};
-        uly_view sv = {.p = uly_f32(bias), .dtype = ULY_DTYPE_F32, .ndim = 2, .shape = {M, N}, .stride = {0, bias->stride[0]}};
-        be->copy_view(&dv, &sv);
         uly_mat A = {.p = uly_f32(a), .rs = K, .cs = 1}, W = uly_as_mat(wc, 0), O = {.p = uly_f32(out), .rs = N, .cs = 1};
-        uly_gemm(be, matmul_bf16, 0, NULL, A, W, O, M, N, K, 1.0f);
+        /* the backend's GEMM adds the bias (cuBLASLt's epilogue); else every row of out = bias, then out += a w */
+        if (!be->gemm_bias || K == 0 || (N > 1 && bias->stride[0] != 1) ||
+            be->gemm_bias(A, W, O, M, N, K, uly_f32(bias), matmul_bf16)) {
+            uly_view dv = {.p = uly_f32(out), .dtype = ULY_DTYPE_F32, .ndim = 2, .shape = {M, N}, .stride = {N, 1}};
+            uly_view sv = {.p = uly_f32(bias), .dtype = ULY_DTYPE_F32, .ndim = 2, .shape = {M, N},
+                           .stride = {0, bias->stride[0]}};
+            be->copy_view(&dv, &sv);
+            uly_gemm(be, matmul_bf16, 0, NULL, A, W, O, M, N, K, 1.0f);
+        }
         uly_tensor *in[3] = {a, w, bias};
         uly_node *n = uly_node_begin(ULY_OP_ADDMM, 3, in);
         if (n) {

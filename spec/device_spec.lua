@@ -439,6 +439,27 @@ describe('mixed precision (matmul in bf16)', function()
     release_device()
   end)
 
+  -- cuBLASLt's heuristic is asked once per distinct GEMM problem: a decoding step's small GEMMs
+  -- would pay tens of microseconds each time otherwise
+  it('asks cuBLASLt for an algorithm once per distinct GEMM, in either precision', function()
+    if not REAL then return end   -- the simulation has no cuBLASLt
+    use_device()
+    local a, b = uly.randn(37, 53):cuda(), uly.randn(53, 29):cuda()
+    for _, precision in ipairs({ 'f32', 'bf16' }) do
+      uly.matmul_precision(precision)
+      local before = uly.cuda.gemm_heuristic_queries()
+      local first = a:matmul(b):cpu()
+      assert.equal(before + 1, uly.cuda.gemm_heuristic_queries())
+      local again = a:matmul(b):cpu()
+      assert.equal(before + 1, uly.cuda.gemm_heuristic_queries())   -- the kept answer
+      helpers.assert_close(again, first, 0, 0, 'the same algorithm, the same bits')
+      a:narrow(1, 1, 36):matmul(b)                                    -- another problem
+      assert.equal(before + 2, uly.cuda.gemm_heuristic_queries())
+    end
+    uly.matmul_precision('f32')
+    release_device()
+  end)
+
   it('refuses other precisions', function()
     assert.matches("expected 'bf16' or 'f32'", helpers.error_of(function() uly.matmul_precision('fp8') end), 1, true)
   end)
@@ -713,5 +734,49 @@ describe('bench/gpu.lua', function()
     for _, want in ipairs(wants) do
       assert.truthy(out:find(want, 1, true), 'missing ' .. want .. ' in:\n' .. out)
     end
+  end)
+end)
+
+-- train.lua end to end on the CUDA kernels of two ranks, each with its own emulated GPU: NCCL
+-- (the emulator's, over MPI) on its own stream with lazy streams, the gradient all-reduce
+-- overlapped with backward, bf16 exchanges; the losses follow one CPU process in bf16 precision
+describe('train.lua on device cuda under mpirun', function()
+  it('follows the single-process CPU run with 2 sequence-parallel ranks over NCCL (the emulator)', function()
+    if MODE ~= 'emu' then return end   -- one GPU (gpu-check) stages through the host: spec/train_spec.lua's path
+    -- (not under the sanitizer build: Open MPI's own allocations trip LeakSanitizer in every rank)
+    if os.execute('command -v mpirun >/dev/null 2>&1') ~= 0 or not uly.has('mpi')
+       or (os.getenv('LD_PRELOAD') or ''):find('asan', 1, true) then
+      pending('no mpirun, a library without MPI, or the sanitizer build')
+      return
+    end
+    local args = '--data embedded --model llama --preset tiny --heads 4 --kv_heads 2 --seq 32 --batch 2 --steps 3 '
+      .. '--warmup 1 --lr 3e-3 --eval_every 0 --eval_batches 0 --sample 0 --threads 1 --precision bf16 '
+    local function losses(dir)
+      local rows = uly.log.read_csv(dir .. '/log.csv')
+      local out = {}
+      for i, r in ipairs(rows) do out[i] = r.loss end
+      return out
+    end
+    local ref_dir, dir = helpers.mkdtemp(), helpers.mkdtemp()
+    local p = assert(io.popen('bin/ulysses train.lua ' .. args .. '--out ' .. ref_dir .. ' 2>&1; echo "exit=$?"'))
+    local out = p:read('*a')
+    p:close()
+    assert.truthy(out:match('exit=0%s*$'), out)
+    local env = 'OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 '
+      .. 'ULY_EMU_GPUS=own ULY_EMU_STREAMS=lazy ULY_CUDA_LIB=' .. helpers.shq(os.getenv('ULY_CUDA_LIB') or '') .. ' '
+    p = assert(io.popen(env .. 'timeout 300 mpirun --bind-to none --mca mpi_yield_when_idle 1 -x ULY_EMU_GPUS '
+                        .. '-x ULY_EMU_STREAMS -x ULY_CUDA_LIB -np 2 bin/ulysses train.lua ' .. args
+                        .. '--device cuda --sp 2 --out ' .. dir .. ' 2>&1; echo "exit=$?"'))
+    out = p:read('*a')
+    p:close()
+    assert.truthy(out:match('exit=0%s*$'), out)
+    assert.truthy(out:find('dp 1 x sp 2', 1, true), out)
+    local want, got = losses(ref_dir), losses(dir)
+    assert.equal(3, #got)
+    for i = 1, 3 do   -- bf16 attention on the GPU rounds more than the CPU's f32 kernel
+      assert.is_true(math.abs(got[i] - want[i]) <= 2e-2 * want[i], ('step %d: %g vs %g'):format(i, got[i], want[i]))
+    end
+    helpers.rmtree(ref_dir)
+    helpers.rmtree(dir)
   end)
 end)

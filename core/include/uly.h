@@ -259,7 +259,8 @@ int uly_comm_all_reduce_(uly_comm *c, uly_tensor *t, int op);
  * only orders later device work after them (no host wait). */
 int uly_comm_all_reduce_start(uly_comm *c, uly_tensor *t, int op);
 int uly_comm_wait_all(uly_comm *c);
-int uly_comm_pending(const uly_comm *c);      /* started and not yet waited for */            /* in place, contiguous */
+int uly_comm_pending(const uly_comm *c);      /* started and not yet waited for */
+void uly_comm_progress(uly_comm *c);          /* lets MPI move the pending ones' data (host tensors) */            /* in place, contiguous */
 int uly_comm_all_gather(uly_comm *c, const uly_tensor *in, uly_tensor *out); /* out: [size * in.shape[0], ...] */
 int uly_comm_reduce_scatter(uly_comm *c, const uly_tensor *in, uly_tensor *out, int op); /* in: [size * out.shape[0], ...] */
 int uly_comm_broadcast_(uly_comm *c, uly_tensor *t, int root);

@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define ULY_BACKEND_ABI 6
+#define ULY_BACKEND_ABI 7
 #define ULY_VIEW_MAX_DIMS 8
 
 /* a strided window over backend memory: element [0, ..., 0] at p, strides in elements */
@@ -124,6 +124,11 @@ typedef struct uly_backend {
      *      operands and calls gemm_batched (same numbers, no speed-up). ---- */
     void (*gemm_batched_bf16)(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N,
                               int64_t K, float beta);
+    /* ---- a Linear layer's GEMM adding its bias itself: C = bias + A B (C [M, N] row-major
+     *      contiguous, bias [N] contiguous, A and B as in gemm_batched, no batches, K > 0), with
+     *      bf16 operands when bf16. 0, or -1 when it does not take this problem (nothing was done:
+     *      the core then seeds C with the bias and calls the GEMM with beta 1). NULL: never. ---- */
+    int (*gemm_bias)(uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N, int64_t K, const float *bias, int bf16);
 
     /* ---- exchanges of device buffers (core/comm.c): a layout's elements (uly_comm_layout, in
      *      elements of es bytes) gathered into / scattered from a contiguous buffer ---- */

@@ -36,6 +36,10 @@ int uly_cuda_cublas_gemm_seconds(int64_t M, int64_t N, int64_t K, int bf16, int 
  * the most bytes in use at once since the last reset (reset = 1 starts over after reading) */
 int uly_cuda_temporaries_peak(int64_t *bytes, int reset);
 
+/* how many times the GEMMs asked cuBLASLt's heuristic for an algorithm (once per distinct problem:
+ * the answers are kept) */
+int64_t uly_cuda_gemm_heuristic_queries(void);
+
 /* kernels: p[0..n) = v on the current device, synchronised */
 int uly_cuda_fill_f32(float *p, int64_t n, float v);
 

@@ -123,7 +123,7 @@ static const uly_backend table = {
     cu_gemm_operand_ok, cu_gemm_batched,
     cu_flash_scratch_floats, cu_flash_forward, cu_flash_backward,
     cu_optim_adamw, cu_optim_sgd, cu_optim_sumsq, cu_optim_scale,
-    cu_gemm_batched_bf16,
+    cu_gemm_batched_bf16, cu_gemm_bias,
     cu_pack_layout, cu_unpack_layout,
     cu_device_uuid, cu_comm_unique_id, cu_comm_create, cu_comm_destroy, cu_comm_all_reduce, cu_comm_all_to_all_v,
     cu_comm_all_reduce_start, cu_comm_join,

@@ -132,6 +132,7 @@ void cu_gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_ma
 int cu_gemm_init(void);
 void cu_gemm_batched_bf16(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N, int64_t K,
                           float beta);
+int cu_gemm_bias(uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N, int64_t K, const float *bias, int bf16);
 /* comm.cu */
 void cu_pack_layout(void *dst, const void *src, const uly_comm_layout *L, int64_t es);
 void cu_unpack_layout(void *dst, const uly_comm_layout *L, const void *src, int64_t es);

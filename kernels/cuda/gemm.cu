@@ -1,16 +1,24 @@
 /* kernels/cuda/gemm.cu — the strided, batched, broadcasting GEMM of the CUDA backend (the
- * contract of kernels/cpu/matmul.c) on cuBLAS: f32 operands multiply in TF32 on tensor cores
- * with f32 accumulation (uly_cuda_set_tf32(0) asks for full f32). Row-major C = A B is computed
- * as the column-major C^T = B^T A^T, transposed operands are passed as transposes (no copies);
- * batches with regular strides go in one strided-batched call, the rest (a broadcast output that
- * accumulates, irregular batch strides) one call per batch, in order, on the backend's stream. */
+ * contract of kernels/cpu/matmul.c) on cuBLASLt: f32 operands multiply in TF32 on tensor cores
+ * with f32 accumulation (uly_cuda_set_tf32(0) asks for full f32), bf16 operands (mixed precision)
+ * at the bf16 rate. Row-major C = A B is computed as the column-major C^T = B^T A^T, transposed
+ * operands are passed as transposes (no copies); batches with regular strides go in one
+ * strided-batched cublasLtMatmul (its heuristic's first algorithm, a 32 MiB workspace; cuBLAS's
+ * GemmStridedBatchedEx where cuBLASLt finds nothing), the rest (a broadcast output that
+ * accumulates, irregular batch strides) one cuBLAS call per batch, in order, on the backend's
+ * stream. */
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <stdio.h>
+#include <string.h>
 #include "common.cuh"
 #include "uly_cuda.h"
 
 static cublasHandle_t handle;
+static cublasLtHandle_t lt;              /* NULL: cuBLASLt did not start; the cuBLAS calls do all */
+static void *lt_workspace;
+static const size_t LT_WORKSPACE = 32 << 20;   /* what cuBLASLt asks for on Hopper */
 static int use_tf32 = 1;
 
 extern "C" void uly_cuda_set_tf32(int on) { use_tf32 = on != 0; }
@@ -38,7 +46,99 @@ extern "C" int cu_gemm_init(void) {
     cublasStatus_t s = cublasCreate(&handle);
     if (s != CUBLAS_STATUS_SUCCESS) { uly_cu_fail_msg("cublasCreate", cublas_name(s)); handle = NULL; return -1; }
     cublasSetStream(handle, uly_cu_stream);
+    if (cublasLtCreate(&lt) != CUBLAS_STATUS_SUCCESS) lt = NULL;
+    else if (cudaMalloc(&lt_workspace, LT_WORKSPACE) != cudaSuccess) { cudaGetLastError(); lt_workspace = NULL; }
     return 0;
+}
+
+/* cuBLASLt's heuristic answers, kept per problem (the query costs tens of microseconds, which a
+ * decoding step of small GEMMs would pay again and again): everything the choice depends on,
+ * pointer alignment included; found = 0 remembers a problem cuBLASLt declines */
+typedef struct {
+    int64_t m, n, k, lda, ldb, ldc, sa, sb, sc, batches;
+    int ta, tb, in_type, compute, bias, align;
+} lt_key;
+typedef struct { lt_key key; int used, found; cublasLtMatmulAlgo_t algo; } lt_entry;
+static lt_entry lt_cache[256];
+static int lt_next;                     /* round-robin replacement */
+static int64_t lt_queries;              /* heuristic queries made (uly_cuda_gemm_heuristic_queries) */
+
+extern "C" int64_t uly_cuda_gemm_heuristic_queries(void) { return lt_queries; }
+
+static lt_entry *lt_lookup(const lt_key *key) {
+    for (int i = 0; i < (int)(sizeof lt_cache / sizeof lt_cache[0]); i++)
+        if (lt_cache[i].used && !memcmp(&lt_cache[i].key, key, sizeof *key)) return &lt_cache[i];
+    return NULL;
+}
+
+/* One strided-batched column-major GEMM through cuBLASLt: C = op(A) op(B) + beta C, f32 out, its
+ * heuristic's first algorithm (cached per problem), with the workspace. -1 when cuBLASLt has
+ * nothing for this problem (or did not start): the caller uses cuBLAS's GemmStridedBatchedEx. */
+static int lt_gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void *A, int64_t lda,
+                   int64_t sa, const void *B, int64_t ldb, int64_t sb, float beta, float *C, int64_t ldc, int64_t sc,
+                   int64_t batches, cudaDataType_t in_type, cublasComputeType_t compute, const float *bias = NULL) {
+    if (!lt) return -1;
+    cublasLtMatmulDesc_t desc = NULL;
+    cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
+    cublasLtMatmulPreference_t pref = NULL;
+    const int32_t opa = ta, opb = tb, nb = (int32_t)batches;
+    const size_t ws = lt_workspace ? LT_WORKSPACE : 0;
+    bool ok = cublasLtMatmulDescCreate(&desc, compute, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb) == CUBLAS_STATUS_SUCCESS;
+    if (ok && bias) {   /* bias[i] added to row i of the column-major C (the epilogue) */
+        const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+        ok = cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi) == CUBLAS_STATUS_SUCCESS &&
+             cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias) ==
+                 CUBLAS_STATUS_SUCCESS;
+    }
+    ok = ok && cublasLtMatrixLayoutCreate(&la, in_type, ta == CUBLAS_OP_N ? m : k, ta == CUBLAS_OP_N ? k : m, lda) ==
+                   CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatrixLayoutCreate(&lb, in_type, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb) ==
+                   CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, m, n, ldc) == CUBLAS_STATUS_SUCCESS;
+    if (ok && batches > 1) {
+        const cublasLtMatrixLayout_t ls[3] = {la, lb, lc};
+        const int64_t strides[3] = {sa, sb, sc};
+        for (int i = 0; i < 3 && ok; i++)
+            ok = cublasLtMatrixLayoutSetAttribute(ls[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &nb, sizeof nb) ==
+                     CUBLAS_STATUS_SUCCESS &&
+                 cublasLtMatrixLayoutSetAttribute(ls[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &strides[i],
+                                                  sizeof strides[i]) == CUBLAS_STATUS_SUCCESS;
+    }
+    ok = ok && cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
+         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws) ==
+             CUBLAS_STATUS_SUCCESS;
+    lt_key key;
+    memset(&key, 0, sizeof key);   /* padding included: keys compare with memcmp */
+    key.m = m; key.n = n; key.k = k; key.lda = lda; key.ldb = ldb; key.ldc = ldc;
+    key.sa = sa; key.sb = sb; key.sc = sc; key.batches = batches;
+    key.ta = ta; key.tb = tb; key.in_type = in_type; key.compute = compute; key.bias = bias != NULL;
+    key.align = (int)(((uintptr_t)A | (uintptr_t)B | (uintptr_t)C | (uintptr_t)bias) & 255);
+    lt_entry *hit = ok ? lt_lookup(&key) : NULL;
+    if (ok && !hit) {
+        cublasLtMatmulHeuristicResult_t found;
+        int count = 0;
+        lt_queries++;
+        const int asked = cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 1, &found, &count) ==
+                          CUBLAS_STATUS_SUCCESS;
+        hit = &lt_cache[lt_next];
+        lt_next = (lt_next + 1) % (int)(sizeof lt_cache / sizeof lt_cache[0]);
+        hit->key = key;
+        hit->used = 1;
+        hit->found = asked && count > 0;
+        if (hit->found) hit->algo = found.algo;
+    }
+    ok = ok && hit->found;
+    const float one = 1.0f;
+    ok = ok && cublasLtMatmul(lt, desc, &one, A, la, B, lb, &beta, C, lc, C, lc, &hit->algo, lt_workspace, ws,
+                              uly_cu_stream) == CUBLAS_STATUS_SUCCESS;
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+    return ok ? 0 : -1;
 }
 
 /* can (rows x cols, strides rs / cs) be read as row-major (*trans = 0) or as a transpose (1)? */
@@ -122,6 +222,39 @@ extern "C" void cu_gemm_batched_bf16(int nb, const int64_t *bshape, uly_mat A, u
     if (tmp) cudaFreeAsync(tmp, uly_cu_stream);
 }
 
+/* C = bias + A B through cuBLASLt's bias epilogue (one pass over C instead of seeding it with the
+ * bias and reading it back): -1, nothing done, where it does not apply or cuBLASLt declines */
+extern "C" int cu_gemm_bias(uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N, int64_t K, const float *bias, int bf16) {
+    if (!lt || M == 0 || N == 0 || K == 0) return -1;
+    if (!handle && cu_gemm_init()) return -1;
+    int ta = 0, tb = 0, tc = 0;
+    int64_t lda = 1, ldb = 1, ldc = 1;
+    if (!layout(M, K, A.rs, A.cs, &ta, &lda) || !layout(K, N, B.rs, B.cs, &tb, &ldb) ||
+        !layout(M, N, C.rs, C.cs, &tc, &ldc) || tc)
+        return -1;
+    const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    if (!bf16 && (A.dtype == ULY_DTYPE_BF16 || B.dtype == ULY_DTYPE_BF16)) return -1;
+    const cublasComputeType_t compute = (use_tf32 && !bf16) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    const void *ap = A.p, *bp = B.p;
+    __nv_bfloat16 *tmp = NULL;
+    if (bf16) {   /* f32 operands rounded into stream-ordered temporaries, as cu_gemm_batched_bf16 */
+        const int a_f32 = A.dtype != ULY_DTYPE_BF16, b_f32 = B.dtype != ULY_DTYPE_BF16;
+        int64_t na = a_f32 ? extent(0, NULL, &A, M, K) : 0, nbb = b_f32 ? extent(0, NULL, &B, K, N) : 0;
+        if (na + nbb > 0 && cudaMallocAsync((void **)&tmp, (size_t)(na + nbb) * sizeof(__nv_bfloat16), uly_cu_stream) !=
+                                cudaSuccess) {
+            cudaGetLastError();
+            return -1;
+        }
+        if (a_f32) { ULY_LAUNCH(to_bf16, uly_cu_blocks(na, 256), 256, uly_cu_stream)(tmp, A.p, na); ap = tmp; }
+        if (b_f32) { ULY_LAUNCH(to_bf16, uly_cu_blocks(nbb, 256), 256, uly_cu_stream)(tmp + na, B.p, nbb); bp = tmp + na; }
+        ULY_CU_LAUNCHED("to_bf16");
+    }
+    cublasOperation_t opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    int rc = lt_gemm(opb, opa, N, M, K, bp, ldb, 0, ap, lda, 0, 0.0f, C.p, ldc, 0, 1, in_type, compute, bias);
+    if (tmp) cudaFreeAsync(tmp, uly_cu_stream);
+    return rc;
+}
+
 static void gemm_typed(int nb, const int64_t *bshape, uly_mat A, const void *ap, uly_mat B, const void *bp, uly_mat C,
                        int64_t M, int64_t N, int64_t K, float beta, cudaDataType_t in_type) {
     if (M == 0 || N == 0) return;
@@ -153,9 +286,10 @@ static void gemm_typed(int nb, const int64_t *bshape, uly_mat A, const void *ap,
     cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
     int regular = collapse(nb, bshape, &A, &sa) && collapse(nb, bshape, &B, &sb) && collapse(nb, bshape, &C, &sc);
     if (regular && (sc != 0 || batches == 1)) {
-        s = cublasGemmStridedBatchedEx(handle, opb, opa, (int)N, (int)M, (int)K, &one, bp, in_type, (int)ldb, sb,
-                                       ap, in_type, (int)lda, sa, &beta, C.p, CUDA_R_32F, (int)ldc, sc,
-                                       (int)batches, compute, CUBLAS_GEMM_DEFAULT);
+        if (lt_gemm(opb, opa, N, M, K, bp, ldb, sb, ap, lda, sa, beta, C.p, ldc, sc, batches, in_type, compute))
+            s = cublasGemmStridedBatchedEx(handle, opb, opa, (int)N, (int)M, (int)K, &one, bp, in_type, (int)ldb, sb,
+                                           ap, in_type, (int)lda, sa, &beta, C.p, CUDA_R_32F, (int)ldc, sc,
+                                           (int)batches, compute, CUBLAS_GEMM_DEFAULT);
     } else {
         int64_t idx[8] = {0};
         for (int64_t bi = 0; bi < batches && s == CUBLAS_STATUS_SUCCESS; bi++) {

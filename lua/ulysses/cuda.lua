@@ -115,6 +115,15 @@ function M.temporaries_peak(reset)
   return tonumber(out[0])
 end
 
+-- how many times the CUDA GEMMs asked cuBLASLt's heuristic for an algorithm: once per distinct
+-- problem (shape, strides, types, alignment), the answers are kept. nil when the CUDA backend is
+-- not running (the simulation has none).
+function M.gemm_heuristic_queries()
+  if M.backend() ~= 'cuda' then return nil end
+  local lib = M.lib()
+  return lib and tonumber(lib.uly_cuda_gemm_heuristic_queries()) or nil
+end
+
 -- Make device 'cuda' usable: returns true, or false and the reason. Registers the CUDA library's
 -- backend table with the core on first use (one device, its stream and cuBLAS handle). With
 -- ULY_CUDA_SIMULATE=1 in the environment the host-memory simulation stands in instead (runs the

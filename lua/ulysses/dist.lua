@@ -81,6 +81,9 @@ function Group:wait_all() check(C.uly_comm_wait_all(self._c)) end
 -- how many started all-reduces wait_all has still to complete
 function Group:pending() return C.uly_comm_pending(self._c) end
 
+-- lets MPI move the started all-reduces' data now (it moves host data only inside MPI calls)
+function Group:progress() C.uly_comm_progress(self._c) end
+
 -- a new tensor: every rank's t stacked along dim 1 in rank order ([size * n, ...]; a scalar gives [size])
 function Group:all_gather(t)
   t = H(t, 'all_gather') and t:contiguous()

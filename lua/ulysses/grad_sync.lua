@@ -164,6 +164,7 @@ function GradSync:_fired(k)
   for _, i in ipairs(self.marks[k]) do
     if st.owner[i] == k then take(self, i, true) end
   end
+  self.group:progress()   -- the buckets started earlier move on while this layer's backward ran
 end
 
 -- Finishes the step: the gradients no mark covered, the remaining buckets, the wait, and the

@@ -403,7 +403,7 @@ static float element(const void *p, cudaDataType_t t, long long i) {
 }
 
 /* column-major C = alpha op(A) op(B) + beta C, f32 accumulation in index order */
-static void gemm1(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, float alpha, const void *A,
+void uly_emu::gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, float alpha, const void *A,
                   cudaDataType_t at, int lda, const void *B, cudaDataType_t bt, int ldb, float beta, float *C, int ldc) {
     for (int j = 0; j < n; j++)
         for (int i = 0; i < m; i++) {
@@ -424,7 +424,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
                             cublasGemmAlgo_t) {
     if (ct != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
     float al = *(const float *)alpha, be = *(const float *)beta;   /* host scalars: read at the call */
-    uly_emu::submit(h->stream, [=]() { gemm1(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, (float *)C, ldc); });
+    uly_emu::submit(h->stream, [=]() { uly_emu::gemm(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, (float *)C, ldc); });
     return CUBLAS_STATUS_SUCCESS;
 }
 

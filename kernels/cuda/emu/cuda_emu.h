@@ -14,7 +14,8 @@
  *    warps still read shows); ULY_EMU_ORDER=reverse runs one warp at a time, last first, each up
  *    to its next __syncthreads, so a missing barrier between warps shows (scripts/test.sh runs
  *    the specs both ways);
- *  - cuBLAS GEMMs are plain loops (f32 accumulation; bf16 inputs rounded as on the GPU);
+ *  - cuBLAS and cuBLASLt GEMMs are plain loops (f32 accumulation; bf16 inputs read exactly),
+ *    queued on their stream (cublaslt_emu.cpp: descriptors and layouts as given, one algorithm);
  *  - one device, "ulysses CUDA emulator", with the memory limit ULY_EMU_MEMORY (default 4 GiB).
  * What it cannot show: speed, races between blocks, and warp-divergent shuffles
  * beyond the barrier check. Built as libulysses_cuemu.so (CMake, next to libulysses_cuda.so);
@@ -198,4 +199,10 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
                                           long long sa, const void *B, cudaDataType_t bt, int ldb, long long sb,
                                           const void *beta, void *C, cudaDataType_t ct, int ldc, long long sc, int batches,
                                           cublasComputeType_t compute, cublasGemmAlgo_t algo);
+namespace uly_emu {
+/* column-major C = alpha op(A) op(B) + beta C: f32 accumulation in index order, bf16 inputs read
+ * exactly (what cuBLAS and cuBLASLt stand for here; runs now, the callers queue it on a stream) */
+void gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, float alpha, const void *A, cudaDataType_t at,
+          int lda, const void *B, cudaDataType_t bt, int ldb, float beta, float *C, int ldc);
+}
 #endif
