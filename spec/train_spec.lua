@@ -156,26 +156,35 @@ describe('train.lua under mpirun', function()
     return out, tonumber(out:match('exit=(%d+)%s*$'))
   end
 
+  -- the logged rows of one single-process run of args
+  local function reference(args)
+    local dir = tmpdir()
+    local out, code = run(args .. '--out ' .. dir)
+    assert.are.equal(0, code, out)
+    return uly.log.read_csv(dir .. '/log.csv')
+  end
+
+  -- the n logged losses of a distributed run against the single-process ones, step by step
+  local function follows(rows, ref, n, what)
+    assert.are.equal(n, #rows)
+    for i = 1, n do
+      assert.is_true(math.abs(rows[i].loss - ref[i].loss) <= 1e-5 * ref[i].loss,
+                     string.format('%s step %d: %.6g vs %.6g', what, i, rows[i].loss, ref[i].loss))
+    end
+  end
+
   it('sequence-parallel runs at P = 2 and 4 follow the single-process losses (GPT and Llama with GQA)', function()
     if not has_mpi then pending('no mpirun or a library without MPI') return end
     for _, model in ipairs({ '--model gpt --heads 2', '--model llama --heads 4 --kv_heads 2' }) do
       local args = TINY .. model .. ' --steps 8 --eval_every 0 --sample 0 --threads 1 '
-      local ref_dir = tmpdir()
-      local out, code = run(args .. '--out ' .. ref_dir)
-      assert.are.equal(0, code, out)
-      local ref = uly.log.read_csv(ref_dir .. '/log.csv')
+      local ref = reference(args)
       for _, np in ipairs({ 2, 4 }) do
         local dir = tmpdir()
-        out, code = mpirun(np, args .. '--sp ' .. np .. ' --out ' .. dir)
+        local out, code = mpirun(np, args .. '--sp ' .. np .. ' --out ' .. dir)
         assert.are.equal(0, code, out)
         assert.truthy(out:find('dp 1 x sp ' .. np, 1, true), out)
         assert.truthy(out:find('comm ', 1, true), out)            -- bytes and time per step
-        local rows = uly.log.read_csv(dir .. '/log.csv')
-        assert.are.equal(8, #rows)
-        for i = 1, 8 do
-          assert.is_true(math.abs(rows[i].loss - ref[i].loss) <= 1e-5 * ref[i].loss,
-                         string.format('%s P=%d step %d: %.6g vs %.6g', model, np, i, rows[i].loss, ref[i].loss))
-        end
+        follows(uly.log.read_csv(dir .. '/log.csv'), ref, 8, string.format('%s P=%d', model, np))
       end
     end
   end)
@@ -183,20 +192,12 @@ describe('train.lua under mpirun', function()
   it('gradient accumulation follows the single-process losses with the all-reduce overlapped or after backward', function()
     if not has_mpi then pending('no mpirun or a library without MPI') return end
     local args = TINY .. '--model llama --heads 4 --kv_heads 2 --steps 4 --accum 2 --batch 2 --eval_every 0 --sample 0 --threads 1 '
-    local ref_dir = tmpdir()
-    local out, code = run(args .. '--out ' .. ref_dir)
-    assert.are.equal(0, code, out)
-    local ref = uly.log.read_csv(ref_dir .. '/log.csv')
+    local ref = reference(args)
     for _, overlap in ipairs({ 1, 0 }) do
       local dir = tmpdir()
-      out, code = mpirun(2, args .. '--sp 2 --overlap ' .. overlap .. ' --out ' .. dir)
+      local out, code = mpirun(2, args .. '--sp 2 --overlap ' .. overlap .. ' --out ' .. dir)
       assert.are.equal(0, code, out)
-      local rows = uly.log.read_csv(dir .. '/log.csv')
-      assert.are.equal(4, #rows)
-      for i = 1, 4 do
-        assert.is_true(math.abs(rows[i].loss - ref[i].loss) <= 1e-5 * ref[i].loss,
-                       string.format('overlap %d step %d: %.6g vs %.6g', overlap, i, rows[i].loss, ref[i].loss))
-      end
+      follows(uly.log.read_csv(dir .. '/log.csv'), ref, 4, 'overlap ' .. overlap)
     end
   end)
 
