@@ -50,7 +50,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'seed', 1337, 'seed for initialisation, data order and dropout' },
   { 'threads', 0, 'threads for kernels and BLAS (0 = all cores; under mpirun: cores / ranks)' },
   { 'device', 'cpu', 'cpu | cuda (ULY_CUDA_SIMULATE=1 runs the cuda code path in host memory)' },
-  { 'precision', 'f32', 'f32 | bf16: matmul operands rounded to bf16, f32 accumulation, f32 master weights and optimizer' },
+  { 'precision', 'auto', 'f32 | bf16 (matmul operands rounded to bf16, f32 accumulation, master weights and optimizer); auto: bf16 on cuda, f32 on cpu' },
   { 'sp', 0, 'ranks per sequence-parallel group under mpirun (0 = all ranks; world / sp groups do data parallelism)' },
   { 'overlap', 1, '1: each layer\'s gradients start their all-reduce during backward (dist.grad_sync); 0: all after backward' },
   { 'peak_gflops', 0, 'peak for MFU (0: cpu 217 GFLOP/s per thread, the AVX-512 FMA peak of one core here; cuda 989000, the H200 bf16 dense peak)' },
@@ -215,7 +215,10 @@ local function main()
     if not ok then usage('--device ' .. cfg.device .. ': ' .. tostring(err):gsub('^[^:]*:%d+: ', '')) end
   end
   local device = cfg.device
-  if cfg.precision ~= 'f32' and cfg.precision ~= 'bf16' then usage("--precision must be 'f32' or 'bf16', got " .. cfg.precision) end
+  if cfg.precision == 'auto' then cfg.precision = device == 'cuda' and 'bf16' or 'f32' end
+  if cfg.precision ~= 'f32' and cfg.precision ~= 'bf16' then
+    usage("--precision must be 'f32', 'bf16' or 'auto', got " .. cfg.precision)
+  end
   uly.matmul_precision(cfg.precision)
   local ctx = { pos = train_data.offset or 0, seq_total = cfg.seq }
   local opt = uly.optim.AdamW(model:parameters(), { lr = cfg.lr, betas = { 0.9, cfg.beta2 }, weight_decay = cfg.wd })

@@ -69,7 +69,8 @@ describe('train.lua', function()
   it('--device cuda (the simulated device here) follows the CPU run step by step, and resumes', function()
     local a, b = tmpdir(), tmpdir()
     local common = TINY .. '--steps 12 --dropout 0.1 --eval_every 6 --sample 8 '
-    local out, code = run(common .. '--out ' .. a)
+    -- on cuda the precision defaults to bf16: the CPU reference rounds the same way
+    local out, code = run(common .. '--precision bf16 --out ' .. a)
     assert.are.equal(0, code, out)
     out, code = run('--device cuda --stop_after 6 ' .. common .. '--out ' .. b)
     if not uly.cuda.available() then  -- without a GPU (or the simulation) it refuses, saying why
@@ -84,6 +85,7 @@ describe('train.lua', function()
     p:close()
     assert.truthy(out:match('exit=0%s*$'), out)
     assert.truthy(out:find('resumed from', 1, true), out)
+    assert.truthy(out:find('matmul precision bf16', 1, true), out)
     local ra, rb = uly.log.read_csv(a .. '/log.csv'), uly.log.read_csv(b .. '/log.csv')
     assert.are.equal(12, #rb)
     for i = 1, 12 do
