@@ -125,6 +125,46 @@ describe('dist on a grid of ranks #mpi', function()
     end
   end)
 
+  -- all-reduces that complete later (dist.grad_sync's): several in flight on each group at once,
+  -- then one wait; sums, averages and maxima land in place, stats count each once it completed
+  it('all_reduce_start_ keeps several all-reduces in flight per group and wait_all completes them in order', function()
+    dist.reset_stats()
+    local flights = {}
+    for _, group in ipairs { g.world_group, g.sp_group, g.dp_group } do
+      local f = { group = group, s = uly.tensor { me + 1, 2 * me }, a = uly.tensor { me + 1, 3 },
+                  m = uly.tensor { me, -me }, b = uly.tensor({ me + 1, 0.5 }, { dtype = 'bf16' }) }
+      assert.equal(f.s, group:all_reduce_start_(f.s, 'sum'))
+      group:all_reduce_start_(f.a, 'avg')
+      group:all_reduce_start_(f.m, 'max')
+      group:all_reduce_start_(f.b, 'sum')   -- bf16 sums through f32: done at once
+      group:progress()
+      flights[#flights + 1] = f
+    end
+    for _, f in ipairs(flights) do
+      local n = f.group:size()
+      assert.equal(n > 1 and 3 or 0, f.group:pending())
+      f.group:wait_all()
+      assert.equal(0, f.group:pending())
+      local sum, max = { 0, 0 }, { -math.huge, -math.huge }
+      for j = 0, n - 1 do
+        local w = f.group:world_rank(j)
+        sum[1], sum[2] = sum[1] + w + 1, sum[2] + 2 * w
+        max[1], max[2] = math.max(max[1], w), math.max(max[2], -w)
+      end
+      assert.are.same(sum, helpers.list(f.s))
+      helpers.assert_close(f.a, { sum[1] / n, 3 }, 1e-6, 0, 'avg')
+      assert.are.same(max, helpers.list(f.m))
+      assert.are.same({ sum[1], 0.5 * n }, helpers.list(f.b))
+      f.group:wait_all()   -- nothing left: a no-op
+    end
+    assert.equal(12, dist.stats().all_reduce.calls)
+    -- a bad argument fails on every rank at the start, nothing left in flight
+    local ok, err = pcall(g.world_group.all_reduce_start_, g.world_group, uly.zeros(4, 4):t(), 'sum')
+    assert.is_false(ok)
+    assert.matches('not contiguous', tostring(err), 1, true)
+    assert.equal(0, g.world_group:pending())
+  end)
+
   it('collectives take device tensors (over NCCL or staged through host memory) and refuse mixed devices', function()
     local real = helpers.use_test_device()
     local s = uly.tensor({ me + 1, 2 * me }):cuda()
