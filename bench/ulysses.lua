@@ -12,23 +12,28 @@
 --  3. copies: uly.dist.exchange_copies() per exchange / layer, forward and backward;
 --  4. bytes per rank per layer forward of Megatron-style SP and ring attention, COMPUTED from
 --     formulas (not measured) next to Ulysses' measured bytes.
--- Formulas (bytes per rank per layer forward, f32; B batch, N tokens, C = H * D, G K/V heads):
---   paper:  4 * B * (N/P) * (C + 2*C*G/H + C) * (P-1)/P     (Q, K, V, O; K/V scaled by G/H)
---   exact:  sum over ranks j ~= r of 4 * B * D * (n_r * (hq_j + 2 gk_j) + n_j * hq_r)
+-- Formulas (bytes per rank per layer forward, ES bytes an element (4 in f32, 2 in bf16); B batch,
+-- N tokens, C = H * D, G K/V heads):
+--   paper:  ES * B * (N/P) * (C + 2*C*G/H + C) * (P-1)/P    (Q, K, V, O; K/V scaled by G/H)
+--   exact:  sum over ranks j ~= r of ES * B * D * (n_r * (hq_j + 2 gk_j) + n_j * hq_r)
 --           n_j = tokens of rank j (first N % P ranks get one more), hq_j = its query heads
 --           (first H % P ranks get one more), gk_j = the K/V heads those query heads use
 --           (>= 1 per destination: with G < P a K/V head goes to every rank that needs it, so
 --           exact > paper there). Backward sends what the forward received:
---           sum over j ~= r of 4 * B * D * (n_j * (hq_r + 2 gk_r) + n_r * hq_j).
+--           sum over j ~= r of ES * B * D * (n_j * (hq_r + 2 gk_r) + n_r * hq_j).
 --   Megatron-SP (paper: O(N) per rank, independent of P): 2 all-gathers + 2 reduce-scatters of
---           the [B, N, C] activations: 4 * 4 * B * N * C * (P-1)/P.
---   ring attention: every K/V block visits every rank: 4 * 2 * B * N * C * (G/H) * (P-1)/P
+--           the [B, N, C] activations: 4 * ES * B * N * C * (P-1)/P.
+--   ring attention: every K/V block visits every rank: ES * 2 * B * N * C * (G/H) * (P-1)/P
 --           (forward only; its backward also circulates dK, dV).
 --
 -- Run (bench/ulysses.sh does this for P = 1, 2, 4):
 --   mpirun --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np P \
 --     bin/ulysses bench/ulysses.lua [--exchange-n 4096,16384,65536] [--layer-n 2048,8192]
---     [--models llama,gpt] [--reps 5] [--layer-reps 3] [--threads T]
+--     [--models llama,gpt] [--reps 5] [--layer-reps 3] [--threads T] [--device cpu|cuda]
+--     [--precision f32|bf16]
+-- --device cuda: the tensors on each rank's GPU (NCCL between GPUs of their own, host staging
+-- between ranks sharing one); --precision bf16: bf16 matmuls and exchanges (ES = 2 bytes an
+-- element in every formula below instead of 4).
 -- With P > 1 each rank uses 1 thread unless --threads says otherwise (P = 1: the library default).
 -- The layer's local attention is nn.flash_attend when the library has it (then --layer-n may go
 -- past 8192), else the reference kernel, which stores N^2 probabilities per head: N <= 8192 only.
@@ -38,11 +43,11 @@ local dist, nn = uly.dist, uly.nn
 
 ---------------------------------------------------------------- options
 local opts = { ['exchange-n'] = '4096,16384,65536', ['layer-n'] = nil, models = 'llama,gpt',
-               reps = 5, ['layer-reps'] = 3, threads = nil }
+               reps = 5, ['layer-reps'] = 3, threads = nil, device = 'cpu', precision = 'f32' }
 local NUMERIC = { reps = true, ['layer-reps'] = true, threads = true }
 local function usage()
   return 'usage: [mpirun -np P] bin/ulysses bench/ulysses.lua [--exchange-n N,...] [--layer-n N,...] ' ..
-         '[--models llama,gpt] [--reps R] [--layer-reps R] [--threads T]'
+         '[--models llama,gpt] [--reps R] [--layer-reps R] [--threads T] [--device cpu|cuda] [--precision f32|bf16]'
 end
 do
   local args, i = arg or {}, 1
@@ -85,7 +90,7 @@ local median = require('bench.util').median
 
 -- the largest of each value over the world (so a time is the slowest rank's)
 local function world_max(world, values)
-  local t = uly.tensor(values, { dtype = 'f64' })
+  local t = uly.tensor(values, { dtype = 'f64', device = 'cpu' })
   world:all_reduce_(t, 'max')
   local p = ffi.cast('double *', t:data_ptr())
   local out = {}
@@ -100,6 +105,10 @@ local function sysconf_cores()
 end
 
 local function mb(bytes) return string.format('%.3f', bytes / 1e6) end
+-- bytes an exchanged element takes (bf16 precision exchanges bf16)
+local function ES() return opts.precision == 'bf16' and 2 or 4 end
+-- the device's queued work done, before a clock is read
+local function sync() if opts.device ~= 'cpu' then uly.synchronize(opts.device) end end
 local function ratio(a, b) return b > 0 and string.format('%.2f', a / b) or '-' end
 local function gbps(bytes, s) return (bytes > 0 and s > 0) and string.format('%.2f', bytes / s / 1e9) or '-' end
 
@@ -137,18 +146,18 @@ local function exact_bytes(m, N, P, r)
     if j ~= r then
       local _, n_j = dist.split(N, P, j)
       local hq_j, gk_j = heads_of(m, P, j)
-      fwd = fwd + 4 * m.B * D * (n_r * (hq_j + 2 * gk_j) + n_j * hq_r)
-      bwd = bwd + 4 * m.B * D * (n_j * (hq_r + 2 * gk_r) + n_r * hq_j)
+      fwd = fwd + ES() * m.B * D * (n_r * (hq_j + 2 * gk_j) + n_j * hq_r)
+      bwd = bwd + ES() * m.B * D * (n_j * (hq_r + 2 * gk_r) + n_r * hq_j)
     end
   end
   return fwd, bwd
 end
 
 local function paper_bytes(m, N, P)
-  return 4 * m.B * (N / P) * (m.C + 2 * m.C * m.G / m.H + m.C) * (P - 1) / P
+  return ES() * m.B * (N / P) * (m.C + 2 * m.C * m.G / m.H + m.C) * (P - 1) / P
 end
-local function megatron_bytes(m, N, P) return 4 * 4 * m.B * N * m.C * (P - 1) / P end
-local function ring_bytes(m, N, P) return 4 * 2 * m.B * N * m.C * (m.G / m.H) * (P - 1) / P end
+local function megatron_bytes(m, N, P) return 4 * ES() * m.B * N * m.C * (P - 1) / P end
+local function ring_bytes(m, N, P) return ES() * 2 * m.B * N * m.C * (m.G / m.H) * (P - 1) / P end
 
 ---------------------------------------------------------------- 1. the exchange alone
 local function bench_exchange(g, m, N, reps)
@@ -163,11 +172,13 @@ local function bench_exchange(g, m, N, reps)
   local g_out = uly.randn(m.B, n, m.H, D)
   local res = { fwd = {}, bwd = {}, fsent = nil, bsent = nil, fcopies = 0, bcopies = 0, same = true }
   for rep = 0, reps do                                        -- rep 0 warms up
+    sync()
     group:barrier()
     dist.reset_stats()
     local c0, t0 = dist.exchange_copies(), uly.clock()
     local recv = dist.qkv_to_heads(group, qkv, m.H, m.G, N)
     local y = dist.heads_to_seq(group, o, m.H, N)
+    sync()
     local t1 = uly.clock()
     local fs = dist.stats().all_to_all.sent
     local c1 = dist.exchange_copies()
@@ -176,6 +187,7 @@ local function bench_exchange(g, m, N, reps)
     local t2 = uly.clock()
     recv:backward(g_recv)
     y:backward(g_out)
+    sync()
     local t3 = uly.clock()
     local bs = dist.stats().all_to_all.sent
     local c2 = dist.exchange_copies()
@@ -213,13 +225,16 @@ local function bench_layer(g, m, N, reps, attend)
   local ctx = { pos = lo, seq_total = N, seq_start = 0 }
   local res = { step = {}, fwd = {}, bwd = {}, comm = {} }
   for rep = 0, reps do                                        -- rep 0 warms up
+    sync()
     group:barrier()
     dist.reset_stats()
     local c0, t0 = dist.exchange_copies(), uly.clock()
     local y = block(x, ctx)
+    sync()
     local t1, c1 = uly.clock(), dist.exchange_copies()
     local fs = dist.stats().all_to_all.sent
     y:backward(gy)
+    sync()
     local t2, c2 = uly.clock(), dist.exchange_copies()
     local st = dist.stats().all_to_all
     y = nil
@@ -235,7 +250,7 @@ local function bench_layer(g, m, N, reps, attend)
     collectgarbage()
   end
   for _, k in ipairs({ 'step', 'fwd', 'bwd', 'comm' }) do res[k .. '_ms'] = median(res[k]) * 1e3 end
-  res.peak = world_max(world, { uly.memory().peak })[1]
+  res.peak = world_max(world, { uly.memory(opts.device).peak })[1]
   return res
 end
 
@@ -244,6 +259,14 @@ local function main()
   local world_n = dist.world_size()
   local g = dist.init { sp = world_n }
   local P = g.sp_size
+  if opts.device ~= 'cpu' and opts.device ~= 'cuda' then error('bench/ulysses.lua: --device cpu or cuda', 0) end
+  if opts.precision ~= 'f32' and opts.precision ~= 'bf16' then error('bench/ulysses.lua: --precision f32 or bf16', 0) end
+  if opts.device == 'cuda' then
+    local ok, why = uly.cuda.ensure()
+    if not ok then error('bench/ulysses.lua: --device cuda: ' .. tostring(why), 0) end
+    uly.device('cuda')                                        -- every tensor below on the device
+  end
+  uly.matmul_precision(opts.precision)
   if opts.threads then uly.set_num_threads(opts.threads)
   elseif P > 1 then uly.set_num_threads(1) end
   local threads = uly.get_num_threads()
@@ -277,8 +300,8 @@ local function main()
                             uly.blas_corename(), threads, why, tostring(cores),
                             over and string.format(' -> OVERSUBSCRIBED (%d ranks x %d threads): timings are not ' ..
                                                    'representative', P, threads) or ''))
-  dist.print0('local attention in the layer: ' .. attend_name .. '; f32; times: per column, the median over reps of the ' ..
-                'slowest rank')
+  dist.print0(('local attention in the layer: %s; device %s, precision %s; times: per column, the median over reps '
+               .. 'of the slowest rank'):format(attend_name, opts.device, opts.precision))
   for _, m in ipairs(models) do
     dist.print0(string.format('model %-5s: C = %d, H = %d, G = %d (K/V heads), D = %d, B = %d, %s, %s, hidden %d%s',
                               m.name, m.C, m.H, m.G, m.C / m.H, m.B, m.norm, m.mlp, m.hidden, m.rope and ', rope' or ''))
@@ -307,11 +330,17 @@ local function main()
               'sent by rank 0',
     { 'model', 'N', 'P', 'fwd ms', 'bwd ms', 'fwd MB', 'exact MB', 'paper MB', '/exact', '/paper', 'bwd MB',
       '/exact', 'all ranks exact', 'fwd GB/s', 'bwd GB/s', 'copies f/b' }, rows,
-    { 'paper = 4*B*(N/P)*(C + 2*C*G/H + C)*(P-1)/P bytes; exact = sum_{j~=r} 4*B*D*(n_r*(hq_j+2*gk_j) + n_j*hq_r) ' ..
+    { 'paper = ES*B*(N/P)*(C + 2*C*G/H + C)*(P-1)/P bytes; exact = sum_{j~=r} ES*B*D*(n_r*(hq_j+2*gk_j) + n_j*hq_r) ' ..
+      '(ES = ' .. ES() .. ' bytes an element, ' .. opts.precision .. ') ' ..
       '(bwd: the forward\'s received bytes)',
       'with G < P a K/V head goes to every rank whose query heads use it, so exact > paper there (e.g. G = 2, P = 4)',
       'GB/s = bytes this rank sent / time (0 bytes leave the rank at P = 1: that time is a local copy)',
       'copies = uly.dist.exchange_copies() per forward / backward: the backward stages received gradients' })
+
+  if opts.device == 'cuda' and P > 1 then
+    dist.print0('  the device exchanges went ' .. (g.sp_group:device_path() == 'device' and 'over NCCL (a GPU per rank)'
+                                                  or 'through host memory (ranks share a GPU, or no NCCL)'))
+  end
 
   -- 2 + 3: a whole layer
   local lrows = {}
@@ -351,10 +380,10 @@ local function main()
   print_table('4. bytes sent per rank per layer forward: Ulysses MEASURED vs other schemes COMPUTED from formulas',
     { 'model', 'N', 'P', 'Ulysses MB (measured)', 'Megatron-SP MB (computed)', 'x Ulysses',
       'ring attn MB (computed)', 'x Ulysses' }, crows,
-    { 'Megatron-SP: 2 all-gathers + 2 reduce-scatters of [B, N, C]: 16*B*N*C*(P-1)/P bytes, O(N) independent of P',
+    { 'Megatron-SP: 2 all-gathers + 2 reduce-scatters of [B, N, C]: 4*ES*B*N*C*(P-1)/P bytes, O(N) independent of P',
       '  (DeepSpeed-Ulysses paper: P times what Ulysses moves; x P exactly for G = H, more under GQA where Ulysses\' ' ..
       'K/V share shrinks by G/H)',
-      'ring attention: each rank\'s K/V block visits every other rank: 8*B*N*C*(G/H)*(P-1)/P bytes (its backward ' ..
+      'ring attention: each rank\'s K/V block visits every other rank: 2*ES*B*N*C*(G/H)*(P-1)/P bytes (its backward ' ..
       'also circulates dK, dV)' })
 end
 

@@ -737,18 +737,29 @@ describe('bench/gpu.lua', function()
   end)
 end)
 
--- train.lua end to end on the CUDA kernels of two ranks, each with its own emulated GPU: NCCL
--- (the emulator's, over MPI) on its own stream with lazy streams, the gradient all-reduce
--- overlapped with backward, bf16 exchanges; the losses follow one CPU process in bf16 precision
+-- two ranks, each with its own emulated GPU: NCCL (the emulator's, over MPI) on its own stream,
+-- stream work deferred until waited for. run_ranks(cmd) -> output, or nil and why it cannot run
+local function run_ranks(cmd)
+  -- (not under the sanitizer build: Open MPI's own allocations trip LeakSanitizer in every rank)
+  if os.execute('command -v mpirun >/dev/null 2>&1') ~= 0 or not uly.has('mpi')
+     or (os.getenv('LD_PRELOAD') or ''):find('asan', 1, true) then
+    return nil, 'no mpirun, a library without MPI, or the sanitizer build'
+  end
+  local env = 'OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 '
+    .. 'ULY_EMU_GPUS=own ULY_EMU_STREAMS=lazy ULY_CUDA_LIB=' .. helpers.shq(os.getenv('ULY_CUDA_LIB') or '') .. ' '
+  local p = assert(io.popen(env .. 'timeout 300 mpirun --bind-to none --mca mpi_yield_when_idle 1 -x ULY_EMU_GPUS '
+                            .. '-x ULY_EMU_STREAMS -x ULY_CUDA_LIB -np 2 ' .. cmd .. ' 2>&1; echo "exit=$?"'))
+  local out = p:read('*a')
+  p:close()
+  assert.truthy(out:match('exit=0%s*$'), out)
+  return out
+end
+
+-- train.lua end to end: the gradient all-reduce overlapped with backward, bf16 exchanges; the
+-- losses follow one CPU process in bf16 precision
 describe('train.lua on device cuda under mpirun', function()
   it('follows the single-process CPU run with 2 sequence-parallel ranks over NCCL (the emulator)', function()
     if MODE ~= 'emu' then return end   -- one GPU (gpu-check) stages through the host: spec/train_spec.lua's path
-    -- (not under the sanitizer build: Open MPI's own allocations trip LeakSanitizer in every rank)
-    if os.execute('command -v mpirun >/dev/null 2>&1') ~= 0 or not uly.has('mpi')
-       or (os.getenv('LD_PRELOAD') or ''):find('asan', 1, true) then
-      pending('no mpirun, a library without MPI, or the sanitizer build')
-      return
-    end
     local args = '--data embedded --model llama --preset tiny --heads 4 --kv_heads 2 --seq 32 --batch 2 --steps 3 '
       .. '--warmup 1 --lr 3e-3 --eval_every 0 --eval_batches 0 --sample 0 --threads 1 --precision bf16 '
     local function losses(dir)
@@ -762,14 +773,9 @@ describe('train.lua on device cuda under mpirun', function()
     local out = p:read('*a')
     p:close()
     assert.truthy(out:match('exit=0%s*$'), out)
-    local env = 'OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 '
-      .. 'ULY_EMU_GPUS=own ULY_EMU_STREAMS=lazy ULY_CUDA_LIB=' .. helpers.shq(os.getenv('ULY_CUDA_LIB') or '') .. ' '
-    p = assert(io.popen(env .. 'timeout 300 mpirun --bind-to none --mca mpi_yield_when_idle 1 -x ULY_EMU_GPUS '
-                        .. '-x ULY_EMU_STREAMS -x ULY_CUDA_LIB -np 2 bin/ulysses train.lua ' .. args
-                        .. '--device cuda --sp 2 --out ' .. dir .. ' 2>&1; echo "exit=$?"'))
-    out = p:read('*a')
-    p:close()
-    assert.truthy(out:match('exit=0%s*$'), out)
+    local why
+    out, why = run_ranks('bin/ulysses train.lua ' .. args .. '--device cuda --sp 2 --out ' .. dir)
+    if not out then pending(why) return end
     assert.truthy(out:find('dp 1 x sp 2', 1, true), out)
     local want, got = losses(ref_dir), losses(dir)
     assert.equal(3, #got)
@@ -778,5 +784,21 @@ describe('train.lua on device cuda under mpirun', function()
     end
     helpers.rmtree(ref_dir)
     helpers.rmtree(dir)
+  end)
+end)
+
+-- bench/ulysses.lua's device mode: the exchanges over NCCL send exactly the formula's bytes in bf16
+describe('bench/ulysses.lua on device cuda under mpirun', function()
+  it('runs every table over NCCL (the emulator), bf16 bytes exactly the formula\'s', function()
+    if MODE ~= 'emu' then return end
+    local out, why = run_ranks('bin/ulysses bench/ulysses.lua --exchange-n 256 --layer-n 128 --models llama --reps 1 '
+                               .. '--layer-reps 1 --device cuda --precision bf16')
+    if not out then pending(why) return end
+    for _, want in ipairs({ 'device cuda, precision bf16', 'ES = 2 bytes an element', 'the device exchanges went over NCCL',
+                            '2. a whole layer', '4. bytes sent per rank' }) do
+      assert.truthy(out:find(want, 1, true), 'missing ' .. want .. ' in:\n' .. out)
+    end
+    -- table 1: measured / exact = 1.00 forward and backward, on every rank
+    assert.truthy(out:match('llama%s+256%s+2%s[^\n]*%s1%.00%s[^\n]*%s1%.00%s+yes'), out)
   end)
 end)
