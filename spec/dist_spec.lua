@@ -186,6 +186,9 @@ describe('dist on a grid of ranks #mpi', function()
     g.world_group:all_reduce_(b, 'sum')
     assert.equal('bf16', b:dtype())
     assert.are.same({ sum[1], 0.5 * P }, helpers.list(b))
+    local a = uly.tensor({ me + 1, 3 }):cuda()
+    g.world_group:all_reduce_(a, 'avg')
+    helpers.assert_close(a, { sum[1] / P, 3 }, 1e-6, 0, 'avg')
     local gathered = g.world_group:all_gather(uly.tensor({ me }):cuda())
     assert.equal('cuda', gathered:device())
     local want = {}
@@ -198,7 +201,7 @@ describe('dist on a grid of ranks #mpi', function()
       assert.matches('the tensors are on different devices: rank 0 has cpu, rank 1 has cuda', tostring(err), 1, true)
       g.world_group:all_reduce_(uly.tensor({ 1 }), 'sum')   -- still usable
     end
-    s, m, b, gathered = nil, nil, nil, nil
+    s, m, b, a, gathered = nil, nil, nil, nil, nil
     if not real then jit.flush(); collectgarbage('collect'); collectgarbage('collect'); uly.cuda.reset() end
   end)
 

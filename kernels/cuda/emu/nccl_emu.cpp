@@ -188,16 +188,14 @@ ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataT
     uly_emu::submit(stream, [=]() {
         MPI_Wait(req.get(), MPI_STATUS_IGNORE);
         char *s = staged->data();
-        for (size_t i = 0; i < count; i++) {
-            if (op == ncclAvg && type == ncclFloat32) ((float *)s)[i] /= (float)size;
-            if (op == ncclAvg && type == ncclFloat64) ((double *)s)[i] /= size;
-            if (bf16) {
-                float v;
-                memcpy(&v, s + 4 * i, 4);
-                ((__nv_bfloat16 *)recv)[i] = __float2bfloat16_rn(op == ncclAvg ? v / (float)size : v);
-            }
-        }
-        if (!bf16) memcpy(recv, s, count * es);
+        if (op == ncclAvg && (bf16 || type == ncclFloat32))   /* bf16 was summed in f32 */
+            for (size_t i = 0; i < count; i++) ((float *)s)[i] /= (float)size;
+        if (op == ncclAvg && type == ncclFloat64)
+            for (size_t i = 0; i < count; i++) ((double *)s)[i] /= size;
+        if (bf16)
+            for (size_t i = 0; i < count; i++) ((__nv_bfloat16 *)recv)[i] = __float2bfloat16_rn(((float *)s)[i]);
+        else
+            memcpy(recv, s, count * es);
     });
     return ncclSuccess;
 }
