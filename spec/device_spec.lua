@@ -615,6 +615,32 @@ describe('fused tensor-core attention (mixed precision)', function()
     end
   end)
 
+  -- every query of a GQA group in one tile (Tq x group <= 64: here exactly 64 rows, with a window
+  -- and documents): K and V read once per group, the same bits as a tile per query head
+  it('packs a GQA group\'s query heads into one tile for short queries, the same bits as unpacked (D = 32)', function()
+    helpers.reseed(39)
+    local qd = uly.tensor({ { 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3 } }, { dtype = 'i32' })
+    local kd = {}
+    for j = 1, 150 do kd[j] = j <= 40 and 0 or (j <= 90 and 1 or (j <= 140 and 2 or 3)) end
+    kd = uly.tensor({ kd }, { dtype = 'i32' })
+    local function fn(q, k, v, a, b)
+      return uly.flash_attention(q, k, v, { causal = true, window = 70 })
+        + uly.flash_attention(q, k, v, { causal = true, q_doc = a, k_doc = b })
+    end
+    local inputs = { uly.randn(1, 16, 8, 32), uly.randn(1, 150, 2, 32), uly.randn(1, 150, 2, 32), qd, kd }
+    against_cpu(fn, inputs)   -- packed (the default at these shapes), against the CPU
+    if not REAL then return end
+    use_device()
+    local w = uly.randn(1, 16, 8, 32)
+    uly.matmul_precision('bf16')
+    local packed = run('cuda', 'bf16', fn, inputs, w)
+    ffi.C.setenv('ULY_CUDA_ATTN_GROUPED', '0', 1)
+    local unpacked = run('cuda', 'bf16', fn, inputs, w)
+    ffi.C.setenv('ULY_CUDA_ATTN_GROUPED', '1', 1)
+    helpers.assert_close(packed[1], unpacked[1], 0, 0, 'output, packed vs a tile per head')
+    release_device()
+  end)
+
   -- decoding from a bf16 KV cache: the kernels round K and V to bf16 anyway, so a bf16 cache gives
   -- the f32 cache's bits, and it is read in place (only q is copied)
   it('reads a bf16 KV cache in place with the f32 cache\'s numbers, and generate uses one', function()

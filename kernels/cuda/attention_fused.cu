@@ -7,7 +7,8 @@
  * online softmax in registers (row max and sum across the 4 lanes of a quad), P rounded to bf16
  * straight from the accumulators into the A operand of O += P V. Writes O and one log-sum-exp
  * per row. One query tile against a long key band (decoding) splits the band over several
- * blocks, whose partial rows a second kernel merges (flash-decoding).
+ * blocks, whose partial rows a second kernel merges (flash-decoding); when every query of a GQA
+ * group fits in one tile, the tile holds the group's query heads, so K and V are read once.
  * Backward, two kernels, so that nothing is accumulated with atomics (the same bits run to run):
  *  - dK, dV: a block per 64 keys of one (batch, kv head); each warp owns 16 keys and walks the
  *    32-query tiles that can see them, of every query head sharing the kv head (GQA): S^T = K Q^T,
@@ -47,6 +48,19 @@ __device__ static inline void load_tile_async(uint4 *s, const bf16 *src, int64_t
     for (int e = threadIdx.x; e < ROWS * CH; e += FA_THREADS) {
         int r = e / CH, c = e % CH, in = r0 + r < nrows;
         cp_async16(&s[sw_at<D>(r, c)], in ? src + (r0 + r) * stride + c * 8 : src, in);
+    }
+}
+
+/* the query tile of a GQA group packed (decoding): row r is query r % Tq of query head
+ * h0 + r / Tq, rows at or past `rows` zeros; qb points at the batch's first query row */
+template <int D>
+__device__ static inline void load_q_grouped(uint4 *s, const bf16 *qb, int64_t h0, int64_t rows, int64_t Tq,
+                                             int64_t stride) {
+    constexpr int CH = D / 8;
+    for (int e = threadIdx.x; e < 64 * CH; e += FA_THREADS) {
+        int r = e / CH, c = e % CH, in = r < rows;
+        const int tq = (int)Tq;   /* <= 64 here: 32-bit division */
+        cp_async16(&s[sw_at<D>(r, c)], in ? qb + (h0 + r / tq) * D + (r % tq) * stride + c * 8 : qb, in);
     }
 }
 
@@ -152,20 +166,29 @@ __device__ static inline int64_t next_key_tile(const geom &g, int64_t i0, int64_
  * splits > 1 block `split` walks only its share of the band's key tiles and writes its rows'
  * partial O (normalised by its own sum) and log-sum-exp to part_o / part_lse, which fa_combine
  * merges; with splits = 1 it writes out and lse itself. */
-template <int D>
+template <int D, bool grouped>
 __global__ static void __launch_bounds__(FA_THREADS)
 fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, int splits, float *part_o,
            float *part_lse) {
     constexpr int CH = D / 8, KS = D / 16;
     __shared__ uint4 sQ[64 * CH], sK[64 * CH], sV[64 * CH];
     const int split = (int)(blockIdx.x % (unsigned)splits);
-    const int64_t blk = (int64_t)(blockIdx.x / (unsigned)splits);
-    const int64_t nt = (g.Tq + 63) / 64, tile = nt - 1 - blk % nt, bh = blk / nt;
-    const int64_t b = bh / g.H, h = bh % g.H, hk = h / (g.H / g.Hkv), i0 = tile * 64;
+    const int64_t blk = (int64_t)(blockIdx.x / (unsigned)splits), grp = g.H / g.Hkv;
+    /* a block per 64 query rows of one (batch, head); grouped: per (batch, kv head), its tile
+     * holding every query of the group's heads (Tq * grp <= 64), so K and V are read once */
+    const int64_t nt = grouped ? 1 : (g.Tq + 63) / 64, tile = nt - 1 - blk % nt, bh = blk / nt;
+    const int64_t b = grouped ? bh / g.Hkv : bh / g.H, h = grouped ? -1 : bh % g.H;
+    const int64_t hk = grouped ? bh % g.Hkv : h / grp, i0 = tile * 64;
     const int64_t qs = g.H * D, ks = g.Hkv * D;
-    const bf16 *q = Q + b * g.Tq * qs + h * D, *k = K + b * g.Tk * ks + hk * D, *v = V + b * g.Tk * ks + hk * D;
+    const bf16 *q = Q + b * g.Tq * qs + (grouped ? 0 : h * D), *k = K + b * g.Tk * ks + hk * D, *v = V + b * g.Tk * ks + hk * D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
-    const int64_t rows[2] = {i0 + warp * 16 + (lane >> 2), i0 + warp * 16 + (lane >> 2) + 8};
+    /* this lane's two rows (tile rows t0 and t0 + 8) as query indices; past the last query (or,
+     * grouped, -1) when there is no such row */
+    const int64_t t0 = i0 + warp * 16 + (lane >> 2);
+    int64_t rows[2] = {t0, t0 + 8};
+    if (grouped)   /* t < 64 and Tq <= 64: 32-bit division (a 64-bit one is a call, and spills) */
+#pragma unroll
+        for (int r = 0; r < 2; r++) rows[r] = rows[r] < g.Tq * grp ? (int)rows[r] % (int)g.Tq : -1;
 
     /* pipeline: K of the next tile loads during this tile's softmax and P V, V during its S */
     int64_t lo, hi;
@@ -178,7 +201,8 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
     }
     int st = TILE_EMPTY;
     int64_t j0 = lo <= hi ? next_key_tile(g, i0, lo / 64 * 64, hi, 64, &st) : -1;
-    load_tile_async<D, 64>(sQ, q, i0, g.Tq, qs);
+    if (grouped) load_q_grouped<D>(sQ, q, hk * grp, g.Tq * grp, g.Tq, qs);
+    else load_tile_async<D, 64>(sQ, q, i0, g.Tq, qs);
     if (j0 >= 0) load_tile_async<D, 64>(sK, k, j0, g.Tk, ks);
     cp_async_commit();
     if (j0 >= 0) load_tile_async<D, 64>(sV, v, j0, g.Tk, ks);
@@ -218,7 +242,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
                 float x = s[n][e] * g.scale;
                 if (st == TILE_MASKED) {
                     int64_t i = rows[e >> 1], j = j0 + n * 8 + 2 * tq + (e & 1);
-                    if (i >= g.Tq || j >= g.Tk || !visible(g, b, i, j)) x = -INFINITY;
+                    if ((grouped ? i < 0 : i >= g.Tq) || j >= g.Tk || !visible(g, b, i, j)) x = -INFINITY;
                 }
                 s[n][e] = x;
                 mx[e >> 1] = fmaxf(mx[e >> 1], x);
@@ -263,16 +287,16 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         float sum = quad_sum(l[r]);
-        int64_t i = rows[r];
-        if (i >= g.Tq) continue;
+        const int64_t i = rows[r], hr = grouped ? hk * grp + (int)(t0 + 8 * r) / (int)g.Tq : h;   /* its query head */
+        if (grouped ? i < 0 : i >= g.Tq) continue;
         float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        float *dst = out + ((b * g.Tq + i) * g.H + h) * D + 2 * tq;
+        float *dst = out + ((b * g.Tq + i) * g.H + hr) * D + 2 * tq;
 #pragma unroll
         for (int n = 0; n < CH; n++) {
             dst[n * 8] = o[n][2 * r] * inv;
             dst[n * 8 + 1] = o[n][2 * r + 1] * inv;
         }
-        if (tq == 0) lse[(b * g.H + h) * g.Tq + i] = sum > 0.0f ? m[r] + logf(sum) : -INFINITY;
+        if (tq == 0) lse[(b * g.H + hr) * g.Tq + i] = sum > 0.0f ? m[r] + logf(sum) : -INFINITY;
     }
 }
 
@@ -561,9 +585,19 @@ static int forward_splits(const geom &g, int64_t blocks) {
     return n < 1 ? 1 : n > 64 ? 64 : (int)n;
 }
 
+/* pack a GQA group's query heads into one tile (decoding and short queries: every query of the
+ * group fits in 64 rows), so each K/V tile is read once for the group instead of once per query
+ * head; ULY_CUDA_ATTN_GROUPED=0 turns it off (comparisons) */
+static int forward_grouped(const geom &g) {
+    const char *env = getenv("ULY_CUDA_ATTN_GROUPED");
+    if (env && !strcmp(env, "0")) return 0;
+    return g.H > g.Hkv && g.Tq * (g.H / g.Hkv) <= 64;
+}
+
 template <int D>
 static int forward_d(float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v) {
-    int64_t blocks = (g.Tq + 63) / 64 * g.B * g.H;
+    const int grouped = forward_grouped(g);
+    int64_t blocks = grouped ? g.B * g.Hkv : (g.Tq + 63) / 64 * g.B * g.H;
     const int splits = forward_splits(g, blocks);
     float *part = NULL;
     if (splits > 1) {
@@ -572,7 +606,12 @@ static int forward_d(float *out, float *lse, const geom &g, const bf16 *q, const
         if (e != cudaSuccess) { uly_cu_fail("fused flash attention forward: split partials", e); return -1; }
     }
     float *part_lse = part ? part + (size_t)splits * g.B * g.H * g.Tq * D : NULL;
-    ULY_LAUNCH(fa_forward<D>, blocks * splits, FA_THREADS, uly_cu_stream)(out, lse, g, q, k, v, splits, part, part_lse);
+    if (grouped)   /* two kernels: the packed tile's index arithmetic costs the other registers */
+        ULY_LAUNCH((fa_forward<D, true>), blocks * splits, FA_THREADS, uly_cu_stream)(out, lse, g, q, k, v, splits, part,
+                                                                                  part_lse);
+    else
+        ULY_LAUNCH((fa_forward<D, false>), blocks * splits, FA_THREADS, uly_cu_stream)(out, lse, g, q, k, v, splits, part,
+                                                                                   part_lse);
     if (launched("fused flash attention forward")) { if (part) cudaFreeAsync(part, uly_cu_stream); return -1; }
     if (splits > 1) {
         int64_t n = g.B * g.H * g.Tq * D;
