@@ -763,6 +763,18 @@ describe('bench/gpu.lua', function()
   end)
 end)
 
+-- the emulator's own promise about streams (kernels/cuda/emu/streams.cpp), which the specs of the
+-- communication stream rely on: work runs at once, or with ULY_EMU_STREAMS=lazy only when waited
+-- for (scripts/test.sh runs both), and cudaStreamWaitEvent's order holds either way
+describe('the CUDA emulator', function()
+  it('runs stream work at once, or lazily when asked, and keeps the order of an event wait', function()
+    if MODE ~= 'emu' then return end
+    pcall(ffi.cdef, 'int uly_emu_streams_selftest(void);')
+    local lib = ffi.load(assert(os.getenv('ULY_CUDA_LIB')))
+    assert.equal(os.getenv('ULY_EMU_STREAMS') == 'lazy' and 1 or 0, lib.uly_emu_streams_selftest())
+  end)
+end)
+
 -- two ranks, each with its own emulated GPU: NCCL (the emulator's, over MPI) on its own stream,
 -- stream work deferred until waited for. run_ranks(cmd) -> output, or nil and why it cannot run
 local function run_ranks(cmd)

@@ -26,7 +26,6 @@ struct uly_emu_event {
 };
 
 namespace uly_emu {
-namespace {
 std::vector<uly_emu_stream *> streams;   /* every stream made, for drain_all */
 
 bool lazy() {
@@ -38,6 +37,7 @@ bool lazy() {
     return mode == 1;
 }
 
+namespace {
 double seconds_now() {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -136,3 +136,31 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
     return cudaSuccess;
 }
 cudaError_t cudaEventDestroy(cudaEvent_t e) { delete e; return cudaSuccess; }
+
+/* For spec/device_spec.lua: the stream semantics above, checked on two streams. Returns 1 when
+ * work runs lazily (ULY_EMU_STREAMS=lazy), 0 when at once, -1 when either breaks its promise: a
+ * read without a wait must see the old value exactly when lazy, and one ordered by
+ * cudaStreamWaitEvent must always see the new one. */
+extern "C" int uly_emu_streams_selftest(void) {
+    cudaStream_t a = NULL, b = NULL;
+    cudaEvent_t e = NULL;
+    cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
+    cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking);
+    cudaEventCreate(&e);
+    static int value, seen;
+    value = 1;
+    seen = 0;
+    submit(a, []() { value = 2; });
+    const int early = value;                 /* nothing waited for a yet */
+    cudaEventRecord(e, a);
+    cudaStreamWaitEvent(b, e, 0);
+    submit(b, []() { seen = value; });
+    cudaStreamSynchronize(b);                /* b's wait runs a up to the event first */
+    const int ordered = seen;
+    cudaEventDestroy(e);
+    cudaStreamDestroy(b);
+    cudaStreamDestroy(a);
+    const int lazy_now = uly_emu::lazy();
+    if (ordered != 2 || early != (lazy_now ? 1 : 2)) return -1;
+    return lazy_now;
+}
