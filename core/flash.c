@@ -36,21 +36,8 @@ static uly_tensor *backend_operand(uly_tensor *t, const char *arg) {
     return f;
 }
 
-/* f32, or bf16 read for inference only (a bf16 KV cache: no gradient) */
-static int check_operand(const char *arg, const uly_tensor *t) {
-    if (uly_check_tensor(OP, arg, t)) return -1;
-    if (t->dtype == ULY_DTYPE_F32) return 0;
-    if (t->dtype != ULY_DTYPE_BF16)
-        return uly_set_error("%s: '%s' is %s; it takes f32 (or bf16 without gradients); convert with :float()", OP, arg,
-                             uly_desc(t));
-    if (uly_grad_enabled() && t->requires_grad)
-        return uly_set_error("%s: '%s' is %s and requires grad, but bf16 inputs take no gradient: compute in f32 "
-                             "(bf16 is for caches read under no_grad)", OP, arg, uly_desc(t));
-    return 0;
-}
-
 static int check_qkv(uly_tensor *q, uly_tensor *k, uly_tensor *v) {
-    if (check_operand("q", q) || check_operand("k", k) || check_operand("v", v) ||
+    if (uly_check_inference(OP, "q", q) || uly_check_inference(OP, "k", k) || uly_check_inference(OP, "v", v) ||
         uly_check_same_device(OP, "q", q, "k", k) || uly_check_same_device(OP, "q", q, "v", v))
         return -1;
     if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)

@@ -113,6 +113,7 @@ static inline void *uly_ptr(const uly_tensor *t) {
 }
 int uly_check_tensor(const char *op, const char *arg, const uly_tensor *t);        /* non-NULL */
 int uly_check_float(const char *op, const char *arg, const uly_tensor *t);         /* non-NULL, f32 */
+int uly_check_inference(const char *op, const char *arg, const uly_tensor *t);   /* f32, or bf16 without grad */
 uly_tensor *uly_inference_f32(const char *op, const char *arg, uly_tensor *t);  /* bf16 without grad -> f32 copy */
 int uly_same_shape(const uly_tensor *a, const uly_tensor *b);
 int uly_check_inplace(const char *op, const uly_tensor *t);  /* refuses leaves requiring grad while grad is on */
