@@ -199,25 +199,40 @@ __global__ static void to_bf16(__nv_bfloat16 *dst, const float *src, int64_t n) 
     ULY_CU_FOR(i, n) dst[i] = __float2bfloat16_rn(src[i]);
 }
 
-/* mixed precision: A and B rounded to bf16 into stream-ordered temporaries with the operands'
- * own layout (an operand the core hands over in bf16 already, uly_mat.dtype, goes in as it is),
- * multiplied on tensor cores at the bf16 rate, accumulated and written in f32 */
+/* A and B as bf16 operands: f32 ones rounded into one stream-ordered temporary with their own
+ * layout (*tmp, for the caller to free after the GEMM), bf16 ones (uly_mat.dtype) as they are;
+ * -1 when the temporary cannot be had (recorded as the backend's failure unless quiet) */
+static int bf16_operands(int nb, const int64_t *bshape, const uly_mat &A, const uly_mat &B, int64_t M, int64_t N,
+                         int64_t K, const void **ap, const void **bp, __nv_bfloat16 **tmp, int quiet) {
+    const int a_f32 = A.dtype != ULY_DTYPE_BF16, b_f32 = B.dtype != ULY_DTYPE_BF16;
+    int64_t na = a_f32 ? extent(nb, bshape, &A, M, K) : 0, nbb = b_f32 ? extent(nb, bshape, &B, K, N) : 0;
+    *tmp = NULL;
+    if (na + nbb > 0) {
+        cudaError_t e = cudaMallocAsync((void **)tmp, (size_t)(na + nbb) * sizeof(__nv_bfloat16), uly_cu_stream);
+        if (e != cudaSuccess) {
+            if (quiet) cudaGetLastError();
+            else uly_cu_fail("bf16 GEMM operand copies", e);
+            *tmp = NULL;
+            return -1;
+        }
+    }
+    *ap = a_f32 ? (const void *)*tmp : A.p;
+    *bp = b_f32 ? (const void *)(*tmp + na) : B.p;
+    if (a_f32) ULY_LAUNCH(to_bf16, uly_cu_blocks(na, 256), 256, uly_cu_stream)(*tmp, A.p, na);
+    if (b_f32) ULY_LAUNCH(to_bf16, uly_cu_blocks(nbb, 256), 256, uly_cu_stream)(*tmp + na, B.p, nbb);
+    ULY_CU_LAUNCHED("to_bf16");
+    return 0;
+}
+
+/* mixed precision: the bf16 operands (bf16_operands) multiplied on tensor cores at the bf16 rate,
+ * accumulated and written in f32 */
 extern "C" void cu_gemm_batched_bf16(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N,
                                      int64_t K, float beta) {
     if (M == 0 || N == 0) return;
     if (K == 0) { gemm_typed(nb, bshape, A, A.p, B, B.p, C, M, N, K, beta, CUDA_R_32F); return; }
-    const int a_f32 = A.dtype != ULY_DTYPE_BF16, b_f32 = B.dtype != ULY_DTYPE_BF16;
-    int64_t na = a_f32 ? extent(nb, bshape, &A, M, K) : 0, nbb = b_f32 ? extent(nb, bshape, &B, K, N) : 0;
-    __nv_bfloat16 *tmp = NULL;
-    if (na + nbb > 0) {
-        cudaError_t e = cudaMallocAsync((void **)&tmp, (size_t)(na + nbb) * sizeof(__nv_bfloat16), uly_cu_stream);
-        if (e != cudaSuccess) { uly_cu_fail("bf16 GEMM operand copies", e); return; }
-    }
-    const __nv_bfloat16 *a16 = a_f32 ? tmp : (const __nv_bfloat16 *)A.p;
-    const __nv_bfloat16 *b16 = b_f32 ? tmp + na : (const __nv_bfloat16 *)B.p;
-    if (a_f32) ULY_LAUNCH(to_bf16, uly_cu_blocks(na, 256), 256, uly_cu_stream)(tmp, A.p, na);
-    if (b_f32) ULY_LAUNCH(to_bf16, uly_cu_blocks(nbb, 256), 256, uly_cu_stream)(tmp + na, B.p, nbb);
-    ULY_CU_LAUNCHED("to_bf16");
+    const void *a16, *b16;
+    __nv_bfloat16 *tmp;
+    if (bf16_operands(nb, bshape, A, B, M, N, K, &a16, &b16, &tmp, 0)) return;
     gemm_typed(nb, bshape, A, a16, B, b16, C, M, N, K, beta, CUDA_R_16BF);
     if (tmp) cudaFreeAsync(tmp, uly_cu_stream);
 }
@@ -237,18 +252,7 @@ extern "C" int cu_gemm_bias(uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t 
     const cublasComputeType_t compute = (use_tf32 && !bf16) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     const void *ap = A.p, *bp = B.p;
     __nv_bfloat16 *tmp = NULL;
-    if (bf16) {   /* f32 operands rounded into stream-ordered temporaries, as cu_gemm_batched_bf16 */
-        const int a_f32 = A.dtype != ULY_DTYPE_BF16, b_f32 = B.dtype != ULY_DTYPE_BF16;
-        int64_t na = a_f32 ? extent(0, NULL, &A, M, K) : 0, nbb = b_f32 ? extent(0, NULL, &B, K, N) : 0;
-        if (na + nbb > 0 && cudaMallocAsync((void **)&tmp, (size_t)(na + nbb) * sizeof(__nv_bfloat16), uly_cu_stream) !=
-                                cudaSuccess) {
-            cudaGetLastError();
-            return -1;
-        }
-        if (a_f32) { ULY_LAUNCH(to_bf16, uly_cu_blocks(na, 256), 256, uly_cu_stream)(tmp, A.p, na); ap = tmp; }
-        if (b_f32) { ULY_LAUNCH(to_bf16, uly_cu_blocks(nbb, 256), 256, uly_cu_stream)(tmp + na, B.p, nbb); bp = tmp + na; }
-        ULY_CU_LAUNCHED("to_bf16");
-    }
+    if (bf16 && bf16_operands(0, NULL, A, B, M, N, K, &ap, &bp, &tmp, 1)) return -1;   /* the core's fallback tries */
     cublasOperation_t opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
     int rc = lt_gemm(opb, opa, N, M, K, bp, ldb, 0, ap, lda, 0, 0.0f, C.p, ldc, 0, 1, in_type, compute, bias);
     if (tmp) cudaFreeAsync(tmp, uly_cu_stream);
