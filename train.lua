@@ -53,6 +53,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'precision', 'auto', 'f32 | bf16 (matmul operands rounded to bf16, f32 accumulation, master weights and optimizer); auto: bf16 on cuda, f32 on cpu' },
   { 'sp', 0, 'ranks per sequence-parallel group under mpirun (0 = all ranks; world / sp groups do data parallelism)' },
   { 'overlap', 1, '1: each layer\'s gradients start their all-reduce during backward (dist.grad_sync); 0: all after backward' },
+  { 'zero', 0, '1: shard the AdamW state over the ranks (dist.ZeroAdamW, ZeRO stage 1: gradients reduce-scattered after backward, parameters all-gathered; --overlap does not apply)' },
   { 'peak_gflops', 0, 'peak for MFU (0: cpu 217 GFLOP/s per thread, the AVX-512 FMA peak of one core here; cuda 989000, the H200 bf16 dense peak)' },
   { 'log_every', 0, 'seconds between progress lines (0 = every step)' },
   { 'sample', 200, 'tokens to generate at the end (0 = none)' },
@@ -221,7 +222,11 @@ local function main()
   end
   uly.matmul_precision(cfg.precision)
   local ctx = { pos = train_data.offset or 0, seq_total = cfg.seq }
-  local opt = uly.optim.AdamW(model:parameters(), { lr = cfg.lr, betas = { 0.9, cfg.beta2 }, weight_decay = cfg.wd })
+  local adamw = { lr = cfg.lr, betas = { 0.9, cfg.beta2 }, weight_decay = cfg.wd }
+  local zero = grid and cfg.zero ~= 0
+  if cfg.zero ~= 0 and not grid then say('--zero 1: a single process has nothing to shard over; plain AdamW') end
+  local opt = zero and uly.dist.ZeroAdamW(model:parameters(), grid.world_group, adamw)
+    or uly.optim.AdamW(model:parameters(), adamw)
   local schedule = cfg.schedule == 'constant' and uly.optim.schedule.constant { lr = cfg.lr, warmup = cfg.warmup }
     or uly.optim.schedule.cosine { lr = cfg.lr, warmup = math.min(cfg.warmup, cfg.steps), steps = cfg.steps, min_lr = cfg.min_lr }
   local common = require 'models.common'
@@ -264,6 +269,11 @@ local function main()
                     cfg.lr, cfg.schedule, threads, uly.blas_corename()))
   say(string.format('device: %s%s, matmul precision %s', device,
                     device == 'cuda' and (' (backend ' .. tostring(uly.cuda.backend()) .. ')') or '', cfg.precision))
+  if zero then
+    local info = opt:shard_info()
+    say(string.format('optimizer: AdamW state sharded over %d ranks (ZeRO-1): %s of state per rank instead of %s',
+                      grid.world, uly.log.format_bytes(info.state_bytes), uly.log.format_bytes(8 * info.total)))
+  end
 
   local log_path = cfg.out .. '/log.csv'
   local writer = main_rank and uly.log.Writer(log_path, {
@@ -294,9 +304,10 @@ local function main()
       local t = uly.tensor(offsets, { dtype = 'f64' })
       offsets = grid.world_group:all_gather(t):totable()
     end
+    local optim_state = zero and opt:consolidated() or opt   -- the shards gathered, on every rank
     if not main_rank then return end
     return uly.checkpoint.save_rotating(ckpt_dir, step, {
-      model = model, optim = opt, step = step, config = common.plain_config(model.config),
+      model = model, optim = optim_state, step = step, config = common.plain_config(model.config),
       data = train_data:state(), extra = { data_path = data_path, rng_offsets = offsets } }, cfg.keep)
   end
 
@@ -310,7 +321,7 @@ local function main()
   local params = model:parameters()
   -- under mpirun the gradients are summed over the world; with --overlap 1 during the last
   -- micro-batch's backward, bucket by bucket as layers finish (NCCL on its own stream on GPUs)
-  local sync = grid and cfg.overlap ~= 0 and uly.dist.grad_sync(params, grid.world_group) or nil
+  local sync = grid and not zero and cfg.overlap ~= 0 and uly.dist.grad_sync(params, grid.world_group) or nil
   local t_start = uly.clock()
   local val_loss
   local last_step = cfg.stop_after > 0 and math.min(cfg.stop_after, cfg.steps) or cfg.steps
@@ -330,9 +341,12 @@ local function main()
       loss:backward()
     end
     ctx.grad_sync = nil
-    if sync then sync:finish() elseif grid then uly.dist.all_reduce_grads(params, grid.world_group) end
+    -- the gradients summed over the world: here, or (ZeroAdamW) reduce-scattered by the norm below
+    if sync then sync:finish() elseif grid and not zero then uly.dist.all_reduce_grads(params, grid.world_group) end
     local loss = common.global_loss(model, loss_sum / cfg.accum)
-    local norm = cfg.clip > 0 and uly.optim.clip_grad_norm(params, cfg.clip) or uly.optim.grad_norm(params)
+    local norm
+    if zero then norm = cfg.clip > 0 and opt:clip_grad_norm(cfg.clip) or opt:grad_norm()
+    else norm = cfg.clip > 0 and uly.optim.clip_grad_norm(params, cfg.clip) or uly.optim.grad_norm(params) end
     if loss ~= loss or norm ~= norm or norm == math.huge then
       error(string.format('step %d: loss %s, gradient norm %s; stopping (lower --lr, or check the data)',
                           step, tostring(loss), tostring(norm)), 0)

@@ -772,20 +772,29 @@ static int all_gather_host(uly_comm *c, const uly_tensor *in, uly_tensor *out) {
     check_tensor_arg(&k, "input ", in);
     check_tensor_arg(&k, "output ", out);
     check_stacked(&k, in, out, c->size, "the output must be the input stacked over the group's ranks along dim 0");
+    int in_place = 0;
     if (in) {
         k.h.dtype = in->dtype;
         k.h.a = uly_tensor_numel(in);
         if (k.h.a > INT_MAX) bad(&k, "the input has %lld elements, more than one MPI call takes (%d)", (long long)k.h.a, INT_MAX);
     }
+    if (in && out && !k.h.bad) {   /* in place: the input is this rank's own block of the output */
+        int64_t bytes = k.h.a * (int64_t)uly_dtype_size(in->dtype);
+        const char *src = uly_ptr(in), *dst = uly_ptr(out);
+        in_place = bytes > 0 && src == dst + (int64_t)c->rank * bytes;
+        if (!in_place && bytes > 0 && src < dst + bytes * c->size && dst < src + bytes)
+            bad(&k, "the input overlaps the output other than as this rank's block of it (block %d); pass a "
+                "separate input, or exactly that block", c->rank);
+    }
     if (agree(&k)) return -1;
     int64_t n = k.h.a, es = uly_dtype_size(in->dtype);
     int rc = 0;
-    if (c->size == 1) memcpy(uly_ptr(out), uly_ptr(in), (size_t)(n * es));
+    if (c->size == 1) { if (!in_place) memcpy(uly_ptr(out), uly_ptr(in), (size_t)(n * es)); }
 #ifdef ULY_WITH_MPI
     else {
         MPI_Request req;
         MPI_Datatype T = mpi_type(in->dtype);
-        rc = MPI_Iallgather(uly_ptr(in), (int)n, T, uly_ptr(out), (int)n, T, c->data, &req);
+        rc = MPI_Iallgather(in_place ? MPI_IN_PLACE : uly_ptr(in), (int)n, T, uly_ptr(out), (int)n, T, c->data, &req);
         rc = rc != MPI_SUCCESS ? mpi_failed(&k, rc, "MPI_Iallgather") : wait_one(&k, "moving data", &req);
     }
 #endif
@@ -835,6 +844,12 @@ static int reduce_scatter_host(uly_comm *c, const uly_tensor *in, uly_tensor *ou
         if (k.h.a > INT_MAX) bad(&k, "the output has %lld elements, more than one MPI call takes (%d)", (long long)k.h.a, INT_MAX);
     }
     k.h.b = op;
+    if (in && out && !k.h.bad) {
+        const char *src = uly_ptr(in), *dst = uly_ptr(out);
+        int64_t nb = k.h.a * (int64_t)uly_dtype_size(out->dtype);
+        if (nb > 0 && src < dst + nb && dst < src + nb * c->size)
+            bad(&k, "the output overlaps the input; reduce into a separate tensor");
+    }
     if (agree(&k)) return -1;
     int64_t es = uly_dtype_size(out->dtype), nbytes = k.h.a * es;
     int rc = 0;

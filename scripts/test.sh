@@ -98,7 +98,8 @@ if [ -e build/libulysses_cuemu.so ]; then
         ULY_EMU_GPUS="$gpus" ULY_EMU_STREAMS="$streams" timeout 300 \
         mpirun --allow-run-as-root --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -x ULY_TEST_SP \
         -x ULY_TEST_DEVICE -x ULY_CUDA_LIB -x ULY_EMU_GPUS -x ULY_EMU_STREAMS -np "$np" luajit /usr/bin/busted \
-        --run=mpi --filter=device spec/ulysses_spec.lua spec/dist_spec.lua spec/grad_sync_spec.lua spec/plan_spec.lua
+        --run=mpi --filter=device spec/ulysses_spec.lua spec/dist_spec.lua spec/grad_sync_spec.lua spec/plan_spec.lua \
+        spec/zero_spec.lua
       rc=$?
       after=$(wc -l <"$summary")
       if [ "$after" -eq "$before" ] || { [ $rc -ne 0 ] && ! tail -1 "$summary" | grep -q ' [1-9]'; }; then

@@ -107,6 +107,19 @@ function Group:reduce_scatter(t, op)
   return out
 end
 
+-- the same two into tensors the caller owns (contiguous; out may be reused every step):
+-- all_gather_into(t, out): out = every rank's t stacked along dim 1; t may be this rank's own
+-- block of out (in place). reduce_scatter_into(t, out, op): out = this rank's block of the reduction.
+function Group:all_gather_into(t, out)
+  check(C.uly_comm_all_gather(self._c, H(t, 'all_gather_into'), H(out, 'all_gather_into')))
+  return out
+end
+function Group:reduce_scatter_into(t, out, op)
+  local code = op_code(op, 'reduce_scatter_into')
+  check(C.uly_comm_reduce_scatter(self._c, H(t, 'reduce_scatter_into'), H(out, 'reduce_scatter_into'), code))
+  return out
+end
+
 -- in place: every rank gets the root's (0-based group rank) values
 function Group:broadcast_(t, root)
   check(C.uly_comm_broadcast_(self._c, H(t, 'broadcast_'), root or 0))
@@ -330,6 +343,8 @@ end
 -- dist.grad_sync(params, group, opts): gradient all-reduce overlapped with backward (grad_sync.lua)
 dist.Group = Group
 function dist.grad_sync(params, group, opts) return require('ulysses.grad_sync').new(dist, params, group, opts) end
+-- dist.ZeroAdamW(params, group, opts): AdamW with its state sharded over the group (zero.lua)
+function dist.ZeroAdamW(params, group, opts) return require('ulysses.zero').new(dist, params, group, opts) end
 
 ---------------------------------------------------------------- Ulysses exchanges
 -- dist.split(n, parts, index) -> start, length (0-based start; the first n % parts parts get

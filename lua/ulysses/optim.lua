@@ -258,29 +258,40 @@ AdamW.__index = AdamW
 
 local ADAMW_OPTS = { lr = true, betas = true, eps = true, weight_decay = true }
 
-function optim.AdamW(params, opts)
-  opts = opts or {}
-  check_keys('AdamW', opts, ADAMW_OPTS)
+-- AdamW's options checked: { lr, betas, eps, weight_decay } (also used by dist.ZeroAdamW)
+function optim._adamw_hyper(what, opts, allowed)
+  check_keys(what, opts, allowed or ADAMW_OPTS)
   local betas = opts.betas or { 0.9, 0.95 }
-  if type(betas) ~= 'table' or #betas ~= 2 then raise('AdamW: betas must be a table {beta1, beta2}') end
+  if type(betas) ~= 'table' or #betas ~= 2 then raise(what .. ': betas must be a table {beta1, beta2}') end
   for k = 1, 2 do
     local b = betas[k]
     if type(b) ~= 'number' or not (b >= 0 and b < 1) then
-      raise(string.format('AdamW: betas[%d] must be a number in [0, 1), got %s', k, tostring(b)))
+      raise(string.format('%s: betas[%d] must be a number in [0, 1), got %s', what, k, tostring(b)))
     end
   end
+  return { lr = num_opt(what, opts, 'lr', 3e-4, 0), betas = { betas[1], betas[2] },
+           eps = num_opt(what, opts, 'eps', 1e-8, 0), weight_decay = num_opt(what, opts, 'weight_decay', 0.1, 0) }
+end
+
+-- params (a list, a module or groups) as a checked list and AdamW's weight decay per tensor
+function optim._adamw_params(what, params, weight_decay)
+  return collect(what, params, { params = true, weight_decay = true },
+                 function(t) return t:dim() >= 2 and weight_decay or 0 end)
+end
+
+function optim.AdamW(params, opts)
+  opts = opts or {}
+  local h = optim._adamw_hyper('AdamW', opts)
   local self = setmetatable({
     kind = 'AdamW',
-    lr = num_opt('AdamW', opts, 'lr', 3e-4, 0),
-    betas = { betas[1], betas[2] },
-    eps = num_opt('AdamW', opts, 'eps', 1e-8, 0),
-    weight_decay = num_opt('AdamW', opts, 'weight_decay', 0.1, 0),
+    lr = h.lr,
+    betas = h.betas,
+    eps = h.eps,
+    weight_decay = h.weight_decay,
     step_count = 0,
     _state_names = { 'exp_avg', 'exp_avg_sq' },
   }, AdamW)
-  local wd = self.weight_decay
-  self.params, self.weight_decays = collect('AdamW', params, { params = true, weight_decay = true },
-                                            function(t) return t:dim() >= 2 and wd or 0 end)
+  self.params, self.weight_decays = optim._adamw_params('AdamW', params, self.weight_decay)
   local m, v = {}, {}
   for i, p in ipairs(self.params) do m[i], v[i] = zeros_like(p), zeros_like(p) end
   self.state = { exp_avg = m, exp_avg_sq = v }
@@ -354,6 +365,11 @@ end
 ---------------------------------------------------------------- gradient norm and clipping
 -- handles of a parameter list (an optimizer uses its cached array)
 local function param_handles(what, params)
+  if type(params) == 'table' and rawget(params, 'sharded') then
+    raise(string.format('%s: this optimizer keeps the reduced gradients sharded over its group (%s); call '
+                        .. 'opt:%s(...) instead, which reduces them and takes the norm over every shard', what,
+                        tostring(params.kind), what))
+  end
   if getmetatable(params) and rawget(params, '_arrays') and rawget(params, 'params') then
     params:_check_handles()
     return params._arrays.params, params._n
