@@ -766,43 +766,68 @@ static void check_stacked(call *k, const uly_tensor *small, const uly_tensor *bi
                  uly_desc(k->kind == ULY_COMM_ALL_GATHER ? big : small));
 }
 
-static int all_gather_host(uly_comm *c, const uly_tensor *in, uly_tensor *out) {
-    call k;
-    if (call_begin(&k, c, ULY_COMM_ALL_GATHER)) return -1;
-    check_tensor_arg(&k, "input ", in);
-    check_tensor_arg(&k, "output ", out);
-    check_stacked(&k, in, out, c->size, "the output must be the input stacked over the group's ranks along dim 0");
-    int in_place = 0;
+/* ---- all-gather and reduce-scatter (ZeRO): host tensors over MPI; device tensors over the
+ * backend's collectives (NCCL) when the group has them, else staged through host memory ---- */
+
+/* a tensor argument that may live on a device: present and contiguous */
+static void check_any_arg(call *k, const char *what, const uly_tensor *t) {
+    if (!t) bad(k, "no %stensor given", what);
+    else if (!uly_tensor_is_contiguous(t))
+        bad(k, "the %stensor %s is not contiguous: pass a contiguous tensor (t:contiguous())", what, uly_desc(t));
+}
+
+/* where a collective's two tensors live: their device, or -1 when they differ (staged) */
+static int64_t pair_device(const uly_tensor *a, const uly_tensor *b) {
+    if (!a || !b) return ULY_DEVICE_CPU;
+    return uly_dev(a) == uly_dev(b) ? uly_dev(a) : -1;
+}
+
+/* the checks and agreement of an all-gather; *in_place: in is this rank's block of out */
+static int all_gather_agree(call *k, uly_comm *c, const uly_tensor *in, uly_tensor *out, int *in_place) {
+    *in_place = 0;
+    if (call_begin(k, c, ULY_COMM_ALL_GATHER)) return -1;
+    check_any_arg(k, "input ", in);
+    check_any_arg(k, "output ", out);
+    check_stacked(k, in, out, c->size, "the output must be the input stacked over the group's ranks along dim 0");
     if (in) {
-        k.h.dtype = in->dtype;
-        k.h.a = uly_tensor_numel(in);
-        if (k.h.a > INT_MAX) bad(&k, "the input has %lld elements, more than one MPI call takes (%d)", (long long)k.h.a, INT_MAX);
+        k->h.dtype = in->dtype;
+        k->h.a = uly_tensor_numel(in);
+        if (k->h.a > INT_MAX) bad(k, "the input has %lld elements, more than one MPI call takes (%d)", (long long)k->h.a, INT_MAX);
     }
-    if (in && out && !k.h.bad) {   /* in place: the input is this rank's own block of the output */
-        int64_t bytes = k.h.a * (int64_t)uly_dtype_size(in->dtype);
+    k->h.device = pair_device(in, out);
+    if (in && out && !k->h.bad && uly_dev(in) == uly_dev(out)) {
+        int64_t bytes = k->h.a * (int64_t)uly_dtype_size(in->dtype);
         const char *src = uly_ptr(in), *dst = uly_ptr(out);
-        in_place = bytes > 0 && src == dst + (int64_t)c->rank * bytes;
-        if (!in_place && bytes > 0 && src < dst + bytes * c->size && dst < src + bytes)
-            bad(&k, "the input overlaps the output other than as this rank's block of it (block %d); pass a "
+        *in_place = bytes > 0 && src == dst + (int64_t)c->rank * bytes;
+        if (!*in_place && bytes > 0 && src < dst + bytes * c->size && dst < src + bytes)
+            bad(k, "the input overlaps the output other than as this rank's block of it (block %d); pass a "
                 "separate input, or exactly that block", c->rank);
     }
-    if (agree(&k)) return -1;
-    int64_t n = k.h.a, es = uly_dtype_size(in->dtype);
-    int rc = 0;
-    if (c->size == 1) { if (!in_place) memcpy(uly_ptr(out), uly_ptr(in), (size_t)(n * es)); }
+    return agree(k);
+}
+
+/* the agreed all-gather's data between host buffers (src NULL: in place) */
+static int all_gather_mpi(call *k, const void *src, void *dst, int64_t n, int dtype) {
 #ifdef ULY_WITH_MPI
-    else {
-        MPI_Request req;
-        MPI_Datatype T = mpi_type(in->dtype);
-        rc = MPI_Iallgather(in_place ? MPI_IN_PLACE : uly_ptr(in), (int)n, T, uly_ptr(out), (int)n, T, c->data, &req);
-        rc = rc != MPI_SUCCESS ? mpi_failed(&k, rc, "MPI_Iallgather") : wait_one(&k, "moving data", &req);
-    }
+    MPI_Request req;
+    MPI_Datatype T = mpi_type(dtype);
+    int rc = MPI_Iallgather(src ? src : MPI_IN_PLACE, (int)n, T, dst, (int)n, T, k->c->data, &req);
+    return rc != MPI_SUCCESS ? mpi_failed(k, rc, "MPI_Iallgather") : wait_one(k, "moving data", &req);
+#else
+    (void)k; (void)src; (void)dst; (void)n; (void)dtype;
+    return uly_set_error("all_gather: built without MPI");
 #endif
-    if (rc == 0) {
-        uly_bump_version(out);
-        for (int j = 0; j < c->size; j++) count_bytes(ULY_COMM_ALL_GATHER, c->world_ranks[j], n * es, n * es);
-    }
-    return call_end(&k, rc);
+}
+
+static void count_stacked(const uly_comm *c, int kind, int64_t nbytes) {
+    for (int j = 0; j < c->size; j++) count_bytes(kind, c->world_ranks[j], nbytes, nbytes);
+}
+
+/* avg's division of a host result */
+static void divide_host(uly_tensor *t, int P) {
+    int64_t n = uly_tensor_numel(t);
+    if (t->dtype == ULY_DTYPE_F32) { float *x = uly_f32(t); for (int64_t i = 0; i < n; i++) x[i] /= (float)P; }
+    else if (t->dtype == ULY_DTYPE_F64) { double *x = uly_ptr(t); for (int64_t i = 0; i < n; i++) x[i] /= P; }
 }
 
 #ifdef ULY_WITH_MPI
@@ -822,46 +847,32 @@ static int reduce_scatter_mpi(call *k, const uly_tensor *in, uly_tensor *out, in
                                        k->c->data, &req);
     if (rc != MPI_SUCCESS) return mpi_failed(k, rc, "MPI_Ireduce_scatter_block");
     if (wait_one(k, "reducing", &req)) return -1;
-    if (op == ULY_REDUCE_AVG) {
-        int P = k->c->size;
-        if (out->dtype == ULY_DTYPE_F32) { float *p = uly_f32(out); for (int64_t i = 0; i < n; i++) p[i] /= (float)P; }
-        else { double *p = uly_ptr(out); for (int64_t i = 0; i < n; i++) p[i] /= P; }
-    }
+    if (op == ULY_REDUCE_AVG) divide_host(out, k->c->size);
     return 0;
 }
 #endif
 
-static int reduce_scatter_host(uly_comm *c, const uly_tensor *in, uly_tensor *out, int op) {
-    call k;
-    if (call_begin(&k, c, ULY_COMM_REDUCE_SCATTER)) return -1;
-    check_tensor_arg(&k, "input ", in);
-    check_tensor_arg(&k, "output ", out);
-    check_stacked(&k, out, in, c->size, "the input must be the output's shape with dim 0 times the group size");
-    if (in) check_op(&k, op, in->dtype);
+/* the checks and agreement of a reduce-scatter */
+static int reduce_scatter_agree(call *k, uly_comm *c, const uly_tensor *in, uly_tensor *out, int op) {
+    if (call_begin(k, c, ULY_COMM_REDUCE_SCATTER)) return -1;
+    check_any_arg(k, "input ", in);
+    check_any_arg(k, "output ", out);
+    check_stacked(k, out, in, c->size, "the input must be the output's shape with dim 0 times the group size");
+    if (in) check_op(k, op, in->dtype);
     if (out) {
-        k.h.dtype = out->dtype;
-        k.h.a = uly_tensor_numel(out);
-        if (k.h.a > INT_MAX) bad(&k, "the output has %lld elements, more than one MPI call takes (%d)", (long long)k.h.a, INT_MAX);
+        k->h.dtype = out->dtype;
+        k->h.a = uly_tensor_numel(out);
+        if (k->h.a > INT_MAX) bad(k, "the output has %lld elements, more than one MPI call takes (%d)", (long long)k->h.a, INT_MAX);
     }
-    k.h.b = op;
-    if (in && out && !k.h.bad) {
+    k->h.b = op;
+    k->h.device = pair_device(in, out);
+    if (in && out && !k->h.bad && uly_dev(in) == uly_dev(out)) {
         const char *src = uly_ptr(in), *dst = uly_ptr(out);
-        int64_t nb = k.h.a * (int64_t)uly_dtype_size(out->dtype);
+        int64_t nb = k->h.a * (int64_t)uly_dtype_size(out->dtype);
         if (nb > 0 && src < dst + nb && dst < src + nb * c->size)
-            bad(&k, "the output overlaps the input; reduce into a separate tensor");
+            bad(k, "the output overlaps the input; reduce into a separate tensor");
     }
-    if (agree(&k)) return -1;
-    int64_t es = uly_dtype_size(out->dtype), nbytes = k.h.a * es;
-    int rc = 0;
-    if (c->size == 1) memcpy(uly_ptr(out), uly_ptr(in), (size_t)nbytes);
-#ifdef ULY_WITH_MPI
-    else rc = reduce_scatter_mpi(&k, in, out, op);
-#endif
-    if (rc == 0) {
-        uly_bump_version(out);
-        for (int j = 0; j < c->size; j++) count_bytes(ULY_COMM_REDUCE_SCATTER, c->world_ranks[j], nbytes, nbytes);
-    }
-    return call_end(&k, rc);
+    return agree(k);
 }
 
 static int broadcast_host(uly_comm *c, uly_tensor *t, int root) {
@@ -1444,20 +1455,78 @@ int uly_comm_wait_all(uly_comm *c) {
     return rc;
 }
 
-int uly_comm_all_gather(uly_comm *c, const uly_tensor *in, uly_tensor *out) {
-    if (!on_device(in) && !on_device(out)) return all_gather_host(c, in, out);
+/* does the group move this agreed collective's device buffers with the backend's own collectives?
+ * (collective: every rank asks, with the same agreed device) */
+static const uly_backend *device_collectives(call *k, int kind) {
+    int dev = (int)k->h.device;
+    if (k->c->size < 2 || dev < 0 || dev == ULY_DEVICE_CPU || device_comm(k->c, dev) != 1) return NULL;
+    const uly_backend *be = uly_backends[dev];
+    if (!be->comm_join) return NULL;
+    return (kind == ULY_COMM_ALL_GATHER ? be->comm_all_gather_start != NULL : be->comm_reduce_scatter_start != NULL)
+               ? be : NULL;
+}
+
+/* the agreed collective's data through host copies of device (or mixed) buffers */
+static int staged(call *k, const uly_tensor *in, uly_tensor *out, int op) {
     uly_tensor *hi = host_copy(in, 1), *ho = host_copy(out, 0);
-    int rc = all_gather_host(c, hi, ho);
-    uly_tensor_release(hi);
-    return finish(out, ho, rc);
+    int rc = !hi || !ho ? uly_set_error("%s: out of host memory for staging", kind_names[k->kind]) : 0;
+#ifdef ULY_WITH_MPI
+    if (!rc && k->kind == ULY_COMM_ALL_GATHER) rc = all_gather_mpi(k, uly_ptr(hi), uly_ptr(ho), k->h.a, in->dtype);
+    if (!rc && k->kind == ULY_COMM_REDUCE_SCATTER) rc = reduce_scatter_mpi(k, hi, ho, op);
+#else
+    (void)op;
+#endif
+    if (!rc && ho != out) rc = uly_copy_raw(out, ho);
+    if (rc == 0 || !k->c->broken) { uly_tensor_release(hi); uly_tensor_release(ho); }
+    return rc;
+}
+
+int uly_comm_all_gather(uly_comm *c, const uly_tensor *in, uly_tensor *out) {
+    call k;
+    int in_place;
+    if (all_gather_agree(&k, c, in, out, &in_place)) return -1;
+    int64_t n = k.h.a, es = uly_dtype_size(in->dtype);
+    int rc = 0;
+    const uly_backend *be;
+    if (c->size == 1) rc = in_place ? 0 : uly_copy_raw(out, in);
+    else if ((be = device_collectives(&k, ULY_COMM_ALL_GATHER))) {
+        int r = be->comm_all_gather_start(c->dev_comm, uly_ptr(in), uly_ptr(out), n, in->dtype);
+        if (be->comm_join()) r = -1;
+        rc = device_done(&k, (int)k.h.device, r);
+    } else if (k.h.device != ULY_DEVICE_CPU) rc = staged(&k, in, out, 0);
+    else rc = all_gather_mpi(&k, in_place ? NULL : uly_ptr(in), uly_ptr(out), n, in->dtype);
+    if (rc == 0) {
+        uly_bump_version(out);
+        count_stacked(c, ULY_COMM_ALL_GATHER, n * es);
+    }
+    return call_end(&k, rc);
+}
+
+/* the agreed reduce-scatter's data, moved now */
+static int reduce_scatter_now(call *k, const uly_tensor *in, uly_tensor *out, int op) {
+    uly_comm *c = k->c;
+    int rc = 0;
+    const uly_backend *be;
+    if (c->size == 1) rc = uly_copy_raw(out, in);
+    else if ((be = device_collectives(k, ULY_COMM_REDUCE_SCATTER))) {
+        int r = be->comm_reduce_scatter_start(c->dev_comm, uly_ptr(in), uly_ptr(out), k->h.a, in->dtype, op);
+        if (be->comm_join()) r = -1;
+        rc = device_done(k, (int)k->h.device, r);
+    } else if (k->h.device != ULY_DEVICE_CPU) rc = staged(k, in, out, op);
+#ifdef ULY_WITH_MPI
+    else rc = reduce_scatter_mpi(k, in, out, op);
+#endif
+    if (rc == 0) {
+        uly_bump_version(out);
+        count_stacked(c, ULY_COMM_REDUCE_SCATTER, uly_tensor_nbytes(out));
+    }
+    return rc;
 }
 
 int uly_comm_reduce_scatter(uly_comm *c, const uly_tensor *in, uly_tensor *out, int op) {
-    if (!on_device(in) && !on_device(out)) return reduce_scatter_host(c, in, out, op);
-    uly_tensor *hi = host_copy(in, 1), *ho = host_copy(out, 0);
-    int rc = reduce_scatter_host(c, hi, ho, op);
-    uly_tensor_release(hi);
-    return finish(out, ho, rc);
+    call k;
+    if (reduce_scatter_agree(&k, c, in, out, op)) return -1;
+    return call_end(&k, reduce_scatter_now(&k, in, out, op));
 }
 
 int uly_comm_broadcast_(uly_comm *c, uly_tensor *t, int root) {

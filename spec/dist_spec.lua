@@ -194,6 +194,25 @@ describe('dist on a grid of ranks #mpi', function()
     local want = {}
     for w = 0, P - 1 do want[w + 1] = w end
     assert.are.same(want, helpers.list(gathered))
+    -- ZeRO's pair: an in-place all-gather (the input is this rank's block of the output) and a
+    -- reduce-scatter into a tensor of the caller's, in f32 (sum, avg) and bf16
+    local flat = uly.zeros(3 * P):cuda()
+    flat:narrow(1, 3 * me + 1, 3):copy_(uly.tensor({ me, 10 * me, -me }))
+    g.world_group:all_gather_into(flat:narrow(1, 3 * me + 1, 3), flat)
+    local stacked = {}
+    for w = 0, P - 1 do stacked[#stacked + 1] = w; stacked[#stacked + 1] = 10 * w; stacked[#stacked + 1] = -w end
+    assert.are.same(stacked, helpers.list(flat))
+    local contrib = {}
+    for k = 1, 2 * P do contrib[k] = k + me end
+    for _, dtype in ipairs({ 'f32', 'bf16' }) do
+      local out = uly.zeros(2, { dtype = dtype }):cuda()
+      g.world_group:reduce_scatter_into(uly.tensor(contrib, { dtype = dtype }):cuda(), out, 'sum')
+      local rank_sum = P * (P - 1) / 2
+      assert.are.same({ P * (2 * me + 1) + rank_sum, P * (2 * me + 2) + rank_sum }, helpers.list(out))
+      g.world_group:reduce_scatter_into(uly.tensor(contrib, { dtype = dtype }):cuda(), out, 'avg')
+      helpers.assert_close(out, { 2 * me + 1 + rank_sum / P, 2 * me + 2 + rank_sum / P }, dtype == 'bf16' and 1e-2 or 1e-6,
+                           0, 'reduce_scatter avg ' .. dtype)
+    end
     if P > 1 then  -- rank 0 on the CPU, the others on the device: the same error everywhere
       local t = me == 0 and uly.tensor({ 1 }) or uly.tensor({ 1 }):cuda()
       local ok, err = pcall(function() g.world_group:all_reduce_(t, 'sum') end)
@@ -201,7 +220,7 @@ describe('dist on a grid of ranks #mpi', function()
       assert.matches('the tensors are on different devices: rank 0 has cpu, rank 1 has cuda', tostring(err), 1, true)
       g.world_group:all_reduce_(uly.tensor({ 1 }), 'sum')   -- still usable
     end
-    s, m, b, a, gathered = nil, nil, nil, nil, nil
+    s, m, b, a, gathered, flat = nil, nil, nil, nil, nil, nil
     if not real then jit.flush(); collectgarbage('collect'); collectgarbage('collect'); uly.cuda.reset() end
   end)
 

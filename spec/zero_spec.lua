@@ -211,6 +211,9 @@ describe('dist.ZeroAdamW: AdamW with its state sharded over the ranks #mpi', fun
     assert_close_lists(dn, cn, real and 1e-2 or 1e-5, 'gradient norm at step')
     local d = param_difference(flat_params(dm), flat_params(cm))
     assert.is_true(d <= (real and 0.2 or 1e-3), string.format('device parameters differ by %.3g lr', d))
+    if grid().world > 1 then  -- NCCL's all-gather / reduce-scatter when every rank has its own GPU
+      assert.equal(helpers.expected_device_path(), grid().world_group:device_path())
+    end
     dm = nil   -- the device tensors go with the model and the optimizer
     if not real then helpers.reset_simulated_device() end
   end)

@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define ULY_BACKEND_ABI 7
+#define ULY_BACKEND_ABI 8
 #define ULY_VIEW_MAX_DIMS 8
 
 /* a strided window over backend memory: element [0, ..., 0] at p, strides in elements */
@@ -154,6 +154,14 @@ typedef struct uly_backend {
     void (*optim_adamw_multi)(int n, float *const *p, const float *const *g, float *const *m, float *const *v,
                               const int64_t *sizes, const float *decay, float beta1, float beta2, float step_size,
                               float bc2_sqrt, float eps);
+
+    /* ---- the ZeRO collectives on device memory, queued like comm_all_reduce_start (ordered after
+     *      the compute queued so far, joined by comm_join); count is each rank's block, in
+     *      elements. all_gather: recv = every rank's send in rank order (send may be recv's own
+     *      block: in place); reduce_scatter: recv = this rank's block of the reduction of every
+     *      rank's send. NULL: the core stages them through host memory. ---- */
+    int (*comm_all_gather_start)(void *comm, const void *send, void *recv, int64_t count, int dtype);
+    int (*comm_reduce_scatter_start)(void *comm, const void *send, void *recv, int64_t count, int dtype, int op);
 } uly_backend;
 
 #ifdef __cplusplus

@@ -128,6 +128,7 @@ static const uly_backend table = {
     cu_device_uuid, cu_comm_unique_id, cu_comm_create, cu_comm_destroy, cu_comm_all_reduce, cu_comm_all_to_all_v,
     cu_comm_all_reduce_start, cu_comm_join,
     cu_optim_adamw_multi,
+    cu_comm_all_gather_start, cu_comm_reduce_scatter_start,
 };
 
 extern "C" int uly_cuda_temporaries_peak(int64_t *bytes, int reset) {

@@ -1,7 +1,7 @@
 /* kernels/cuda/comm.cu — the CUDA backend's side of communication: gathering a layout's elements
  * into a contiguous buffer and scattering them back (the packed form of the Ulysses exchanges),
  * the device's UUID (so ranks sharing one GPU are detected), and NCCL communicators and
- * collectives (all-reduce; all-to-all-v as grouped send/recv) on a communication stream of their
+ * collectives (all-reduce, all-gather, reduce-scatter; all-to-all-v as grouped send/recv) on a communication stream of their
  * own, ordered after the compute work that makes their inputs and before the compute work queued
  * after them; cu_comm_all_reduce_start leaves the second ordering to cu_comm_join, so gradient
  * buckets reduce while backward computes. NCCL is
@@ -117,6 +117,8 @@ static struct {
     ncclResult_t (*group_end)(void);
     const char *(*error_string)(ncclResult_t);
     ncclResult_t (*count)(const ncclComm_t, int *);
+    ncclResult_t (*all_gather)(const void *, void *, size_t, ncclDataType_t, ncclComm_t, cudaStream_t);
+    ncclResult_t (*reduce_scatter)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t);
 } N;
 
 static int nccl_open(void) {
@@ -143,6 +145,8 @@ static int nccl_open(void) {
     SYM(group_end, ncclGroupEnd)
     SYM(error_string, ncclGetErrorString)
     SYM(count, ncclCommCount)
+    SYM(all_gather, ncclAllGather)
+    SYM(reduce_scatter, ncclReduceScatter)
 #undef SYM
     N.ok = 1;
     return 1;
@@ -198,6 +202,20 @@ extern "C" int cu_comm_all_reduce(void *comm, void *buf, int64_t count, int dtyp
     return cu_comm_join() || rc ? -1 : 0;
 }
 
+/* ZeRO's collectives: NCCL takes send == recv + rank * count as an in-place all-gather */
+extern "C" int cu_comm_all_gather_start(void *comm, const void *send, void *recv, int64_t count, int dtype) {
+    ncclDataType_t t;
+    if (!N.ok || nccl_type(dtype, &t) || after_compute()) return -1;
+    return nccl_check("ncclAllGather", N.all_gather(send, recv, (size_t)count, t, (ncclComm_t)comm, comm_stream));
+}
+
+extern "C" int cu_comm_reduce_scatter_start(void *comm, const void *send, void *recv, int64_t count, int dtype, int op) {
+    ncclDataType_t t;
+    if (!N.ok || nccl_type(dtype, &t) || after_compute()) return -1;
+    ncclRedOp_t o = op == ULY_REDUCE_AVG ? ncclAvg : op == ULY_REDUCE_MAX ? ncclMax : ncclSum;
+    return nccl_check("ncclReduceScatter", N.reduce_scatter(send, recv, (size_t)count, t, o, (ncclComm_t)comm, comm_stream));
+}
+
 /* the Ulysses exchange: one grouped send/recv per peer, on the communication stream, then the
  * compute stream (which unpacks the result) waits for it */
 extern "C" int cu_comm_all_to_all_v(void *comm, const void *send, const int64_t *scounts, const int64_t *sdispls, void *recv,
@@ -224,6 +242,10 @@ extern "C" void *cu_comm_create(int nranks, int rank, const void *id) { return N
 extern "C" void cu_comm_destroy(void *comm) {}
 extern "C" int cu_comm_all_reduce(void *comm, void *buf, int64_t count, int dtype, int op) { return -1; }
 extern "C" int cu_comm_all_reduce_start(void *comm, void *buf, int64_t count, int dtype, int op) { return -1; }
+extern "C" int cu_comm_all_gather_start(void *comm, const void *send, void *recv, int64_t count, int dtype) { return -1; }
+extern "C" int cu_comm_reduce_scatter_start(void *comm, const void *send, void *recv, int64_t count, int dtype, int op) {
+    return -1;
+}
 extern "C" int cu_comm_all_to_all_v(void *comm, const void *send, const int64_t *scounts, const int64_t *sdispls, void *recv,
                                     const int64_t *rcounts, const int64_t *rdispls, int dtype) { return -1; }
 #endif

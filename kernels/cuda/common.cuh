@@ -145,6 +145,8 @@ int cu_comm_all_to_all_v(void *comm, const void *send, const int64_t *scounts, c
                          const int64_t *rcounts, const int64_t *rdispls, int dtype);
 int cu_comm_all_reduce_start(void *comm, void *buf, int64_t count, int dtype, int op);
 int cu_comm_join(void);
+int cu_comm_all_gather_start(void *comm, const void *send, void *recv, int64_t count, int dtype);
+int cu_comm_reduce_scatter_start(void *comm, const void *send, void *recv, int64_t count, int dtype, int op);
 /* attention.cu */
 void cu_attention_forward(float *out, float *probs, const float *q, const float *k, const float *v, int64_t B, int64_t Tq,
                           int64_t Tk, int64_t H, int64_t Hkv, int64_t D, float scale, int causal);

@@ -1,7 +1,7 @@
 /* kernels/cuda/emu/nccl_emu.cpp — NCCL for the CUDA emulator, over MPI: in the emulator device
  * memory is host memory, so ranks that each emulate their own GPU (ULY_EMU_GPUS=own) take the
- * NCCL path of kernels/cuda/comm.cu (communicators from a broadcast unique id, all-reduce, grouped
- * send/recv on a stream) exactly as on GPU nodes, and the specs check what it moves.
+ * NCCL path of kernels/cuda/comm.cu (communicators from a broadcast unique id, all-reduce,
+ * all-gather, reduce-scatter, grouped send/recv on a stream) exactly as on GPU nodes, and the specs check what it moves.
  *
  * A collective starts when it is queued, as on a GPU, once everything its stream was told to wait
  * for has run: its inputs are copied then and MPI moves the copies. Its results land in the
@@ -189,6 +189,67 @@ ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataT
         MPI_Wait(req.get(), MPI_STATUS_IGNORE);
         char *s = staged->data();
         if (op == ncclAvg && (bf16 || type == ncclFloat32))   /* bf16 was summed in f32 */
+            for (size_t i = 0; i < count; i++) ((float *)s)[i] /= (float)size;
+        if (op == ncclAvg && type == ncclFloat64)
+            for (size_t i = 0; i < count; i++) ((double *)s)[i] /= size;
+        if (bf16)
+            for (size_t i = 0; i < count; i++) ((__nv_bfloat16 *)recv)[i] = __float2bfloat16_rn(((float *)s)[i]);
+        else
+            memcpy(recv, s, count * es);
+    });
+    return ncclSuccess;
+}
+
+/* send may be recv's own block (in place): it is copied when the collective starts */
+ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, ncclDataType_t type, ncclComm_t comm,
+                           cudaStream_t stream) {
+    if (!comm) return ncclInvalidArgument;
+    if (group_depth > 0) return ncclInvalidUsage;
+    uly_emu::drain(stream);
+    size_t bytes = count * type_size(type);
+    auto mine = std::make_shared<std::vector<char>>((const char *)send, (const char *)send + bytes);
+    auto all = std::make_shared<std::vector<char>>(bytes * comm->size + 1);
+    auto req = std::make_shared<MPI_Request>();
+    if (MPI_Iallgather(mine->data(), (int)bytes, MPI_BYTE, all->data(), (int)bytes, MPI_BYTE, comm->comm,
+                       req.get()) != MPI_SUCCESS)
+        return ncclSystemError;
+    size_t total = bytes * comm->size;
+    uly_emu::submit(stream, [=]() {
+        MPI_Wait(req.get(), MPI_STATUS_IGNORE);
+        (void)mine;   /* MPI reads it until the wait */
+        memcpy(recv, all->data(), total);
+    });
+    return ncclSuccess;
+}
+
+/* recv: count elements, this rank's block of the sum (max, avg) of every rank's count * size */
+ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, ncclDataType_t type, ncclRedOp_t op,
+                               ncclComm_t comm, cudaStream_t stream) {
+    if (!comm) return ncclInvalidArgument;
+    if (group_depth > 0) return ncclInvalidUsage;
+    if (op != ncclSum && op != ncclMax && op != ncclAvg) return ncclInvalidArgument;
+    if (type == ncclFloat16) return ncclInvalidArgument;
+    uly_emu::drain(stream);
+    bool bf16 = type == ncclBfloat16;
+    size_t es = bf16 ? 4 : type_size(type), n_in = count * comm->size;
+    auto staged = std::make_shared<std::vector<char>>(n_in * es + 1);
+    if (bf16)
+        for (size_t i = 0; i < n_in; i++) {
+            float v = __bfloat162float(((const __nv_bfloat16 *)send)[i]);
+            memcpy(staged->data() + 4 * i, &v, 4);
+        }
+    else memcpy(staged->data(), send, n_in * es);
+    auto out = std::make_shared<std::vector<char>>(count * es + 1);
+    auto req = std::make_shared<MPI_Request>();
+    if (MPI_Ireduce_scatter_block(staged->data(), out->data(), (int)count, reduce_type(type),
+                                  op == ncclMax ? MPI_MAX : MPI_SUM, comm->comm, req.get()) != MPI_SUCCESS)
+        return ncclSystemError;
+    int size = comm->size;
+    uly_emu::submit(stream, [=]() {
+        MPI_Wait(req.get(), MPI_STATUS_IGNORE);
+        (void)staged;
+        char *s = out->data();
+        if (op == ncclAvg && (bf16 || type == ncclFloat32))
             for (size_t i = 0; i < count; i++) ((float *)s)[i] /= (float)size;
         if (op == ncclAvg && type == ncclFloat64)
             for (size_t i = 0; i < count; i++) ((double *)s)[i] /= size;
