@@ -53,7 +53,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'precision', 'auto', 'f32 | bf16 (matmul operands rounded to bf16, f32 accumulation, master weights and optimizer); auto: bf16 on cuda, f32 on cpu' },
   { 'sp', 0, 'ranks per sequence-parallel group under mpirun (0 = all ranks; world / sp groups do data parallelism)' },
   { 'overlap', 1, '1: each layer\'s gradients start their all-reduce during backward (dist.grad_sync); 0: all after backward' },
-  { 'zero', 0, '1: shard the AdamW state over the ranks (dist.ZeroAdamW, ZeRO stage 1: gradients reduce-scattered after backward, parameters all-gathered; --overlap does not apply)' },
+  { 'zero', 0, '1: shard the AdamW state over the ranks (dist.ZeroAdamW, ZeRO stage 1: gradients reduce-scattered, with --overlap 1 during backward; parameters all-gathered)' },
   { 'peak_gflops', 0, 'peak for MFU (0: cpu 217 GFLOP/s per thread, the AVX-512 FMA peak of one core here; cuda 989000, the H200 bf16 dense peak)' },
   { 'log_every', 0, 'seconds between progress lines (0 = every step)' },
   { 'sample', 200, 'tokens to generate at the end (0 = none)' },
@@ -320,8 +320,9 @@ local function main()
 
   local params = model:parameters()
   -- under mpirun the gradients are summed over the world; with --overlap 1 during the last
-  -- micro-batch's backward, bucket by bucket as layers finish (NCCL on its own stream on GPUs)
-  local sync = grid and not zero and cfg.overlap ~= 0 and uly.dist.grad_sync(params, grid.world_group) or nil
+  -- micro-batch's backward, bucket by bucket as layers finish (NCCL on its own stream on GPUs);
+  -- with --zero 1 reduce-scattered into each rank's shard of the optimizer
+  local sync = grid and cfg.overlap ~= 0 and (zero and opt:grad_sync() or uly.dist.grad_sync(params, grid.world_group)) or nil
   local t_start = uly.clock()
   local val_loss
   local last_step = cfg.stop_after > 0 and math.min(cfg.stop_after, cfg.steps) or cfg.steps

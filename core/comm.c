@@ -641,6 +641,8 @@ static int layouts_on_device(call *k, int device, const void *send, const uly_co
                              const uly_comm_layout *rl, int dtype, const int64_t *counts);
 static int device_comm(uly_comm *c, int device);
 static int device_done(call *k, int device, int rc);
+static const uly_backend *device_collectives(call *k, int kind);
+static int reduce_scatter_now(call *k, const uly_tensor *in, uly_tensor *out, int op);
 
 int uly_comm_all_to_all_layout(uly_comm *c, const void *send, const uly_comm_layout *send_layouts,
                                void *recv, const uly_comm_layout *recv_layouts, int dtype) {
@@ -1322,7 +1324,9 @@ int uly_comm_all_reduce_(uly_comm *c, uly_tensor *t, int op) {
 /* ---- all-reduces that complete later ---- */
 typedef struct pending_reduce {
     call k;                /* its deadline and the prefix of its messages */
-    uly_tensor *t;         /* retained until it completes */
+    int kind;              /* ULY_COMM_ALL_REDUCE (in place in t) or ULY_COMM_REDUCE_SCATTER (in -> t) */
+    uly_tensor *t;         /* the result; retained until it completes */
+    uly_tensor *in;        /* a reduce-scatter's input (retained), else NULL */
     int op;
     int device;            /* -1: MPI moves host memory (req); else on the device's communication stream */
 #ifdef ULY_WITH_MPI
@@ -1373,10 +1377,48 @@ static int all_reduce_background(call *k, uly_tensor *t, int op) {
 #endif
     }
     p->k = *k;
+    p->kind = ULY_COMM_ALL_REDUCE;
     p->t = t;
     uly_tensor_retain(t);
     p->op = op;
     p->device = on_device(t) ? dev : -1;
+    return 0;
+}
+
+/* the data of the agreed reduce-scatter k moving in the background, if it can (else -2) */
+static int reduce_scatter_background(call *k, const uly_tensor *in, uly_tensor *out, int op) {
+    uly_comm *c = k->c;
+    pending_reduce *p = NULL;
+    if (k->h.device != ULY_DEVICE_CPU) {
+        const uly_backend *be = device_collectives(k, ULY_COMM_REDUCE_SCATTER);
+        if (!be || !(p = push_pending(c))) return -2;   /* staged through the host: now */
+        int rc = be->comm_reduce_scatter_start(c->dev_comm, uly_ptr(in), uly_ptr(out), k->h.a, in->dtype, op);
+        const char *why = be->take_error();
+        if (rc || why) {
+            c->n_pending--;
+            msgbuf m = {.n = 0};
+            put_call(&m, k);
+            put(&m, ": the device collective failed: %s", why ? why : "no reason given");
+            return uly_set_error("%s", m.s);
+        }
+    } else {
+#ifdef ULY_WITH_MPI
+        if (in->dtype == ULY_DTYPE_BF16 || !(p = push_pending(c))) return -2;   /* bf16 sums through f32: now */
+        int rc = MPI_Ireduce_scatter_block(uly_ptr(in), uly_ptr(out), (int)k->h.a, mpi_type(in->dtype), mpi_op(op),
+                                           c->data, &p->req);
+        if (rc != MPI_SUCCESS) { c->n_pending--; return mpi_failed(k, rc, "MPI_Ireduce_scatter_block"); }
+#else
+        return -2;
+#endif
+    }
+    p->k = *k;
+    p->kind = ULY_COMM_REDUCE_SCATTER;
+    p->t = out;
+    uly_tensor_retain(out);
+    p->in = (uly_tensor *)in;
+    uly_tensor_retain(p->in);
+    p->op = op;
+    p->device = k->h.device != ULY_DEVICE_CPU ? (int)k->h.device : -1;
     return 0;
 }
 
@@ -1388,6 +1430,17 @@ int uly_comm_all_reduce_start(uly_comm *c, uly_tensor *t, int op) {
     int rc = all_reduce_background(&k, t, op);
     if (rc == -2) return call_end(&k, all_reduce_now(&k, t, op));   /* staged, or too big: now */
     if (rc == 0) S.seconds[ULY_COMM_ALL_REDUCE] += now() - t0;       /* counted as a call when it completes */
+    return rc;
+}
+
+int uly_comm_reduce_scatter_start(uly_comm *c, const uly_tensor *in, uly_tensor *out, int op) {
+    call k;
+    if (reduce_scatter_agree(&k, c, in, out, op)) return -1;
+    if (c->size == 1) return call_end(&k, reduce_scatter_now(&k, in, out, op));
+    double t0 = k.t0;
+    int rc = reduce_scatter_background(&k, in, out, op);
+    if (rc == -2) return call_end(&k, reduce_scatter_now(&k, in, out, op));   /* staged, or bf16: now */
+    if (rc == 0) S.seconds[ULY_COMM_REDUCE_SCATTER] += now() - t0;           /* counted when it completes */
     return rc;
 }
 
@@ -1409,14 +1462,11 @@ void uly_comm_progress(uly_comm *c) {
 /* completes p (the data has arrived): avg's division, the stats */
 static int complete(uly_comm *c, pending_reduce *p) {
     uly_tensor *t = p->t;
-    if (p->op == ULY_REDUCE_AVG && p->device < 0) {
-        int64_t n = uly_tensor_numel(t);
-        if (t->dtype == ULY_DTYPE_F32) { float *x = uly_f32(t); for (int64_t i = 0; i < n; i++) x[i] /= (float)c->size; }
-        else if (t->dtype == ULY_DTYPE_F64) { double *x = uly_ptr(t); for (int64_t i = 0; i < n; i++) x[i] /= c->size; }
-    }
+    if (p->op == ULY_REDUCE_AVG && p->device < 0) divide_host(t, c->size);
     uly_bump_version(t);
-    count_all_reduce(c, uly_tensor_nbytes(t));
-    S.calls[ULY_COMM_ALL_REDUCE]++;
+    if (p->kind == ULY_COMM_REDUCE_SCATTER) count_stacked(c, ULY_COMM_REDUCE_SCATTER, uly_tensor_nbytes(t));
+    else count_all_reduce(c, uly_tensor_nbytes(t));
+    S.calls[p->kind]++;
     return 0;
 }
 
@@ -1447,9 +1497,9 @@ int uly_comm_wait_all(uly_comm *c) {
 #endif
         }
         if (!r) r = complete(c, p);
-        S.seconds[ULY_COMM_ALL_REDUCE] += now() - t0;
+        S.seconds[p->kind] += now() - t0;
         if (r && !rc) rc = -1;
-        if (!leak) uly_tensor_release(p->t);
+        if (!leak) { uly_tensor_release(p->t); uly_tensor_release(p->in); }
     }
     c->n_pending = 0;
     return rc;

@@ -203,17 +203,21 @@ describe('train.lua under mpirun', function()
     end
   end)
 
-  it('--zero 1 (the AdamW state sharded over the ranks) follows the single-process losses and resumes', function()
+  it('--zero 1 (the AdamW state sharded over the ranks) follows the single-process losses and resumes, overlapped or not', function()
     if not has_mpi then pending('no mpirun or a library without MPI') return end
     local args = TINY .. '--model llama --heads 4 --kv_heads 2 --steps 4 --accum 2 --batch 2 --eval_every 0 --sample 0 --threads 1 '
     local ref = reference(args)
-    local dir = tmpdir()
-    local out, code = mpirun(2, args .. '--sp 2 --zero 1 --stop_after 2 --out ' .. dir)
-    assert.are.equal(0, code, out)
-    out, code = mpirun(2, args .. '--sp 2 --zero 1 --resume auto --out ' .. dir)
-    assert.are.equal(0, code, out)
-    assert.truthy(out:find('at step 2', 1, true), out)
-    follows(uly.log.read_csv(dir .. '/log.csv'), ref, 4, 'zero')
+    for _, overlap in ipairs({ 1, 0 }) do
+      local dir = tmpdir()
+      local common = args .. '--sp 2 --zero 1 --overlap ' .. overlap .. ' --out ' .. dir
+      local out, code = mpirun(2, common .. ' --stop_after 2')
+      assert.are.equal(0, code, out)
+      assert.truthy(out:find('AdamW state sharded over 2 ranks', 1, true), out)
+      out, code = mpirun(2, common .. ' --resume auto')
+      assert.are.equal(0, code, out)
+      assert.truthy(out:find('at step 2', 1, true), out)
+      follows(uly.log.read_csv(dir .. '/log.csv'), ref, 4, 'zero, overlap ' .. overlap)
+    end
   end)
 
   it('a bad grid fails on every rank with one clear message', function()

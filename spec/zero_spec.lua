@@ -56,13 +56,15 @@ local function train(Model, cfg, how, opts)
   end
   if opts.load then opt:load_state_dict(opts.load) end
   local lo, n = split(N, P, r)
-  local losses, norms = {}, {}
+  local losses, norms, infos = {}, {}, {}
+  local sync = opts.overlap and opt:grad_sync()
   for k = 1, opts.steps or 3 do
     local x, y = batch(2, N, cfg.vocab or 256, 40 + k + (opts.seed or 0))
     opt:zero_grad()
     local loss = m:loss(x:narrow(2, lo + 1, n):contiguous():to(device), y:narrow(2, lo + 1, n):contiguous():to(device),
-                        { pos = lo, seq_total = N })
+                        { pos = lo, seq_total = N, grad_sync = sync })
     loss:backward()
+    if sync then infos[k] = sync:finish() end
     losses[k] = require('models.common').global_loss(m, loss)
     if how == 'zero' then
       norms[k] = opt:clip_grad_norm(0.5)
@@ -72,7 +74,7 @@ local function train(Model, cfg, how, opts)
     end
     opt:step()
   end
-  return losses, norms, m, opt
+  return losses, norms, m, opt, infos
 end
 
 local function assert_close_lists(a, b, tol, what)
@@ -117,6 +119,38 @@ describe('dist.ZeroAdamW: AdamW with its state sharded over the ranks #mpi', fun
       assert.is_true(info.buckets >= 4)
     end)
   end
+
+  it('reduces during backward with opt:grad_sync(): the same steps, most buckets started early', function()
+    local cfg = sp.copy_cfg(LLAMA, { checkpoint = true })
+    local zl, zn, zm = train(Llama, cfg, 'zero')
+    local ol, on, om, _, infos = train(Llama, cfg, 'zero', { overlap = true })
+    assert_close_lists(ol, zl, 1e-6, 'loss at step')
+    assert_close_lists(on, zn, 1e-6, 'gradient norm at step')
+    assert.is_true(param_difference(flat_params(om), flat_params(zm)) <= 1e-4)
+    for k, info in ipairs(infos) do
+      assert.is_true(info.buckets >= 4, 'too few buckets to show anything: ' .. info.buckets)
+      assert.is_true(info.started_in_backward >= info.buckets / 2,
+                     string.format('step %d: %d of %d buckets started during backward', k, info.started_in_backward,
+                                   info.buckets))
+    end
+    assert.equal(0, grid().world_group:pending())
+    -- the optimizer refuses to use a shard still being reduced
+    local g = grid()
+    uly.manual_seed(7)
+    local m = Llama(sp.copy_cfg(LLAMA, { sp = g.sp_size }))
+    local opt = dist.ZeroAdamW(m:parameters(), g.world_group, { bucket_bytes = 1024 })
+    local sync = opt:grad_sync()
+    local lo, n = split(N, g.sp_size, g.sp_rank)
+    local x = batch(1, N, 256, 3):narrow(2, lo + 1, n):contiguous()
+    m:loss(x, x, { pos = lo, seq_total = N, grad_sync = sync }):backward()
+    local ok, err = pcall(opt.step, opt)
+    assert.is_false(ok)
+    assert.matches('call sync:finish() after backward', tostring(err), 1, true)
+    assert.matches('give the scale as its grad_scale', helpers.error_of(sync.finish, sync, { scale = 0.5 }))
+    sync:finish()
+    opt:step()
+    assert.equal(0, g.world_group:pending())
+  end)
 
   it('gives optim.AdamW\'s state_dict, which moves both ways between ZeroAdamW and AdamW', function()
     -- two steps, then the state continues a third step in the other optimizer
@@ -206,7 +240,7 @@ describe('dist.ZeroAdamW: AdamW with its state sharded over the ranks #mpi', fun
     local real = helpers.use_test_device()
     local cfg = sp.copy_cfg(LLAMA, { checkpoint = true })
     local cl, cn, cm = train(Llama, cfg, 'zero', { steps = 2 })
-    local dl, dn, dm = train(Llama, cfg, 'zero', { steps = 2, device = 'cuda' })
+    local dl, dn, dm = train(Llama, cfg, 'zero', { steps = 2, device = 'cuda', overlap = true })
     assert_close_lists(dl, cl, real and 1e-3 or 1e-6, 'loss at step')
     assert_close_lists(dn, cn, real and 1e-2 or 1e-5, 'gradient norm at step')
     local d = param_difference(flat_params(dm), flat_params(cm))
@@ -231,12 +265,15 @@ describe('dist.ZeroAdamW at a world of one', function()
       uly.manual_seed(3)
       local m = Llama(LLAMA)
       local hyper = { lr = LR, weight_decay = 0.1 }
-      local opt = how == 'zero' and dist.ZeroAdamW(m:parameters(), group, sp.copy_cfg(hyper, { bucket_bytes = 100 }))
+      local zero = how ~= 'adamw'
+      local opt = zero and dist.ZeroAdamW(m:parameters(), group, sp.copy_cfg(hyper, { bucket_bytes = 100 }))
         or uly.optim.AdamW(m:parameters(), hyper)
+      local sync = how == 'zero_sync' and opt:grad_sync() or nil
       for _ = 1, 2 do
         opt:zero_grad()
-        m:loss(x, y):backward()
-        if how == 'zero' then opt:clip_grad_norm(0.3) else uly.optim.clip_grad_norm(opt, 0.3) end
+        m:loss(x, y, { grad_sync = sync }):backward()
+        if sync then sync:finish() end
+        if zero then opt:clip_grad_norm(0.3) else uly.optim.clip_grad_norm(opt, 0.3) end
         opt:step()
       end
       return flat_params(m), opt
@@ -244,6 +281,7 @@ describe('dist.ZeroAdamW at a world of one', function()
     local want = run('adamw')
     local got, opt = run('zero')
     assert.equal(0, param_difference(got, want))
+    assert.equal(0, param_difference(run('zero_sync'), want))
     local info = opt:shard_info()
     assert.equal(info.total, info.owned)
     assert.is_true(info.pieces > #opt.params, 'no parameter was cut by a bucket edge')

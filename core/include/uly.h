@@ -249,7 +249,7 @@ int uly_comm_all_to_all_layout(uly_comm *c, const void *send, const uly_comm_lay
  * through host memory over MPI */
 int uly_comm_all_to_all_layout_on(uly_comm *c, int device, const void *send, const uly_comm_layout *send_layouts,
                                   void *recv, const uly_comm_layout *recv_layouts, int dtype);
-int uly_comm_all_reduce_(uly_comm *c, uly_tensor *t, int op);
+int uly_comm_all_reduce_(uly_comm *c, uly_tensor *t, int op);  /* in place, contiguous */
 /* An all-reduce that completes later, so its data moves while the caller goes on (gradient
  * buckets during backward): host tensors over a non-blocking MPI all-reduce, device tensors on
  * the device's communication stream (NCCL), after the work queued so far; device tensors staged
@@ -260,9 +260,13 @@ int uly_comm_all_reduce_(uly_comm *c, uly_tensor *t, int op);
 int uly_comm_all_reduce_start(uly_comm *c, uly_tensor *t, int op);
 int uly_comm_wait_all(uly_comm *c);
 int uly_comm_pending(const uly_comm *c);      /* started and not yet waited for */
-void uly_comm_progress(uly_comm *c);          /* lets MPI move the pending ones' data (host tensors) */            /* in place, contiguous */
+void uly_comm_progress(uly_comm *c);          /* lets MPI move the pending ones' data (host tensors) */
 int uly_comm_all_gather(uly_comm *c, const uly_tensor *in, uly_tensor *out); /* out: [size * in.shape[0], ...] */
 int uly_comm_reduce_scatter(uly_comm *c, const uly_tensor *in, uly_tensor *out, int op); /* in: [size * out.shape[0], ...] */
+/* a reduce-scatter that completes at uly_comm_wait_all, in order with the started all-reduces
+ * (MPI_Ireduce_scatter_block on the host, NCCL on the device's communication stream; staged or
+ * bf16 host buffers: at once); in and out must stay untouched until then */
+int uly_comm_reduce_scatter_start(uly_comm *c, const uly_tensor *in, uly_tensor *out, int op);
 int uly_comm_broadcast_(uly_comm *c, uly_tensor *t, int root);
 int uly_comm_barrier(uly_comm *c);
 int uly_comm_check_same(uly_comm *c, const char *what, const int64_t *values, int n); /* error (on every rank) lists each rank's values */

@@ -120,6 +120,14 @@ function Group:reduce_scatter_into(t, out, op)
   return out
 end
 
+-- starts reduce_scatter_into(t, out, op), completed at group:wait_all() in order with the
+-- started all-reduces; neither t nor out may be touched until then (ZeroAdamW's gradient sync)
+function Group:reduce_scatter_start(t, out, op)
+  local code = op_code(op, 'reduce_scatter_start')
+  check(C.uly_comm_reduce_scatter_start(self._c, H(t, 'reduce_scatter_start'), H(out, 'reduce_scatter_start'), code))
+  return out
+end
+
 -- in place: every rank gets the root's (0-based group rank) values
 function Group:broadcast_(t, root)
   check(C.uly_comm_broadcast_(self._c, H(t, 'broadcast_'), root or 0))

@@ -18,6 +18,11 @@
 --
 -- With gradient accumulation pass grad_sync to the last micro-batch's forward only: the marks
 -- of one forward are used by the next backward, and finish() starts over.
+--
+-- opt:grad_sync() of a dist.ZeroAdamW makes one whose buckets are the optimizer's: each complete
+-- bucket starts a reduce-scatter into the optimizer's gradient shard (group:reduce_scatter_start)
+-- instead of an all-reduce, and finish() leaves the grads as backward made them and the reduced
+-- shard to the optimizer (ZeRO's reduction overlapped with backward).
 local ffi = require 'ffi'
 local T = require 'ulysses.tensor'
 local C = require('ulysses.ffi').C
@@ -42,8 +47,12 @@ function M.new(dist, params, group, opts)
     if index[p] then raise('grad_sync: parameter ' .. i .. ' is parameter ' .. index[p] .. ' again: list each once') end
     index[p] = i
   end
+  local target = opts.target
+  if target ~= nil and not (type(target) == 'table' and target.sharded and target._sync_plan) then
+    raise('grad_sync: target must be a dist.ZeroAdamW (use opt:grad_sync())')
+  end
   return setmetatable({ params = params, index = index, group = group, bucket_elems = math.floor(bucket_bytes / 4),
-                        marks = {}, step = nil, plan = nil, last = nil }, GradSync)
+                        marks = {}, step = nil, plan = nil, last = nil, target = target }, GradSync)
 end
 
 -- the parameter indices of a module (anything with :parameters()), a tensor, or a list of those
@@ -91,6 +100,7 @@ local function layout(self)
     end
   end
   for i = 1, n do if count[i] ~= 1 then order[#order + 1] = i end end
+  if self.target then return self.target:_sync_plan(), owner end
   local signature = table.concat(order, ',')
   local plan = self.plan
   local device = self.params[1]:device()
@@ -144,7 +154,7 @@ local function take(self, i, early)
   if s then for b = s[1], s[2] do st.left[b] = st.left[b] - 1 end end
   local buckets = st.plan.buckets
   while st.next <= #buckets and st.left[st.next] == 0 do
-    self.group:all_reduce_start_(buckets[st.next], 'sum')
+    if self.target then self.target:_start_bucket(st.next) else self.group:all_reduce_start_(buckets[st.next], 'sum') end
     if early then st.early = st.early + 1 end
     st.next = st.next + 1
   end
@@ -172,6 +182,9 @@ end
 -- multiplies by opts.scale (e.g. 1 / dp_size). Returns { buckets, started_in_backward }.
 function GradSync:finish(opts)
   opts = opts or {}
+  if self.target and opts.scale then
+    raise('grad_sync:finish: this sync reduces into a ZeroAdamW; give the scale as its grad_scale option')
+  end
   if not self.step then begin(self) end
   local st = self.step
   local ok, err = pcall(function()
@@ -190,9 +203,15 @@ function GradSync:finish(opts)
   self.marks, self.step = {}, nil
   if not ok then
     pcall(self.group.wait_all, self.group)   -- nothing left in flight over the buffer
+    if self.target then self.target:_sync_failed() end
     error(err, 2)
   end
   local plan = st.plan
+  if self.target then   -- the reduced shard stays with the optimizer; the grads stay this rank's own
+    self.target:_synced()
+    self.last = { buckets = #plan.buckets, started_in_backward = st.early }
+    return self.last
+  end
   local handles = ffi.new('uly_tensor *[?]', #self.params)
   for i, p in ipairs(self.params) do
     local g = p.grad

@@ -8,9 +8,14 @@
 --   local norm = opt:clip_grad_norm(1.0)  -- reduce-scatter, then the norm over every shard (optional)
 --   opt.lr = schedule(step); opt:step()   -- AdamW on this rank's shard, then all-gather the parameters
 --
+-- or, with the reduction overlapped with backward (as dist.grad_sync does for all-reduces):
+--   local sync = opt:grad_sync()          -- once
+--   local loss = model:loss(x, y, { grad_sync = sync }); loss:backward(); sync:finish()
+--   opt:clip_grad_norm(1.0); opt:step()
+--
 -- Made once, after model:to(device): the parameters become views of one flat f32 buffer (the
--- same tensor objects; their values broadcast from the group's rank 0, so every rank starts
--- alike). The buffer is cut into buckets of opts.bucket_bytes (default 64 MiB; each a multiple of
+-- same tensor objects, laid out last parameter first; their values broadcast from the group's
+-- rank 0, so every rank starts alike). The buffer is cut into buckets of opts.bucket_bytes (default 64 MiB; each a multiple of
 -- G elements, the last padded with zeros); rank r owns the r-th 1/G of every bucket. A step
 -- copies each grad into a flat gradient buffer of the same layout (a parameter without a grad
 -- counts zeros, as in dist.all_reduce_grads), reduce-scatters every bucket (one collective each,
@@ -65,20 +70,30 @@ local function plan_layout(params, G, r, bucket_elems)
   return { total = total, padded = padded, owned = owned, buckets = buckets, bucket_elems = E }
 end
 
--- the pieces of parameters inside this rank's slices: { param, param_off, flat_lo, shard_off, len }
-local function plan_segments(params, layout)
+-- the flat order: the last parameter first, as backward finishes them (model:parameters() lists
+-- the embeddings first), so opt:grad_sync() fills the buckets in order and starts them early
+local function flat_order(params)
+  local order = {}
+  for k = 1, #params do order[k] = #params + 1 - k end
+  return order
+end
+
+-- each parameter's offset in the flat buffer, and the pieces of parameters inside this rank's
+-- slices: { param, param_off, flat_lo, shard_off, len }
+local function plan_segments(params, order, layout)
   local segs, offsets = {}, {}
   local off = 0
-  for i, p in ipairs(params) do offsets[i] = off; off = off + p:numel() end
-  local i = 1
+  for _, i in ipairs(order) do offsets[i] = off; off = off + params[i]:numel() end
+  local k = 1
   for _, b in ipairs(layout.buckets) do
     local lo, hi = b.lo, math.min(b.lo + b.slice, layout.total)
-    while i <= #params and offsets[i] + params[i]:numel() <= lo do i = i + 1 end
-    local j = i
-    while j <= #params and offsets[j] < hi do
-      local a, c = math.max(lo, offsets[j]), math.min(hi, offsets[j] + params[j]:numel())
+    while k <= #order and offsets[order[k]] + params[order[k]]:numel() <= lo do k = k + 1 end
+    local j = k
+    while j <= #order and offsets[order[j]] < hi do
+      local i = order[j]
+      local a, c = math.max(lo, offsets[i]), math.min(hi, offsets[i] + params[i]:numel())
       if c > a then
-        segs[#segs + 1] = { param = j, param_off = a - offsets[j], flat_lo = a, shard_off = b.shard_off + (a - lo),
+        segs[#segs + 1] = { param = i, param_off = a - offsets[i], flat_lo = a, shard_off = b.shard_off + (a - lo),
                             len = c - a }
       end
       j = j + 1
@@ -124,8 +139,9 @@ function M.new(dist, params, group, opts)
   local gflat = T.empty({ layout.padded }, on):fill_(0)
   self._pflat, self._gflat = pflat, gflat
   -- the parameters become views of pflat (the same Lua objects, as model:to moves them)
-  local segs, offsets = plan_segments(list, layout)
-  self._offsets, self._gviews, self._handles = offsets, {}, {}
+  local order = flat_order(list)
+  local segs, offsets = plan_segments(list, order, layout)
+  self._order, self._offsets, self._gviews, self._handles = order, offsets, {}, {}
   U().no_grad(function()
     for i, p in ipairs(list) do
       local shape, n = p:shape(), p:numel()
@@ -195,8 +211,13 @@ function ZeroAdamW:zero_grad(set_to_none)
   self._reduced = false
 end
 
--- collective: this step's gradients summed over the group into this rank's shard (once a step)
+-- collective: this step's gradients summed over the group into this rank's shard (once a step;
+-- a finished opt:grad_sync() did it already)
 function ZeroAdamW:reduce_grads()
+  if self._syncing then
+    raise('ZeroAdamW: the gradient sync of this step is still reducing; call sync:finish() after backward, '
+          .. 'before clip_grad_norm, grad_norm or step')
+  end
   if self._reduced then return end
   self:_check_params()
   for i, p in ipairs(self.params) do
@@ -249,6 +270,54 @@ function ZeroAdamW:step()
   self.step_count = step
   self._reduced = false
 end
+
+-- A dist.grad_sync over this optimizer's buckets: pass it to the model's forward (ctx.grad_sync)
+-- and call sync:finish() after backward; each bucket starts its reduce-scatter into this rank's
+-- shard while backward goes on. Then clip_grad_norm / grad_norm / step use what it reduced.
+function ZeroAdamW:grad_sync()
+  return require('ulysses').dist.grad_sync(self.params, self.group, { target = self })
+end
+
+-- for grad_sync.lua: the flat layout as its plan (parameter order, a gradient view per parameter,
+-- the buckets each parameter spans)
+function ZeroAdamW:_sync_plan()
+  if self._plan then return self._plan end
+  local L, span = self.layout, {}
+  for i, p in ipairs(self.params) do
+    local n = p:numel()
+    if n > 0 then
+      local first, last
+      for b, bk in ipairs(L.buckets) do
+        if bk.start < self._offsets[i] + n and self._offsets[i] < bk.start + bk.size then
+          first = first or b
+          last = b
+        end
+      end
+      span[i] = { first, last }
+    end
+  end
+  local buckets = {}
+  for b, bk in ipairs(L.buckets) do buckets[b] = bk.gbucket end
+  self._plan = { order = self._order, views = self._gviews, span = span, buckets = buckets, device = self.device }
+  return self._plan
+end
+
+function ZeroAdamW:_start_bucket(b)
+  self:_check_params()
+  self._syncing = true
+  local bk = self.layout.buckets[b]
+  self.group:reduce_scatter_start(bk.gbucket, bk.gslice, 'sum')
+end
+
+function ZeroAdamW:_synced()
+  self._syncing = nil
+  if self.grad_scale ~= 1 and #self._segs > 0 then
+    check(C.uly_grad_scale_(self._seg_p, #self._segs, self.grad_scale))
+  end
+  self._reduced = true
+end
+
+function ZeroAdamW:_sync_failed() self._syncing, self._reduced = nil, false end
 
 -- { total, padded, owned, buckets, pieces, state_bytes }: the layout and this rank's share
 function ZeroAdamW:shard_info()
