@@ -4,7 +4,9 @@
 --   state MiB   the optimizer state each rank holds (exp_avg + exp_avg_sq: 8 bytes a parameter,
 --               over P with ZeRO), and the ZeRO paper's figure for it: K * params / P, K = 8 here
 --               (f32 weights are the master copy; mixed-precision Adam keeps K = 12)
---   peak MiB    the allocator's high-water mark over the steps (largest rank), everything included
+--   peak MiB    the allocator's high-water mark from building the model to the last step, less
+--               what was held before (largest rank); a full collection before each step, so it is
+--               the live set of a step, not the collector's timing
 --   step ms     a whole step (forward, backward, reduction, clip, optimizer), median over reps
 --   after ms    the part after backward: the reduction left to wait for, the norm, the update and
 --               (ZeRO) the all-gather; median
@@ -13,21 +15,24 @@
 -- Ways: adamw (dist.all_reduce_grads after backward), adamw+overlap (dist.grad_sync), zero
 -- (ZeroAdamW reduce-scatters after backward), zero+overlap (opt:grad_sync()).
 --
--- Run: mpirun --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np P \
---        bin/ulysses bench/zero.lua [--model gpt|llama] [--layers 6] [--dim 384] [--seq 128]
---        [--batch 2] [--reps 5] [--threads T] [--device cpu|cuda]
+-- Run bench/zero.sh (each way in a process of its own: when the package's collector runs depends
+-- on what the process did before, so peaks are comparable only between fresh processes), or
+--   mpirun --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 -np P \
+--     bin/ulysses bench/zero.lua [--ways adamw,zero] [--model gpt|llama] [--layers 6] [--dim 384]
+--     [--seq 128] [--batch 2] [--reps 5] [--threads T] [--device cpu|cuda] [--header 0]
 local uly = require 'ulysses'
 local util = require 'bench.util'
 local dist = uly.dist
 
 local cfg = { model = 'gpt', layers = 6, dim = 384, seq = 128, batch = 2, reps = 5, threads = 0, device = 'cpu',
-              vocab = 8192 }
+              vocab = 8192, ways = 'adamw,adamw+overlap,zero,zero+overlap', header = 1 }
 local i = 1
 while i <= #arg do
   local k = arg[i]:match('^%-%-(.+)$')
   if not k or cfg[k] == nil or arg[i + 1] == nil then
-    error('usage: bench/zero.lua [--model gpt|llama] [--layers N] [--dim N] [--seq N] [--batch N] [--reps N] '
-          .. '[--threads N] [--device cpu|cuda] [--vocab N]; got ' .. tostring(arg[i]), 0)
+    error('usage: bench/zero.lua [--ways adamw,adamw+overlap,zero,zero+overlap] [--model gpt|llama] [--layers N] '
+          .. '[--dim N] [--seq N] [--batch N] [--reps N] [--threads N] [--device cpu|cuda] [--vocab N] [--header 0|1]; '
+          .. 'got ' .. tostring(arg[i]), 0)
   end
   cfg[k] = type(cfg[k]) == 'number' and assert(tonumber(arg[i + 1]), k .. ' must be a number') or arg[i + 1]
   i = i + 2
@@ -70,7 +75,14 @@ local function slowest(x)   -- the largest value over the ranks
 end
 
 local function run(way)
-  collectgarbage('collect'); collectgarbage('collect')
+  -- what earlier ways left (compiled traces, replay closures) freed, and not counted
+  jit.flush()
+  local held
+  repeat
+    held = uly.memory(cfg.device).allocated
+    collectgarbage('collect'); collectgarbage('collect')
+  until uly.memory(cfg.device).allocated == held
+  local base = held
   uly.reset_peak_memory(cfg.device)
   local m = build()
   local params = m:parameters()
@@ -82,6 +94,7 @@ local function run(way)
   local steps, afters, bytes = {}, {}, {}
   for step = 0, cfg.reps do   -- step 0 warms up (first-touch pages, plans)
     local x, y = batch(step)
+    collectgarbage('collect')   -- the last step's dead tensors go now, not when the collector decides
     g.world_group:barrier()
     local b0 = sent_bytes()
     local t0 = uly.clock()
@@ -102,27 +115,35 @@ local function run(way)
   local n = 0
   for _, p in ipairs(params) do n = n + p:numel() end
   local state = zero and opt:shard_info().state_bytes or 8 * n
-  local peak = slowest(uly.memory(cfg.device).peak)
+  local peak = slowest(uly.memory(cfg.device).peak - base)
   return { n = n, state = slowest(state), peak = peak, step = util.median(steps), after = util.median(afters),
            sent = util.median(bytes) }
 end
 
-local ways = { 'adamw', 'adamw+overlap', 'zero', 'zero+overlap' }
+local ways = {}
+for w in cfg.ways:gmatch('[^,]+') do
+  if w ~= 'adamw' and w ~= 'adamw+overlap' and w ~= 'zero' and w ~= 'zero+overlap' then
+    error("--ways: each of adamw, adamw+overlap, zero, zero+overlap; got '" .. w .. "'", 0)
+  end
+  ways[#ways + 1] = w
+end
 local rows = {}
 for _, w in ipairs(ways) do rows[w] = run(w) end
 if g.rank == 0 then
-  local n = rows.adamw.n
-  print(string.format('bench/zero.lua: %s, %d layers, dim %d, vocab %d: %.2f M parameters; batch %d x seq %d per rank; '
-                      .. '%d ranks (data parallel), %d threads each, device %s; %d reps', cfg.model, cfg.layers, cfg.dim,
-                      cfg.vocab, n / 1e6, cfg.batch, cfg.seq, P, uly.get_num_threads(), cfg.device, cfg.reps))
-  print(string.format('%-14s %10s %12s %10s %9s %9s %9s %10s', 'way', 'state MiB', 'paper MiB', 'peak MiB',
-                      'step ms', 'after ms', 'MiB sent', 'vs adamw'))
+  local n = rows[ways[1]].n
+  if cfg.header ~= 0 then
+    print(string.format('bench/zero.lua: %s, %d layers, dim %d, vocab %d: %.2f M parameters; batch %d x seq %d per rank; '
+                        .. '%d ranks (data parallel), %d threads each, device %s; %d reps', cfg.model, cfg.layers,
+                        cfg.dim, cfg.vocab, n / 1e6, cfg.batch, cfg.seq, P, uly.get_num_threads(), cfg.device, cfg.reps))
+    print(string.format('all-reduce formula: 2 (P-1)/P x %.2f MiB of f32 gradient = %.2f MiB sent per rank per step',
+                        mib(4 * n), mib(2 * (P - 1) / P * 4 * n)))
+    print(string.format('%-14s %10s %12s %10s %9s %9s %9s', 'way', 'state MiB', 'paper MiB', 'peak MiB', 'step ms',
+                        'after ms', 'MiB sent'))
+  end
   for _, w in ipairs(ways) do
     local r = rows[w]
     local paper = w:find('zero', 1, true) and 8 * n / P or 8 * n
-    print(string.format('%-14s %10.2f %12.2f %10.1f %9.1f %9.1f %9.2f %9.2fx', w, mib(r.state), mib(paper), mib(r.peak),
-                        1e3 * r.step, 1e3 * r.after, mib(r.sent), r.step / rows.adamw.step))
+    print(string.format('%-14s %10.2f %12.2f %10.1f %9.1f %9.1f %9.2f', w, mib(r.state), mib(paper), mib(r.peak),
+                        1e3 * r.step, 1e3 * r.after, mib(r.sent)))
   end
-  print(string.format('all-reduce formula: 2 (P-1)/P x %.2f MiB of f32 gradient = %.2f MiB sent per rank per step',
-                      mib(4 * n), mib(2 * (P - 1) / P * 4 * n)))
 end

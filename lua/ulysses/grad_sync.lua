@@ -201,6 +201,9 @@ function GradSync:finish(opts)
     end
   end)
   self.marks, self.step = {}, nil
+  -- drop this step's references to the grads: a stale Lua stack slot or compiled trace may still
+  -- hold st, and through it every grad (the next zero_grad would free nothing)
+  st.copied, st.done = nil, nil
   if not ok then
     pcall(self.group.wait_all, self.group)   -- nothing left in flight over the buffer
     if self.target then self.target:_sync_failed() end
