@@ -146,6 +146,40 @@ describe('dist.grad_sync at a world of one', function()
     assert.matches('parameter 2 is parameter 1 again', helpers.error_of(dist.grad_sync, { p, p }, g.world_group))
   end)
 
+  it('holds no gradient past finish: zero_grad frees them as without it', function()
+    local g = dist.init { sp = 1 }
+    if g.world > 1 then return end
+    local cfg = { preset = 'tiny', layers = 2, heads = 2, dim = 64, seq = 32, vocab = 256 }
+    local x = batch(2, 32, 256, 5)
+    -- what stays held after zero_grad and a full collection, over a dozen steps (the JIT compiles
+    -- the loops, whose stale stack slots once kept finish's table of every grad alive)
+    local function held(use_sync)
+      uly.manual_seed(7)
+      local m = GPT(cfg)
+      local sync = use_sync and dist.grad_sync(m:parameters(), g.world_group, { bucket_bytes = 4096 }) or nil
+      local most = 0
+      for _ = 1, 12 do
+        m:zero_grad(true)
+        collectgarbage('collect'); collectgarbage('collect')
+        most = math.max(most, uly.memory().allocated)
+        m:loss(x, x, { grad_sync = sync }):backward()
+        if sync then sync:finish() end
+      end
+      m:zero_grad(true)
+      return most
+    end
+    collectgarbage('collect'); collectgarbage('collect')
+    local base = uly.memory().allocated
+    local plain = held(false) - base
+    collectgarbage('collect'); collectgarbage('collect')
+    base = uly.memory().allocated
+    local synced = held(true) - base
+    -- with the sync: its flat buffer (the gradient's size) on top of the parameters
+    local grad_bytes = 4 * GPT(cfg):num_parameters()
+    assert.is_true(synced <= plain + grad_bytes + 65536,
+                   string.format('held %d bytes with grad_sync, %d without (gradient %d)', synced, plain, grad_bytes))
+  end)
+
   it('reports a gradient that changed after its mark fired', function()
     local g = dist.init { sp = 1 }
     if g.world > 1 then return end
