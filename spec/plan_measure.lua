@@ -42,7 +42,8 @@ local function collect(dev)
   until held_bytes(dev) == held
 end
 
--- build the model and AdamW, then one step as train.lua runs it; returns measured peak and the
+-- build the model and AdamW (pc.zero: dist.ZeroAdamW over the world), then one step (pc.steps)
+-- as train.lua runs it (without the overlap); returns measured peak and the
 -- planner's estimate, both counted from the bytes held before the model existed
 -- pc.device = 'cuda': the model, its step and the measured pool are the device's (the simulation
 -- here: device pools, the CPU's kernels); the collector still counts host and device bytes
@@ -55,7 +56,7 @@ local function measure(pc, grid)
                attention = pc.attention, sp = grid and pc.sp or nil, dim = pc.dim, heads = pc.heads,
                kv_heads = pc.kv_heads, hidden = pc.hidden, layers = pc.layers, vocab = pc.vocab }
   local m = Model(mc):to(dev)
-  local opt = uly.optim.AdamW(m:parameters())
+  local opt = pc.zero and uly.dist.ZeroAdamW(m:parameters(), grid.world_group) or uly.optim.AdamW(m:parameters())
   local B, N, P = pc.batch or 1, pc.seq, pc.sp or 1
   collect(dev)
   local threshold = gc_next()
@@ -76,11 +77,15 @@ local function measure(pc, grid)
   local lo, n = 0, N
   if grid then lo, n = uly.dist.split(N, P, grid.sp_group:rank()) end
   local x, y = ids(B, n, m.config.vocab):to(dev), ids(B, n, m.config.vocab):to(dev)
-  opt:zero_grad()
-  local loss = m:loss(x, y, { pos = lo, seq_total = N })
-  loss:backward()
-  if grid then uly.dist.all_reduce_grads(m:parameters(), grid.world_group) end
-  opt:step()
+  local loss
+  for _ = 1, pc.steps or 1 do
+    opt:zero_grad()
+    loss = m:loss(x, y, { pos = lo, seq_total = N })
+    loss:backward()
+    if pc.zero then opt:reduce_grads()
+    elseif grid then uly.dist.all_reduce_grads(m:parameters(), grid.world_group) end
+    opt:step()
+  end
   uly.matmul_precision('f32')
   local temporaries = cuda_kernels and assert(uly.cuda.temporaries_peak()) or nil
   local peak = uly.memory(dev).peak - base

@@ -266,7 +266,8 @@ describe('dist.ZeroAdamW at a world of one', function()
       local m = Llama(LLAMA)
       local hyper = { lr = LR, weight_decay = 0.1 }
       local zero = how ~= 'adamw'
-      local opt = zero and dist.ZeroAdamW(m:parameters(), group, sp.copy_cfg(hyper, { bucket_bytes = 100 }))
+      local opt = zero and dist.ZeroAdamW(m:parameters(), group, sp.copy_cfg(hyper, { bucket_bytes = 100,
+                                                                                   stage = how == 'zero_stage1' and 1 or nil }))
         or uly.optim.AdamW(m:parameters(), hyper)
       local sync = how == 'zero_sync' and opt:grad_sync() or nil
       for _ = 1, 2 do
@@ -282,6 +283,11 @@ describe('dist.ZeroAdamW at a world of one', function()
     local got, opt = run('zero')
     assert.equal(0, param_difference(got, want))
     assert.equal(0, param_difference(run('zero_sync'), want))
+    -- stage 2 (the default) freed every grad once the reduction took it; stage 1 keeps them
+    for _, p in ipairs(opt.params) do assert.is_nil(p.grad) end
+    local got1, opt1 = run('zero_stage1')
+    assert.equal(0, param_difference(got1, want))
+    for _, p in ipairs(opt1.params) do assert.is_not_nil(p.grad) end
     local info = opt:shard_info()
     assert.equal(info.total, info.owned)
     assert.is_true(info.pieces > #opt.params, 'no parameter was cut by a bucket edge')
@@ -294,6 +300,7 @@ describe('dist.ZeroAdamW at a world of one', function()
     assert.matches('must be a dist group', err(dist.ZeroAdamW, m:parameters(), {}))
     assert.matches("unknown option 'momentum'", err(dist.ZeroAdamW, m:parameters(), group, { momentum = 0.9 }))
     assert.matches('bucket_bytes must be a number', err(dist.ZeroAdamW, m:parameters(), group, { bucket_bytes = 0 }))
+    assert.matches('stage must be 1', err(dist.ZeroAdamW, m:parameters(), group, { stage = 3 }))
     assert.matches('f32', err(dist.ZeroAdamW, { uly.zeros(3, { dtype = 'f64', requires_grad = true }) }, group))
     local opt = dist.ZeroAdamW(m:parameters(), group)
     assert.matches('opt:clip_grad_norm', err(uly.optim.clip_grad_norm, opt, 1.0))
@@ -305,6 +312,13 @@ describe('dist.ZeroAdamW at a world of one', function()
     assert.matches('has 1 tensors but this optimizer has', err(opt.load_state_dict, opt,
       { kind = 'AdamW', step = 1, state = { exp_avg = { uly.zeros(2) }, exp_avg_sq = { uly.zeros(2) } } }))
     assert.matches('not AdamW', err(opt.load_state_dict, opt, { kind = 'SGD', step = 1, state = {} }))
+    -- stage 2 drops a grad when its mark fires: a contribution after that is caught at finish
+    local w = uly.randn(4, 4, { requires_grad = true })
+    local wopt = dist.ZeroAdamW({ w }, group)
+    local sync = wopt:grad_sync()
+    local x = uly.randn(2, 4, { requires_grad = true })
+    sync:mark(x:matmul(w), { w }):matmul(w):sum():backward()   -- w used again after its mark
+    assert.matches('changed after its mark fired', err(sync.finish, sync))
     -- a parameter moved after the optimizer was made would lose its updates
     local p = m:parameters()[1]
     p._h = p:clone()._h

@@ -5,6 +5,7 @@
 --   luajit tools/plan.lua --model llama --preset small --seq 65536 --sp 4 --attention flash \
 --     --checkpoint 1 --tile 1024 [--budget 20GiB] [--window 4096] [--batch 1] [--dim ..]
 --     [--device cuda [--precision bf16] [--gpu-memory 139GiB]]   (one GPU per rank)
+--     [--dp 2] [--zero 1]   (data parallel x sp ranks; ZeroAdamW's sharded state over all of them)
 --   local plan = require 'tools.plan'
 --   plan.estimate(cfg) -> { total = bytes, parts = { parameters = .., ... }, untracked = .., ... }
 --   plan.longest(cfg, budget_bytes) -> N (a multiple of cfg.step, default 1024), its estimate
@@ -796,8 +797,10 @@ function M.config(cfg)
   c.seq = math.max(c.seq_total, model == 'gpt' and (cfg.context or c.seq_total) or c.seq_total)
   c.batch = cfg.batch or 1
   c.sp = cfg.sp or 1
-  c.world = cfg.world or c.sp           -- ranks in all (data parallel x sequence parallel)
+  c.world = cfg.world or c.sp * (cfg.dp or 1)   -- ranks in all (data parallel x sequence parallel)
   c.distributed = c.world > 1
+  c.zero = cfg.zero == true or cfg.zero == 1   -- dist.ZeroAdamW over the world (at 1 rank: the whole state)
+  c.zero_stage = cfg.zero_stage or 2
   c.attention = cfg.attention or 'flash'
   one_of('attention', c.attention, 'reference', 'flash')
   c.checkpoint = cfg.checkpoint == true or cfg.checkpoint == 1
@@ -857,6 +860,18 @@ local function count_params(c)
 end
 M.count_params = count_params
 
+-- dist.ZeroAdamW's flat layout (lua/ulysses/zero.lua): buckets of a multiple of G elements, the
+-- last padded to a multiple of G; returns the padded total and one rank's share, in elements
+function M.zero_layout(n, G, bucket_bytes)
+  local E = math.max(G, math.floor((bucket_bytes or 64 * MiB) / 4 / G) * G)
+  local padded, owned = 0, 0
+  while padded < n do
+    local size = math.min(E, math.ceil((n - padded) / G) * G)
+    padded, owned = padded + size, owned + size / G
+  end
+  return padded, owned
+end
+
 ---------------------------------------------------------------- the estimate
 -- estimate(cfg) replays model construction, the optimizer's state and cfg.steps (default 2)
 -- training steps as train.lua runs them (zero_grad, loss, backward, all-reduce of the grads
@@ -867,14 +882,28 @@ function M.estimate(cfg)
   local sim = new_sim(c, cfg.gc_next)
   local frame = sim:enter()
   local model = build_params(sim, c)
+  local nparams = count_params(c)
   local opt = {}
-  for _, p in ipairs(model.params) do
-    for _ = 1, 2 do
-      opt[#opt + 1] = sim:alloc(p.b, 'optimizer')
+  if c.zero then
+    -- ZeroAdamW: the parameters become views of one flat buffer (the separate ones freed), a flat
+    -- gradient buffer and this rank's shard of it, and exp_avg / exp_avg_sq for the shard only
+    local padded, owned = M.zero_layout(nparams, c.world)
+    local pflat = sim:alloc(padded * F, 'parameters')
+    sim:wrapped()
+    for _, p in ipairs(model.params) do sim:unref(p.s); sim:ref(pflat); p.s = pflat end
+    opt[1] = sim:alloc(padded * F, 'communication'); sim:wrapped()
+    for k, cat in ipairs({ 'communication', 'optimizer', 'optimizer' }) do
+      opt[k + 1] = sim:alloc(owned * F, cat)
       sim:wrapped()
     end
+  else
+    for _, p in ipairs(model.params) do
+      for _ = 1, 2 do
+        opt[#opt + 1] = sim:alloc(p.b, 'optimizer')
+        sim:wrapped()
+      end
+    end
   end
-  local nparams = count_params(c)
   if cfg.gc_next then sim.gc_next = cfg.gc_next end
   sim.peak, sim.at_peak = 0, {}
   sim:mark_peak()
@@ -896,7 +925,12 @@ function M.estimate(cfg)
     for _, s in ipairs(sim.pending) do sim:unref(s) end -- the replay closures, dropped at the next sweep
     sim.pending = {}
     sim.phase = 'optimizer'
-    if c.distributed then
+    if c.zero and c.zero_stage ~= 1 then   -- ZeroAdamW stage 2 frees each grad once copied into its buffer
+      for _, p in ipairs(model.params) do
+        if p.grad then sim:unref(p.grad); p.grad = nil end
+      end
+    end
+    if c.distributed and not c.zero then   -- dist.all_reduce_grads: its flat buffer, a grad for every parameter
       if not flat then flat = sim:alloc(nparams * F, 'communication') end
       for _, p in ipairs(model.params) do if not p.grad then p.grad = sim:alloc(p.b, 'gradients') end end
     end
@@ -959,6 +993,10 @@ function M.report(est)
       c.layers, c.heads, c.kv_heads, c.hidden, c.vocab, est.params)
   add('N = %d, P = %d (%d tokens on this rank), batch %d, attention %s%s, checkpoint %s, tile %s', c.seq_total, c.sp,
       c.n, c.batch, c.attention, c.window and (' window ' .. c.window) or '', tostring(c.checkpoint), tostring(c.tile))
+  if c.distributed or c.zero then
+    add('%d ranks (data parallel %d x sequence parallel %d)%s', c.world, c.world / c.sp, c.sp,
+        c.zero and ', AdamW state sharded over all of them (ZeRO-1, dist.ZeroAdamW)' or '')
+  end
   if c.device == 'cuda' then
     add('device cuda (%s kernels, %s GiB), matmul precision %s', c.kernels, string.format('%.1f', c.device_memory / GiB),
         c.precision)
@@ -978,8 +1016,8 @@ end
 local function main(args)
   local cfg, budget = {}, nil
   local i = 1
-  local numeric = { seq = true, sp = true, batch = true, tile = true, window = true, dim = true, layers = true,
-                    heads = true, kv_heads = true, hidden = true, vocab = true, threads = true, step = true }
+  local numeric = { seq = true, sp = true, dp = true, batch = true, tile = true, window = true, dim = true,
+                    layers = true, heads = true, kv_heads = true, hidden = true, vocab = true, threads = true, step = true }
   while i <= #args do
     local key = args[i]:match('^%-%-(.+)$')
     if not key then error('plan: unexpected argument ' .. args[i], 0) end
@@ -987,6 +1025,7 @@ local function main(args)
     if v == nil then error('plan: --' .. key .. ' needs a value', 0) end
     if key == 'budget' then budget = parse_bytes(v)
     elseif key == 'checkpoint' then cfg.checkpoint = v == '1' or v == 'true'
+    elseif key == 'zero' then cfg.zero = v == '1' or v == 'true'
     elseif key == 'model' or key == 'preset' or key == 'attention' or key == 'device' or key == 'kernels'
       or key == 'precision' then cfg[key] = v
     elseif key == 'gpu-memory' then cfg.device_memory = parse_bytes(v)

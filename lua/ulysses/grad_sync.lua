@@ -143,12 +143,16 @@ local function take(self, i, early)
   local st, p = self.step, self.params[i]
   if st.done[i] then return end
   st.done[i] = true
-  local view, g = st.plan.views[i], p.grad
-  if g then
-    view:copy_(g)
-    st.copied[i] = { g, g:version() }
+  if self.target then
+    st.copied[i] = self.target:_take_grad(i)
   else
-    view:zero_()
+    local view, g = st.plan.views[i], p.grad
+    if g then
+      view:copy_(g)
+      st.copied[i] = { g, g:version() }
+    else
+      view:zero_()
+    end
   end
   local s = st.plan.span[i]
   if s then for b = s[1], s[2] do st.left[b] = st.left[b] - 1 end end
@@ -193,7 +197,10 @@ function GradSync:finish(opts)
     for i, c in pairs(st.copied) do
       local p = self.params[i]
       local g = p.grad
-      if not g or g._h ~= c[1]._h or c[1]:version() ~= c[2] then
+      local changed
+      if c == 'dropped' then changed = g ~= nil   -- (ZeroAdamW stage 2 dropped it when it was taken)
+      else changed = not g or g._h ~= c[1]._h or c[1]:version() ~= c[2] end
+      if changed then
         raise('grad_sync: the gradient of parameter ' .. i .. ' ' .. tostring(p) .. ' changed after its mark '
               .. 'fired (it is used outside the marked module, before it in the forward): leave it out of '
               .. 'that mark, or mark the module that uses it last')

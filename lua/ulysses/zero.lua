@@ -1,6 +1,8 @@
 -- lua/ulysses/zero.lua — dist.ZeroAdamW: AdamW with its state sharded over a group of ranks
--- (ZeRO stage 1: each rank keeps and updates 1/G of the optimizer state; the gradients are
--- reduce-scattered to the rank that owns them and the updated parameters all-gathered back).
+-- (ZeRO: each rank keeps and updates 1/G of the optimizer state; the gradients are
+-- reduce-scattered to the rank that owns them and the updated parameters all-gathered back;
+-- stage 2, the default, also frees each parameter's gradient once it is copied for the reduction,
+-- so with opt:grad_sync() the gradients of layers backward has left do not add up).
 --
 --   local opt = uly.dist.ZeroAdamW(model:parameters(), grid.world_group, { lr = 3e-4, weight_decay = 0.1 })
 --   opt:zero_grad()
@@ -24,7 +26,8 @@
 -- of optim.AdamW, one call), and all-gathers every bucket in place into the parameters. Per
 -- parameter element the arithmetic is that of optim.AdamW after dist.all_reduce_grads; only the
 -- order of the sum over ranks may differ. exp_avg and exp_avg_sq take 8 bytes per element over G
--- (plus padding) instead of 8; p.grad keeps this rank's unreduced gradient.
+-- (plus padding) instead of 8. opts.stage = 2 (default) leaves p.grad nil once the reduction has
+-- taken it; opts.stage = 1 keeps this rank's unreduced gradient there.
 --
 -- state_dict() is collective (it gathers the shards) and gives optim.AdamW's format, kind
 -- 'AdamW', so checkpoints move between ZeroAdamW at any group size and plain AdamW;
@@ -44,7 +47,8 @@ ZeroAdamW.__tostring = function(o)
                        o.layout.total, o.layout.owned, tostring(o.group))
 end
 
-local OPTS = { lr = true, betas = true, eps = true, weight_decay = true, bucket_bytes = true, grad_scale = true }
+local OPTS = { lr = true, betas = true, eps = true, weight_decay = true, bucket_bytes = true, grad_scale = true,
+               stage = true }
 local BUCKET_BYTES = 64 * 2 ^ 20
 local handles_t = ffi.typeof('uly_tensor *[?]')
 local doubles_t = ffi.typeof('double[?]')
@@ -119,6 +123,11 @@ function M.new(dist, params, group, opts)
   if type(grad_scale) ~= 'number' or grad_scale ~= grad_scale or math.abs(grad_scale) == math.huge then
     raise('ZeroAdamW: grad_scale must be a finite number, got ' .. tostring(grad_scale))
   end
+  local stage = opts.stage or 2
+  if stage ~= 1 and stage ~= 2 then
+    raise('ZeroAdamW: stage must be 1 (keep each rank\'s own p.grad) or 2 (free the grads once copied for the '
+          .. 'reduction), got ' .. tostring(stage))
+  end
   local list, wd = optim._adamw_params(what, params, h.weight_decay)
   local device = list[1]:device()
   for i, p in ipairs(list) do
@@ -131,7 +140,7 @@ function M.new(dist, params, group, opts)
   local layout = plan_layout(list, G, r, math.floor(bucket_bytes / 4))
   local self = setmetatable({
     kind = 'AdamW', name = what, sharded = true, group = group, device = device,
-    lr = h.lr, betas = h.betas, eps = h.eps, weight_decay = h.weight_decay, grad_scale = grad_scale,
+    lr = h.lr, betas = h.betas, eps = h.eps, weight_decay = h.weight_decay, grad_scale = grad_scale, stage = stage,
     step_count = 0, params = list, weight_decays = wd, layout = layout, _reduced = false,
   }, ZeroAdamW)
   local on = { dtype = 'f32', device = device }
@@ -220,10 +229,7 @@ function ZeroAdamW:reduce_grads()
   end
   if self._reduced then return end
   self:_check_params()
-  for i, p in ipairs(self.params) do
-    local g = p.grad
-    if g then self._gviews[i]:copy_(g) else self._gviews[i]:zero_() end
-  end
+  for i = 1, #self.params do self:_take_grad(i) end
   for _, b in ipairs(self.layout.buckets) do self.group:reduce_scatter_into(b.gbucket, b.gslice, 'sum') end
   if self.grad_scale ~= 1 and #self._segs > 0 then
     check(C.uly_grad_scale_(self._seg_p, #self._segs, self.grad_scale))
@@ -269,6 +275,24 @@ function ZeroAdamW:step()
   for _, b in ipairs(self.layout.buckets) do self.group:all_gather_into(b.pslice, b.pbucket) end
   self.step_count = step
   self._reduced = false
+end
+
+-- parameter i's grad into its place in the flat gradient buffer (zeros when it has none); stage
+-- 2 then drops the grad, through C (no Lua wrapper), so its memory is back in the pool at once.
+-- Returns what grad_sync's finish checks: stage 1 the grad and its version, stage 2 'dropped'.
+function ZeroAdamW:_take_grad(i)
+  local p, view = self.params[i], self._gviews[i]
+  local gh = C.uly_tensor_grad(p._h)
+  if gh == nil then view:zero_(); return nil end
+  local rc = C.uly_tensor_copy_(view._h, gh)
+  C.uly_tensor_release(gh)
+  check(rc)
+  if self.stage == 2 then
+    check(C.uly_tensor_zero_grad(p._h, 1))
+    return 'dropped'
+  end
+  local g = p.grad
+  return { g, g:version() }
 end
 
 -- A dist.grad_sync over this optimizer's buckets: pass it to the model's forward (ctx.grad_sync)
