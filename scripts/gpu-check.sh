@@ -105,10 +105,10 @@ for tool in racecheck memcheck; do
 done
 
 if command -v mpirun >/dev/null; then
-  say "== Ulysses, collectives and the overlapped gradient all-reduce on 2 ranks sharing the GPU (host-staged)"
+  say "== Ulysses, collectives, the overlapped gradient all-reduce and ZeroAdamW on 2 ranks sharing the GPU (host-staged)"
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ULY_TEST_DEVICE=$test_device ULY_TEST_SP=2 timeout 180 \
     mpirun --oversubscribe --bind-to none -x ULY_TEST_DEVICE -x ULY_TEST_SP -x ULY_LIB -x ULY_CUDA_LIB -np 2 \
-    luajit /usr/bin/busted --run=mpi --filter=device spec/ulysses_spec.lua spec/dist_spec.lua spec/grad_sync_spec.lua spec/plan_spec.lua \
+    luajit /usr/bin/busted --run=mpi --filter=device spec/ulysses_spec.lua spec/dist_spec.lua spec/grad_sync_spec.lua spec/plan_spec.lua spec/zero_spec.lua \
     2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
   [ $rc -eq 0 ] || failures+="2-rank Ulysses step (exit $rc); "
