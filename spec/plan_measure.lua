@@ -43,7 +43,8 @@ local function collect(dev)
 end
 
 -- build the model and AdamW (pc.zero: dist.ZeroAdamW over the world), then one step (pc.steps)
--- as train.lua runs it (without the overlap); returns measured peak and the
+-- as train.lua runs it (pc.overlap: the reduction during backward, as its --overlap 1); returns
+-- the measured peak and the
 -- planner's estimate, both counted from the bytes held before the model existed
 -- pc.device = 'cuda': the model, its step and the measured pool are the device's (the simulation
 -- here: device pools, the CPU's kernels); the collector still counts host and device bytes
@@ -78,11 +79,13 @@ local function measure(pc, grid)
   if grid then lo, n = uly.dist.split(N, P, grid.sp_group:rank()) end
   local x, y = ids(B, n, m.config.vocab):to(dev), ids(B, n, m.config.vocab):to(dev)
   local loss
+  local sync = pc.overlap and (pc.zero and opt:grad_sync() or uly.dist.grad_sync(m:parameters(), grid.world_group))
   for _ = 1, pc.steps or 1 do
     opt:zero_grad()
-    loss = m:loss(x, y, { pos = lo, seq_total = N })
+    loss = m:loss(x, y, { pos = lo, seq_total = N, grad_sync = sync or nil })
     loss:backward()
-    if pc.zero then opt:reduce_grads()
+    if sync then sync:finish()
+    elseif pc.zero then opt:reduce_grads()
     elseif grid then uly.dist.all_reduce_grads(m:parameters(), grid.world_group) end
     opt:step()
   end
@@ -97,7 +100,7 @@ local function measure(pc, grid)
   cfg.world = grid and grid.world or 1
   if dev ~= 'cpu' then cfg.device_memory = uly.memory(dev).limit end
   local est = plan.estimate(cfg)
-  loss, x, y, m, opt = nil, nil, nil, nil, nil
+  loss, x, y, m, opt, sync = nil, nil, nil, nil, nil, nil
   collect(dev)
   return peak, est, temporaries
 end

@@ -172,6 +172,12 @@ describe('memory planner under sequence parallelism #mpi', function()
     end
     local plain_peak, plain_est = case(false)
     local zero_peak, zero_est = case(true)
+    -- the reduction during backward (train.lua's default): grad_sync's buffer made at the first
+    -- mark; ZeroAdamW stage 2 freeing each layer's grads as backward leaves the layer
+    base.overlap = true
+    case(false)
+    local _, zero_overlap_est = case(true)
+    assert.is_true(zero_overlap_est.total <= zero_est.total)
     -- the state: exp_avg and exp_avg_sq of this rank's share (padded to whole buckets), each one
     -- allocation in the allocator's size classes
     local _, owned = plan.zero_layout(zero_est.params, g.world)

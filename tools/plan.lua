@@ -5,7 +5,8 @@
 --   luajit tools/plan.lua --model llama --preset small --seq 65536 --sp 4 --attention flash \
 --     --checkpoint 1 --tile 1024 [--budget 20GiB] [--window 4096] [--batch 1] [--dim ..]
 --     [--device cuda [--precision bf16] [--gpu-memory 139GiB]]   (one GPU per rank)
---     [--dp 2] [--zero 1]   (data parallel x sp ranks; ZeroAdamW's sharded state over all of them)
+--     [--dp 2] [--zero 1] [--overlap 1]   (data parallel x sp ranks; ZeroAdamW's sharded state
+--     over all of them; the gradient reduction during backward, train.lua's default)
 --   local plan = require 'tools.plan'
 --   plan.estimate(cfg) -> { total = bytes, parts = { parameters = .., ... }, untracked = .., ... }
 --   plan.longest(cfg, budget_bytes) -> N (a multiple of cfg.step, default 1024), its estimate
@@ -721,6 +722,39 @@ local function checkpointed(self, c, blk, x)
 end
 
 -- one training step's forward + loss; returns the loss tensor
+-- the parameter entries (tables with .param) inside a module table of build_params
+local function params_in(mod, out)
+  out = out or {}
+  if type(mod) ~= 'table' then return out end
+  if mod.param then out[#out + 1] = mod; return out end
+  for _, k in ipairs({ 'weight', 'bias' }) do if mod[k] then params_in(mod[k], out) end end
+  for k, v in pairs(mod) do
+    if k ~= 'weight' and k ~= 'bias' and type(v) == 'table' then params_in(v, out) end
+  end
+  return out
+end
+
+-- dist.grad_sync's mark of a layer's input (nn.on_backward, lua/ulysses/nn/checkpoint.lua): a
+-- custom node whose output shares x's storage; its backward accumulates the gradient into a new
+-- buffer for x, then hands the layer's grads to the sync: plain, the first one makes its flat
+-- buffer; ZeroAdamW stage 2 frees each grad once copied into its own (held from construction)
+local function mark(self, c, x, params)
+  local v = { s = x.s, b = x.b, contig = x.contig }
+  self:ref(x.s)
+  self:hold(x.s)
+  self:record(v, { x }, nil, function(sim)
+    if c.zero then
+      if c.zero_stage ~= 1 then
+        for _, p in ipairs(params) do if p.grad then sim:unref(p.grad); p.grad = nil end end
+      end
+    elseif not c.flat then
+      c.flat = sim:alloc(c.nparams * F, 'communication')
+    end
+  end)
+  self:wrapped()
+  return v
+end
+
 local function forward_loss(self, c, model)
   local outer = self:enter()
   local B, n, C = c.batch, c.n, c.dim
@@ -734,11 +768,17 @@ local function forward_loss(self, c, model)
     h = add(self, h, pe)
   end
   for l = 1, c.layers do
+    if c.overlap then h = mark(self, c, h, params_in(model.layers[l])) end
     if c.checkpoint then
       h = checkpointed(self, c, model.layers[l], h)
     else
       h = block_body(self, c, model.layers[l], h)
     end
+  end
+  if c.overlap then
+    local ps = params_in(model.norm)
+    if model.output then params_in(model.output, ps) end
+    h = mark(self, c, h, ps)
   end
   h = norm(self, h, rows, c.norm, model.norm)
   local head = function(t, r)
@@ -801,6 +841,9 @@ function M.config(cfg)
   c.distributed = c.world > 1
   c.zero = cfg.zero == true or cfg.zero == 1   -- dist.ZeroAdamW over the world (at 1 rank: the whole state)
   c.zero_stage = cfg.zero_stage or 2
+  -- the gradient reduction overlapped with backward (train.lua's --overlap 1: dist.grad_sync, or
+  -- ZeroAdamW's opt:grad_sync()): the models mark each layer's input
+  c.overlap = cfg.overlap == true or cfg.overlap == 1
   c.attention = cfg.attention or 'flash'
   one_of('attention', c.attention, 'reference', 'flash')
   c.checkpoint = cfg.checkpoint == true or cfg.checkpoint == 1
@@ -883,6 +926,7 @@ function M.estimate(cfg)
   local frame = sim:enter()
   local model = build_params(sim, c)
   local nparams = count_params(c)
+  c.nparams, c.flat = nparams, nil
   local opt = {}
   if c.zero then
     -- ZeroAdamW: the parameters become views of one flat buffer (the separate ones freed), a flat
@@ -907,7 +951,6 @@ function M.estimate(cfg)
   if cfg.gc_next then sim.gc_next = cfg.gc_next end
   sim.peak, sim.at_peak = 0, {}
   sim:mark_peak()
-  local flat
   for step = 1, cfg.steps or (cfg.gc_next and 1 or 2) do
     for _, p in ipairs(model.params) do
       if p.grad then sim:unref(p.grad); p.grad = nil end
@@ -931,7 +974,7 @@ function M.estimate(cfg)
       end
     end
     if c.distributed and not c.zero then   -- dist.all_reduce_grads: its flat buffer, a grad for every parameter
-      if not flat then flat = sim:alloc(nparams * F, 'communication') end
+      if not c.flat then c.flat = sim:alloc(nparams * F, 'communication') end
       for _, p in ipairs(model.params) do if not p.grad then p.grad = sim:alloc(p.b, 'gradients') end end
     end
   end
@@ -1026,6 +1069,7 @@ local function main(args)
     if key == 'budget' then budget = parse_bytes(v)
     elseif key == 'checkpoint' then cfg.checkpoint = v == '1' or v == 'true'
     elseif key == 'zero' then cfg.zero = v == '1' or v == 'true'
+    elseif key == 'overlap' then cfg.overlap = v == '1' or v == 'true'
     elseif key == 'model' or key == 'preset' or key == 'attention' or key == 'device' or key == 'kernels'
       or key == 'precision' then cfg[key] = v
     elseif key == 'gpu-memory' then cfg.device_memory = parse_bytes(v)
