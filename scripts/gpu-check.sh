@@ -65,7 +65,7 @@ export ULY_LIB=build-gpu/libulysses.so ULY_CUDA_LIB=build-gpu/libulysses_cuda.so
 emulate=${ULY_GPU_CHECK_EMULATE:-0}
 test_device=cuda bench_args=""
 if [ "$emulate" = 1 ]; then
-  export ULY_CUDA_LIB=build-gpu/libulysses_cuemu.so
+  export ULY_CUDA_LIB=build-gpu/libulysses_cuemu.so ULY_EMU_CC=9.0   # as an H200: the wgmma self-check runs
   test_device=emu bench_args="--quick"
   say "(rehearsal: the CUDA emulator stands in for the GPU)"
 fi

@@ -1,6 +1,7 @@
 -- scripts/gpu-sanitize.lua — a small run of the bf16 attention kernels, fused
 -- (kernels/cuda/attention_fused.cu: forward, dK/dV, dQ) and chunked (attention.cu: cuBLAS with
--- the masked softmax and dS row kernels), at head dims 32, 64, 128 with causal, window,
+-- the masked softmax and dS row kernels; the fused forward both on wgmma where a Hopper GPU's
+-- self-check enables it and on mma.sync), at head dims 32, 64, 128 with causal, window,
 -- block-sparse and document masks, for scripts/gpu-check.sh to run under NVIDIA's
 -- compute-sanitizer (racecheck: shared-memory hazards between threads; memcheck: out-of-bounds
 -- and misaligned accesses). Small shapes: the tools slow kernels down a hundredfold. Checks the
@@ -50,18 +51,21 @@ for _, D in ipairs({ 32, 64, 128 }) do
                           { 'documents', { causal = true, q_doc = docs, k_doc = docs } } }) do
     local name, opts = case[1], case[2]
     local cpu = run('cpu', 'f32', q, k, v, opts)
-    for _, path in ipairs({ 'fused', 'chunked' }) do
-      ffi.C.setenv('ULY_CUDA_ATTN', path, 1)
+    -- fused: its forward on wgmma where the self-check put it (Hopper); fused-mma: on mma.sync
+    for _, path in ipairs({ 'fused', 'fused-mma', 'chunked' }) do
+      ffi.C.setenv('ULY_CUDA_ATTN', path == 'chunked' and 'chunked' or 'fused', 1)
+      ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', path == 'fused-mma' and '0' or '', 1)
       local gpu = run('cuda', 'bf16', q, k, v, opts)
       uly.synchronize('cuda')
       local worst = 0
       for i = 1, 4 do worst = math.max(worst, max_rel_err(gpu[i], cpu[i])) end
       local bad = worst > 2e-2
       failed = failed or bad
-      print(('D %3d %-9s %-7s max error %.2e of the largest value%s'):format(D, name, path, worst,
+      print(('D %3d %-9s %-9s max error %.2e of the largest value%s'):format(D, name, path, worst,
                                                                           bad and '  TOO LARGE' or ''))
     end
   end
 end
+print('fused forward on wgmma: ' .. tostring(uly.cuda.wgmma_status()))
 if failed then os.exit(1) end
 print('gpu-sanitize: ok')

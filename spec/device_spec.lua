@@ -677,6 +677,58 @@ describe('fused tensor-core attention (mixed precision)', function()
     release_device()
   end)
 
+  -- Hopper's wgmma in the forward (kernels/cuda/mma.cuh; on the emulator its deferred model, B read
+  -- through the 128-byte-swizzled descriptor at the wait): the mma.sync forward's bits on the
+  -- emulator (the same sums in the same order), within bf16 rounding on a GPU, for D = 64 and 128,
+  -- grouped and not, masked and split
+  it('the wgmma forward gives the mma.sync forward\'s numbers (D = 64, 128; packed, split, masked)', function()
+    if not REAL then return end   -- the simulation has no fused kernels
+    use_device()
+    uly.matmul_precision('bf16')
+    local function forward(wg, q, k, v, opts)
+      ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', wg, 1)
+      local o = uly.no_grad(uly.flash_attention, q, k, v, opts)
+      uly.synchronize('cuda')
+      return o:cpu()
+    end
+    helpers.reseed(40)
+    local cases = {
+      { { 1, 130, 4, 64 }, { 1, 130, 2, 64 }, { causal = true } },
+      { { 2, 70, 2, 128 }, { 2, 150, 1, 128 }, { window = { 60, 9 } } },
+      { { 1, 3, 8, 64 }, { 1, 260, 2, 64 }, { causal = true } },      -- packed group, split keys
+      { { 1, 64, 1, 128 }, { 1, 64, 1, 128 }, {} },
+    }
+    for i, c in ipairs(cases) do
+      local q, k, v = uly.randn(unpack(c[1])):cuda(), uly.randn(unpack(c[2])):cuda(), uly.randn(unpack(c[2])):cuda()
+      local a, b = forward('0', q, k, v, c[3]), forward('1', q, k, v, c[3])
+      if MODE == 'cuda' then helpers.assert_close(b, a, 2e-3, 2e-3, 'wgmma vs mma.sync, case ' .. i)
+      else helpers.assert_close(b, a, 0, 0, 'wgmma vs mma.sync, case ' .. i) end
+    end
+    ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', os.getenv('ULY_TEST_WGMMA') or '', 1)
+    uly.matmul_precision('f32')
+    release_device()
+  end)
+
+  -- without ULY_CUDA_ATTN_WGMMA the forward decides at its first call: off below compute
+  -- capability 9.0; at 9.0 after its self-check (both kernels on a small problem) passes
+  it('decides on wgmma at the first forward: a self-check on compute capability 9.0', function()
+    if MODE ~= 'emu' then return end
+    local function status(cc)
+      local cmd = table.concat({ 'env -u ULY_CUDA_ATTN_WGMMA ULY_EMU_CC=' .. cc,
+        'ULY_CUDA_LIB=' .. helpers.shq(os.getenv('ULY_CUDA_LIB')), "LUA_PATH='lua/?.lua;lua/?/init.lua;;'",
+        'luajit -e', helpers.shq("local uly = require 'ulysses'; assert(uly.cuda.ensure()); uly.matmul_precision('bf16'); "
+          .. "local q = uly.randn(1, 70, 2, 64):cuda(); "
+          .. "uly.no_grad(uly.flash_attention, q, q, q, { causal = true }); print('status: ' .. uly.cuda.wgmma_status())"),
+        '2>&1' }, ' ')
+      local p = assert(io.popen(cmd))
+      local out = p:read('*a')
+      p:close()
+      return out
+    end
+    assert.matches('status: off: compute capability 8.0 %(wgmma needs 9.0%)', status('8.0'))
+    assert.matches('status: on %(self%-check: within 0 of mma.sync%)', status('9.0'))
+  end)
+
   it('documents, a sliding window and rows that see nothing (D = 128)', function()
     helpers.reseed(34)
     -- query document 9 appears among no keys: those rows give 0 and pass no gradient

@@ -39,6 +39,9 @@ int uly_cuda_temporaries_peak(int64_t *bytes, int reset);
 /* how many times the GEMMs asked cuBLASLt's heuristic for an algorithm (once per distinct problem:
  * the answers are kept) */
 int64_t uly_cuda_gemm_heuristic_queries(void);
+/* whether the fused attention forward runs on Hopper's wgmma, and why ("on (...)", "off: ..."):
+ * decided at its first call with head dim 64 or 128 (a self-check on compute capability 9.0) */
+const char *uly_cuda_wgmma_status(void);
 
 /* kernels: p[0..n) = v on the current device, synchronised */
 int uly_cuda_fill_f32(float *p, int64_t n, float v);

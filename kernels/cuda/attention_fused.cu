@@ -22,7 +22,14 @@
  * skip the per-element mask. Shared tiles are swizzled in 16-byte chunks so that ldmatrix reads
  * conflict-free; the forward keeps within 48 KiB of static shared memory at D = 128.
  * Head dims 32, 64 and 128; attention.cu runs everything else (and f32 precision) on its chunked
- * cuBLAS path. ULY_CUDA_ATTN=chunked forces that path for comparisons. */
+ * cuBLAS path. ULY_CUDA_ATTN=chunked forces that path for comparisons.
+ * On Hopper (sm_90a, this file's 9.0 build) the forward at D = 64 and 128 runs S = Q K^T and
+ * O += P V as warpgroup MMAs (wgmma, mma.cuh): the block's 4 warps are one warpgroup, Q stays in
+ * registers as A, K and V are B straight from shared memory in the 128-byte-swizzled layout
+ * (K-major K, MN-major V), and the softmax is unchanged (wgmma's accumulators have mma.sync's
+ * layout). It is enabled by a self-check at the first forward (both kernels on a small problem);
+ * ULY_CUDA_ATTN_WGMMA=0 / 1 forces it off / on. The backward kernels stay on mma.sync. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <cuda_bf16.h>
@@ -39,16 +46,31 @@ __device__ static inline int sw_at(int r, int c) {
     return r * CH + (c ^ (r & SW));
 }
 
+/* chunk c of row r of a 64-row tile that wgmma reads (mma.cuh: 128-byte swizzle): D / 64 atoms
+ * of 64 rows x 128 bytes side by side along the row; the same as sw_at at D = 64 */
+__device__ static inline int sw128_at(int r, int c) { return (c >> 3) * 64 * 8 + r * 8 + ((c & 7) ^ (r & 7)); }
+
 /* rows [r0, r0 + ROWS) of a bf16 matrix with `stride`-element rows into a swizzled shared tile
- * (rows at or past `nrows` are zeros), queued as cp.async copies: the caller commits the group
- * and waits for it */
-template <int D, int ROWS>
+ * (rows at or past `nrows` are zeros; WG: the wgmma layout), queued as cp.async copies: the
+ * caller commits the group and waits for it */
+template <int D, int ROWS, bool WG = false>
 __device__ static inline void load_tile_async(uint4 *s, const bf16 *src, int64_t r0, int64_t nrows, int64_t stride) {
     constexpr int CH = D / 8;
     for (int e = threadIdx.x; e < ROWS * CH; e += FA_THREADS) {
         int r = e / CH, c = e % CH, in = r0 + r < nrows;
-        cp_async16(&s[sw_at<D>(r, c)], in ? src + (r0 + r) * stride + c * 8 : src, in);
+        cp_async16(&s[WG ? sw128_at(r, c) : sw_at<D>(r, c)], in ? src + (r0 + r) * stride + c * 8 : src, in);
     }
+}
+
+/* the first 1024-byte aligned address at or after p in shared memory (wgmma's swizzle atoms);
+ * the emulator's dynamic shared memory starts aligned */
+__device__ static inline uint4 *align_1024(uint4 *p) {
+#ifdef ULY_CUDA_EMU
+    return p;
+#else
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    return p + ((1024 - (a & 1023)) & 1023) / 16;
+#endif
 }
 
 /* the query tile of a GQA group packed (decoding): row r is query r % Tq of query head
@@ -166,12 +188,25 @@ __device__ static inline int64_t next_key_tile(const geom &g, int64_t i0, int64_
  * splits > 1 block `split` walks only its share of the band's key tiles and writes its rows'
  * partial O (normalised by its own sum) and log-sum-exp to part_o / part_lse, which fa_combine
  * merges; with splits = 1 it writes out and lse itself. */
-template <int D, bool grouped>
+template <int D, bool grouped, bool WG>
 __global__ static void __launch_bounds__(FA_THREADS)
 fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, int splits, float *part_o,
-           float *part_lse) {
+           float *part_lse, int *ran_wgmma) {
     constexpr int CH = D / 8, KS = D / 16;
-    __shared__ uint4 sQ[64 * CH], sK[64 * CH], sV[64 * CH];
+    /* WG: S = Q K^T and O += P V on wgmma (Hopper), K and V tiles in its layout in dynamic shared
+     * memory; in a compilation pass without wgmma the same kernel takes the mma.sync path */
+    constexpr bool W = WG && ULY_HAS_WGMMA && (D == 64 || D == 128);
+    uint4 *sQ, *sK, *sV;
+    if (W) {
+        ULY_DYNAMIC_SHARED(uint4, dyn);
+        sK = align_1024(dyn);
+        sV = sK + 64 * CH;
+        sQ = sV + 64 * CH;
+        if (ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
+    } else {
+        __shared__ uint4 tQ[64 * CH], tK[64 * CH], tV[64 * CH];
+        sQ = tQ; sK = tK; sV = tV;
+    }
     const int split = (int)(blockIdx.x % (unsigned)splits);
     const int64_t blk = (int64_t)(blockIdx.x / (unsigned)splits), grp = g.H / g.Hkv;
     /* a block per 64 query rows of one (batch, head); grouped: per (batch, kv head), its tile
@@ -203,11 +238,12 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
     int64_t j0 = lo <= hi ? next_key_tile(g, i0, lo / 64 * 64, hi, 64, &st) : -1;
     if (grouped) load_q_grouped<D>(sQ, q, hk * grp, g.Tq * grp, g.Tq, qs);
     else load_tile_async<D, 64>(sQ, q, i0, g.Tq, qs);
-    if (j0 >= 0) load_tile_async<D, 64>(sK, k, j0, g.Tk, ks);
+    if (j0 >= 0) load_tile_async<D, 64, W>(sK, k, j0, g.Tk, ks);
     cp_async_commit();
-    if (j0 >= 0) load_tile_async<D, 64>(sV, v, j0, g.Tk, ks);
+    if (j0 >= 0) load_tile_async<D, 64, W>(sV, v, j0, g.Tk, ks);
     cp_async_commit();
     cp_async_wait<1>();   /* Q and the first K */
+    if (W) fence_proxy_async();   /* the tensor cores read what cp.async wrote */
     __syncthreads();
     uint32_t qa[KS][4];
 #pragma unroll
@@ -221,18 +257,27 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         float s[8][4];
 #pragma unroll
         for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        if (W) {   /* the whole 64 x 64 tile by the warpgroup: K-major B, 16 of D per instruction */
+            wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < KS; kk++)
+            for (int kk = 0; kk < KS; kk++) wgmma_64x64<0>(&s[0][0], qa[kk], wg_desc_sw128(sK + (kk >> 2) * 512 + (kk & 3) * 2));
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_regs(&s[0][0], 32);
+        } else {
 #pragma unroll
-            for (int np = 0; np < 4; np++) {
-                uint32_t bb[4];
-                ldmatrix_x4(bb, frag_b<D>(sK, np * 16, 2 * kk));
-                mma_two(s[2 * np], s[2 * np + 1], qa[kk], bb);
-            }
+            for (int kk = 0; kk < KS; kk++)
+#pragma unroll
+                for (int np = 0; np < 4; np++) {
+                    uint32_t bb[4];
+                    ldmatrix_x4(bb, frag_b<D>(sK, np * 16, 2 * kk));
+                    mma_two(s[2 * np], s[2 * np + 1], qa[kk], bb);
+                }
+        }
         __syncthreads();   /* every warp is done with K */
         int st_next = TILE_EMPTY;
         const int64_t j_next = next_key_tile(g, i0, j0 + 64, hi, 64, &st_next);
-        if (j_next >= 0) load_tile_async<D, 64>(sK, k, j_next, g.Tk, ks);
+        if (j_next >= 0) load_tile_async<D, 64, W>(sK, k, j_next, g.Tk, ks);
         cp_async_commit();
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -270,12 +315,29 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
                 l[e >> 1] += p;
             }
         cp_async_wait<1>();   /* this tile's V (the next K may still be in flight) */
+        if (W) fence_proxy_async();
         __syncthreads();
-        acc_times_tile<D, 4>(o, s, sV);   /* O += P V */
+        if (W) {   /* O += P V: P from the accumulators as A, V MN-major, 64 of D per instruction */
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                uint32_t pa[4];
+                acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+                for (int half = 0; half < D / 64; half++)
+                    wgmma_64x64<1>(&o[8 * half][0], pa, wg_desc_sw128(sV + half * 512 + kk * 128));
+            }
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_regs(&o[0][0], 4 * CH);
+        } else {
+            acc_times_tile<D, 4>(o, s, sV);   /* O += P V */
+        }
         __syncthreads();   /* every warp is done with V */
-        if (j_next >= 0) load_tile_async<D, 64>(sV, v, j_next, g.Tk, ks);
+        if (j_next >= 0) load_tile_async<D, 64, W>(sV, v, j_next, g.Tk, ks);
         cp_async_commit();
         cp_async_wait<1>();   /* the next K (its V may still be in flight) */
+        if (W) fence_proxy_async();
         __syncthreads();
         j0 = j_next;
         st = st_next;
@@ -594,9 +656,123 @@ static int forward_grouped(const geom &g) {
     return g.H > g.Hkv && g.Tq * (g.H / g.Hkv) <= 64;
 }
 
+/* one forward kernel launch: grouped or not, wgmma or mma.sync (the wgmma kernel's tiles live
+ * in dynamic shared memory: 3 tiles + 1 KiB to align them) */
+template <int D, bool grouped, bool WG>
+static void launch_forward(int64_t blocks, float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k,
+                           const bf16 *v, int splits, float *part, float *part_lse, int *ran) {
+    if (WG) {
+        const size_t smem = 3 * 64 * (D / 8) * 16 + 1024;
+        static bool raised;
+        if (!raised) {
+            cudaError_t e = cudaFuncSetAttribute(fa_forward<D, grouped, WG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 (int)smem);
+            if (e != cudaSuccess) { uly_cu_fail("fused flash attention forward (wgmma): shared memory", e); return; }
+            raised = true;
+        }
+        ULY_LAUNCH_SMEM((fa_forward<D, grouped, WG>), blocks, FA_THREADS, smem, uly_cu_stream)(out, lse, g, q, k, v, splits,
+                                                                                              part, part_lse, ran);
+    } else {
+        ULY_LAUNCH((fa_forward<D, grouped, WG>), blocks, FA_THREADS, uly_cu_stream)(out, lse, g, q, k, v, splits, part,
+                                                                                   part_lse, ran);
+    }
+}
+
+/* ---- wgmma in the forward (Hopper) ----
+ * ULY_CUDA_ATTN_WGMMA=0 turns it off; =1 uses it wherever the kernel was built with it (the
+ * emulator: the specs run it so). Unset: on a compute capability 9.0 device once a self-check at
+ * first use passes: a small causal GQA problem through both kernels, where the wgmma one must
+ * have run its wgmma code (the sm_90a build) and agree with mma.sync within bf16 rounding; else
+ * it stays off, and uly_cuda_wgmma_status says why. */
+static int wg_state;            /* 0: not decided, 1: on, -1: off */
+static char wg_why[200] = "not decided yet (decided at the first fused attention forward with D = 64 or 128)";
+
+template <int D>
+static int wgmma_selfcheck(char *why, size_t nwhy) {
+    geom g;
+    memset(&g, 0, sizeof g);
+    g.B = 1; g.Tq = g.Tk = 160; g.H = 2; g.Hkv = 1; g.D = D; g.scale = 1.0f / sqrtf((float)D);
+    g.causal = 1; g.left = g.right = -1;
+    const size_t nin = (size_t)g.Tq * g.H * D, nkv = (size_t)g.Tk * g.Hkv * D, nout = nin, nlse = (size_t)g.H * g.Tq;
+    bf16 *hq = (bf16 *)malloc((nin + 2 * nkv) * sizeof(bf16));
+    float *hout = (float *)malloc(2 * (nout + nlse) * sizeof(float));
+    void *dmem = NULL;
+    cudaError_t e = hq && hout ? cudaMalloc(&dmem, (nin + 2 * nkv) * sizeof(bf16) + 2 * (nout + nlse) * sizeof(float) + 16)
+                               : cudaErrorMemoryAllocation;
+    int ok = 0;
+    if (e == cudaSuccess) {
+        uint32_t x = 12345;
+        for (size_t i = 0; i < nin + 2 * nkv; i++) {
+            x = x * 1664525u + 1013904223u;
+            hq[i] = __float2bfloat16_rn(((float)(x >> 8) / 16777216.0f - 0.5f) * 2.0f);
+        }
+        bf16 *dq = (bf16 *)dmem, *dk = dq + nin, *dv = dk + nkv;
+        float *o1 = (float *)(dv + nkv), *l1 = o1 + nout, *o2 = l1 + nlse, *l2 = o2 + nout;
+        int *ran = (int *)(l2 + nlse), ran_h = 0;
+        e = cudaMemcpy(dq, hq, (nin + 2 * nkv) * sizeof(bf16), cudaMemcpyHostToDevice);
+        if (e == cudaSuccess) e = cudaMemcpy(ran, &ran_h, sizeof(int), cudaMemcpyHostToDevice);
+        if (e == cudaSuccess) {
+            launch_forward<D, false, false>((g.Tq + 63) / 64 * g.H, o1, l1, g, dq, dk, dv, 1, NULL, NULL, NULL);
+            launch_forward<D, false, true>((g.Tq + 63) / 64 * g.H, o2, l2, g, dq, dk, dv, 1, NULL, NULL, ran);
+            e = cudaDeviceSynchronize();
+        }
+        if (e == cudaSuccess) e = cudaMemcpy(hout, o1, 2 * (nout + nlse) * sizeof(float), cudaMemcpyDeviceToHost);
+        if (e == cudaSuccess) e = cudaMemcpy(&ran_h, ran, sizeof(int), cudaMemcpyDeviceToHost);
+        if (e == cudaSuccess) {
+            const float *a = hout, *b = hout + nout + nlse;
+            float big = 0.0f, worst = 0.0f;
+            for (size_t i = 0; i < nout + nlse; i++) {
+                big = fmaxf(big, fabsf(a[i]));
+                float d = fabsf(a[i] - b[i]);
+                if (!(d <= worst)) worst = d;   /* NaN included */
+            }
+            if (!ran_h) snprintf(why, nwhy, "off: the loaded kernel has no wgmma (not the sm_90a build)");
+            else if (!(worst <= 2e-3f * (big > 1.0f ? big : 1.0f)))
+                snprintf(why, nwhy, "off: the self-check differs from mma.sync by %g (largest value %g)", worst, big);
+            else { snprintf(why, nwhy, "on (self-check: within %g of mma.sync)", worst); ok = 1; }
+        }
+    }
+    if (e != cudaSuccess) {
+        snprintf(why, nwhy, "off: the self-check failed to run: %s", cudaGetErrorString(e));
+        cudaGetLastError();
+    }
+    if (dmem) cudaFree(dmem);
+    free(hq);
+    free(hout);
+    return ok;
+}
+
+static int forward_wgmma(int D) {
+    if (D != 64 && D != 128) return 0;
+    const char *env = getenv("ULY_CUDA_ATTN_WGMMA");
+    if (env && !strcmp(env, "0")) return 0;
+    if (env && !strcmp(env, "1")) return 1;
+    if (wg_state) return wg_state > 0;
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev)) {
+        cudaGetLastError();
+        major = 0;
+    }
+    if (major != 9 || minor != 0) {
+        snprintf(wg_why, sizeof wg_why, "off: compute capability %d.%d (wgmma needs 9.0)", major, minor);
+        wg_state = -1;
+        return 0;
+    }
+    wg_state = (D == 64 ? wgmma_selfcheck<64>(wg_why, sizeof wg_why) : wgmma_selfcheck<128>(wg_why, sizeof wg_why)) ? 1 : -1;
+    return wg_state > 0;
+}
+
+extern "C" const char *uly_cuda_wgmma_status(void) {
+    const char *env = getenv("ULY_CUDA_ATTN_WGMMA");
+    if (env && !strcmp(env, "0")) return "off (ULY_CUDA_ATTN_WGMMA=0)";
+    if (env && !strcmp(env, "1")) return "on (ULY_CUDA_ATTN_WGMMA=1, no self-check)";
+    return wg_why;
+}
+
 template <int D>
 static int forward_d(float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v) {
-    const int grouped = forward_grouped(g);
+    const int grouped = forward_grouped(g), wg = forward_wgmma(D);
     int64_t blocks = grouped ? g.B * g.Hkv : (g.Tq + 63) / 64 * g.B * g.H;
     const int splits = forward_splits(g, blocks);
     float *part = NULL;
@@ -606,12 +782,11 @@ static int forward_d(float *out, float *lse, const geom &g, const bf16 *q, const
         if (e != cudaSuccess) { uly_cu_fail("fused flash attention forward: split partials", e); return -1; }
     }
     float *part_lse = part ? part + (size_t)splits * g.B * g.H * g.Tq * D : NULL;
-    if (grouped)   /* two kernels: the packed tile's index arithmetic costs the other registers */
-        ULY_LAUNCH((fa_forward<D, true>), blocks * splits, FA_THREADS, uly_cu_stream)(out, lse, g, q, k, v, splits, part,
-                                                                                  part_lse);
-    else
-        ULY_LAUNCH((fa_forward<D, false>), blocks * splits, FA_THREADS, uly_cu_stream)(out, lse, g, q, k, v, splits, part,
-                                                                                   part_lse);
+    /* grouped: its own kernels, the packed tile's index arithmetic costs the other registers */
+    if (grouped && wg) launch_forward<D, true, true>(blocks * splits, out, lse, g, q, k, v, splits, part, part_lse, NULL);
+    else if (grouped) launch_forward<D, true, false>(blocks * splits, out, lse, g, q, k, v, splits, part, part_lse, NULL);
+    else if (wg) launch_forward<D, false, true>(blocks * splits, out, lse, g, q, k, v, splits, part, part_lse, NULL);
+    else launch_forward<D, false, false>(blocks * splits, out, lse, g, q, k, v, splits, part, part_lse, NULL);
     if (launched("fused flash attention forward")) { if (part) cudaFreeAsync(part, uly_cu_stream); return -1; }
     if (splits > 1) {
         int64_t n = g.B * g.H * g.Tq * D;

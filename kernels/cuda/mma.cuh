@@ -108,4 +108,94 @@ __device__ static inline void cp_async_commit(void) { asm volatile("cp.async.com
 template <int N>
 __device__ static inline void cp_async_wait(void) { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 #endif
+
+/* ---- wgmma: Hopper's warpgroup MMA (sm_90a; the emulator) ----
+ * A warpgroup (4 consecutive warps, here a whole 128-thread block) computes D (64 x N, f32) +=
+ * A (64 x 16, bf16) B (16 x N, bf16): A from registers, warp w giving rows 16w.. in the mma.sync
+ * A layout above; B from shared memory through a descriptor; D per warp in the mma.sync C layout,
+ * one n8 tile after another (d[4j + i] is C element i of columns 8j..8j+7). Asynchronous:
+ * wg_fence() before the first wgmma after the registers were written, wg_commit() closes a
+ * group, wg_wait<N>() returns when at most N groups are in flight, and wg_fence_regs() then stops
+ * the compiler reading the accumulators earlier. Shared memory that cp.async filled needs
+ * fence_proxy_async() in every thread before the barrier that precedes the wgmma reading it.
+ * B tiles use the 128-byte swizzle: 128-byte lines, the 16-byte chunk c of line r stored at chunk
+ * c ^ (r % 8), atoms of 8 lines 1024 bytes apart, each atom 1024-byte aligned. ULY_HAS_WGMMA says
+ * whether this compilation pass has them (sm_90a device code, or the emulator). */
+#if defined(ULY_CUDA_EMU) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ULY_HAS_WGMMA 1
+#else
+#define ULY_HAS_WGMMA 0
+#endif
+
+/* the descriptor of a 128-byte-swizzled B operand starting at p (the first line of an 8-line
+ * group, possibly 32 * k bytes into it): 8-line groups 1024 bytes apart. Both byte offsets are set
+ * to 1024: the K-major operands here span one atom along K per instruction and the MN-major ones
+ * one atom along N (64 bf16), so whichever of the two the layout reads is the 8-line stride. */
+__device__ static inline uint64_t wg_desc_sw128(const void *p) {
+#ifdef ULY_CUDA_EMU
+    uint32_t a = uly_emu::shared_offset(p);
+#else
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+#endif
+    const uint64_t off = 1024 >> 4;
+    return (uint64_t)((a >> 4) & 0x3fff) | (off << 16) | (off << 32) | ((uint64_t)1 << 62);
+}
+
+#ifdef ULY_CUDA_EMU
+/* d (32 floats) += A B for this warp's 16 rows of a 64 x 64 x 16 warpgroup MMA; TRANS: B MN-major */
+template <int TRANS>
+__device__ static inline void wgmma_64x64(float d[32], const uint32_t a[4], uint64_t desc) {
+    uint32_t all[32][4];
+    uly_emu::warp_gather(a, 16, all);
+    float A[16][16];
+    for (int l = 0; l < 32; l++) {
+        int g = l >> 2, t = l & 3;
+        for (int e = 0; e < 2; e++) {
+            A[g][2 * t + e] = mma_bf16_at(all[l][0], e);
+            A[g + 8][2 * t + e] = mma_bf16_at(all[l][1], e);
+            A[g][2 * t + 8 + e] = mma_bf16_at(all[l][2], e);
+            A[g + 8][2 * t + 8 + e] = mma_bf16_at(all[l][3], e);
+        }
+    }
+    uly_emu::wgmma_queue(d, 64, &A[0][0], desc, TRANS);
+}
+__device__ static inline void wg_fence(void) {}
+__device__ static inline void wg_commit(void) { uly_emu::wgmma_commit(); }
+template <int N>
+__device__ static inline void wg_wait(void) { uly_emu::wgmma_wait(N); }
+__device__ static inline void wg_fence_regs(float *, int) {}
+__device__ static inline void fence_proxy_async(void) {}
+#elif ULY_HAS_WGMMA
+template <int TRANS>
+__device__ static inline void wgmma_64x64(float d[32], const uint32_t a[4], uint64_t desc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TRANS));
+}
+__device__ static inline void wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ static inline void wg_commit(void) { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ static inline void wg_wait(void) { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ static inline void wg_fence_regs(float *d, int n) {
+#pragma unroll
+    for (int i = 0; i < n; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+__device__ static inline void fence_proxy_async(void) { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+#else   /* passes without wgmma: never called (the kernels take the mma.sync path there) */
+template <int TRANS>
+__device__ static inline void wgmma_64x64(float *, const uint32_t *, uint64_t) {}
+__device__ static inline void wg_fence(void) {}
+__device__ static inline void wg_commit(void) {}
+template <int N>
+__device__ static inline void wg_wait(void) {}
+__device__ static inline void wg_fence_regs(float *, int) {}
+__device__ static inline void fence_proxy_async(void) {}
+#endif
 #endif

@@ -124,6 +124,15 @@ function M.gemm_heuristic_queries()
   return lib and tonumber(lib.uly_cuda_gemm_heuristic_queries()) or nil
 end
 
+-- whether the fused attention forward runs on Hopper's wgmma (sm_90a), and why: 'on (...)' or
+-- 'off: ...' (decided at its first call with head dim 64 or 128, by a self-check on a compute
+-- capability 9.0 GPU; ULY_CUDA_ATTN_WGMMA=0 / 1 forces it). nil when the CUDA backend is not running.
+function M.wgmma_status()
+  if M.backend() ~= 'cuda' then return nil end
+  local lib = M.lib()
+  return lib and ffi.string(lib.uly_cuda_wgmma_status()) or nil
+end
+
 -- Make device 'cuda' usable: returns true, or false and the reason. Registers the CUDA library's
 -- backend table with the core on first use (one device, its stream and cuBLAS handle). With
 -- ULY_CUDA_SIMULATE=1 in the environment the host-memory simulation stands in instead (runs the

@@ -43,6 +43,14 @@ struct async_copy {
     unsigned group;
 };
 
+struct wgmma_op {
+    float *d;
+    int n, trans;
+    uint64_t desc;
+    float a[16][16];
+    unsigned group;
+};
+
 struct fiber {
 #ifdef FAST_SWITCH
     void *sp;
@@ -53,6 +61,8 @@ struct fiber {
     unsigned gen;
     std::vector<async_copy> copies;   /* issued, not yet waited for */
     unsigned commits;                 /* groups committed so far */
+    std::vector<wgmma_op> wgmmas;     /* queued, not yet waited for */
+    unsigned wg_commits;
 };
 
 struct block_state {
@@ -144,7 +154,7 @@ void *dynamic_shared() { return dyn_smem; }
 void run_grid(unsigned blocks, unsigned threads, size_t dynamic_smem, const std::function<void()> &body) {
     if (dynamic_smem > dyn_smem_bytes) {
         free(dyn_smem);
-        dyn_smem = (unsigned char *)aligned_alloc(16, (dynamic_smem + 15) / 16 * 16);
+        dyn_smem = (unsigned char *)aligned_alloc(1024, (dynamic_smem + 1023) / 1024 * 1024);
         if (!dyn_smem) { fprintf(stderr, "cuda emulator: no memory for %zu bytes of shared memory\n", dynamic_smem); abort(); }
         dyn_smem_bytes = dynamic_smem;
     }
@@ -190,6 +200,12 @@ void run_grid(unsigned blocks, unsigned threads, size_t dynamic_smem, const std:
             f.gen = 0;
             f.copies.clear();
             f.commits = 0;
+            if (!f.wgmmas.empty()) {
+                fprintf(stderr, "cuda emulator: a thread ended with %zu wgmma never waited for (wgmma.wait_group)\n",
+                        f.wgmmas.size());
+                abort();
+            }
+            f.wg_commits = 0;
 #ifdef FAST_SWITCH
             /* a fresh stack that "returns" into trampoline: 6 zero registers, then its address */
             uintptr_t top = ((uintptr_t)(B.stacks + (t + 1) * STACK)) & ~(uintptr_t)15;
@@ -261,6 +277,65 @@ void async_wait(unsigned in_flight) {
     f.copies.swap(left);
 }
 
+/* ---- wgmma: B through a shared-memory descriptor, run when a wait covers it ---- */
+uint32_t shared_offset(const void *p) {
+    const unsigned char *c = (const unsigned char *)p;
+    if (!dyn_smem || c < dyn_smem || c >= dyn_smem + dyn_smem_bytes) {
+        fprintf(stderr, "cuda emulator: a wgmma operand outside the block's dynamic shared memory\n");
+        abort();
+    }
+    return (uint32_t)(c - dyn_smem);
+}
+
+void wgmma_queue(float *d, int n, const float *a16x16, uint64_t desc, int trans) {
+    fiber &f = B.fibers[B.cur];
+    wgmma_op op;
+    op.d = d; op.n = n; op.trans = trans; op.desc = desc; op.group = f.wg_commits;
+    memcpy(op.a, a16x16, sizeof op.a);
+    f.wgmmas.push_back(op);
+}
+void wgmma_commit() { B.fibers[B.cur].wg_commits++; }
+
+/* element (k, n) of the 16 x N bf16 tile a descriptor points at (PTX ISA, the warpgroup matrix
+ * descriptor: start address, leading and stride byte offsets, each >> 4; bits 62-63 the
+ * swizzle). 128-byte swizzle: lines of 128 bytes, the 16-byte chunk index XORed with the line's
+ * index modulo 8 (address bits 4-6 ^= bits 7-9). K-major (trans 0): a line holds one n, k along
+ * it; MN-major (trans 1): a line holds one k, n along it (n < 64: one atom); groups of 8 lines
+ * `stride` bytes apart. */
+static float wgmma_b(uint64_t desc, int trans, int k, int n) {
+    uint32_t start = (uint32_t)(desc & 0x3fff) << 4, sbo = (uint32_t)((desc >> 32) & 0x3fff) << 4;
+    unsigned swz = (unsigned)(desc >> 62);
+    if (swz != 1) { fprintf(stderr, "cuda emulator: wgmma descriptor swizzle %u (only 128-byte is emulated)\n", swz); abort(); }
+    if (trans && n >= 64) { fprintf(stderr, "cuda emulator: MN-major wgmma B wider than one 128-byte atom\n"); abort(); }
+    int line = trans ? k : n, along = trans ? n : k;
+    uint32_t addr = start + (uint32_t)(line / 8) * sbo + (uint32_t)(line % 8) * 128 + (uint32_t)along * 2;
+    addr ^= ((addr >> 7) & 7) << 4;
+    if (addr + 2 > dyn_smem_bytes) { fprintf(stderr, "cuda emulator: wgmma B read past shared memory\n"); abort(); }
+    uint16_t bits;
+    memcpy(&bits, dyn_smem + addr, 2);
+    uint32_t u = (uint32_t)bits << 16;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+void wgmma_wait(unsigned in_flight) {
+    fiber &f = B.fibers[B.cur];
+    unsigned lane = B.cur & 31, g = lane >> 2, t = lane & 3;
+    std::vector<wgmma_op> left;
+    for (wgmma_op &op : f.wgmmas) {
+        if (op.group + in_flight >= f.wg_commits) { left.push_back(op); continue; }
+        for (int j = 0; j < op.n / 8; j++)
+            for (int i = 0; i < 4; i++) {
+                int r = (int)g + 8 * (i >> 1), c = 8 * j + 2 * (int)t + (i & 1);
+                float s = 0.0f;
+                for (int k = 0; k < 16; k++) s += op.a[r][k] * wgmma_b(op.desc, op.trans, k, c);
+                op.d[4 * j + i] += s;
+            }
+    }
+    f.wgmmas.swap(left);
+}
+
 uint64_t shuffle_xor(uint64_t bits, int lane_mask) {
     unsigned me = B.cur, w = me >> 5, lane = me & 31, other = (lane ^ (unsigned)lane_mask) & 31;
     B.slots[w * 32 + lane] = bits;
@@ -309,10 +384,19 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int dev) {
     prop->major = 9;
     return cudaSuccess;
 }
+/* 132 multiprocessors; compute capability ULY_EMU_CC (default 8.0: the kernels' mma.sync paths;
+ * 9.0 sends the fused attention forward through its wgmma self-check) */
 cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev) {
-    if (dev != 0 || attr != cudaDevAttrMultiProcessorCount) return fail(cudaErrorInvalidValue);
-    *value = 132;
-    return cudaSuccess;
+    if (dev != 0) return fail(cudaErrorInvalidValue);
+    const char *cc = getenv("ULY_EMU_CC");
+    int major = 8, minor = 0;
+    if (cc && sscanf(cc, "%d.%d", &major, &minor) < 1) major = 8;
+    switch (attr) {
+    case cudaDevAttrMultiProcessorCount: *value = 132; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMajor: *value = major; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMinor: *value = minor; return cudaSuccess;
+    default: return fail(cudaErrorInvalidValue);
+    }
 }
 cudaError_t cudaSetDevice(int dev) { return dev == 0 ? cudaSuccess : fail(cudaErrorInvalidValue); }
 cudaError_t cudaGetDevice(int *dev) { *dev = 0; return cudaSuccess; }

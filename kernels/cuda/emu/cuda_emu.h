@@ -46,7 +46,7 @@ extern dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 namespace uly_emu {
 void run_grid(unsigned blocks, unsigned threads, size_t dynamic_smem, const std::function<void()> &body);
-/* the block's dynamic shared memory (ULY_DYNAMIC_SHARED): 16-byte aligned, 0xff bytes (NaNs) at
+/* the block's dynamic shared memory (ULY_DYNAMIC_SHARED): 1024-byte aligned, 0xff bytes (NaNs) at
  * the start of every block, so a read of what no thread wrote shows */
 void *dynamic_shared();
 void sync_block();
@@ -59,6 +59,15 @@ void warp_gather(const void *mine, size_t bytes, void *all);
 void async_copy16(void *dst, const void *src, int valid);
 void async_commit();
 void async_wait(unsigned in_flight);
+/* wgmma (kernels/cuda/mma.cuh): the byte offset of p in the block's dynamic shared memory (a
+ * descriptor's address; an error outside it), and one warpgroup MMA queued by this thread:
+ * d (4 N/8 floats, this thread's accumulators) += A (its warp's 16 x 16, row-major) B, B a 16 x N
+ * bf16 tile read through desc (128-byte swizzle; trans: MN-major) when a wgmma_wait covers it,
+ * so accumulators read or shared memory overwritten before the wait show */
+uint32_t shared_offset(const void *p);
+void wgmma_queue(float *d, int n, const float *a16x16, uint64_t desc, int trans);
+void wgmma_commit();
+void wgmma_wait(unsigned in_flight);
 
 /* streams (kernels/cuda/emu/streams.cpp): work queued on a stream runs at once, or with
  * ULY_EMU_STREAMS=lazy only when something waits for it (a stream or event synchronize, a
@@ -139,7 +148,8 @@ typedef struct cudaDeviceProp { char name[256]; cudaUUID_t uuid; size_t totalGlo
 
 cudaError_t cudaGetDeviceCount(int *n);
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int dev);
-typedef enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 } cudaDeviceAttr;
+typedef enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16, cudaDevAttrComputeCapabilityMajor = 75,
+                               cudaDevAttrComputeCapabilityMinor = 76 } cudaDeviceAttr;
 cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev);   /* 132 multiprocessors, as an H200 */
 cudaError_t cudaSetDevice(int dev);
 cudaError_t cudaGetDevice(int *dev);
