@@ -681,15 +681,17 @@ describe('fused tensor-core attention (mixed precision)', function()
   -- through the 128-byte-swizzled descriptor at the wait): the mma.sync forward's bits on the
   -- emulator (the same sums in the same order), within bf16 rounding on a GPU, for D = 64 and 128,
   -- grouped and not, masked and split
-  it('the wgmma forward gives the mma.sync forward\'s numbers (D = 64, 128; packed, split, masked)', function()
+  it('the wgmma forward and dQ give the mma.sync kernels\' numbers (D = 64, 128; packed, split, masked)', function()
     if not REAL then return end   -- the simulation has no fused kernels
     use_device()
     uly.matmul_precision('bf16')
-    local function forward(wg, q, k, v, opts)
+    local function forward(wg, q, k, v, opts)   -- the output and dQ of sum(out * out)
       ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', wg, 1)
-      local o = uly.no_grad(uly.flash_attention, q, k, v, opts)
+      local qq = q:detach():requires_grad_()
+      local o = uly.flash_attention(qq, k, v, opts)
+      ;(o * o):sum():backward()
       uly.synchronize('cuda')
-      return o:cpu()
+      return uly.cat({ o:detach():cpu():view(-1), qq.grad:cpu():view(-1) }, 1)
     end
     helpers.reseed(40)
     local cases = {
@@ -726,7 +728,7 @@ describe('fused tensor-core attention (mixed precision)', function()
       return out
     end
     assert.matches('status: off: compute capability 8.0 %(wgmma needs 9.0%)', status('8.0'))
-    assert.matches('status: on %(self%-check: within 0 of mma.sync%)', status('9.0'))
+    assert.matches('status: on %(self%-check: forward within 0, dQ within 0 of mma.sync%)', status('9.0'))
   end)
 
   it('documents, a sliding window and rows that see nothing (D = 128)', function()

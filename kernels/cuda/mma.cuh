@@ -142,9 +142,9 @@ __device__ static inline uint64_t wg_desc_sw128(const void *p) {
 }
 
 #ifdef ULY_CUDA_EMU
-/* d (32 floats) += A B for this warp's 16 rows of a 64 x 64 x 16 warpgroup MMA; TRANS: B MN-major */
-template <int TRANS>
-__device__ static inline void wgmma_64x64(float d[32], const uint32_t a[4], uint64_t desc) {
+/* d (N / 2 floats) += A B for this warp's 16 rows of a 64 x N x 16 warpgroup MMA; TRANS: B MN-major */
+template <int N, int TRANS>
+__device__ static inline void wgmma_64xN(float *d, const uint32_t a[4], uint64_t desc) {
     uint32_t all[32][4];
     uly_emu::warp_gather(a, 16, all);
     float A[16][16];
@@ -157,8 +157,12 @@ __device__ static inline void wgmma_64x64(float d[32], const uint32_t a[4], uint
             A[g + 8][2 * t + 8 + e] = mma_bf16_at(all[l][3], e);
         }
     }
-    uly_emu::wgmma_queue(d, 64, &A[0][0], desc, TRANS);
+    uly_emu::wgmma_queue(d, N, &A[0][0], desc, TRANS);
 }
+template <int TRANS>
+__device__ static inline void wgmma_64x64(float d[32], const uint32_t a[4], uint64_t desc) { wgmma_64xN<64, TRANS>(d, a, desc); }
+template <int TRANS>
+__device__ static inline void wgmma_64x32(float d[16], const uint32_t a[4], uint64_t desc) { wgmma_64xN<32, TRANS>(d, a, desc); }
 __device__ static inline void wg_fence(void) {}
 __device__ static inline void wg_commit(void) { uly_emu::wgmma_commit(); }
 template <int N>
@@ -179,6 +183,16 @@ __device__ static inline void wgmma_64x64(float d[32], const uint32_t a[4], uint
                    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TRANS));
 }
+template <int TRANS>
+__device__ static inline void wgmma_64x32(float d[16], const uint32_t a[4], uint64_t desc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                 "{%16, %17, %18, %19}, %20, p, 1, 1, %21;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TRANS));
+}
 __device__ static inline void wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ static inline void wg_commit(void) { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -191,6 +205,8 @@ __device__ static inline void fence_proxy_async(void) { asm volatile("fence.prox
 #else   /* passes without wgmma: never called (the kernels take the mma.sync path there) */
 template <int TRANS>
 __device__ static inline void wgmma_64x64(float *, const uint32_t *, uint64_t) {}
+template <int TRANS>
+__device__ static inline void wgmma_64x32(float *, const uint32_t *, uint64_t) {}
 __device__ static inline void wg_fence(void) {}
 __device__ static inline void wg_commit(void) {}
 template <int N>
