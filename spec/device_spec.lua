@@ -677,21 +677,24 @@ describe('fused tensor-core attention (mixed precision)', function()
     release_device()
   end)
 
-  -- Hopper's wgmma in the forward (kernels/cuda/mma.cuh; on the emulator its deferred model, B read
+  -- Hopper's wgmma in the fused kernels (kernels/cuda/mma.cuh; on the emulator its deferred model, B read
   -- through the 128-byte-swizzled descriptor at the wait): the mma.sync forward's bits on the
   -- emulator (the same sums in the same order), within bf16 rounding on a GPU, for D = 64 and 128,
   -- grouped and not, masked and split
-  it('the wgmma forward and dQ give the mma.sync kernels\' numbers (D = 64, 128; packed, split, masked)', function()
+  it('the wgmma forward, dQ and dK/dV give the mma.sync kernels\' numbers (D = 64, 128; packed, split, masked)', function()
     if not REAL then return end   -- the simulation has no fused kernels
     use_device()
     uly.matmul_precision('bf16')
-    local function forward(wg, q, k, v, opts)   -- the output and dQ of sum(out * out)
+    local function forward(wg, q, k, v, opts)   -- the output and the gradients of sum(out * out)
       ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', wg, 1)
-      local qq = q:detach():requires_grad_()
-      local o = uly.flash_attention(qq, k, v, opts)
+      local qq, kk, vv = q:detach():requires_grad_(), k:detach():requires_grad_(), v:detach():requires_grad_()
+      local o = uly.flash_attention(qq, kk, vv, opts)
       ;(o * o):sum():backward()
       uly.synchronize('cuda')
-      return uly.cat({ o:detach():cpu():view(-1), qq.grad:cpu():view(-1) }, 1)
+      local parts = { o:detach() }
+      for _, x in ipairs({ qq, kk, vv }) do parts[#parts + 1] = x.grad end
+      for i, x in ipairs(parts) do parts[i] = x:cpu():view(-1) end
+      return uly.cat(parts, 1)
     end
     helpers.reseed(40)
     local cases = {
@@ -728,7 +731,7 @@ describe('fused tensor-core attention (mixed precision)', function()
       return out
     end
     assert.matches('status: off: compute capability 8.0 %(wgmma needs 9.0%)', status('8.0'))
-    assert.matches('status: on %(self%-check: forward within 0, dQ within 0 of mma.sync%)', status('9.0'))
+    assert.matches('status: on %(self%-check: forward within 0, dQ within 0, dK/dV within 0 of mma.sync%)', status('9.0'))
   end)
 
   it('documents, a sliding window and rows that see nothing (D = 128)', function()

@@ -39,7 +39,7 @@ int uly_cuda_temporaries_peak(int64_t *bytes, int reset);
 /* how many times the GEMMs asked cuBLASLt's heuristic for an algorithm (once per distinct problem:
  * the answers are kept) */
 int64_t uly_cuda_gemm_heuristic_queries(void);
-/* whether the fused attention forward and dQ run on Hopper's wgmma, and why ("on (...)", "off: ..."):
+/* whether the fused attention kernels run on Hopper's wgmma, and why ("on (...)", "off: ..."):
  * decided at its first call with head dim 64 or 128 (a self-check on compute capability 9.0) */
 const char *uly_cuda_wgmma_status(void);
 

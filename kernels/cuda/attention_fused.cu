@@ -28,9 +28,10 @@
  * registers as A, K and V are B straight from shared memory in the 128-byte-swizzled layout
  * (K-major K, MN-major V), and the softmax is unchanged (wgmma's accumulators have mma.sync's
  * layout). The dQ kernel does the same (S and dP as 64 x 32 wgmmas with K and V K-major, dQ += dS
- * K with K MN-major); dK/dV stays on mma.sync. Enabled by a self-check at the first forward
- * (forward and dQ through both kernels on a small problem); ULY_CUDA_ATTN_WGMMA=0 / 1 forces it
- * off / on. */
+ * K with K MN-major), and so does dK/dV at D = 64 (S^T, dP^T with Q and dO K-major; dV, dK with
+ * them MN-major; at D = 128 it stays on mma.sync, where wgmma's accumulators would spill).
+ * Enabled by a self-check at the first forward (every kernel both ways on a small problem);
+ * ULY_CUDA_ATTN_WGMMA=0 / 1 forces it off / on. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -445,12 +446,18 @@ __device__ static inline int next_query_tile(const geom &g, int64_t hk, int64_t 
 template <int D>
 static constexpr size_t backward_smem_bytes() { return (size_t)(2 * 64 + 4 * 32) * (D / 8) * 16; }
 
-template <int D>
+/* WG: S^T, dP^T, dV += P^T dO and dK += dS^T Q as wgmma (Hopper), the streamed Q and dO tiles in
+ * its layout; D = 64 only: at 128 the two wgmma accumulators (dK, dV) with S and dP spill ~100
+ * bytes a thread in ptxas, where the mma.sync kernel spills 8 */
+template <int D, bool WG>
 __global__ static void __launch_bounds__(FA_THREADS)
 fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO,
-                const float *lse, const float *delta) {
+                const float *lse, const float *delta, int *ran_wgmma) {
     constexpr int CH = D / 8;
-    ULY_DYNAMIC_SHARED(uint4, smem);
+    constexpr bool W = WG && ULY_HAS_WGMMA && D == 64;
+    ULY_DYNAMIC_SHARED(uint4, smem_raw);
+    uint4 *const smem = W ? align_1024(smem_raw) : smem_raw;
+    if (W && ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
     /* K, V, then two buffers of Q (32 rows) followed by dO (32 rows) */
     uint4 *const sK = smem, *const sV = smem + 64 * CH;
     const int64_t nt = (g.Tk + 63) / 64, tile = (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
@@ -473,8 +480,8 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
     load_tile_async<D, 64>(sK, K + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
     load_tile_async<D, 64>(sV, V + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
     if (have) {
-        load_tile_async<D, 32>(smem + 128 * CH, qbase + h * D, i0, g.Tq, qs);
-        load_tile_async<D, 32>(smem + 160 * CH, obase + h * D, i0, g.Tq, qs);
+        load_tile_async<D, 32, W>(smem + 128 * CH, qbase + h * D, i0, g.Tq, qs);
+        load_tile_async<D, 32, W>(smem + 160 * CH, obase + h * D, i0, g.Tq, qs);
     }
     cp_async_commit();
     while (have) {
@@ -483,16 +490,36 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
         const int more = next_query_tile(g, hk, G, j0, i_lo, i_hi, &h_next, &i_next, &st_next);
         if (more) {   /* the other buffer: every warp finished with it at the end of the last round */
             uint4 *const other = smem + (128 + 64 * (buf ^ 1)) * CH;
-            load_tile_async<D, 32>(other, qbase + h_next * D, i_next, g.Tq, qs);
-            load_tile_async<D, 32>(other + 32 * CH, obase + h_next * D, i_next, g.Tq, qs);
+            load_tile_async<D, 32, W>(other, qbase + h_next * D, i_next, g.Tq, qs);
+            load_tile_async<D, 32, W>(other + 32 * CH, obase + h_next * D, i_next, g.Tq, qs);
         }
         cp_async_commit();
         cp_async_wait<1>();   /* this tile's Q and dO (and K, V): all but the newest group */
+        if (W) fence_proxy_async();
         __syncthreads();
         const uint4 *const sQ = smem + (128 + 64 * buf) * CH, *const sO = sQ + 32 * CH;
         const float *L = lse + (b * g.H + h) * g.Tq, *dl = delta + (b * g.H + h) * g.Tq;
         float s[4][4], dp[4][4];
-        two_products<D>(s, dp, sK, sQ, sV, sO, warp);   /* S^T = K Q^T, dP^T = V dO^T */
+        if (W) {   /* S^T = K Q^T, dP^T = V dO^T: 64 keys x 32 queries each, Q and dO K-major */
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+                for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) {
+                uint32_t x[4], y[4];
+                ldmatrix_x4(x, frag_a<D>(sK, warp * 16, 2 * kk));
+                ldmatrix_x4(y, frag_a<D>(sV, warp * 16, 2 * kk));
+                wgmma_64x32<0>(&s[0][0], x, wg_desc_sw128(sQ + (kk >> 2) * 256 + (kk & 3) * 2));
+                wgmma_64x32<0>(&dp[0][0], y, wg_desc_sw128(sO + (kk >> 2) * 256 + (kk & 3) * 2));
+            }
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_regs(&s[0][0], 16);
+            wg_fence_regs(&dp[0][0], 16);
+        } else {
+            two_products<D>(s, dp, sK, sQ, sV, sO, warp);   /* S^T = K Q^T, dP^T = V dO^T */
+        }
 #pragma unroll
         for (int n = 0; n < 4; n++)
 #pragma unroll
@@ -506,8 +533,27 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
                 s[n][e] = p;
                 dp[n][e] = ds;
             }
-        acc_times_tile<D, 2>(dva, s, sO);    /* dV += P^T dO */
-        acc_times_tile<D, 2>(dka, dp, sQ);   /* dK += dS^T Q */
+        if (W) {   /* dV += P^T dO, dK += dS^T Q: P^T, dS^T from the accumulators, dO and Q MN-major */
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                uint32_t pa[4], da[4];
+                acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
+                acc_to_a(da, dp[2 * kk], dp[2 * kk + 1]);
+#pragma unroll
+                for (int half = 0; half < D / 64; half++) {
+                    wgmma_64x64<1>(&dva[8 * half][0], pa, wg_desc_sw128(sO + half * 256 + kk * 128));
+                    wgmma_64x64<1>(&dka[8 * half][0], da, wg_desc_sw128(sQ + half * 256 + kk * 128));
+                }
+            }
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_regs(&dva[0][0], 4 * CH);
+            wg_fence_regs(&dka[0][0], 4 * CH);
+        } else {
+            acc_times_tile<D, 2>(dva, s, sO);    /* dV += P^T dO */
+            acc_times_tile<D, 2>(dka, dp, sQ);   /* dK += dS^T Q */
+        }
         __syncthreads();   /* every warp is done with this buffer before the next round refills it */
         h = h_next;
         i0 = i_next;
@@ -739,6 +785,16 @@ static void launch_dq(int64_t blocks, float *dq, const geom &g, const bf16 *q, c
                                                                                      ran);
 }
 
+template <int D, bool WG>
+static void launch_dkv(int64_t blocks, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
+                       const bf16 *dout, const float *lse, const float *delta, int *ran) {
+    const size_t smem = backward_smem_bytes<D>() + (WG ? 1024 : 0);   /* WG: room to align the tiles */
+    cudaError_t e = cudaFuncSetAttribute(fa_backward_dkv<D, WG>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dK, dV): shared memory", e); return; }
+    ULY_LAUNCH_SMEM((fa_backward_dkv<D, WG>), blocks, FA_THREADS, smem, uly_cu_stream)(dk, dv, g, q, k, v, dout, lse,
+                                                                                      delta, ran);
+}
+
 /* the largest |a - b| over n values and the largest |a|, NaN counted as a difference */
 static void differ(const float *a, const float *b, size_t n, float *worst, float *big) {
     for (size_t i = 0; i < n; i++) {
@@ -748,7 +804,8 @@ static void differ(const float *a, const float *b, size_t n, float *worst, float
     }
 }
 
-/* the forward and dQ on a small causal GQA problem through the mma.sync and the wgmma kernels */
+/* the forward, dQ and dK / dV on a small causal GQA problem through the mma.sync and the wgmma
+ * kernels */
 template <int D>
 static int wgmma_selfcheck(char *why, size_t nwhy) {
     geom g;
@@ -757,11 +814,12 @@ static int wgmma_selfcheck(char *why, size_t nwhy) {
     g.causal = 1; g.left = g.right = -1;
     const size_t nq = (size_t)g.Tq * g.H * D, nkv = (size_t)g.Tk * g.Hkv * D, nl = (size_t)g.H * g.Tq;
     const size_t nin = 2 * nq + 2 * nkv;                      /* q, k, v, dO (bf16) */
-    const size_t nf = 2 * (nq + nl) + nl + 2 * nq;            /* o, lse twice; delta; dq twice (f32) */
+    const size_t ng = 2 * nq + 4 * nkv;                       /* dq, dk, dv twice: accumulated from 0 */
+    const size_t nf = 2 * (nq + nl) + nl + ng;                /* o, lse twice; delta; the gradients (f32) */
     bf16 *hin = (bf16 *)malloc(nin * sizeof(bf16));
     float *hf = (float *)malloc(nf * sizeof(float));
     void *dmem = NULL;
-    cudaError_t e = hin && hf ? cudaMalloc(&dmem, nin * sizeof(bf16) + nf * sizeof(float) + 2 * sizeof(int))
+    cudaError_t e = hin && hf ? cudaMalloc(&dmem, nin * sizeof(bf16) + nf * sizeof(float) + 3 * sizeof(int))
                               : cudaErrorMemoryAllocation;
     int ok = 0;
     if (e == cudaSuccess) {
@@ -772,8 +830,8 @@ static int wgmma_selfcheck(char *why, size_t nwhy) {
         }
         bf16 *dq_in = (bf16 *)dmem, *dk = dq_in + nq, *dv = dk + nkv, *ddo = dv + nkv;
         float *o1 = (float *)(ddo + nq), *l1 = o1 + nq, *o2 = l1 + nl, *l2 = o2 + nq, *delta = l2 + nl;
-        float *g1 = delta + nl, *g2 = g1 + nq;
-        int *ran = (int *)(g2 + nq), ran_h[2] = {0, 0};
+        float *g1 = delta + nl, *g2 = g1 + nq, *k1 = g2 + nq, *v1 = k1 + nkv, *k2 = v1 + nkv, *v2 = k2 + nkv;
+        int *ran = (int *)(v2 + nkv), ran_h[3] = {0, 0, 0};
         const int64_t blocks = (g.Tq + 63) / 64 * g.H;
         e = cudaMemcpy(dq_in, hin, nin * sizeof(bf16), cudaMemcpyHostToDevice);
         if (e == cudaSuccess) e = cudaMemcpy(ran, ran_h, sizeof ran_h, cudaMemcpyHostToDevice);
@@ -794,27 +852,36 @@ static int wgmma_selfcheck(char *why, size_t nwhy) {
                     }
                     hdelta[h * g.Tq + i] = sum;
                 }
-            memset(hzero, 0, 2 * nq * sizeof(float));
-            e = cudaMemcpy(delta, hdelta, (nl + 2 * nq) * sizeof(float), cudaMemcpyHostToDevice);
+            memset(hzero, 0, ng * sizeof(float));
+            e = cudaMemcpy(delta, hdelta, (nl + ng) * sizeof(float), cudaMemcpyHostToDevice);
         }
         if (e == cudaSuccess) {
             launch_dq<D, false>(blocks, g1, g, dq_in, dk, dv, ddo, l1, delta, NULL);
             launch_dq<D, true>(blocks, g2, g, dq_in, dk, dv, ddo, l1, delta, ran + 1);
+            const int64_t kblocks = (g.Tk + 63) / 64 * g.Hkv;
+            launch_dkv<D, false>(kblocks, k1, v1, g, dq_in, dk, dv, ddo, l1, delta, NULL);
+            launch_dkv<D, true>(kblocks, k2, v2, g, dq_in, dk, dv, ddo, l1, delta, ran + 2);
             e = cudaDeviceSynchronize();
         }
         if (e == cudaSuccess) e = cudaMemcpy(hf, o1, nf * sizeof(float), cudaMemcpyDeviceToHost);
         if (e == cudaSuccess) e = cudaMemcpy(ran_h, ran, sizeof ran_h, cudaMemcpyDeviceToHost);
         if (e == cudaSuccess) {
-            float fw = 0.0f, fbig = 0.0f, bw = 0.0f, bbig = 0.0f;
-            differ(hf, hf + nq + nl, nq + nl, &fw, &fbig);                          /* o, lse */
-            differ(hf + 2 * (nq + nl) + nl, hf + 2 * (nq + nl) + nl + nq, nq, &bw, &bbig);   /* dq */
-            if (!ran_h[0] || !ran_h[1]) snprintf(why, nwhy, "off: the loaded kernels have no wgmma (not the sm_90a build)");
+            float fw = 0.0f, fbig = 0.0f, bw = 0.0f, bbig = 0.0f, kw = 0.0f, kbig = 0.0f;
+            const float *grads = hf + 2 * (nq + nl) + nl;
+            differ(hf, hf + nq + nl, nq + nl, &fw, &fbig);                     /* o, lse */
+            differ(grads, grads + nq, nq, &bw, &bbig);                           /* dq */
+            differ(grads + 2 * nq, grads + 2 * nq + 2 * nkv, 2 * nkv, &kw, &kbig);   /* dk, dv */
+            if (!ran_h[0] || !ran_h[1] || (D == 64 && !ran_h[2]))   /* dK/dV: D = 64 only */
+                snprintf(why, nwhy, "off: the loaded kernels have no wgmma (not the sm_90a build)");
             else if (!(fw <= 2e-3f * fmaxf(fbig, 1.0f)))
                 snprintf(why, nwhy, "off: the self-check's forward differs from mma.sync by %g (largest value %g)", fw, fbig);
             else if (!(bw <= 2e-3f * fmaxf(bbig, 1.0f)))
                 snprintf(why, nwhy, "off: the self-check's dQ differs from mma.sync by %g (largest value %g)", bw, bbig);
+            else if (!(kw <= 2e-3f * fmaxf(kbig, 1.0f)))
+                snprintf(why, nwhy, "off: the self-check's dK/dV differs from mma.sync by %g (largest value %g)", kw, kbig);
             else {
-                snprintf(why, nwhy, "on (self-check: forward within %g, dQ within %g of mma.sync)", fw, bw);
+                snprintf(why, nwhy, "on (self-check: forward within %g, dQ within %g, dK/dV within %g of mma.sync)", fw,
+                         bw, kw);
                 ok = 1;
             }
         }
@@ -889,10 +956,8 @@ static int backward_d(float *dq, float *dk, float *dv, const geom &g, const bf16
                       const bf16 *dout, const float *lse, const float *delta) {
     if (dk || dv) {
         int64_t blocks = (g.Tk + 63) / 64 * g.B * g.Hkv;
-        const size_t smem = backward_smem_bytes<D>();
-        cudaError_t e = cudaFuncSetAttribute(fa_backward_dkv<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dK, dV): shared memory", e); return -1; }
-        ULY_LAUNCH_SMEM(fa_backward_dkv<D>, blocks, FA_THREADS, smem, uly_cu_stream)(dk, dv, g, q, k, v, dout, lse, delta);
+        if (use_wgmma(D)) launch_dkv<D, true>(blocks, dk, dv, g, q, k, v, dout, lse, delta, NULL);
+        else launch_dkv<D, false>(blocks, dk, dv, g, q, k, v, dout, lse, delta, NULL);
         if (launched("fused flash attention backward (dK, dV)")) return -1;
     }
     if (dq) {

@@ -124,7 +124,7 @@ function M.gemm_heuristic_queries()
   return lib and tonumber(lib.uly_cuda_gemm_heuristic_queries()) or nil
 end
 
--- whether the fused attention forward and dQ run on Hopper's wgmma (sm_90a), and why: 'on (...)' or
+-- whether the fused attention kernels run on Hopper's wgmma (sm_90a), and why: 'on (...)' or
 -- 'off: ...' (decided at its first call with head dim 64 or 128, by a self-check on a compute
 -- capability 9.0 GPU; ULY_CUDA_ATTN_WGMMA=0 / 1 forces it). nil when the CUDA backend is not running.
 function M.wgmma_status()
