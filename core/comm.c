@@ -1347,6 +1347,15 @@ static pending_reduce *push_pending(uly_comm *c) {
     return p;
 }
 
+/* a device collective that failed to start: the pending slot it took given back, its message */
+static int start_failed(call *k, const char *why) {
+    k->c->n_pending--;
+    msgbuf m = {.n = 0};
+    put_call(&m, k);
+    put(&m, ": the device collective failed: %s", why ? why : "no reason given");
+    return uly_set_error("%s", m.s);
+}
+
 /* the data of the agreed all-reduce k of t moving in the background, if it can (else -2) */
 static int all_reduce_background(call *k, uly_tensor *t, int op) {
     uly_comm *c = k->c;
@@ -1358,13 +1367,7 @@ static int all_reduce_background(call *k, uly_tensor *t, int op) {
         if (!(p = push_pending(c))) return -2;
         int rc = be->comm_all_reduce_start(c->dev_comm, uly_ptr(t), uly_tensor_numel(t), t->dtype, op);
         const char *why = be->take_error();
-        if (rc || why) {
-            c->n_pending--;
-            msgbuf m = {.n = 0};
-            put_call(&m, k);
-            put(&m, ": the device collective failed: %s", why ? why : "no reason given");
-            return uly_set_error("%s", m.s);
-        }
+        if (rc || why) return start_failed(k, why);
     } else {
 #ifdef ULY_WITH_MPI
         int fits = uly_tensor_numel(t) <= CHUNK && t->dtype != ULY_DTYPE_BF16;   /* bf16 sums through f32 */
@@ -1394,13 +1397,7 @@ static int reduce_scatter_background(call *k, const uly_tensor *in, uly_tensor *
         if (!be || !(p = push_pending(c))) return -2;   /* staged through the host: now */
         int rc = be->comm_reduce_scatter_start(c->dev_comm, uly_ptr(in), uly_ptr(out), k->h.a, in->dtype, op);
         const char *why = be->take_error();
-        if (rc || why) {
-            c->n_pending--;
-            msgbuf m = {.n = 0};
-            put_call(&m, k);
-            put(&m, ": the device collective failed: %s", why ? why : "no reason given");
-            return uly_set_error("%s", m.s);
-        }
+        if (rc || why) return start_failed(k, why);
     } else {
 #ifdef ULY_WITH_MPI
         if (in->dtype == ULY_DTYPE_BF16 || !(p = push_pending(c))) return -2;   /* bf16 sums through f32: now */

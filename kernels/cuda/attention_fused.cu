@@ -136,6 +136,44 @@ __device__ static inline void acc_times_tile(float acc[D / 8][4], float x[2 * KT
     }
 }
 
+/* two_products on wgmma: a1, a2 64-row tiles in the ldmatrix layout (A from registers), b1, b2
+ * 32-row tiles in the wgmma layout (K-major B); s and dp are the warpgroup's 64 x 32 results */
+template <int D>
+__device__ static inline void two_products_wg(float s[4][4], float dp[4][4], const uint4 *a1, const uint4 *b1,
+                                              const uint4 *a2, const uint4 *b2, int warp) {
+#pragma unroll
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t x[4], y[4];
+        ldmatrix_x4(x, frag_a<D>(a1, warp * 16, 2 * kk));
+        ldmatrix_x4(y, frag_a<D>(a2, warp * 16, 2 * kk));
+        wgmma_64x32<0>(&s[0][0], x, wg_desc_sw128(b1 + (kk >> 2) * 256 + (kk & 3) * 2));
+        wgmma_64x32<0>(&dp[0][0], y, wg_desc_sw128(b2 + (kk >> 2) * 256 + (kk & 3) * 2));
+    }
+    wg_commit();
+    wg_wait<0>();
+    wg_fence_regs(&s[0][0], 16);
+    wg_fence_regs(&dp[0][0], 16);
+}
+
+/* acc_times_tile on wgmma, queued (the caller fences, commits and waits): acc += x t, x 64 x 16 KT
+ * in accumulator layout (rounded to bf16 here), t the first 16 KT rows of a ROWS-row tile in the
+ * wgmma layout (MN-major B), 64 of D per instruction */
+template <int D, int KT, int ROWS>
+__device__ static inline void acc_times_tile_wg(float acc[D / 8][4], float x[2 * KT][4], const uint4 *t) {
+#pragma unroll
+    for (int kk = 0; kk < KT; kk++) {
+        uint32_t xa[4];
+        acc_to_a(xa, x[2 * kk], x[2 * kk + 1]);
+#pragma unroll
+        for (int half = 0; half < D / 64; half++)
+            wgmma_64x64<1>(&acc[8 * half][0], xa, wg_desc_sw128(t + half * ROWS * 8 + kk * 128));
+    }
+}
+
 __device__ static inline float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
@@ -321,16 +359,9 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         cp_async_wait<1>();   /* this tile's V (the next K may still be in flight) */
         if (W) fence_proxy_async();
         __syncthreads();
-        if (W) {   /* O += P V: P from the accumulators as A, V MN-major, 64 of D per instruction */
+        if (W) {   /* O += P V: P from the accumulators as A, V MN-major */
             wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                uint32_t pa[4];
-                acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-                for (int half = 0; half < D / 64; half++)
-                    wgmma_64x64<1>(&o[8 * half][0], pa, wg_desc_sw128(sV + half * 512 + kk * 128));
-            }
+            acc_times_tile_wg<D, 4, 64>(o, s, sV);
             wg_commit();
             wg_wait<0>();
             wg_fence_regs(&o[0][0], 4 * CH);
@@ -500,26 +531,8 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
         const uint4 *const sQ = smem + (128 + 64 * buf) * CH, *const sO = sQ + 32 * CH;
         const float *L = lse + (b * g.H + h) * g.Tq, *dl = delta + (b * g.H + h) * g.Tq;
         float s[4][4], dp[4][4];
-        if (W) {   /* S^T = K Q^T, dP^T = V dO^T: 64 keys x 32 queries each, Q and dO K-major */
-#pragma unroll
-            for (int n = 0; n < 4; n++)
-                for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) {
-                uint32_t x[4], y[4];
-                ldmatrix_x4(x, frag_a<D>(sK, warp * 16, 2 * kk));
-                ldmatrix_x4(y, frag_a<D>(sV, warp * 16, 2 * kk));
-                wgmma_64x32<0>(&s[0][0], x, wg_desc_sw128(sQ + (kk >> 2) * 256 + (kk & 3) * 2));
-                wgmma_64x32<0>(&dp[0][0], y, wg_desc_sw128(sO + (kk >> 2) * 256 + (kk & 3) * 2));
-            }
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_regs(&s[0][0], 16);
-            wg_fence_regs(&dp[0][0], 16);
-        } else {
-            two_products<D>(s, dp, sK, sQ, sV, sO, warp);   /* S^T = K Q^T, dP^T = V dO^T */
-        }
+        if (W) two_products_wg<D>(s, dp, sK, sQ, sV, sO, warp);   /* S^T = K Q^T, dP^T = V dO^T */
+        else two_products<D>(s, dp, sK, sQ, sV, sO, warp);
 #pragma unroll
         for (int n = 0; n < 4; n++)
 #pragma unroll
@@ -535,17 +548,8 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
             }
         if (W) {   /* dV += P^T dO, dK += dS^T Q: P^T, dS^T from the accumulators, dO and Q MN-major */
             wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
-                uint32_t pa[4], da[4];
-                acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
-                acc_to_a(da, dp[2 * kk], dp[2 * kk + 1]);
-#pragma unroll
-                for (int half = 0; half < D / 64; half++) {
-                    wgmma_64x64<1>(&dva[8 * half][0], pa, wg_desc_sw128(sO + half * 256 + kk * 128));
-                    wgmma_64x64<1>(&dka[8 * half][0], da, wg_desc_sw128(sQ + half * 256 + kk * 128));
-                }
-            }
+            acc_times_tile_wg<D, 2, 32>(dva, s, sO);
+            acc_times_tile_wg<D, 2, 32>(dka, dp, sQ);
             wg_commit();
             wg_wait<0>();
             wg_fence_regs(&dva[0][0], 4 * CH);
@@ -631,26 +635,8 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
         __syncthreads();
         const uint4 *const sK = smem + (128 + 64 * buf) * CH, *const sV = sK + 32 * CH;
         float s[4][4], dp[4][4];
-        if (W) {   /* S = Q K^T, dP = dO V^T: 64 x 32 each, K and V K-major */
-#pragma unroll
-            for (int n = 0; n < 4; n++)
-                for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) {
-                uint32_t x[4], y[4];
-                ldmatrix_x4(x, frag_a<D>(sQ, warp * 16, 2 * kk));
-                ldmatrix_x4(y, frag_a<D>(sO, warp * 16, 2 * kk));
-                wgmma_64x32<0>(&s[0][0], x, wg_desc_sw128(sK + (kk >> 2) * 256 + (kk & 3) * 2));
-                wgmma_64x32<0>(&dp[0][0], y, wg_desc_sw128(sV + (kk >> 2) * 256 + (kk & 3) * 2));
-            }
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_regs(&s[0][0], 16);
-            wg_fence_regs(&dp[0][0], 16);
-        } else {
-            two_products<D>(s, dp, sQ, sK, sO, sV, warp);   /* S = Q K^T, dP = dO V^T */
-        }
+        if (W) two_products_wg<D>(s, dp, sQ, sK, sO, sV, warp);   /* S = Q K^T, dP = dO V^T */
+        else two_products<D>(s, dp, sQ, sK, sO, sV, warp);
 #pragma unroll
         for (int n = 0; n < 4; n++)
 #pragma unroll
@@ -661,16 +647,9 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
                     ds = __expf(s[n][e] * g.scale - L[e >> 1]) * (dp[n][e] - dl[e >> 1]) * g.scale;
                 s[n][e] = ds;
             }
-        if (W) {   /* dQ += dS K: dS from the accumulators as A, K MN-major, 64 of D per instruction */
+        if (W) {   /* dQ += dS K: dS from the accumulators as A, K MN-major */
             wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
-                uint32_t da[4];
-                acc_to_a(da, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-                for (int half = 0; half < D / 64; half++)
-                    wgmma_64x64<1>(&acc[8 * half][0], da, wg_desc_sw128(sK + half * 256 + kk * 128));
-            }
+            acc_times_tile_wg<D, 2, 32>(acc, s, sK);
             wg_commit();
             wg_wait<0>();
             wg_fence_regs(&acc[0][0], 4 * CH);

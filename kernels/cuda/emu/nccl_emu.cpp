@@ -56,6 +56,19 @@ int group_depth;
 std::vector<p2p> group_ops;
 cudaStream_t group_stream;
 
+/* a reduction's staged result (bf16 summed in f32) into recv: avg's division, bf16 rounding */
+void land(char *s, void *recv, size_t count, ncclDataType_t type, ncclRedOp_t op, int size) {
+    bool bf16 = type == ncclBfloat16;
+    if (op == ncclAvg && (bf16 || type == ncclFloat32))
+        for (size_t i = 0; i < count; i++) ((float *)s)[i] /= (float)size;
+    if (op == ncclAvg && type == ncclFloat64)
+        for (size_t i = 0; i < count; i++) ((double *)s)[i] /= size;
+    if (bf16)
+        for (size_t i = 0; i < count; i++) ((__nv_bfloat16 *)recv)[i] = __float2bfloat16_rn(((float *)s)[i]);
+    else
+        memcpy(recv, s, count * type_size(type));
+}
+
 bool mpi_up() {
     int up = 0, down = 0;
     MPI_Initialized(&up);
@@ -187,15 +200,7 @@ ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataT
     int size = comm->size;
     uly_emu::submit(stream, [=]() {
         MPI_Wait(req.get(), MPI_STATUS_IGNORE);
-        char *s = staged->data();
-        if (op == ncclAvg && (bf16 || type == ncclFloat32))   /* bf16 was summed in f32 */
-            for (size_t i = 0; i < count; i++) ((float *)s)[i] /= (float)size;
-        if (op == ncclAvg && type == ncclFloat64)
-            for (size_t i = 0; i < count; i++) ((double *)s)[i] /= size;
-        if (bf16)
-            for (size_t i = 0; i < count; i++) ((__nv_bfloat16 *)recv)[i] = __float2bfloat16_rn(((float *)s)[i]);
-        else
-            memcpy(recv, s, count * es);
+        land(staged->data(), recv, count, type, op, size);
     });
     return ncclSuccess;
 }
@@ -248,15 +253,7 @@ ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, ncclD
     uly_emu::submit(stream, [=]() {
         MPI_Wait(req.get(), MPI_STATUS_IGNORE);
         (void)staged;
-        char *s = out->data();
-        if (op == ncclAvg && (bf16 || type == ncclFloat32))
-            for (size_t i = 0; i < count; i++) ((float *)s)[i] /= (float)size;
-        if (op == ncclAvg && type == ncclFloat64)
-            for (size_t i = 0; i < count; i++) ((double *)s)[i] /= size;
-        if (bf16)
-            for (size_t i = 0; i < count; i++) ((__nv_bfloat16 *)recv)[i] = __float2bfloat16_rn(((float *)s)[i]);
-        else
-            memcpy(recv, s, count * es);
+        land(out->data(), recv, count, type, op, size);
     });
     return ncclSuccess;
 }
