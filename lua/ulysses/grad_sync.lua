@@ -21,8 +21,9 @@
 --
 -- opt:grad_sync() of a dist.ZeroAdamW makes one whose buckets are the optimizer's: each complete
 -- bucket starts a reduce-scatter into the optimizer's gradient shard (group:reduce_scatter_start)
--- instead of an all-reduce, and finish() leaves the grads as backward made them and the reduced
--- shard to the optimizer (ZeRO's reduction overlapped with backward).
+-- instead of an all-reduce, and finish() leaves the reduced shard to the optimizer and the grads
+-- to its stage (1: as backward made them; 2: freed when taken) (ZeRO's reduction overlapped with
+-- backward).
 local ffi = require 'ffi'
 local T = require 'ulysses.tensor'
 local C = require('ulysses.ffi').C
@@ -217,7 +218,7 @@ function GradSync:finish(opts)
     error(err, 2)
   end
   local plan = st.plan
-  if self.target then   -- the reduced shard stays with the optimizer; the grads stay this rank's own
+  if self.target then   -- the reduced shard stays with the optimizer; no grads are copied back
     self.target:_synced()
     self.last = { buckets = #plan.buckets, started_in_backward = st.early }
     return self.last

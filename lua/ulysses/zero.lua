@@ -71,7 +71,7 @@ local function plan_layout(params, G, r, bucket_elems)
     padded, owned = padded + size, owned + s
   end
   if total == 0 then raise('ZeroAdamW: the parameters have no elements') end
-  return { total = total, padded = padded, owned = owned, buckets = buckets, bucket_elems = E }
+  return { total = total, padded = padded, owned = owned, buckets = buckets }
 end
 
 -- the flat order: the last parameter first, as backward finishes them (model:parameters() lists
@@ -327,7 +327,7 @@ function ZeroAdamW:_sync_plan()
 end
 
 function ZeroAdamW:_start_bucket(b)
-  self:_check_params()
+  if not self._syncing then self:_check_params() end   -- once a step, before its first bucket
   self._syncing = true
   local bk = self.layout.buckets[b]
   self.group:reduce_scatter_start(bk.gbucket, bk.gslice, 'sum')
