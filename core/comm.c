@@ -126,14 +126,22 @@ static void bad(call *k, const char *fmt, ...) {
     k->h.bad = 1;
 }
 
+/* did the device backend's watchdog abort c's device communicator (kernels/cuda/comm.cu)? */
+static int device_aborted(const uly_comm *c) {
+    const uly_backend *be = uly_backends[ULY_DEVICE_CUDA];
+    return c->dev_comm && be && be->comm_aborted && be->comm_aborted(c->dev_comm);
+}
+
 static int call_begin(call *k, uly_comm *c, int kind) {
     memset(k, 0, sizeof *k);
     if (!c) return uly_set_error("%s: no group given (call uly_dist_init first, then use its world, sp or dp group)",
                                  kind_names[kind]);
     if (!S.initialized) return uly_set_error("%s: the process grid is not initialised (uly_dist_init)", kind_names[kind]);
+    if (device_aborted(c)) c->broken = 1;
     if (c->broken)
-        return uly_set_error("%s on group %s: an earlier collective on this group timed out, so its ranks are out of "
-                             "step for good; end the job (uly.dist.abort)", kind_names[kind], c->name);
+        return uly_set_error("%s on group %s: an earlier collective on this group timed out or its device "
+                             "communicator was aborted, so its ranks are out of step for good; end the job "
+                             "(uly.dist.abort)", kind_names[kind], c->name);
     k->c = c;
     k->kind = kind;
     k->seq = c->calls++;
@@ -966,9 +974,16 @@ static double env_timeout(void) {
     return end != s ? v : 600;
 }
 
+/* the device backend's watchdog takes the same limit as the MPI waits */
+static void device_timeout(void) {
+    const uly_backend *be = uly_backends[ULY_DEVICE_CUDA];
+    if (be && be->comm_set_timeout) be->comm_set_timeout(S.timeout);
+}
+
 void uly_dist_set_timeout(double seconds) {
     S.timeout = seconds;
     S.timeout_explicit = 1;
+    device_timeout();
 }
 
 static int single_group(uly_comm *g, const char *name) {
@@ -1027,6 +1042,7 @@ static int mpi_group(uly_comm *g, const char *name, int color) {
 #endif
 
 static void free_group(uly_comm *g) {
+    if (device_aborted(g)) g->broken = 1;   /* a peer may be stuck: MPI cannot shut down cleanly */
     if (g->n_pending && !g->broken) uly_comm_wait_all(g);   /* MPI must not shut down under them */
     free(g->pending);
     if (g->dev_comm && uly_backends[ULY_DEVICE_CUDA] && uly_backends[ULY_DEVICE_CUDA]->comm_destroy)
@@ -1092,7 +1108,9 @@ int uly_dist_init(int sp_size) {
 int uly_dist_initialized(void) { return S.initialized; }
 
 int uly_dist_finalize(void) {
-    int broken = S.world.broken || S.sp_group.broken || S.dp_group.broken;
+    int broken = 0;
+    const uly_comm *groups[3] = {&S.world, &S.sp_group, &S.dp_group};
+    for (int i = 0; i < 3; i++) broken |= groups[i]->broken || device_aborted(groups[i]);
     if (S.initialized) {
         free_group(&S.world);
         free_group(&S.sp_group);
@@ -1107,7 +1125,8 @@ int uly_dist_finalize(void) {
     MPI_Initialized(&inited);
     MPI_Finalized(&finished);
     if (S.mpi_ours && inited && !finished) {
-        if (broken) uly_dist_abort("a collective timed out earlier, so MPI cannot shut down cleanly: ending the job");
+        if (broken) uly_dist_abort("a collective timed out or failed on the device earlier, so MPI cannot shut down "
+                                   "cleanly: ending the job");
         MPI_Finalize();
         S.mpi_done = 1;
     }
@@ -1260,6 +1279,7 @@ static int device_comm(uly_comm *c, int device) {
     }
     c->dev_comm = dc;
     c->dev_state = 1;
+    device_timeout();
 #endif
     return c->dev_state;
 }

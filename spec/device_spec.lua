@@ -834,19 +834,32 @@ end)
 
 -- two ranks, each with its own emulated GPU: NCCL (the emulator's, over MPI) on its own stream,
 -- stream work deferred until waited for. run_ranks(cmd) -> output, or nil and why it cannot run
-local function run_ranks(cmd)
+-- launch_ranks(cmd, env) -> output and exit status (124: killed by `timeout`), or nil and why not;
+-- env: extra variables ({ NAME = value }) passed to every rank
+local function launch_ranks(cmd, env)
   -- (not under the sanitizer build: Open MPI's own allocations trip LeakSanitizer in every rank)
   if os.execute('command -v mpirun >/dev/null 2>&1') ~= 0 or not uly.has('mpi')
      or (os.getenv('LD_PRELOAD') or ''):find('asan', 1, true) then
     return nil, 'no mpirun, a library without MPI, or the sanitizer build'
   end
-  local env = 'OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 '
+  local vars = 'OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 '
     .. 'ULY_EMU_GPUS=own ULY_EMU_STREAMS=lazy ULY_CUDA_LIB=' .. helpers.shq(os.getenv('ULY_CUDA_LIB') or '') .. ' '
-  local p = assert(io.popen(env .. 'timeout 300 mpirun --bind-to none --mca mpi_yield_when_idle 1 -x ULY_EMU_GPUS '
-                            .. '-x ULY_EMU_STREAMS -x ULY_CUDA_LIB -np 2 ' .. cmd .. ' 2>&1; echo "exit=$?"'))
+  local pass = '-x ULY_EMU_GPUS -x ULY_EMU_STREAMS -x ULY_CUDA_LIB '
+  for k, v in pairs(env or {}) do
+    vars = vars .. k .. '=' .. helpers.shq(tostring(v)) .. ' '
+    pass = pass .. '-x ' .. k .. ' '
+  end
+  local p = assert(io.popen(vars .. 'timeout 300 mpirun --bind-to none --mca mpi_yield_when_idle 1 ' .. pass
+                            .. '-np 2 ' .. cmd .. ' 2>&1; echo "exit=$?"'))
   local out = p:read('*a')
   p:close()
-  assert.truthy(out:match('exit=0%s*$'), out)
+  return out, tonumber(out:match('exit=(%d+)%s*$'))
+end
+
+local function run_ranks(cmd)
+  local out, rc = launch_ranks(cmd)
+  if not out then return nil, rc end
+  assert.equal(0, rc, out)
   return out
 end
 
@@ -895,5 +908,71 @@ describe('bench/ulysses.lua on device cuda under mpirun', function()
     end
     -- table 1: measured / exact = 1.00 forward and backward, on every rank
     assert.truthy(out:match('llama%s+256%s+2%s[^\n]*%s1%.00%s[^\n]*%s1%.00%s+yes'), out)
+  end)
+end)
+
+-- the NCCL watchdog (kernels/cuda/comm.cu): when a rank's GPU stalls inside a collective (the
+-- emulator's uly_emu_nccl_stall: it posts nothing and never finishes, so its peer waits too), or
+-- NCCL reports an asynchronous error (a peer's death), every rank's wait ends with a message naming
+-- what was in flight, instead of the job hanging; the group cannot be used after it, and the job
+-- ends instead of hanging in MPI's shutdown
+describe('the NCCL watchdog under mpirun', function()
+  local script = [[
+    local uly = require 'ulysses'
+    local ffi = require 'ffi'
+    ffi.cdef 'int uly_emu_nccl_stall(int on); void uly_emu_nccl_async_error(int code);'
+    local emu = ffi.load(os.getenv('ULY_CUDA_LIB'))
+    uly.dist.run(function()
+      local w = uly.dist.init({ sp = 2 }).world_group
+      local t = uly.ones(1024, { device = 'cuda' })
+      w:all_reduce_(t)   -- a healthy one first, over NCCL
+      assert(w:device_path() == 'device' and t:sum():item() == 2048)
+      if os.getenv('WATCHDOG_CASE') == 'async' then
+        if w:rank() == 0 then emu.uly_emu_nccl_async_error(6) else assert(emu.uly_emu_nccl_stall(1) == 0) end
+        w:all_reduce_start_(t)
+        w:wait_all()          -- orders later device work after it: no host wait yet
+        print(t:sum():item()) -- waits, and fails there
+      else
+        if w:rank() == 1 then assert(emu.uly_emu_nccl_stall(1) == 0) end
+        print('first: ' .. select(2, pcall(w.all_reduce_, w, t)))
+        print('after: ' .. select(2, pcall(w.all_reduce_, w, t)))
+      end
+    end)
+  ]]
+  local function job(case, timeout)
+    local file = os.tmpname()
+    local f = assert(io.open(file, 'w'))
+    f:write(script)
+    f:close()
+    local out, rc = launch_ranks('bin/ulysses ' .. file, { WATCHDOG_CASE = case, ULY_COMM_TIMEOUT = timeout })
+    os.remove(file)
+    return out, rc
+  end
+
+  it('times out the collective a stalled peer never finishes; the group is unusable after it', function()
+    if MODE ~= 'emu' then return end   -- a real GPU cannot be made to stall on purpose
+    local out, rc = job('stall', 2)
+    if not out then pending(rc) return end
+    assert.are_not.equal(0, rc, out)
+    assert.are_not.equal(124, rc, 'the job hung until the outer timeout:\n' .. out)
+    assert.matches('first: all_reduce on group world %(call 2%): the device collective failed: synchronize: NCCL '
+                   .. 'watchdog: timed out after 2 s waiting for the device collectives in flight %(the last queued: '
+                   .. 'all%-reduce of 1024 f32 elements over 2 ranks%): a rank died, stalled or skipped one; its '
+                   .. 'communicators are aborted', out)
+    assert.matches('after: all_reduce on group world: an earlier collective on this group timed out or its device '
+                   .. 'communicator was aborted', out)
+    assert.matches('ulysses: rank %d: a collective timed out or failed on the device earlier, so MPI cannot shut down', out)
+  end)
+
+  it('reports NCCL\'s asynchronous error at once, at the host\'s next wait', function()
+    if MODE ~= 'emu' then return end
+    local out, rc = job('async', 100)   -- not the timeout: rank 0 reports the error and ends the job
+    if not out then pending(rc) return end
+    assert.are_not.equal(0, rc, out)
+    assert.are_not.equal(124, rc, 'the job hung until the outer timeout:\n' .. out)
+    assert.matches('ulysses: rank 0: [^\n]*copy from the device: NCCL watchdog: NCCL reported an error %(remote process '
+                   .. 'exited or there was a network error%) with device collectives in flight %(the last queued: '
+                   .. 'all%-reduce of 1024 f32', out)
+    assert.is_nil(out:find('timed out', 1, true), out)
   end)
 end)

@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define ULY_BACKEND_ABI 8
+#define ULY_BACKEND_ABI 9
 #define ULY_VIEW_MAX_DIMS 8
 
 /* a strided window over backend memory: element [0, ..., 0] at p, strides in elements */
@@ -162,6 +162,13 @@ typedef struct uly_backend {
      *      rank's send. NULL: the core stages them through host memory. ---- */
     int (*comm_all_gather_start)(void *comm, const void *send, void *recv, int64_t count, int dtype);
     int (*comm_reduce_scatter_start)(void *comm, const void *send, void *recv, int64_t count, int dtype, int op);
+
+    /* ---- the watchdog over device collectives in flight (NULL: none): a host wait on the stream
+     *      that outlasts `seconds` (<= 0: no limit) while they are in flight, or an asynchronous
+     *      error of the library, aborts every communicator and fails; comm_aborted says whether
+     *      that has happened to comm (which the core then never uses again) ---- */
+    void (*comm_set_timeout)(double seconds);
+    int (*comm_aborted)(void *comm);
 } uly_backend;
 
 #ifdef __cplusplus

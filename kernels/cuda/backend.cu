@@ -30,9 +30,8 @@ extern "C" void *uly_cu_scratch(void) { return scratch; }
 
 extern "C" int uly_cu_read_back(void *host, const void *dev, int64_t bytes) {
     cudaError_t e = cudaMemcpyAsync(host, dev, (size_t)bytes, cudaMemcpyDeviceToHost, uly_cu_stream);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(uly_cu_stream);
     if (e != cudaSuccess) { uly_cu_fail("reading a result back", e); return -1; }
-    return 0;
+    return uly_cu_stream_wait("reading a result back");
 }
 
 /* the stream-ordered allocator's pool (cudaMallocAsync: kernels' temporaries such as bf16 operand
@@ -45,7 +44,7 @@ static void *cu_raw_alloc(int64_t bytes) {
     cudaError_t e = cudaMalloc(&p, (size_t)bytes);
     if (e == cudaErrorMemoryAllocation && async_pool) {
         cudaGetLastError();
-        cudaStreamSynchronize(uly_cu_stream);
+        if (uly_cu_stream_wait("cudaMalloc's retry")) return NULL;
         cudaMemPoolTrimTo(async_pool, 0);
         e = cudaMalloc(&p, (size_t)bytes);
     }
@@ -76,15 +75,12 @@ static int cu_copy(void *dst, const void *src, int64_t bytes, int kind) {
     if (bytes <= 0) return 0;
     cudaMemcpyKind k = kind == ULY_COPY_H2D ? cudaMemcpyHostToDevice
                      : kind == ULY_COPY_D2H ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice;
+    const char *what = kind == ULY_COPY_H2D ? "copy to the device" : kind == ULY_COPY_D2H ? "copy from the device"
+                                                                                         : "copy on the device";
     cudaError_t e = cudaMemcpyAsync(dst, src, (size_t)bytes, k, uly_cu_stream);
+    if (e != cudaSuccess) { uly_cu_fail(what, e); return -1; }
     /* the host side may be reused (H2D) or read (D2H) as soon as this returns */
-    if (e == cudaSuccess && kind != ULY_COPY_D2D) e = cudaStreamSynchronize(uly_cu_stream);
-    if (e != cudaSuccess) {
-        uly_cu_fail(kind == ULY_COPY_H2D ? "copy to the device" : kind == ULY_COPY_D2H ? "copy from the device"
-                                                                                       : "copy on the device", e);
-        return -1;
-    }
-    return 0;
+    return kind != ULY_COPY_D2D ? uly_cu_stream_wait(what) : 0;
 }
 
 static int cu_memset0(void *p, int64_t bytes) {
@@ -94,11 +90,7 @@ static int cu_memset0(void *p, int64_t bytes) {
     return 0;
 }
 
-static int cu_synchronize(void) {
-    cudaError_t e = cudaStreamSynchronize(uly_cu_stream);
-    if (e != cudaSuccess) { uly_cu_fail("synchronize", e); return -1; }
-    return 0;
-}
+static int cu_synchronize(void) { return uly_cu_stream_wait("synchronize"); }
 
 static const char *cu_take_error(void) {
     if (!first_error[0]) return NULL;
@@ -129,12 +121,18 @@ static const uly_backend table = {
     cu_comm_all_reduce_start, cu_comm_join,
     cu_optim_adamw_multi,
     cu_comm_all_gather_start, cu_comm_reduce_scatter_start,
+    cu_comm_set_timeout, cu_comm_aborted,
 };
 
 extern "C" int uly_cuda_temporaries_peak(int64_t *bytes, int reset) {
     *bytes = 0;
     if (!async_pool) { uly_cuda_record_error("the CUDA backend is not started (or its device has no memory pool)"); return -1; }
-    cudaError_t e = cudaStreamSynchronize(uly_cu_stream);
+    if (uly_cu_stream_wait("reading the temporaries' pool")) {
+        const char *why = cu_take_error();
+        uly_cuda_record_error(why ? why : "waiting for the device failed");
+        return -1;
+    }
+    cudaError_t e = cudaSuccess;
     uint64_t high = 0;
     if (e == cudaSuccess) e = cudaMemPoolGetAttribute(async_pool, cudaMemPoolAttrUsedMemHigh, &high);
     uint64_t zero = 0;

@@ -7,10 +7,20 @@
  * buckets reduce while backward computes. NCCL is
  * opened with dlopen on first use, so libulysses_cuda.so loads without it; without NCCL the
  * core stages device buffers through host memory over MPI instead. The emulator build links its
- * own NCCL over MPI (emu/nccl_emu.cpp) in place of libnccl. */
+ * own NCCL over MPI (emu/nccl_emu.cpp) in place of libnccl.
+ *
+ * The NCCL watchdog: a GPU waiting for a peer that died or stalled waits forever, and so would the
+ * host in cudaStreamSynchronize. While NCCL work is in flight every host wait on the stream
+ * (uly_cu_stream_wait) polls instead: a communicator's asynchronous error (a peer's death as NCCL
+ * sees it), or the wait outlasting the timeout (ULY_COMM_TIMEOUT, uly.dist.set_timeout: the
+ * core's, handed over by cu_comm_set_timeout), aborts every communicator, so the stuck kernels
+ * end, and fails the wait with what was in flight; the core then treats those groups as broken. */
 #include <dlfcn.h>
+#include <sched.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include "common.cuh"
 
 /* ---- layouts ---- */
@@ -72,13 +82,16 @@ extern "C" int cu_device_uuid(unsigned char *uuid16) {
 
 /* ---- the communication stream: NCCL work runs there, beside the compute stream ---- */
 static cudaStream_t comm_stream;
-static cudaEvent_t computed, communicated;
+static cudaEvent_t computed, communicated, comm_tail;   /* comm_tail: after the last NCCL work queued */
+static int comm_queued;                                 /* any NCCL work queued since the stream was made */
+static char last_queued[160];                           /* the last collective queued, for the watchdog */
 
 static int comm_stream_ready(void) {
     if (comm_stream) return 0;
     cudaError_t e = cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&computed, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&communicated, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&comm_tail, cudaEventDisableTiming);
     if (e != cudaSuccess) { uly_cu_fail("creating the communication stream", e); comm_stream = NULL; return -1; }
     return 0;
 }
@@ -116,9 +129,10 @@ static struct {
     ncclResult_t (*group_start)(void);
     ncclResult_t (*group_end)(void);
     const char *(*error_string)(ncclResult_t);
-    ncclResult_t (*count)(const ncclComm_t, int *);
     ncclResult_t (*all_gather)(const void *, void *, size_t, ncclDataType_t, ncclComm_t, cudaStream_t);
     ncclResult_t (*reduce_scatter)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t);
+    ncclResult_t (*abort)(ncclComm_t);
+    ncclResult_t (*async_error)(ncclComm_t, ncclResult_t *);
 } N;
 
 static int nccl_open(void) {
@@ -144,13 +158,18 @@ static int nccl_open(void) {
     SYM(group_start, ncclGroupStart)
     SYM(group_end, ncclGroupEnd)
     SYM(error_string, ncclGetErrorString)
-    SYM(count, ncclCommCount)
     SYM(all_gather, ncclAllGather)
     SYM(reduce_scatter, ncclReduceScatter)
+    SYM(abort, ncclCommAbort)
+    SYM(async_error, ncclCommGetAsyncError)
 #undef SYM
     N.ok = 1;
     return 1;
 }
+
+/* a group's communicator as the core holds it: aborted by the watchdog, it is never used again */
+typedef struct { ncclComm_t nccl; int nranks, aborted; } cu_comm;
+static cu_comm *live[64];   /* every communicator made and not destroyed */
 
 static int nccl_check(const char *what, ncclResult_t r) {
     if (r == ncclSuccess) return 0;
@@ -179,22 +198,61 @@ extern "C" int cu_comm_unique_id(void *id, int64_t len) {
 
 extern "C" void *cu_comm_create(int nranks, int rank, const void *id) {
     if (!nccl_open()) return NULL;
+    int slot = 0;
+    while (slot < 64 && live[slot]) slot++;
+    if (slot == 64) { uly_cu_fail_msg("NCCL", "more than 64 communicators"); return NULL; }
     ncclUniqueId u;
     memcpy(&u, id, sizeof u);
     ncclComm_t comm = NULL;
     if (nccl_check("ncclCommInitRank", N.init_rank(&comm, nranks, u, rank))) return NULL;
-    return comm;
+    cu_comm *c = (cu_comm *)calloc(1, sizeof *c);
+    if (!c) { N.destroy(comm); uly_cu_fail_msg("NCCL", "out of host memory"); return NULL; }
+    c->nccl = comm;
+    c->nranks = nranks;
+    live[slot] = c;
+    return c;
 }
 
 extern "C" void cu_comm_destroy(void *comm) {
-    if (comm && N.ok) N.destroy((ncclComm_t)comm);
+    cu_comm *c = (cu_comm *)comm;
+    if (!c) return;
+    for (int i = 0; i < 64; i++)
+        if (live[i] == c) live[i] = NULL;
+    if (!c->aborted && N.ok) N.destroy(c->nccl);   /* an aborted one is already gone */
+    free(c);
+}
+
+extern "C" int cu_comm_aborted(void *comm) { return comm && ((cu_comm *)comm)->aborted; }
+
+/* the communicator for a collective about to be queued (NULL, with the failure kept, if unusable);
+ * the collective is described for the watchdog's message */
+static ncclComm_t usable(void *comm, const char *kind, int64_t count, int dtype) {
+    cu_comm *c = (cu_comm *)comm;
+    if (!N.ok || !c) { uly_cu_fail_msg(kind, "no NCCL communicator"); return NULL; }
+    if (c->aborted) {
+        uly_cu_fail_msg(kind, "the NCCL communicator was aborted by the watchdog after an earlier failure: end the job");
+        return NULL;
+    }
+    static const char *const names[] = {"f32", "f64", "i32", "i64", "bf16"};
+    const char *tn = dtype >= 0 && dtype < 5 ? names[dtype] : "?";
+    snprintf(last_queued, sizeof last_queued, "%s of %lld %s elements over %d ranks", kind, (long long)count, tn, c->nranks);
+    return c->nccl;
+}
+
+/* after NCCL work is queued on the communication stream: mark where it ends (comm_in_flight) */
+static int queued(int rc) {
+    comm_queued = 1;
+    cudaError_t e = cudaEventRecord(comm_tail, comm_stream);
+    if (e != cudaSuccess) { uly_cu_fail("marking the end of the communication", e); return -1; }
+    return rc;
 }
 
 extern "C" int cu_comm_all_reduce_start(void *comm, void *buf, int64_t count, int dtype, int op) {
     ncclDataType_t t;
-    if (!N.ok || nccl_type(dtype, &t) || after_compute()) return -1;
+    ncclComm_t nc = usable(comm, "all-reduce", count, dtype);
+    if (!nc || nccl_type(dtype, &t) || after_compute()) return -1;
     ncclRedOp_t o = op == ULY_REDUCE_AVG ? ncclAvg : op == ULY_REDUCE_MAX ? ncclMax : ncclSum;
-    return nccl_check("ncclAllReduce", N.all_reduce(buf, buf, (size_t)count, t, o, (ncclComm_t)comm, comm_stream));
+    return queued(nccl_check("ncclAllReduce", N.all_reduce(buf, buf, (size_t)count, t, o, nc, comm_stream)));
 }
 
 extern "C" int cu_comm_all_reduce(void *comm, void *buf, int64_t count, int dtype, int op) {
@@ -205,15 +263,17 @@ extern "C" int cu_comm_all_reduce(void *comm, void *buf, int64_t count, int dtyp
 /* ZeRO's collectives: NCCL takes send == recv + rank * count as an in-place all-gather */
 extern "C" int cu_comm_all_gather_start(void *comm, const void *send, void *recv, int64_t count, int dtype) {
     ncclDataType_t t;
-    if (!N.ok || nccl_type(dtype, &t) || after_compute()) return -1;
-    return nccl_check("ncclAllGather", N.all_gather(send, recv, (size_t)count, t, (ncclComm_t)comm, comm_stream));
+    ncclComm_t nc = usable(comm, "all-gather", count, dtype);
+    if (!nc || nccl_type(dtype, &t) || after_compute()) return -1;
+    return queued(nccl_check("ncclAllGather", N.all_gather(send, recv, (size_t)count, t, nc, comm_stream)));
 }
 
 extern "C" int cu_comm_reduce_scatter_start(void *comm, const void *send, void *recv, int64_t count, int dtype, int op) {
     ncclDataType_t t;
-    if (!N.ok || nccl_type(dtype, &t) || after_compute()) return -1;
+    ncclComm_t nc = usable(comm, "reduce-scatter", count, dtype);
+    if (!nc || nccl_type(dtype, &t) || after_compute()) return -1;
     ncclRedOp_t o = op == ULY_REDUCE_AVG ? ncclAvg : op == ULY_REDUCE_MAX ? ncclMax : ncclSum;
-    return nccl_check("ncclReduceScatter", N.reduce_scatter(send, recv, (size_t)count, t, o, (ncclComm_t)comm, comm_stream));
+    return queued(nccl_check("ncclReduceScatter", N.reduce_scatter(send, recv, (size_t)count, t, o, nc, comm_stream)));
 }
 
 /* the Ulysses exchange: one grouped send/recv per peer, on the communication stream, then the
@@ -221,22 +281,93 @@ extern "C" int cu_comm_reduce_scatter_start(void *comm, const void *send, void *
 extern "C" int cu_comm_all_to_all_v(void *comm, const void *send, const int64_t *scounts, const int64_t *sdispls, void *recv,
                                     const int64_t *rcounts, const int64_t *rdispls, int dtype) {
     ncclDataType_t t;
-    if (!N.ok || nccl_type(dtype, &t) || after_compute()) return -1;
-    int nranks = 0;   /* the peers are the communicator's ranks 0..P-1 */
-    if (nccl_check("ncclCommCount", N.count((ncclComm_t)comm, &nranks))) return -1;
+    const int nranks = comm ? ((cu_comm *)comm)->nranks : 0;   /* the peers are the communicator's ranks 0..P-1 */
+    int64_t total = 0;
+    for (int j = 0; j < nranks; j++) total += scounts[j];
+    ncclComm_t nc = usable(comm, "all-to-all", total, dtype);
+    if (!nc || nccl_type(dtype, &t) || after_compute()) return -1;
     size_t es = dtype == ULY_DTYPE_BF16 ? 2 : (dtype == ULY_DTYPE_F32 || dtype == ULY_DTYPE_I32) ? 4 : 8;
     int rc = nccl_check("ncclGroupStart", N.group_start());
     for (int j = 0; !rc && j < nranks; j++) {
         if (scounts[j]) rc = nccl_check("ncclSend", N.send((const char *)send + sdispls[j] * es, (size_t)scounts[j], t, j,
-                                                         (ncclComm_t)comm, comm_stream));
+                                                         nc, comm_stream));
         if (!rc && rcounts[j]) rc = nccl_check("ncclRecv", N.recv((char *)recv + rdispls[j] * es, (size_t)rcounts[j], t, j,
-                                                                (ncclComm_t)comm, comm_stream));
+                                                                nc, comm_stream));
     }
-    int end = nccl_check("ncclGroupEnd", N.group_end());
+    int end = queued(nccl_check("ncclGroupEnd", N.group_end()));
     int joined = cu_comm_join();
     return rc || end || joined ? -1 : 0;
 }
+
+/* ---- the watchdog ---- */
+static double watchdog_timeout = 600;   /* seconds; <= 0: none */
+
+extern "C" void cu_comm_set_timeout(double seconds) { watchdog_timeout = seconds; }
+
+static int comm_in_flight(void) { return comm_queued && cudaEventQuery(comm_tail) == cudaErrorNotReady; }
+
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* the first asynchronous error any live communicator reports (ncclSuccess: none) */
+static ncclResult_t async_failure(void) {
+    for (int i = 0; i < 64; i++) {
+        ncclResult_t r = ncclSuccess;
+        if (live[i] && !live[i]->aborted && N.async_error(live[i]->nccl, &r) == ncclSuccess && r != ncclSuccess &&
+            r != ncclInProgress)
+            return r;
+    }
+    return ncclSuccess;
+}
+
+/* every communicator aborted (their kernels end), the failure kept for the core */
+static int watchdog_fires(const char *what, ncclResult_t async) {
+    char msg[480];
+    if (async != ncclSuccess)
+        snprintf(msg, sizeof msg, "NCCL watchdog: NCCL reported an error (%s) with device collectives in flight (the last "
+                 "queued: %s)", N.error_string(async), last_queued);
+    else
+        snprintf(msg, sizeof msg, "NCCL watchdog: timed out after %g s waiting for the device collectives in flight (the "
+                 "last queued: %s): a rank died, stalled or skipped one", watchdog_timeout, last_queued);
+    size_t n = strlen(msg);
+    snprintf(msg + n, sizeof msg - n, "; its communicators are aborted and cannot be used again: end the job "
+             "(uly.dist.abort)%s", async != ncclSuccess ? "" : "; the limit is ULY_COMM_TIMEOUT or uly.dist.set_timeout");
+    uly_cu_fail_msg(what, msg);
+    for (int i = 0; i < 64; i++)
+        if (live[i] && !live[i]->aborted) {
+            N.abort(live[i]->nccl);
+            live[i]->aborted = 1;
+        }
+    return -1;
+}
+
+int uly_cu_stream_wait(const char *what) {
+    cudaError_t e = cudaSuccess;
+    const double t0 = seconds_now();
+    for (long spins = 0;; spins++) {
+        if (!N.ok || !comm_in_flight()) { e = cudaStreamSynchronize(uly_cu_stream); break; }
+        e = cudaStreamQuery(uly_cu_stream);
+        if (e != cudaErrorNotReady) break;
+        ncclResult_t async = async_failure();
+        const double waited = seconds_now() - t0;
+        if (async != ncclSuccess || (watchdog_timeout > 0 && waited > watchdog_timeout)) return watchdog_fires(what, async);
+        if (spins < 2000) sched_yield();   /* about the first millisecond: the common case, soon done */
+        else { struct timespec ts = {0, 100000}; nanosleep(&ts, NULL); }
+    }
+    if (e != cudaSuccess) { uly_cu_fail(what, e); return -1; }
+    return 0;
+}
 #else /* built without nccl.h: no device collectives, the core stages through host memory */
+extern "C" void cu_comm_set_timeout(double seconds) {}
+extern "C" int cu_comm_aborted(void *comm) { return 0; }
+int uly_cu_stream_wait(const char *what) {
+    cudaError_t e = cudaStreamSynchronize(uly_cu_stream);
+    if (e != cudaSuccess) { uly_cu_fail(what, e); return -1; }
+    return 0;
+}
 extern "C" int cu_comm_unique_id(void *id, int64_t len) { uly_cu_fail_msg("NCCL", "built without nccl.h"); return -1; }
 extern "C" void *cu_comm_create(int nranks, int rank, const void *id) { return NULL; }
 extern "C" void cu_comm_destroy(void *comm) {}

@@ -13,6 +13,9 @@
 extern cudaStream_t uly_cu_stream;
 void uly_cu_fail(const char *what, cudaError_t err);     /* keeps the first failure */
 void uly_cu_fail_msg(const char *what, const char *msg);
+/* wait for the stream (the host needs its results; `what` names the wait in an error): while
+ * NCCL work is in flight, under the NCCL watchdog (comm.cu); 0 or -1 */
+int uly_cu_stream_wait(const char *what);
 
 /* after a launch: a bad configuration is reported now, a fault in the kernel at the next sync */
 #define ULY_CU_LAUNCHED(name) do { cudaError_t e_ = cudaGetLastError(); if (e_ != cudaSuccess) uly_cu_fail(name, e_); } while (0)
@@ -147,6 +150,8 @@ int cu_comm_all_reduce_start(void *comm, void *buf, int64_t count, int dtype, in
 int cu_comm_join(void);
 int cu_comm_all_gather_start(void *comm, const void *send, void *recv, int64_t count, int dtype);
 int cu_comm_reduce_scatter_start(void *comm, const void *send, void *recv, int64_t count, int dtype, int op);
+void cu_comm_set_timeout(double seconds);
+int cu_comm_aborted(void *comm);
 /* attention.cu */
 void cu_attention_forward(float *out, float *probs, const float *q, const float *k, const float *v, int64_t B, int64_t Tq,
                           int64_t Tk, int64_t H, int64_t Hkv, int64_t D, float scale, int causal);

@@ -359,9 +359,14 @@ extern "C" void cu_optim_adamw_multi(int n, float *const *p, const float *const 
     }
     cudaError_t e = cudaMallocAsync((void **)&dev, (size_t)n * sizeof *dev, uly_cu_stream);
     if (e == cudaSuccess) e = cudaMemcpyAsync(dev, host, (size_t)n * sizeof *dev, cudaMemcpyHostToDevice, uly_cu_stream);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(uly_cu_stream);   /* the host array is freed next */
-    free(host);
-    if (e != cudaSuccess) { uly_cu_fail("optim_adamw_multi", e); if (dev) cudaFreeAsync(dev, uly_cu_stream); return; }
+    if (e != cudaSuccess) {
+        free(host);
+        uly_cu_fail("optim_adamw_multi", e);
+        if (dev) cudaFreeAsync(dev, uly_cu_stream);
+        return;
+    }
+    if (uly_cu_stream_wait("optim_adamw_multi")) return;   /* the copy may still read host: kept */
+    free(host);   /* copied */
     LAUNCH(adamw_multi_k, total, dev, n, total, b1, b2, step_size, bc2_sqrt, eps);
     cudaFreeAsync(dev, uly_cu_stream);
 }

@@ -74,8 +74,13 @@ void wgmma_wait(unsigned in_flight);
  * synchronous copy, cudaFree, or another stream's cudaStreamWaitEvent reached in its own order),
  * so a read that lacks its wait sees the data from before */
 void submit(uly_emu_stream *s, std::function<void()> work);
+/* work that may run only once ready() (polled; a blocking wait spins on it, a query stops there) */
+void submit_when(uly_emu_stream *s, std::function<bool()> ready, std::function<void()> work);
 void drain(uly_emu_stream *s);       /* run everything queued on s */
+void run_to(uly_emu_stream *s, uint64_t point);       /* run s until `point` pieces of work are done */
+bool progress_to(uly_emu_stream *s, uint64_t point);  /* run what is ready, no waiting: reached it? */
 void drain_all();
+bool lazy();                         /* ULY_EMU_STREAMS=lazy */
 
 template <typename... P>
 struct launcher {
@@ -136,7 +141,7 @@ struct uint4 { unsigned x, y, z, w; };
 
 /* ---- runtime ---- */
 typedef enum cudaError { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorMemoryAllocation = 2,
-                         cudaErrorNoDevice = 100 } cudaError_t;
+                         cudaErrorNoDevice = 100, cudaErrorNotReady = 600 } cudaError_t;
 typedef enum cudaMemcpyKind { cudaMemcpyHostToHost = 0, cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2,
                               cudaMemcpyDeviceToDevice = 3, cudaMemcpyDefault = 4 } cudaMemcpyKind;
 typedef enum cudaDataType_t { CUDA_R_32F = 0, CUDA_R_16BF = 14 } cudaDataType_t;
@@ -164,6 +169,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpy
 cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s);
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags);
 cudaError_t cudaStreamSynchronize(cudaStream_t s);
+cudaError_t cudaStreamQuery(cudaStream_t s);   /* runs what is ready; cudaErrorNotReady if work remains */
 cudaError_t cudaStreamDestroy(cudaStream_t s);
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags);
 cudaError_t cudaDeviceSynchronize(void);
@@ -187,6 +193,7 @@ cudaError_t cudaEventCreate(cudaEvent_t *e);
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags);
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
 cudaError_t cudaEventSynchronize(cudaEvent_t e);
+cudaError_t cudaEventQuery(cudaEvent_t e);
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b);
 cudaError_t cudaEventDestroy(cudaEvent_t e);
 

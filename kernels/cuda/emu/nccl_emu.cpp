@@ -10,7 +10,14 @@
  * sees the old bytes, and work that writes an input after the start does not change what is sent.
  * Every MPI wait progresses every rank's pending transfers, so ranks never wait on each other's
  * queues. The communicator's members are found over MPI_COMM_WORLD: each tells the unique id's
- * creator (its rank 0) its world rank, and gets the whole table back. */
+ * creator (its rank 0) its world rank, and gets the whole table back.
+ *
+ * Failures, for the watchdog's specs (kernels/cuda/comm.cu): a collective's end on the stream is
+ * ready only once MPI has moved its data, so a stream query says "not ready" while it is in flight;
+ * uly_emu_nccl_stall(1) makes this rank's collectives from then on post nothing and never finish
+ * (a hung GPU: its peers wait forever too); uly_emu_nccl_async_error(code) makes
+ * ncclCommGetAsyncError report code (a peer's death as NCCL reports it); ncclCommAbort ends every
+ * collective of the communicator in flight without landing its data. */
 #include "cuda_emu.h"
 #include "nccl.h"
 #define OMPI_SKIP_MPICXX 1   /* the C API only: no C++ bindings to link */
@@ -20,7 +27,7 @@
 #include <memory>
 #include <vector>
 
-struct uly_emu_nccl { MPI_Comm comm; int rank, size; };
+struct uly_emu_nccl { MPI_Comm comm; int rank, size; bool aborted; };
 
 namespace {
 const int TAG_TABLE = 31000, TAG_P2P = 31100;
@@ -49,6 +56,26 @@ MPI_Datatype reduce_type(ncclDataType_t t) {
     case ncclUint8: return MPI_UINT8_T;
     default: return MPI_FLOAT;
     }
+}
+
+bool stalled;                           /* uly_emu_nccl_stall */
+ncclResult_t async_error = ncclSuccess;  /* uly_emu_nccl_async_error */
+
+/* queues a collective's end on the stream: `land` runs once MPI has completed every request (or
+ * never, when the communicator is aborted first); stalled, nothing was posted and it never ends */
+void finish_on(cudaStream_t stream, ncclComm_t comm, std::shared_ptr<std::vector<MPI_Request>> reqs,
+               std::function<void()> land) {
+    bool dead = stalled;
+    uly_emu::submit_when(
+        stream,
+        [comm, reqs, dead]() {
+            if (comm->aborted) return true;
+            if (dead) return false;
+            int done = 0;
+            MPI_Testall((int)reqs->size(), reqs->data(), &done, MPI_STATUSES_IGNORE);
+            return done != 0;
+        },
+        [comm, land]() { if (!comm->aborted) land(); });
 }
 
 struct p2p { bool send; char *buf; size_t bytes; int peer; ncclComm_t comm; };
@@ -82,7 +109,7 @@ ncclResult_t run_group(std::vector<p2p> ops, cudaStream_t stream) {
     uly_emu::drain(stream);   /* what the stream waits for first runs before the inputs are read */
     auto reqs = std::make_shared<std::vector<MPI_Request>>(ops.size());
     auto staged = std::make_shared<std::vector<std::vector<char>>>(ops.size());
-    for (size_t i = 0; i < ops.size(); i++) {
+    for (size_t i = 0; i < ops.size() && !stalled; i++) {
         p2p &o = ops[i];
         (*staged)[i].resize(o.bytes ? o.bytes : 1);
         char *s = (*staged)[i].data();
@@ -91,8 +118,7 @@ ncclResult_t run_group(std::vector<p2p> ops, cudaStream_t stream) {
                         : MPI_Irecv(s, (int)o.bytes, MPI_BYTE, o.peer, TAG_P2P, o.comm->comm, &(*reqs)[i]);
         if (rc != MPI_SUCCESS) return ncclSystemError;
     }
-    uly_emu::submit(stream, [ops, reqs, staged]() {
-        MPI_Waitall((int)reqs->size(), reqs->data(), MPI_STATUSES_IGNORE);
+    finish_on(stream, ops[0].comm, reqs, [ops, staged]() {
         for (size_t i = 0; i < ops.size(); i++)
             if (!ops[i].send) memcpy(ops[i].buf, (*staged)[i].data(), ops[i].bytes);
     });
@@ -159,16 +185,42 @@ ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int
     MPI_Group_free(&members);
     MPI_Group_free(&world);
     if (rc != MPI_SUCCESS || c == MPI_COMM_NULL) return ncclSystemError;
-    *comm = new uly_emu_nccl{c, rank, nranks};
+    *comm = new uly_emu_nccl{c, rank, nranks, false};
     return ncclSuccess;
 }
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     if (!comm) return ncclSuccess;
+    if (comm->aborted) return ncclInvalidUsage;   /* an aborted handle is gone */
     if (mpi_up()) MPI_Comm_free(&comm->comm);
     delete comm;
     return ncclSuccess;
 }
+
+/* as NCCL: the collectives in flight end (here: without landing); the handle is not used again.
+ * Nothing is freed, since MPI may still complete a posted transfer into its staging buffers. */
+ncclResult_t ncclCommAbort(ncclComm_t comm) {
+    if (comm) comm->aborted = true;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *err) {
+    if (!comm) return ncclInvalidArgument;
+    *err = async_error;
+    return ncclSuccess;
+}
+
+/* for the watchdog's specs: stall this rank's NCCL (on = 1) from the next collective on; only
+ * with ULY_EMU_STREAMS=lazy, where a collective's end waits on its stream (-1 otherwise: at once,
+ * the call that queues it would wait forever) */
+int uly_emu_nccl_stall(int on) {
+    if (on && !uly_emu::lazy()) return -1;
+    stalled = on != 0;
+    return 0;
+}
+
+/* for the watchdog's specs: what ncclCommGetAsyncError reports from now on (0: no error) */
+void uly_emu_nccl_async_error(int code) { async_error = (ncclResult_t)code; }
 
 ncclResult_t ncclCommCount(const ncclComm_t comm, int *count) {
     if (!comm) return ncclInvalidArgument;
@@ -192,16 +244,13 @@ ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataT
             memcpy(staged->data() + 4 * i, &v, 4);
         }
     else memcpy(staged->data(), send, count * es);
-    auto req = std::make_shared<MPI_Request>();
+    auto req = std::make_shared<std::vector<MPI_Request>>(1, MPI_REQUEST_NULL);
     MPI_Datatype t = reduce_type(type);
-    if (MPI_Iallreduce(MPI_IN_PLACE, staged->data(), (int)count, t, op == ncclMax ? MPI_MAX : MPI_SUM, comm->comm,
-                       req.get()) != MPI_SUCCESS)
+    if (!stalled && MPI_Iallreduce(MPI_IN_PLACE, staged->data(), (int)count, t, op == ncclMax ? MPI_MAX : MPI_SUM,
+                                   comm->comm, req->data()) != MPI_SUCCESS)
         return ncclSystemError;
     int size = comm->size;
-    uly_emu::submit(stream, [=]() {
-        MPI_Wait(req.get(), MPI_STATUS_IGNORE);
-        land(staged->data(), recv, count, type, op, size);
-    });
+    finish_on(stream, comm, req, [=]() { land(staged->data(), recv, count, type, op, size); });
     return ncclSuccess;
 }
 
@@ -214,14 +263,13 @@ ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, ncclDataT
     size_t bytes = count * type_size(type);
     auto mine = std::make_shared<std::vector<char>>((const char *)send, (const char *)send + bytes);
     auto all = std::make_shared<std::vector<char>>(bytes * comm->size + 1);
-    auto req = std::make_shared<MPI_Request>();
-    if (MPI_Iallgather(mine->data(), (int)bytes, MPI_BYTE, all->data(), (int)bytes, MPI_BYTE, comm->comm,
-                       req.get()) != MPI_SUCCESS)
+    auto req = std::make_shared<std::vector<MPI_Request>>(1, MPI_REQUEST_NULL);
+    if (!stalled && MPI_Iallgather(mine->data(), (int)bytes, MPI_BYTE, all->data(), (int)bytes, MPI_BYTE, comm->comm,
+                                   req->data()) != MPI_SUCCESS)
         return ncclSystemError;
     size_t total = bytes * comm->size;
-    uly_emu::submit(stream, [=]() {
-        MPI_Wait(req.get(), MPI_STATUS_IGNORE);
-        (void)mine;   /* MPI reads it until the wait */
+    finish_on(stream, comm, req, [=]() {
+        (void)mine;   /* MPI reads it until the collective completes */
         memcpy(recv, all->data(), total);
     });
     return ncclSuccess;
@@ -245,13 +293,12 @@ ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, ncclD
         }
     else memcpy(staged->data(), send, n_in * es);
     auto out = std::make_shared<std::vector<char>>(count * es + 1);
-    auto req = std::make_shared<MPI_Request>();
-    if (MPI_Ireduce_scatter_block(staged->data(), out->data(), (int)count, reduce_type(type),
-                                  op == ncclMax ? MPI_MAX : MPI_SUM, comm->comm, req.get()) != MPI_SUCCESS)
+    auto req = std::make_shared<std::vector<MPI_Request>>(1, MPI_REQUEST_NULL);
+    if (!stalled && MPI_Ireduce_scatter_block(staged->data(), out->data(), (int)count, reduce_type(type),
+                                              op == ncclMax ? MPI_MAX : MPI_SUM, comm->comm, req->data()) != MPI_SUCCESS)
         return ncclSystemError;
     int size = comm->size;
-    uly_emu::submit(stream, [=]() {
-        MPI_Wait(req.get(), MPI_STATUS_IGNORE);
+    finish_on(stream, comm, req, [=]() {
         (void)staged;
         land(out->data(), recv, count, type, op, size);
     });
@@ -280,6 +327,7 @@ const char *ncclGetErrorString(ncclResult_t r) {
     case ncclSystemError: return "system error (emulated NCCL: MPI is not running or failed)";
     case ncclInvalidArgument: return "invalid argument";
     case ncclInvalidUsage: return "invalid usage";
+    case ncclRemoteError: return "remote process exited or there was a network error";
     default: return "internal error";
     }
 }

@@ -7,15 +7,26 @@
  * runs A up to the event when B reaches it, and the synchronous calls (cudaMemcpy, cudaFree,
  * cudaDeviceSynchronize) run every queue. So work that reads what another stream writes without
  * waiting for it sees the old bytes, and the specs fail instead of passing by luck. The default
- * stream (NULL) is the legacy one: its work runs after every other queue. */
+ * stream (NULL) is the legacy one: its work runs after every other queue.
+ *
+ * A piece of work may also have a readiness test (submit_when: the emulated NCCL's transfers,
+ * ready once MPI has moved their data; a wait for another stream's event). A blocking wait spins
+ * on it; cudaStreamQuery / cudaEventQuery run what is ready and answer cudaErrorNotReady at the
+ * first piece that is not, which is how the NCCL watchdog (kernels/cuda/comm.cu) sees a
+ * collective that never completes. */
 #include "cuda_emu.h"
+#include <sched.h>
 #include <stdio.h>
 #include <time.h>
 #include <deque>
 #include <vector>
 
+struct uly_emu_work {
+    std::function<bool()> ready;        /* empty: always ready */
+    std::function<void()> run;
+};
 struct uly_emu_stream {
-    std::deque<std::function<void()>> queue;
+    std::deque<uly_emu_work> queue;
     uint64_t submitted = 0, done = 0;   /* pieces of work handed in, and run */
     bool running = false;
 };
@@ -44,31 +55,68 @@ double seconds_now() {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* run s's queue until `point` pieces of its work are done */
-void run_to(uly_emu_stream *s, uint64_t point) {
-    if (s->done >= point) return;
-    if (s->running) {   /* a stream waiting, through others, for its own later work */
-        fprintf(stderr, "cuda emulator: a stream waits for an event that only its own later work records (deadlock)\n");
-        abort();
-    }
-    s->running = true;
-    while (s->done < point && !s->queue.empty()) {
-        std::function<void()> w = std::move(s->queue.front());
-        s->queue.pop_front();
-        w();
-        s->done++;
-    }
-    s->running = false;
+bool cycle;   /* progress_to found the stream it needs already running (a wait for its own later work) */
+
+void deadlock() {
+    fprintf(stderr, "cuda emulator: a stream waits for an event that only its own later work records (deadlock)\n");
+    abort();
+}
+
+void relax(long spins) {
+    if (spins < 1000) { sched_yield(); return; }
+    struct timespec ts = {0, 200000};
+    nanosleep(&ts, NULL);
+}
+
+/* pops and runs the front piece of s's work */
+void run_front(uly_emu_stream *s) {
+    std::function<void()> w = std::move(s->queue.front().run);
+    s->queue.pop_front();
+    w();
+    s->done++;
 }
 } // namespace
 
-void submit(uly_emu_stream *s, std::function<void()> work) {
-    if (!s) { drain_all(); work(); return; }
+/* run s's queue until `point` pieces of its work are done, waiting for each to be ready */
+void run_to(uly_emu_stream *s, uint64_t point) {
+    if (s->done >= point) return;
+    if (s->running) deadlock();   /* a stream waiting, through others, for its own later work */
+    s->running = true;
+    while (s->done < point && !s->queue.empty()) {
+        for (long spins = 0; s->queue.front().ready; spins++) {
+            cycle = false;
+            if (s->queue.front().ready()) break;
+            if (cycle) deadlock();
+            relax(spins);
+        }
+        run_front(s);
+    }
+    s->running = false;
+}
+
+/* run what is ready of s's queue, without waiting, up to `point`; true once s has reached it */
+bool progress_to(uly_emu_stream *s, uint64_t point) {
+    if (s->done >= point) return true;
+    if (s->running) { cycle = true; return false; }
+    s->running = true;
+    while (s->done < point && !s->queue.empty() && (!s->queue.front().ready || s->queue.front().ready())) run_front(s);
+    s->running = false;
+    return s->done >= point;
+}
+
+void submit_when(uly_emu_stream *s, std::function<bool()> ready, std::function<void()> work) {
+    if (!s) {
+        drain_all();
+        for (long spins = 0; ready && !ready(); spins++) relax(spins);
+        work();
+        return;
+    }
     s->submitted++;
-    if (!lazy() && s->queue.empty() && !s->running) { work(); s->done++; return; }
-    s->queue.push_back(std::move(work));
+    s->queue.push_back(uly_emu_work{std::move(ready), std::move(work)});
     if (!lazy() && !s->running) run_to(s, s->submitted);
 }
+
+void submit(uly_emu_stream *s, std::function<void()> work) { submit_when(s, nullptr, std::move(work)); }
 
 void drain(uly_emu_stream *s) { if (s) run_to(s, s->submitted); else drain_all(); }
 
@@ -95,6 +143,14 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
     return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) { drain(s); return cudaSuccess; }
+cudaError_t cudaStreamQuery(cudaStream_t s) {
+    if (!s) {
+        for (size_t i = 0; i < uly_emu::streams.size(); i++)
+            if (!uly_emu::progress_to(uly_emu::streams[i], uly_emu::streams[i]->submitted)) return cudaErrorNotReady;
+        return cudaSuccess;
+    }
+    return uly_emu::progress_to(s, s->submitted) ? cudaSuccess : cudaErrorNotReady;
+}
 cudaError_t cudaDeviceSynchronize(void) { drain_all(); return cudaSuccess; }
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind) {
@@ -124,11 +180,15 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     if (e->stream) uly_emu::run_to(e->stream, e->point);
     return cudaSuccess;
 }
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+    return !e->stream || uly_emu::progress_to(e->stream, e->point) ? cudaSuccess : cudaErrorNotReady;
+}
 /* s goes on only once e's stream has reached e (as recorded now: a later record does not count) */
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
     uly_emu_stream *on = e->stream;
     uint64_t point = e->point;
-    if (on && on != s) submit(s, [on, point]() { uly_emu::run_to(on, point); });
+    if (on && on != s)
+        uly_emu::submit_when(s, [on, point]() { return uly_emu::progress_to(on, point); }, [on, point]() { uly_emu::run_to(on, point); });
     return cudaSuccess;
 }
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
@@ -162,5 +222,18 @@ extern "C" int uly_emu_streams_selftest(void) {
     cudaStreamDestroy(a);
     const int lazy_now = uly_emu::lazy();
     if (ordered != 2 || early != (lazy_now ? 1 : 2)) return -1;
+    if (lazy_now) {   /* work that is not ready yet: a query stops there, and runs it once it is */
+        static bool go;
+        go = false;
+        value = 1;
+        cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
+        uly_emu::submit_when(a, []() { return go; }, []() { value = 3; });
+        submit(a, []() { value *= 2; });
+        const cudaError_t before = cudaStreamQuery(a);
+        go = true;
+        const cudaError_t after = cudaStreamQuery(a);
+        cudaStreamDestroy(a);
+        if (before != cudaErrorNotReady || after != cudaSuccess || value != 6) return -1;
+    }
     return lazy_now;
 }
