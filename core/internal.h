@@ -175,7 +175,7 @@ const char *uly_op_name(int op);
  * shape, to be ACCUMULATED into) or NULL when input i needs no gradient. */
 typedef int (*uly_backward_fn)(uly_node *n, uly_tensor *gout, uly_tensor **gin);
 extern const uly_backward_fn uly_backward_rules[ULY_OP_COUNT];
-int uly_comm_all_to_all_refuse(uly_comm *c, const char *why);  /* comm.c */
+int uly_comm_all_to_all_refuse(uly_comm *c, const char *why);  /* comm_exchange.c */
 int uly_bw_custom(uly_node *n, uly_tensor *gout, uly_tensor **gin);     /* custom.c */
 void uly_custom_note_freed(const uly_node *n);
 int uly_bw_ulysses_qkv(uly_node *n, uly_tensor *gout, uly_tensor **gin);  /* ulysses.c */

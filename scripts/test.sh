@@ -47,7 +47,7 @@ run_specs() { # label, env...
 # prints the closing line and writes the summary, the other ranks print only their failures,
 # and a failure on any rank makes mpirun exit non-zero, which counts as a failure here. Run
 # against the Release build only: Open MPI under AddressSanitizer reports its own allocations
-# and the noise would hide real findings (the plain specs cover comm.c as a world of one rank).
+# and the noise would hide real findings (the plain specs cover core/comm*.c as a world of one rank).
 mpi_env=(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
          OMPI_MCA_hwloc_base_binding_policy=none OMPI_MCA_mpi_yield_when_idle=1
          OMPI_MCA_btl_base_warn_component_unused=0)

@@ -524,7 +524,7 @@ local function build_params(self, c)
 end
 
 -- A Ulysses exchange's transient buffers around its f32 result or staging buffer (core/ulysses.c,
--- core/comm.c): in bf16 precision a bf16 copy of what it sends (made before the result) and a
+-- core/comm_exchange.c): in bf16 precision a bf16 copy of what it sends (made before the result) and a
 -- bf16 buffer it receives into (after); on the device also the packed send and receive blocks,
 -- in the exchanged dtype. exchange_begin before the result, exchange_end after it, with the
 -- elements this rank sends and receives.

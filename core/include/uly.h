@@ -208,7 +208,7 @@ int uly_h5_get_attr_f64(int64_t file, const char *object, const char *key, doubl
 int uly_h5_attr_type(int64_t file, const char *object, const char *key); /* 0 absent, 1 string, 2 number, 3 other; -1 error */
 int uly_file_commit(const char *tmp_path, const char *final_path); /* fsync tmp, rename over final, fsync dir */
 
-/* ---- communication (core/comm.c): Open MPI when the library is built with it and the process
+/* ---- communication (core/comm*.c): Open MPI when the library is built with it and the process
  *      runs under mpirun; otherwise a world of size 1 whose collectives are local copies.
  *      Groups: the world, this rank's sequence-parallel group (sp consecutive ranks) and its
  *      data-parallel group (ranks with the same sp_rank). Counts are in elements of `dtype`.

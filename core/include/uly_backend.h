@@ -130,7 +130,7 @@ typedef struct uly_backend {
      *      the core then seeds C with the bias and calls the GEMM with beta 1). NULL: never. ---- */
     int (*gemm_bias)(uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N, int64_t K, const float *bias, int bf16);
 
-    /* ---- exchanges of device buffers (core/comm.c): a layout's elements (uly_comm_layout, in
+    /* ---- exchanges of device buffers (core/comm_exchange.c): a layout's elements (uly_comm_layout, in
      *      elements of es bytes) gathered into / scattered from a contiguous buffer ---- */
     void (*pack_layout)(void *dst, const void *src, const uly_comm_layout *L, int64_t es);
     void (*unpack_layout)(void *dst, const uly_comm_layout *L, const void *src, int64_t es);

@@ -1,4 +1,4 @@
--- lua/ulysses/dist.lua — uly.dist: the process grid and collectives on CPU tensors (core/comm.c).
+-- lua/ulysses/dist.lua — uly.dist: the process grid and collectives on CPU tensors (core/comm*.c).
 --
 --   local dist = uly.dist
 --   local g = dist.init{ sp = 2 }   -- { rank, world, sp_rank, sp_size, dp_rank, dp_size,
