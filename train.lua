@@ -54,7 +54,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'sp', 0, 'ranks per sequence-parallel group under mpirun (0 = all ranks; world / sp groups do data parallelism)' },
   { 'overlap', 1, '1: each layer\'s gradients start their all-reduce during backward (dist.grad_sync); 0: all after backward' },
   { 'zero', 0, '1: shard the AdamW state over the ranks (dist.ZeroAdamW, ZeRO stage 1: gradients reduce-scattered, with --overlap 1 during backward; parameters all-gathered)' },
-  { 'peak_gflops', 0, 'peak for MFU (0: cpu 217 GFLOP/s per thread, the AVX-512 FMA peak of one core here; cuda 989000, the H200 bf16 dense peak)' },
+  { 'peak_gflops', 0, 'peak for MFU (0: cpu the f32 FMA peak of the threads, measured at start; cuda 989000, the H200 bf16 dense peak)' },
   { 'log_every', 0, 'seconds between progress lines (0 = every step)' },
   { 'sample', 200, 'tokens to generate at the end (0 = none)' },
   { 'prompt', '', 'text prompt for the sample (default: the start of the validation split)' },
@@ -251,9 +251,9 @@ local function main()
   local tokens_per_step = cfg.batch * cfg.seq * cfg.accum * (grid and grid.dp_size or 1)
   local threads = uly.get_num_threads() * launched
   local peak = cfg.peak_gflops > 0 and cfg.peak_gflops * 1e9 or
-    (device == 'cuda' and 989e12 * launched or 217e9 * math.min(threads, 2))
+    (device == 'cuda' and 989e12 * launched or uly.cpu_peak_flops() * launched)   -- every rank alike
   local peak_label = cfg.peak_gflops > 0 and 'given peak' or device == 'cuda' and 'H200 bf16 dense peak' or
-    string.format('%d-core AVX-512 FMA peak', math.min(threads, 2))
+    string.format('FMA peak of %d threads, measured', threads)
   local flops_per_token = model:flops_per_token(cfg.seq)
   local mc = model.config
   say(string.format('model: %s %s, %d layers, %d heads%s, dim %d, %.2f M parameters, %.1f MFLOP/token (6N + 12LCT)',

@@ -3,8 +3,9 @@
 -- For each shape (T x B) it builds the model, runs `warmup` steps, then times `steps` steps of
 -- forward (model:loss), backward and AdamW, and prints the median step with its split, tokens/s,
 -- achieved model GFLOP/s (FLOPs per token = 6 N_matmul + 12 L C T, attention counted over the full
--- T x T as in ../shared/ENVIRONMENT.md), MFU against the FMA peak (217 GFLOP/s per thread with
--- AVX-512) and the allocator's peak memory. With --torch it then runs the PyTorch peer
+-- T x T as in ../shared/ENVIRONMENT.md), MFU against the FMA peak (measured at start by
+-- uly.cpu_peak_flops: ~217 GFLOP/s per thread on an AVX-512 core) and the allocator's peak
+-- memory. With --torch it then runs the PyTorch peer
 -- (../shared/peers/torch_gpt_bench.py, same model, shapes and thread count) and prints the ratio
 -- from this one run. It never asserts on time.
 --
@@ -40,7 +41,7 @@ local function random_tokens(B, T, V)
   return t
 end
 
-local peak_per_thread = 217e9
+local peak = uly.cpu_peak_flops(opts.threads)   -- measured: this CPU's f32 FMA peak over the threads
 local function bench_shape(T, B)
   uly.manual_seed(0)
   math.randomseed(0)
@@ -70,7 +71,7 @@ local function bench_shape(T, B)
   local tps = B * T / med
   return { T = T, B = B, step_ms = med * 1e3, fwd_ms = median(tf) * 1e3, bwd_ms = median(tb) * 1e3,
            opt_ms = median(to) * 1e3, tps = tps, gflops = fpt * tps / 1e9,
-           mfu = fpt * tps / (peak_per_thread * opts.threads), peak_mib = uly.memory().peak / 2 ^ 20,
+           mfu = fpt * tps / peak, peak_mib = uly.memory().peak / 2 ^ 20,
            params = model:num_parameters(), fpt = fpt }
 end
 
@@ -105,7 +106,7 @@ print(string.format('bench/train.lua: %s preset %s (L%d H%d C%d V%d), %d threads
 print('command: OPENBLAS_CORETYPE=' .. (os.getenv('OPENBLAS_CORETYPE') or '(unset)') .. ' bin/ulysses bench/train.lua '
       .. table.concat(arg, ' '))
 print('FLOPs/token = 6 N_matmul + 12 L C T (attention over the full T x T); MFU vs '
-      .. string.format('%.0f GFLOP/s (%d x 217, AVX-512 FMA)', peak_per_thread * opts.threads / 1e9, opts.threads))
+      .. string.format('%.0f GFLOP/s (the f32 FMA peak of %d threads, measured at start)', peak / 1e9, opts.threads))
 print()
 print(string.format('%-11s %10s %9s %9s %9s %10s %9s %6s %10s', 'T x B', 'step ms', 'fwd ms', 'bwd ms', 'opt ms',
                     'tok/s', 'GFLOP/s', 'MFU', 'peak MiB'))

@@ -58,6 +58,8 @@ int uly_set_num_threads(int n) {
     return 0;
 }
 
+double uly_cpu_peak_flops(int threads) { return cpu_fma_peak(threads); }
+
 int uly_get_num_threads(void) {
 #ifdef _OPENMP
     return current_threads ? current_threads : omp_get_max_threads();

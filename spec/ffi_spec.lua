@@ -44,6 +44,17 @@ describe('ffi surface', function()
     assert.is_true(uly.get_num_threads() >= 1)
   end)
 
+  -- the MFU denominator on the CPU: loose physical bounds only (never a timing threshold): more
+  -- than 1 GFLOP/s a thread, and no more than 16 lanes x 2 FLOPs x 2 FMA units at 6 GHz a thread
+  -- (a wrong FLOP count per round would break one bound or the other)
+  it('measures the CPU FMA peak within physical bounds', function()
+    for _, threads in ipairs({ 1, 2 }) do
+      local peak = uly.cpu_peak_flops(threads)
+      assert.is_true(peak > 1e9 * threads, ('%d threads: %g FLOP/s'):format(threads, peak))
+      assert.is_true(peak < 16 * 2 * 2 * 6e9 * threads, ('%d threads: %g FLOP/s'):format(threads, peak))
+    end
+  end)
+
   it('dtype names and sizes agree with the Lua side', function()
     local C = lib.C
     local expect = { [0] = { 'f32', 4 }, { 'bf16', 2 }, { 'i32', 4 }, { 'i64', 8 }, { 'f64', 8 } }

@@ -30,6 +30,7 @@ const char *uly_blas_corename(void);       /* OpenBLAS kernel family in use, e.g
 int uly_has_feature(const char *name);     /* "mpi", "hdf5", "cuda", "openmp" -> 1/0 */
 int uly_set_num_threads(int n);            /* kernels and BLAS; n <= 0 restores the default */
 int uly_get_num_threads(void);
+double uly_cpu_peak_flops(int threads);    /* f32 FMA peak of `threads` threads in FLOP/s, measured (~15 ms) */
 const char *uly_dtype_name(int dtype);
 int64_t uly_dtype_size(int dtype);
 

@@ -161,4 +161,7 @@ double optim_sumsq(const float *x, int64_t n);
 void optim_scale(float *x, int64_t n, float s);
 /* ==== optimizers — end ==================================================================== */
 
+/* this machine's f32 FMA peak over `threads` threads, measured (peak.c), in FLOP/s */
+double cpu_fma_peak(int threads);
+
 #endif

@@ -307,6 +307,9 @@ function uly.live_tensors() return tonumber(C.uly_tensor_live_count()) end
 function uly.set_num_threads(n) C.uly_set_num_threads(n or 0) end
 function uly.get_num_threads() return C.uly_get_num_threads() end
 function uly.blas_corename() return ffi.string(C.uly_blas_corename()) end
+-- this CPU's f32 FMA peak in FLOP/s over `threads` threads (default: the current count), measured
+-- by running vector FMAs for ~15 ms: the denominator of MFU on the CPU
+function uly.cpu_peak_flops(threads) return C.uly_cpu_peak_flops(threads or uly.get_num_threads()) end
 function uly.has(feature) return C.uly_has_feature(feature) ~= 0 end
 
 -- wall-clock seconds from a monotonic clock (for progress lines and benchmarks)
