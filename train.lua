@@ -62,14 +62,71 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'top_k', 40, 'sample among the k most likely tokens (0 = all)' },
 }
 
+-- --help: every flag, on stdout; a mistake: what was wrong, on stderr (once under mpirun), exit 2
 local function usage(msg)
+  if msg then
+    -- once the ranks are a grid, a mistake one rank finds must end them all (the others would wait)
+    if uly.dist.initialized() then uly.dist.abort('train.lua: ' .. msg) end
+    if (tonumber(os.getenv('OMPI_COMM_WORLD_RANK') or '0') or 0) == 0 then
+      io.stderr:write('train.lua: ', msg, '\n(bin/ulysses train.lua --help lists every flag)\n')
+    end
+    os.exit(2)
+  end
   local lines = { 'usage: bin/ulysses train.lua [--flag value ...]', '' }
   for _, f in ipairs(FLAGS) do
     lines[#lines + 1] = string.format('  --%-13s %-12s %s', f[1], tostring(f[2]), f[3])
   end
-  if msg then io.stderr:write('train.lua: ', msg, '\n\n') end
-  io.stderr:write(table.concat(lines, '\n'), '\n')
-  os.exit(msg and 2 or 0)
+  io.stdout:write(table.concat(lines, '\n'), '\n')
+  os.exit(0)
+end
+
+-- an error's text without the file:line prefixes Lua put on it (the user's flag is the place)
+local function clean(err) return (tostring(err):gsub('[^%s:]+%.lua:%d+: ', '')) end
+
+-- the values every flag may take, checked before anything runs (a mistake found after an hour of
+-- training, or reported under another flag's name, costs more than one found now)
+local function one_of(key, v, allowed)
+  for _, a in ipairs(allowed) do if v == a then return end end
+  usage(string.format("--%s must be %s, got '%s'", key, table.concat(allowed, ' | '), tostring(v)))
+end
+
+local function check_flags(cfg)
+  local function int(key, lo)
+    local v = cfg[key]
+    if v ~= math.floor(v) or v < lo then
+      usage(string.format('--%s must be an integer >= %d, got %s', key, lo, tostring(v)))
+    end
+  end
+  local function num(key, lo, hi, open_lo)
+    local v = cfg[key]
+    if v ~= v or v < lo or (open_lo and v == lo) or (hi and v >= hi) then
+      usage(string.format('--%s must be %s %g%s, got %s', key, open_lo and '>' or '>=', lo,
+                          hi and string.format(' and < %g', hi) or '', tostring(v)))
+    end
+  end
+  for _, k in ipairs({ 'seq', 'batch', 'accum', 'steps', 'keep' }) do int(k, 1) end
+  for _, k in ipairs({ 'layers', 'heads', 'kv_heads', 'dim', 'hidden', 'window', 'tile', 'warmup', 'eval_every',
+                       'eval_batches', 'stop_after', 'ckpt_every', 'threads', 'sp', 'sample', 'top_k' }) do
+    int(k, 0)
+  end
+  for _, k in ipairs({ 'checkpoint', 'documents', 'overlap', 'zero' }) do one_of(k, cfg[k], { 0, 1 }) end
+  num('lr', 0, nil, true)
+  num('dropout', 0, 1)
+  num('beta2', 0, 1, true)
+  for _, k in ipairs({ 'min_lr', 'wd', 'clip', 'temperature', 'peak_gflops', 'log_every' }) do num(k, 0) end
+  one_of('model', cfg.model, { 'gpt', 'llama' })
+  one_of('schedule', cfg.schedule, { 'cosine', 'constant' })
+  one_of('attention', cfg.attention, { 'flash', 'reference' })
+  one_of('precision', cfg.precision, { 'auto', 'f32', 'bf16' })
+  if cfg.device == 'gpu' or cfg.device:match('^cuda:') then
+    usage(string.format("--device %s: say 'cuda' (each rank takes the GPU of its local rank)", cfg.device))
+  end
+  one_of('device', cfg.device, { 'cpu', 'cuda' })
+  if cfg.resume ~= '' and cfg.resume ~= 'auto' then
+    local f = io.open(cfg.resume, 'rb')
+    if not f then usage(string.format("--resume %s: no such checkpoint (give a file under OUT/ckpt, or 'auto')", cfg.resume)) end
+    f:close()
+  end
 end
 
 -- flags -> cfg (defaults < config file < command line), values typed like the defaults
@@ -110,6 +167,7 @@ local function parse_flags(argv)
     end
   end
   for k, v in pairs(given) do cfg[k] = v end
+  check_flags(cfg)
   return cfg
 end
 
@@ -171,7 +229,7 @@ local function build_model(cfg, vocab)
   end
   if cfg.model == 'gpt' then mc.kv_heads = nil end
   local ok, model = pcall(Model, mc)
-  if not ok then usage(tostring(model)) end
+  if not ok then usage(clean(model)) end
   return model
 end
 
@@ -185,9 +243,13 @@ local function main()
   if launched > 1 then
     if cfg.sp == 0 then cfg.sp = launched end
     local ok, g = pcall(uly.dist.init, { sp = cfg.sp })
-    if not ok then usage((tostring(g):gsub('^[^:]*:%d+: ', ''))) end
+    if not ok then usage(clean(g)) end
     grid = g
   else
+    if cfg.sp > 1 then
+      print(string.format('--sp %d: one process (not launched by mpirun), so no sequence parallelism; '
+                          .. 'mpirun -np %d bin/ulysses train.lua ... runs %d ranks', cfg.sp, cfg.sp, cfg.sp))
+    end
     cfg.sp = 1
   end
   local rank = grid and grid.rank or 0
@@ -206,14 +268,21 @@ local function main()
   local shard = grid and { rank = grid.sp_rank, size = grid.sp_size } or nil
   local dp_rank = grid and grid.dp_rank or 0
   local documents = cfg.documents ~= 0 or nil
-  local train_data = uly.data.open(data_path, { seq = cfg.seq, batch = cfg.batch, split = 'train',
-                                                seed = cfg.seed + 7919 * dp_rank, shard = shard, documents = documents })
-  local valid_data = uly.data.open(data_path, { seq = cfg.seq, batch = cfg.batch, split = 'valid', random = false,
-                                                shard = shard, documents = documents })
+  local function open_split(split, opts, hint)
+    local ok, d = pcall(uly.data.open, data_path, opts)
+    if not ok then usage(clean(d) .. (hint or '')) end
+    return d
+  end
+  local train_data = open_split('train', { seq = cfg.seq, batch = cfg.batch, split = 'train',
+                                           seed = cfg.seed + 7919 * dp_rank, shard = shard, documents = documents })
+  -- validation only when asked for (--eval_batches 0 trains on a file without a usable split)
+  local valid_data = cfg.eval_batches > 0 and open_split('valid', { seq = cfg.seq, batch = cfg.batch, split = 'valid',
+                                                                    random = false, shard = shard, documents = documents },
+                                                         '; --eval_batches 0 trains without validation') or nil
   local model = build_model(cfg, train_data.vocab_size)
   if cfg.device ~= 'cpu' then
     local ok, err = pcall(model.to, model, cfg.device)
-    if not ok then usage('--device ' .. cfg.device .. ': ' .. tostring(err):gsub('^[^:]*:%d+: ', '')) end
+    if not ok then usage('--device ' .. cfg.device .. ': ' .. clean(err)) end
   end
   local device = cfg.device
   if cfg.precision == 'auto' then cfg.precision = device == 'cuda' and 'bf16' or 'f32' end
@@ -227,7 +296,7 @@ local function main()
   if cfg.zero ~= 0 and not grid then say('--zero 1: a single process has nothing to shard over; plain AdamW') end
   local opt = zero and uly.dist.ZeroAdamW(model:parameters(), grid.world_group, adamw)
     or uly.optim.AdamW(model:parameters(), adamw)
-  local schedule = cfg.schedule == 'constant' and uly.optim.schedule.constant { lr = cfg.lr, warmup = cfg.warmup }
+  local schedule = cfg.schedule == 'constant' and uly.optim.schedule.constant { lr = cfg.lr, warmup = math.min(cfg.warmup, cfg.steps) }
     or uly.optim.schedule.cosine { lr = cfg.lr, warmup = math.min(cfg.warmup, cfg.steps), steps = cfg.steps, min_lr = cfg.min_lr }
   local common = require 'models.common'
 
@@ -235,9 +304,10 @@ local function main()
   local ckpt_dir = cfg.out .. '/ckpt'
   local start_step = 0
   if cfg.resume ~= '' then
-    local path = cfg.resume == 'auto' and uly.checkpoint.latest(ckpt_dir) or cfg.resume
+    local path = cfg.resume ~= 'auto' and cfg.resume or uly.checkpoint.latest(ckpt_dir)
     if path then
-      local info = uly.checkpoint.load(path, { model = model, optim = opt })
+      local ok, info = pcall(uly.checkpoint.load, path, { model = model, optim = opt })
+      if not ok then usage('--resume ' .. path .. ': ' .. clean(info)) end
       start_step = info.step
       if info.data then train_data:set_state(info.data) end
       local offsets = info.extra and info.extra.rng_offsets
@@ -259,8 +329,9 @@ local function main()
   say(string.format('model: %s %s, %d layers, %d heads%s, dim %d, %.2f M parameters, %.1f MFLOP/token (6N + 12LCT)',
                     mc.model, mc.preset, mc.layers, mc.heads, mc.kv_heads and (', ' .. mc.kv_heads .. ' kv') or '',
                     mc.dim, model:num_parameters() / 1e6, flops_per_token / 1e6))
-  say(string.format('data: %s, %s, vocab %d, %d train / %d valid tokens, unigram entropy %.3f bits/token',
-                    data_path, train_data.kind, train_data.vocab_size, train_data.n_tokens, valid_data.n_tokens,
+  say(string.format('data: %s, %s, vocab %d, %d train / %s, unigram entropy %.3f bits/token',
+                    data_path, train_data.kind, train_data.vocab_size, train_data.n_tokens,
+                    valid_data and (valid_data.n_tokens .. ' valid tokens') or 'no validation (--eval_batches 0)',
                     train_data.entropy_bits or 0 / 0))
   say(string.format('run: %d steps x %d tokens (batch %d x seq %d x accum %d%s), lr %.2g %s, %d threads, BLAS %s',
                     cfg.steps, tokens_per_step, cfg.batch, cfg.seq, cfg.accum,
@@ -326,6 +397,11 @@ local function main()
   local t_start = uly.clock()
   local val_loss
   local last_step = cfg.stop_after > 0 and math.min(cfg.stop_after, cfg.steps) or cfg.steps
+  if start_step >= last_step then
+    say(string.format('nothing to train: the run is at step %d already (--steps %d%s)', start_step, cfg.steps,
+                      cfg.stop_after > 0 and string.format(', --stop_after %d', cfg.stop_after) or ''))
+    return
+  end
   for step = start_step + 1, last_step do
     local t0 = uly.clock()
     local bytes0, secs0 = comm_totals()
@@ -393,8 +469,9 @@ local function main()
   if cfg.sample > 0 then
     local prompt
     if cfg.prompt ~= '' then prompt = train_data:encode(cfg.prompt)
-    else
-      local full = uly.data.open(data_path, { seq = cfg.seq, batch = 1, split = 'valid', random = false })
+    else   -- the start of the validation split (or of the training split, without one)
+      local full = uly.data.open(data_path, { seq = cfg.seq, batch = 1, split = valid_data and 'valid' or 'train',
+                                               random = false })
       local x = full:batches()()
       prompt = x:narrow(2, 1, math.min(16, cfg.seq - 1)):contiguous()
     end

@@ -141,6 +141,62 @@ describe('train.lua', function()
     out, code = run('--help')
     assert.are.equal(0, code)
     assert.truthy(out:find('--resume', 1, true), out)
+    -- every value is checked before anything runs, and the message names the flag at fault
+    for flags, want in pairs({
+      ['--keep 0'] = '--keep must be an integer >= 1, got 0',
+      ['--accum 0'] = '--accum must be an integer >= 1, got 0',
+      ['--steps -3'] = '--steps must be an integer >= 1, got -3',
+      ['--steps 2.5'] = '--steps must be an integer >= 1, got 2.5',
+      ['--schedule linear'] = "--schedule must be cosine | constant, got 'linear'",
+      ['--checkpoint 2'] = "--checkpoint must be 0 | 1, got '2'",
+      ['--dropout 1'] = '--dropout must be >= 0 and < 1, got 1',
+      ['--lr 0'] = '--lr must be > 0, got 0',
+      ['--top_k -5'] = '--top_k must be an integer >= 0, got -5',
+      ['--device gpu'] = "--device gpu: say 'cuda'",
+      ['--device cuda:0'] = "--device cuda:0: say 'cuda'",
+      ['--resume /nonexistent/ckpt.h5'] = '--resume /nonexistent/ckpt.h5: no such checkpoint',
+    }) do
+      out, code = run(TINY .. flags)
+      assert.are.equal(2, code, flags .. ':\n' .. out)
+      assert.truthy(out:find('train.lua: ' .. want, 1, true), flags .. ':\n' .. out)
+      assert.falsy(out:find('stack traceback', 1, true), out)
+      assert.falsy(out:find('--eval_every', 1, true), 'a mistake prints the message, not every flag:\n' .. out)
+    end
+  end)
+
+  it('--resume auto starts fresh without a checkpoint, and says so when the run is already done', function()
+    local dir = tmpdir()
+    local args = TINY .. '--steps 2 --eval_every 0 --sample 0 --out ' .. dir .. ' --resume auto'
+    local out, code = run(args)
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('resume: no checkpoint in ' .. dir .. '/ckpt, starting fresh', 1, true), out)
+    assert.truthy(out:find('step 2/2', 1, true), out)
+    out, code = run(args)
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('nothing to train: the run is at step 2 already (--steps 2)', 1, true), out)
+    assert.falsy(out:find('step 1/2', 1, true), out)
+    helpers.rmtree(dir)
+  end)
+
+  it('trains without a validation split with --eval_batches 0, and says how when the split is too short', function()
+    local dir = tmpdir()
+    local out, code = run(TINY:gsub('--seq 32', '--seq 512') .. '--batch 1 --steps 1 --sample 0 --out ' .. dir)
+    assert.are.equal(2, code, out)
+    assert.truthy(out:find("split 'valid'", 1, true), out)
+    assert.truthy(out:find('--eval_batches 0 trains without validation', 1, true), out)
+    out, code = run(TINY:gsub('--seq 32', '--seq 512') .. '--batch 1 --steps 1 --sample 8 --eval_batches 0 --out ' .. dir)
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('no validation (--eval_batches 0)', 1, true), out)
+    assert.truthy(out:find('sample (temperature', 1, true), out)
+    helpers.rmtree(dir)
+  end)
+
+  it('--sp without mpirun says that one process does no sequence parallelism', function()
+    local dir = tmpdir()
+    local out, code = run(TINY .. '--sp 2 --steps 1 --eval_every 0 --eval_batches 0 --sample 0 --out ' .. dir)
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('--sp 2: one process (not launched by mpirun), so no sequence parallelism', 1, true), out)
+    helpers.rmtree(dir)
   end)
 end)
 
