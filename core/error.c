@@ -46,6 +46,16 @@ const char *uly_shape_str(int ndim, const int64_t *shape) {
     return b;
 }
 
+const char *uly_position_str(int ndim, const int64_t *shape, int64_t flat) {
+    int64_t idx[ULY_MAX_DIMS];
+    for (int d = ndim - 1; d >= 0; d--) {
+        int64_t n = shape[d] > 0 ? shape[d] : 1;
+        idx[d] = flat % n + 1;
+        flat /= n;
+    }
+    return uly_shape_str(ndim, idx);
+}
+
 const char *uly_desc(const uly_tensor *t) {
     if (!t) return "NULL";
     char *b = next_buf();

@@ -19,6 +19,9 @@ void *uly_set_error_null(const char *fmt, ...) __attribute__((format(printf, 1, 
 const char *uly_desc(const uly_tensor *t);
 const char *uly_shape_str(int ndim, const int64_t *shape);
 const char *uly_bytes_str(int64_t nbytes);
+/* element `flat` (row-major) of a tensor of this shape as its 1-based index, the way Lua writes
+ * it: "[2, 5]" (for messages about a bad element) */
+const char *uly_position_str(int ndim, const int64_t *shape, int64_t flat);
 
 /* ---- allocator (alloc.c): one caching pool per device, sized classes, counted ---- */
 void *uly_alloc(int64_t nbytes, int64_t *block_bytes);  /* host; NULL + error on failure */

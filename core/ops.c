@@ -14,8 +14,8 @@ static int broadcast(const char *op, const uly_tensor *a, const uly_tensor *b, i
         int da = d - (nd - a->ndim), db = d - (nd - b->ndim);
         int64_t xa = da >= 0 ? a->shape[da] : 1, xb = db >= 0 ? b->shape[db] : 1;
         if (xa != xb && xa != 1 && xb != 1)
-            return uly_set_error("%s: shapes %s and %s cannot be broadcast (dimension %d: %lld vs %lld)", op,
-                                 uly_desc(a), uly_desc(b), d, (long long)xa, (long long)xb);
+            return uly_set_error("%s: shapes %s and %s cannot be broadcast (dimension %d of the aligned shapes: "
+                                 "%lld vs %lld)", op, uly_desc(a), uly_desc(b), d + 1, (long long)xa, (long long)xb);
         shape[d] = xa == 1 ? xb : xa;
         sa[d] = (da >= 0 && xa != 1) ? a->stride[da] : 0;
         sb[d] = (db >= 0 && xb != 1) ? b->stride[db] : 0;
@@ -450,8 +450,9 @@ uly_tensor *uly_embedding(uly_tensor *idx, uly_tensor *weight) {
             uly_tensor *f = uly_tensor_view(ic, 1, &n);
             uly_tensor_get_item(f, flat, &v);
             uly_tensor_release(f);
-            uly_set_error("embedding: index %.0f at position %lld of %s is out of range for a table of %lld rows "
-                          "(valid ids are 0..%lld)", v, (long long)bad, uly_desc(idx), (long long)V, (long long)V - 1);
+            uly_set_error("embedding: index %.0f at %s of %s is out of range for a table of %lld rows "
+                          "(valid ids are 0..%lld)", v, uly_position_str(idx->ndim, idx->shape, bad), uly_desc(idx),
+                          (long long)V, (long long)V - 1);
         } else {
             int64_t shape[ULY_MAX_DIMS];
             memcpy(shape, idx->shape, sizeof(int64_t) * (size_t)idx->ndim);
@@ -540,8 +541,9 @@ uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t i
         if (!th) {
             /* the error is set */
         } else if (bad >= 0) {
-            uly_set_error("cross_entropy: target %.0f at position %lld is out of range for %lld classes "
-                          "(and is not the ignore index %lld)", badv, (long long)bad, (long long)V, (long long)ignore_index);
+            uly_set_error("cross_entropy: target %.0f at %s of %s is out of range for %lld classes "
+                          "(and is not the ignore index %lld)", badv, uly_position_str(targets->ndim, targets->shape, bad),
+                          uly_desc(targets), (long long)V, (long long)ignore_index);
         } else {
             int64_t count = be->cross_entropy_forward(uly_f32(loss), uly_f32(lse), uly_f32(lc), uly_ptr(tc), bytes, rows, V, ignore_index);
             double scale = reduction == ULY_REDUCTION_MEAN ? (count ? 1.0 / (double)count : 0.0) : 1.0;

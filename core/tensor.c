@@ -34,7 +34,7 @@ uly_tensor *uly_new_contiguous(int ndim, const int64_t *shape, int dtype, int de
     for (int d = 0; d < ndim; d++) {
         if (shape[d] < 0)
             return uly_set_error_null("tensor: negative size %lld in dimension %d of shape %s", (long long)shape[d],
-                                      d, uly_shape_str(ndim, shape));
+                                      d + 1, uly_shape_str(ndim, shape));
         if (shape[d] && numel > INT64_MAX / 16 / shape[d])
             return uly_set_error_null("tensor: shape %s has too many elements", uly_shape_str(ndim, shape));
         numel *= shape[d];
@@ -124,11 +124,11 @@ void uly_tensor_release(uly_tensor *t) {
 int uly_tensor_ndim(const uly_tensor *t) { return t ? t->ndim : -1; }
 int64_t uly_tensor_size(const uly_tensor *t, int dim) {
     if (!t) return uly_set_error("size: tensor is NULL");
-    if (dim < 0 || dim >= t->ndim) return uly_set_error("size: dimension %d out of range for %s", dim, uly_desc(t));
+    if (dim < 0 || dim >= t->ndim) return uly_set_error("size: dimension %d out of range for %s", dim + 1, uly_desc(t));
     return t->shape[dim];
 }
 int64_t uly_tensor_stride(const uly_tensor *t, int dim) {
-    if (!t || dim < 0 || dim >= t->ndim) return uly_set_error("stride: dimension %d out of range for %s", dim, uly_desc(t));
+    if (!t || dim < 0 || dim >= t->ndim) return uly_set_error("stride: dimension %d out of range for %s", dim + 1, uly_desc(t));
     return t->stride[dim];
 }
 int64_t uly_tensor_numel(const uly_tensor *t) { return t ? uly_numel_of(t->ndim, t->shape) : 0; }
@@ -405,7 +405,7 @@ static int item_offset(const char *op, const uly_tensor *t, const int64_t *index
     for (int d = 0; d < t->ndim; d++) {
         if (index[d] < 0 || index[d] >= t->shape[d])
             return uly_set_error("%s: index %lld is out of range for dimension %d of size %lld in %s", op,
-                                 (long long)index[d], d, (long long)t->shape[d], uly_desc(t));
+                                 (long long)index[d], d + 1, (long long)t->shape[d], uly_desc(t));
         o += index[d] * t->stride[d];
     }
     *off = o;

@@ -1,20 +1,36 @@
 -- models/common.lua — what GPT and Llama share: config merging with presets and validation,
 -- the loss, parameter/FLOP accounting and generation with a KV cache.
 local uly = require 'ulysses'
+local T = require 'ulysses.tensor'
+local options = require 'ulysses.options'
 
 local M = {}
 
--- merge a preset (cfg.preset or 'tiny') with the caller's overrides; check required keys
-function M.config(name, presets, defaults, cfg)
+-- the keys a model config may hold beyond its presets' and defaults': what common.attention_for
+-- and the blocks read, and what a saved config carries (models/gpt.lua and llama.lua add theirs)
+M.CONFIG_KEYS = { 'preset', 'model', 'vocab', 'layers', 'heads', 'dim', 'seq', 'hidden', 'dropout', 'eps', 'std',
+                  'checkpoint', 'window', 'tile', 'sp', 'attention', 'attend' }
+
+-- merge a preset (cfg.preset or 'tiny') with the caller's overrides; check required keys and
+-- that every key given is one the model reads (`extra`: its own beyond CONFIG_KEYS)
+function M.config(name, presets, defaults, cfg, extra)
   cfg = cfg or {}
-  if type(cfg) ~= 'table' then error(name .. ': expects a config table, e.g. ' .. name .. "{preset = 'tiny'}", 3) end
+  if type(cfg) ~= 'table' then T.raise(name .. ': expects a config table, e.g. ' .. name .. "{preset = 'tiny'}") end
+  local allowed = {}
+  for _, k in ipairs(M.CONFIG_KEYS) do allowed[#allowed + 1] = k end
+  for _, k in ipairs(extra or {}) do allowed[#allowed + 1] = k end
+  for k in pairs(defaults) do allowed[#allowed + 1] = k end
+  for _, preset in pairs(presets) do
+    for k in pairs(preset) do allowed[#allowed + 1] = k end
+  end
+  options.check(name, cfg, allowed)
   local preset_name = cfg.preset or 'tiny'
   local preset = presets[preset_name]
   if not preset then
     local names = {}
     for k in pairs(presets) do names[#names + 1] = k end
     table.sort(names)
-    error(string.format("%s: unknown preset '%s' (known: %s)", name, tostring(preset_name), table.concat(names, ', ')), 3)
+    T.raise(string.format("%s: unknown preset '%s' (known: %s)", name, tostring(preset_name), table.concat(names, ', ')))
   end
   local out = {}
   for k, v in pairs(defaults) do out[k] = v end
@@ -24,11 +40,11 @@ function M.config(name, presets, defaults, cfg)
   for _, k in ipairs({ 'vocab', 'layers', 'heads', 'dim', 'seq' }) do
     local v = out[k]
     if type(v) ~= 'number' or v < 1 or v % 1 ~= 0 then
-      error(string.format('%s: config.%s must be a positive integer, got %s', name, k, tostring(v)), 3)
+      T.raise(string.format('%s: config.%s must be a positive integer, got %s', name, k, tostring(v)))
     end
   end
   if out.dim % out.heads ~= 0 then
-    error(string.format('%s: dim %d is not divisible by heads %d', name, out.dim, out.heads), 3)
+    T.raise(string.format('%s: dim %d is not divisible by heads %d', name, out.dim, out.heads))
   end
   return out
 end
@@ -45,16 +61,16 @@ end
 -- check token ids [B, T] (i32/i64) and the position range against the context length
 function M.check_input(name, idx, pos, seq)
   if not uly.is_tensor(idx) or idx:dim() ~= 2 then
-    error(string.format('%s: expects token ids of shape [B, T], got %s', name,
-                        uly.is_tensor(idx) and idx:describe() or type(idx)), 4)
+    T.raise(string.format('%s: expects token ids of shape [B, T], got %s', name,
+                        uly.is_tensor(idx) and idx:describe() or type(idx)))
   end
   local dt = idx:dtype()
   if dt ~= 'i32' and dt ~= 'i64' then
-    error(string.format('%s: token ids must be i32 or i64, got %s', name, idx:describe()), 4)
+    T.raise(string.format('%s: token ids must be i32 or i64, got %s', name, idx:describe()))
   end
   if seq and pos + idx:size(2) > seq then
-    error(string.format('%s: positions %d..%d exceed the context length seq = %d', name, pos,
-                        pos + idx:size(2) - 1, seq), 4)
+    T.raise(string.format('%s: positions %d..%d exceed the context length seq = %d', name, pos,
+                        pos + idx:size(2) - 1, seq))
   end
 end
 
@@ -67,12 +83,12 @@ function M.attention_for(cfg)
     local kind = cfg.attention or 'flash'
     attend = kind == 'flash' and uly.nn.flash_attend or kind == 'reference' and uly.nn.reference_attend or nil
     if not attend then
-      error(string.format("config.attention must be 'flash' or 'reference' (or pass config.attend), got %s", tostring(kind)), 4)
+      T.raise(string.format("config.attention must be 'flash' or 'reference' (or pass config.attend), got %s", tostring(kind)))
     end
   end
   if not cfg.sp then return attend, nil end
   if type(cfg.sp) ~= 'number' or cfg.sp < 1 or cfg.sp % 1 ~= 0 then
-    error('config.sp must be a positive integer (ranks per sequence-parallel group), got ' .. tostring(cfg.sp), 4)
+    T.raise('config.sp must be a positive integer (ranks per sequence-parallel group), got ' .. tostring(cfg.sp))
   end
   local grid = uly.dist.init { sp = cfg.sp }
   if cfg.sp == 1 then return attend, grid end   -- data parallelism only: attention stays local
@@ -177,13 +193,13 @@ M.sample_from = sample_from
 -- on one position: O(T) attention per token. cache = false recomputes the whole prefix
 -- (O(T^2); kept for checking the cache). Uses the global generator (uly.manual_seed).
 function M.generate(model, prompt, opts)
-  opts = opts or {}
+  opts = options.check('generate', opts, { 'max_new_tokens', 'temperature', 'top_k', 'cache', 'cache_dtype' })
   local n_new = opts.max_new_tokens or 100
   local temperature = opts.temperature or 1.0
   local cfg = model.config
   local P = prompt:size(2)
   if P + n_new > cfg.seq then
-    error(string.format('generate: prompt %d + %d new tokens exceed the context length %d', P, n_new, cfg.seq), 2)
+    T.raise(string.format('generate: prompt %d + %d new tokens exceed the context length %d', P, n_new, cfg.seq))
   end
   local was_training = model.training
   model:eval()

@@ -38,7 +38,7 @@ function Llama:__init(cfg)
   cfg.kv_heads = cfg.kv_heads or cfg.heads
   cfg.hidden = cfg.hidden or Llama.hidden_for(cfg.dim)
   if cfg.heads % cfg.kv_heads ~= 0 then
-    error(string.format('Llama: heads %d is not a multiple of kv_heads %d', cfg.heads, cfg.kv_heads), 2)
+    require('ulysses.tensor').raise(string.format('Llama: heads %d is not a multiple of kv_heads %d', cfg.heads, cfg.kv_heads))
   end
   self.config = cfg
   local C, L = cfg.dim, cfg.layers

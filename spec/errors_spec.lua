@@ -140,8 +140,8 @@ describe('index errors', function()
   end)
 
   it('embedding id >= vocab', function()
-    local idx, w = uly.tensor({ 0, 5, 1 }, { dtype = 'i64' }), uly.ones(5, 2)
-    expect_error({ 'embedding', 'index 5', '5 rows', 'i64[3]' }, function(mark)
+    local idx, w = uly.tensor({ { 0, 1, 2 }, { 3, 5, 1 } }, { dtype = 'i64' }), uly.ones(5, 2)
+    expect_error({ 'embedding: index 5 at [2, 2] of i64[2, 3]', '5 rows' }, function(mark)
       mark()
       local r = uly.embedding(idx, w)
     end)
@@ -150,7 +150,7 @@ describe('index errors', function()
   it('cross_entropy target out of range', function()
     local logits = uly.zeros(3, 4)
     local targets = uly.tensor({ 0, 4, 1 }, { dtype = 'i32' })
-    expect_error({ 'cross_entropy', 'target 4', '4 classes' }, function(mark)
+    expect_error({ 'cross_entropy: target 4 at [2] of i32[3]', '4 classes' }, function(mark)
       mark()
       local r = uly.cross_entropy(logits, targets)
     end)
@@ -197,6 +197,62 @@ describe('lifetime and autograd errors', function()
     expect_error({ 'matmul', 'expected a tensor', 'number' }, function(mark)
       mark()
       local r = uly.ones(2, 2):matmul(3)
+    end)
+  end)
+end)
+
+-- a misspelled option is an error naming it and the nearest real one, never a default taken
+-- silently ({casual = true} once gave non-causal attention without a word)
+describe('misspelled options', function()
+  local q = uly.randn(1, 4, 2, 8)
+  local GPT, Llama = require('models.gpt'), require('models.llama')
+  local cases = {
+    { 'attention', 'casual', 'causal', function() return uly.attention(q, q, q, { casual = true }) end },
+    { 'flash_attention', 'casual', 'causal', function() return uly.flash_attention(q, q, q, { casual = true }) end },
+    { 'GPT', 'layrs', 'layers', function() return GPT { preset = 'tiny', layrs = 2 } end },
+    { 'Llama', 'hedas', 'heads', function() return Llama { hedas = 8 } end },
+    { 'nn.Linear', 'bais', 'bias', function() return uly.nn.Linear(4, 4, { bais = false }) end },
+    { 'nn.Block', 'head', 'heads', function() return uly.nn.Block(8, { head = 2 }) end },
+    { 'randn', 'requires_gard', 'requires_grad', function() return uly.randn(2, 3, { requires_gard = true }) end },
+    { 'tensor', 'dtyp', 'dtype', function() return uly.tensor({ 1 }, { dtyp = 'f64' }) end },
+    { 'cross_entropy', 'ignore_idx', 'ignore_index',
+      function() return uly.cross_entropy(uly.randn(2, 3), uly.tensor({ 0, 1 }, { dtype = 'i32' }), { ignore_idx = 1 }) end },
+    { 'generate', 'temprature', 'temperature',
+      function() return GPT { preset = 'tiny' }:generate(uly.tensor({ { 1, 2 } }, { dtype = 'i32' }), { temprature = 0 }) end },
+    { 'backward', 'retain_grpah', 'retain_graph',
+      function() return uly.randn(2, { requires_grad = true }):sum():backward { retain_grpah = true } end },
+    { 'to', 'devic', 'device', function() return uly.randn(2):to { devic = 'cpu' } end },
+  }
+  for _, c in ipairs(cases) do
+    it(c[1] .. ': ' .. c[2], function()
+      expect_error({ c[1] .. ": unknown option '" .. c[2] .. "' (did you mean '" .. c[3] .. "'?)" }, function(mark)
+        mark()
+        local r = c[4]()
+        return r
+      end)
+    end)
+  end
+
+  it('a word far from every option gets no guess, only the list', function()
+    local err = expect_error({ "attention: unknown option 'zebra' (known: causal, scale)" }, function(mark)
+      mark()
+      local r = uly.attention(q, q, q, { zebra = 1 })
+      return r
+    end)
+    assert.falsy(err:find('did you mean', 1, true), err)
+  end)
+
+  it('devices: a string that is neither a device nor a dtype, and another GPU index', function()
+    local t = uly.randn(2)
+    expect_error({ "to: 'gpu' is neither a device (cpu, cuda) nor a dtype" }, function(mark)
+      mark()
+      local r = t:to('gpu')
+      return r
+    end)
+    expect_error({ "device 'cuda:1': a process uses one GPU, 'cuda'" }, function(mark)
+      mark()
+      local r = t:to('cuda:1')
+      return r
     end)
   end)
 end)

@@ -386,9 +386,9 @@ describe('embedding', function()
       local w = uly.randn(11, 5)
       local err = assert_error(function() return uly.embedding(uly.tensor({ 3, 11, 2 }, { dtype = dt }), w) end,
         'embedding', 'index 11', 'out of range')
-      assert.matches('position 1', err, 1, true)
+      assert.matches('at [2] of ' .. dt .. '[3]', err, 1, true)   -- 1-based, as Lua indexes it
       assert_error(function() return uly.embedding(uly.tensor({ { 0, 1 }, { -1, 4 } }, { dtype = dt }), w) end,
-        'index -1', 'out of range')
+        'index -1 at [2, 1]', 'out of range')
     end)
   end
 

@@ -233,3 +233,44 @@ describe('memory planner under sequence parallelism #mpi', function()
            string.format('%s: temporaries: planner %d vs measured %d bytes', pc.what, est.untracked, temporaries))
   end)
 end)
+
+-- the command line: help, a clear message for every bad value (exit 1), defaults spelled out
+describe('tools/plan.lua on the command line', function()
+  local function run(args)
+    local p = assert(io.popen('bin/ulysses tools/plan.lua ' .. args .. ' 2>&1; echo "exit=$?"'))
+    local out = p:read('*a')
+    p:close()
+    return out, tonumber(out:match('exit=(%d+)%s*$'))
+  end
+
+  it('prints its usage for --help', function()
+    local out, code = run('--help')
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('the memory planner', 1, true), out)
+    assert.truthy(out:find('--budget', 1, true), out)
+  end)
+
+  it('refuses bad values naming the option', function()
+    for args, want in pairs({
+      ['--seq 0'] = "plan: --seq must be an integer >= 1, got '0'",
+      ['--window -3'] = "plan: --window must be an integer >= 0, got '-3'",
+      ['--checkpoint yes'] = "plan: --checkpoint must be 0 or 1, got 'yes'",
+      ['--heads 5 --kv_heads 2'] = 'plan: dim 256 is not divisible by heads 5',
+      ['--heads 8 --kv_heads 3'] = 'plan: heads 8 is not a multiple of kv_heads 3',
+      ['--sqe 4'] = 'plan: unknown option --sqe',
+    }) do
+      local out, code = run(args)
+      assert.are.equal(1, code, args .. ':\n' .. out)
+      assert.truthy(out:find(want, 1, true), args .. ':\n' .. out)
+      assert.falsy(out:find('plan.lua:%d'), args .. ': a message, not a position:\n' .. out)
+    end
+  end)
+
+  it('names the defaults it used: the preset, tile off, and the reduction after backward', function()
+    local out, code = run('--seq 4096 --sp 2')
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('llama small: dim 256', 1, true), out)
+    assert.truthy(out:find('checkpoint off, tile off', 1, true), out)
+    assert.truthy(out:find('add --overlap 1 for train.lua\'s default', 1, true), out)
+  end)
+end)

@@ -26,12 +26,15 @@ describe('bin/ulysses', function()
       'end',
       'uly.tensor{{1.5, -2}, {3, 4}}',
       '1 + 41',
+      'uly.ones(2) *',   -- an expression that goes on on the next line
+      '7',
     }, '\n') .. '\n')
     assert.truthy(out:find('tensor(6.) f32[]', 1, true), out)
     assert.truthy(out:find('matmul: inner dimensions differ: f32[2, 3] @ f32[2, 3]', 1, true), out)
     assert.truthy(out:find('line1\nline2', 1, true), out)
     assert.truthy(out:find('[ 3.0000,  4.0000]]) f32[2, 2]', 1, true), out)
     assert.truthy(out:find('\n42\n', 1, true), out)
+    assert.truthy(out:find('tensor([7., 7.]) f32[2]', 1, true), out)
     assert.truthy(out:find('exit=0', 1, true), out)
   end)
 

@@ -833,6 +833,12 @@ function M.config(cfg)
   for k, v in pairs(preset) do c[k] = v end
   for k, v in pairs(cfg) do c[k] = v end
   c.model = model
+  c.preset = cfg.preset or 'small'
+  c.kv_heads = c.kv_heads or c.heads
+  if c.dim % c.heads ~= 0 then error(('plan: dim %d is not divisible by heads %d'):format(c.dim, c.heads), 3) end
+  if c.heads % c.kv_heads ~= 0 then
+    error(('plan: heads %d is not a multiple of kv_heads %d'):format(c.heads, c.kv_heads), 3)
+  end
   c.seq_total = cfg.seq or cfg.n or preset.seq
   c.seq = math.max(c.seq_total, model == 'gpt' and (cfg.context or c.seq_total) or c.seq_total)
   c.batch = cfg.batch or 1
@@ -1035,7 +1041,8 @@ function M.report(est)
   add('%s %s: dim %d, layers %d, heads %d/%d, hidden %d, vocab %d, %d parameters', c.model, c.preset, c.dim,
       c.layers, c.heads, c.kv_heads, c.hidden, c.vocab, est.params)
   add('N = %d, P = %d (%d tokens on this rank), batch %d, attention %s%s, checkpoint %s, tile %s', c.seq_total, c.sp,
-      c.n, c.batch, c.attention, c.window and (' window ' .. c.window) or '', tostring(c.checkpoint), tostring(c.tile))
+      c.n, c.batch, c.attention, c.window and (' window ' .. c.window) or '', c.checkpoint and 'on' or 'off',
+      c.tile and tostring(c.tile) or 'off')
   if c.distributed or c.zero then
     add('%d ranks (data parallel %d x sequence parallel %d)%s', c.world, c.world / c.sp, c.sp,
         c.zero and ', AdamW state sharded over all of them (ZeRO-1, dist.ZeroAdamW)' or '')
@@ -1056,29 +1063,51 @@ function M.report(est)
   return table.concat(lines, '\n')
 end
 
+-- the usage: this file's header comment down to the Lua API
+local function usage()
+  local here = debug.getinfo(1, 'S').source:match('^@(.*)$')
+  for line in io.lines(here) do
+    if not line:match('^%-%-') or line:match('local plan = require') then break end
+    print((line:gsub('^%-%- ?', '')))
+  end
+end
+
 local function main(args)
   local cfg, budget = {}, nil
   local i = 1
-  local numeric = { seq = true, sp = true, dp = true, batch = true, tile = true, window = true, dim = true,
-                    layers = true, heads = true, kv_heads = true, hidden = true, vocab = true, threads = true, step = true }
+  -- numbers: the least value each may take (tile and window 0 = off)
+  local numeric = { seq = 1, sp = 1, dp = 1, batch = 1, tile = 0, window = 0, dim = 1, layers = 1, heads = 1,
+                    kv_heads = 1, hidden = 1, vocab = 1, threads = 1, step = 1 }
+  local flags = { checkpoint = true, zero = true, overlap = true }
   while i <= #args do
+    if args[i] == '--help' or args[i] == '-h' then usage() return end
     local key = args[i]:match('^%-%-(.+)$')
-    if not key then error('plan: unexpected argument ' .. args[i], 0) end
+    if not key then error('plan: unexpected argument ' .. args[i] .. ' (tools/plan.lua --help lists the options)', 0) end
     local v = args[i + 1]
     if v == nil then error('plan: --' .. key .. ' needs a value', 0) end
     if key == 'budget' then budget = parse_bytes(v)
-    elseif key == 'checkpoint' then cfg.checkpoint = v == '1' or v == 'true'
-    elseif key == 'zero' then cfg.zero = v == '1' or v == 'true'
-    elseif key == 'overlap' then cfg.overlap = v == '1' or v == 'true'
+    elseif flags[key] then
+      if v ~= '0' and v ~= '1' and v ~= 'true' and v ~= 'false' then
+        error(string.format("plan: --%s must be 0 or 1, got '%s'", key, v), 0)
+      end
+      cfg[key] = v == '1' or v == 'true'
     elseif key == 'model' or key == 'preset' or key == 'attention' or key == 'device' or key == 'kernels'
       or key == 'precision' then cfg[key] = v
     elseif key == 'gpu-memory' then cfg.device_memory = parse_bytes(v)
     elseif numeric[key] then
-      cfg[key] = tonumber(v) or error('plan: --' .. key .. ' expects a number, got ' .. v, 0)
-    else error('plan: unknown option --' .. key, 0) end
+      local n = tonumber(v)
+      if not n or n ~= math.floor(n) or n < numeric[key] then
+        error(string.format("plan: --%s must be an integer >= %d, got '%s'", key, numeric[key], v), 0)
+      end
+      cfg[key] = n
+    else error('plan: unknown option --' .. key .. ' (tools/plan.lua --help lists the options)', 0) end
     i = i + 2
   end
-  print(M.report(M.estimate(cfg)))
+  local est = M.estimate(cfg)
+  print(M.report(est))
+  if est.config.distributed and cfg.overlap == nil then
+    print("(gradients reduced after backward: add --overlap 1 for train.lua's default, reduced as backward goes)")
+  end
   if budget then
     local N, est = M.longest(cfg, budget)
     print(string.format('longest N fitting %s per rank (multiples of %d): %d%s', fmt(budget), cfg.step or 1024, N,
@@ -1091,7 +1120,7 @@ if ... ~= 'tools.plan' then
   package.path = dir .. 'lua/?.lua;' .. dir .. 'lua/?/init.lua;' .. dir .. '?.lua;' .. package.path
   local ok, err = pcall(main, arg or {})
   if not ok then
-    io.stderr:write(tostring(err), '\n')
+    io.stderr:write((tostring(err):gsub('^[^%s:]+%.lua:%d+: ', '')), '\n')
     os.exit(1)
   end
 end

@@ -12,6 +12,8 @@ local uly = {
   library_path = lib.library_path,
 }
 local H, wrap, check, raise = T.handle, T.wrap, T.check, T.raise
+local options = require 'ulysses.options'
+local TENSOR_OPTIONS = { 'dtype', 'device', 'requires_grad' }
 
 uly.version = ffi.string(C.uly_version())
 
@@ -22,7 +24,7 @@ local function shape_and_opts(what, ...)
   local opts = {}
   while n > 0 and args[n] == nil do n = n - 1 end  -- zeros({2, 3}, nil): a nil opts is no size
   if n > 0 and type(args[n]) == 'table' and #args[n] == 0 and next(args[n]) ~= nil then
-    opts = args[n]
+    opts = options.check(what, args[n], TENSOR_OPTIONS)
     args[n] = nil
     n = n - 1
   end
@@ -32,7 +34,7 @@ end
 function uly.tensor(data, opts) return T.from_table(data, opts) end
 -- a new tensor holding a copy of raw memory: from_ptr(ptr, {2, 3}, {dtype = 'f32', src_dtype = 'f64'})
 function uly.from_ptr(ptr, shape, opts)
-  opts = opts or {}
+  opts = options.check('from_ptr', opts, { 'dtype', 'device', 'requires_grad', 'src_dtype' })
   if type(shape) ~= 'table' then raise('from_ptr: shape must be a table such as {2, 3}') end
   if ptr == nil then raise('from_ptr: pointer is NULL') end
   local t = T.empty(shape, { dtype = opts.dtype, device = opts.device })
@@ -53,7 +55,7 @@ function uly.zeros(...) local s, o = shape_and_opts('zeros', ...) return filled(
 function uly.ones(...) local s, o = shape_and_opts('ones', ...) return filled(1, s, o) end
 function uly.full(shape, value, opts)
   if type(shape) ~= 'table' then raise('full: shape must be a table such as {2, 3}') end
-  return filled(value, shape, opts or {})
+  return filled(value, shape, options.check('full', opts, TENSOR_OPTIONS))
 end
 
 local function random(what, fill, ...)
@@ -71,7 +73,7 @@ function uly.arange(a, b, c, d)
   local opts = {}
   local args = { a, b, c, d }
   for i = 4, 1, -1 do
-    if type(args[i]) == 'table' then opts = args[i]; args[i] = nil; break end
+    if type(args[i]) == 'table' then opts = options.check('arange', args[i], { 'dtype', 'device' }); args[i] = nil; break end
   end
   local start, stop, step = args[1], args[2], args[3]
   if stop == nil then start, stop = 0, start end
@@ -87,7 +89,7 @@ end
 -- a new tensor of t's shape, dtype and device (opts override)
 local function like(t, opts)
   local o = { dtype = t:dtype(), device = t:device() }
-  for k, v in pairs(opts or {}) do o[k] = v end
+  for k, v in pairs(options.check('zeros_like / ones_like / randn_like', opts, TENSOR_OPTIONS)) do o[k] = v end
   return o
 end
 function uly.zeros_like(t, opts) return uly.zeros(t:shape(), like(t, opts)) end
@@ -125,7 +127,7 @@ end
 local REDUCTIONS = { mean = 0, sum = 1, none = 2 }
 -- cross_entropy(logits [..., V], targets [...] i32/i64, {ignore_index = -100, reduction = 'mean'})
 function uly.cross_entropy(logits, targets, opts)
-  opts = opts or {}
+  opts = options.check('cross_entropy', opts, { 'ignore_index', 'reduction' })
   local red = REDUCTIONS[opts.reduction or 'mean']
   if not red then raise("cross_entropy: reduction must be 'mean', 'sum' or 'none', got " .. tostring(opts.reduction)) end
   return wrap(C.uly_cross_entropy(H(logits, 'cross_entropy logits'), H(targets, 'cross_entropy targets'),
@@ -134,7 +136,7 @@ end
 
 -- attention(q [B, Tq, H, D], k, v [B, Tk, Hkv, D], {causal = false, scale = 1/sqrt(D)})
 function uly.attention(q, k, v, opts)
-  opts = opts or {}
+  opts = options.check('attention', opts, { 'causal', 'scale' })
   return wrap(C.uly_attention(H(q, 'attention q'), H(k, 'attention k'), H(v, 'attention v'), opts.scale or 0,
                               opts.causal and 1 or 0))
 end
@@ -158,8 +160,8 @@ local function window_widths(w, causal)
   return l, r
 end
 function uly.flash_attention(q, k, v, opts)
-  opts = opts or {}
-  if type(opts) ~= 'table' then raise('flash_attention: opts must be a table, got ' .. type(opts)) end
+  opts = options.check('flash_attention', opts,
+                       { 'causal', 'scale', 'window', 'block_layout', 'block_size', 'q_doc', 'k_doc', 'doc' })
   local m = ffi.new('uly_attn_mask')
   m.causal = opts.causal and 1 or 0
   m.window_left, m.window_right = window_widths(opts.window, opts.causal)
@@ -262,12 +264,22 @@ function uly.set_rng_state(s) C.uly_rng_set_state(s.seed, s.offset) end
 -- the caching pool of a device ('cpu' by default): bytes allocated to tensors, their high-water
 -- mark, reserved (allocated + cached), the limit, and how often the pool called the OS / device
 -- allocator (raw_allocs stays flat once a training loop is warm)
+-- prints as {allocated = 1.50 MiB, peak = ..., ...} (the fields stay numbers of bytes)
+local MEMORY_FIELDS = { 'allocated', 'peak', 'reserved', 'limit', 'raw_allocs', 'raw_frees' }
+local memory_mt = { __tostring = function(m)
+  local parts = {}
+  for i, k in ipairs(MEMORY_FIELDS) do
+    local v = m[k]
+    parts[#parts + 1] = k .. ' = ' .. (i <= 4 and v >= 0 and require('ulysses.log').format_bytes(v) or tostring(v))
+  end
+  return '{' .. table.concat(parts, ', ') .. '}'
+end }
 function uly.memory(device)
   local code = T.device_code(device or 'cpu')
   local s = ffi.new('int64_t[6]')
   check(C.uly_device_memory_stats(code, s))
-  return { allocated = tonumber(s[0]), peak = tonumber(s[1]), reserved = tonumber(s[2]), limit = tonumber(s[3]),
-           raw_allocs = tonumber(s[4]), raw_frees = tonumber(s[5]) }
+  return setmetatable({ allocated = tonumber(s[0]), peak = tonumber(s[1]), reserved = tonumber(s[2]),
+                        limit = tonumber(s[3]), raw_allocs = tonumber(s[4]), raw_frees = tonumber(s[5]) }, memory_mt)
 end
 function uly.reset_peak_memory(device) check(C.uly_device_memory_reset_peak(T.device_code(device or 'cpu'))) end
 function uly.empty_cache(device) check(C.uly_device_empty_cache(T.device_code(device or 'cpu'))) end

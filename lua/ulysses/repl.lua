@@ -66,12 +66,17 @@ local function report_error(err)
   io.stderr:write(msg, '\n')
 end
 
--- compile `src` as an expression first, then as statements
+-- compile `src` as an expression first, then as statements; the third result says the input
+-- may only be unfinished (either reading ran out at its end: `uly.randn(2) *`, `for i = 1, 3 do`)
 local function compile(src, env)
   local fn, err = loadstring('return ' .. src, '=stdin')
-  if not fn then fn, err = loadstring(src, '=stdin') end
+  local unfinished = not fn and err:match("near '<eof>'$") ~= nil
+  if not fn then
+    fn, err = loadstring(src, '=stdin')
+    unfinished = unfinished or (not fn and err:match("near '<eof>'$") ~= nil)
+  end
   if fn then setfenv(fn, env) end
-  return fn, err
+  return fn, err, unfinished
 end
 
 local function print_results(ok, ...)
@@ -90,8 +95,8 @@ function M.loop(env)
     local line = read(buffer and '>> ' or 'uly> ')
     if line == nil then io.write('\n') break end
     local src = buffer and (buffer .. '\n' .. line) or line
-    local fn, err = compile(src, env)
-    if not fn and err and err:match("<eof>") then
+    local fn, err, unfinished = compile(src, env)
+    if not fn and unfinished then
       buffer = src -- incomplete statement: keep reading
     else
       buffer = nil

@@ -3,6 +3,7 @@
 -- from the end); the C core is 0-based. Errors from C are raised at the caller's own line.
 local ffi = require 'ffi'
 local lib = require 'ulysses.ffi'
+local options = require 'ulysses.options'
 local C = lib.C
 
 local Tensor = {}          -- methods
@@ -20,14 +21,41 @@ local intarr = ffi.typeof('int[?]')
 local dblbox = ffi.typeof('double[1]')
 local pkgdir = lib.package_dir
 
--- raise `msg` at the first stack level outside this package: the user's own line
+-- a file path made absolute (from $PWD) with its '.' and '..' segments resolved
+local cwd = os.getenv('PWD') or '.'
+local function absolute(path)
+  if path:sub(1, 1) ~= '/' then path = cwd .. '/' .. path end
+  local parts = {}
+  for seg in path:gmatch('[^/]+') do
+    if seg == '..' then parts[#parts] = nil elseif seg ~= '.' then parts[#parts + 1] = seg end
+  end
+  return '/' .. table.concat(parts, '/')
+end
+-- the library's own Lua (this package and the models shipped with it): errors skip past it
+local library_dirs = { absolute(pkgdir) .. '/', absolute(lib.root) .. '/models/' }
+local library_source = {}   -- source string -> is it the library's (memo)
+local function in_library(src)
+  local known = library_source[src]
+  if known == nil then
+    known = false
+    if src:sub(1, 1) == '@' then
+      local path = absolute(src:sub(2))
+      for _, dir in ipairs(library_dirs) do
+        if path:sub(1, #dir) == dir then known = true end
+      end
+    end
+    library_source[src] = known
+  end
+  return known
+end
+
+-- raise `msg` at the first stack level outside the library: the user's own line
 local function raise(msg)
   local level = 2
   while true do
     local info = debug.getinfo(level, 'S')
     if not info then level = 2 break end
-    local src = info.source
-    if src:sub(1, 1) ~= '@' or src:sub(2, #pkgdir + 1) ~= pkgdir then break end
+    if not in_library(info.source) then break end
     level = level + 1
   end
   error(msg, level)
@@ -109,6 +137,12 @@ M.default_device = 'cpu'
 -- 'cpu' -> 0, 'cuda' -> 1; asking for 'cuda' loads the CUDA backend on first use (or raises why not)
 local function device_code(name)
   if name == nil then name = M.default_device end
+  if type(name) == 'string' and name:match('^cuda:%d+$') then   -- PyTorch's spelling
+    if name ~= 'cuda:0' then
+      raise("device '" .. name .. "': a process uses one GPU, 'cuda' (under mpirun the GPU of its local rank)")
+    end
+    name = 'cuda'
+  end
   local code = DEVICES[name]
   if not code then raise("unknown device '" .. tostring(name) .. "' (use 'cpu' or 'cuda')") end
   if code ~= 0 and C.uly_device_available(code) == 0 then
@@ -223,7 +257,7 @@ local function flatten(data, shape, depth, out)
 end
 
 function M.from_table(data, opts)
-  opts = opts or {}
+  opts = options.check('tensor', opts, { 'dtype', 'device', 'requires_grad' })
   local shape, flat = {}, {}
   if type(data) == 'number' then flat[1] = data
   elseif type(data) == 'table' then flatten(data, shape, 1, flat)
@@ -238,7 +272,7 @@ function M.from_table(data, opts)
 end
 
 function M.empty(shape, opts)
-  opts = opts or {}
+  opts = options.check('empty', opts, { 'dtype', 'device', 'requires_grad' })
   local t = wrap(C.uly_tensor_empty(#shape, to_i64(shape), dtype_code(opts.dtype), device_code(opts.device)))
   if opts.requires_grad then check(C.uly_tensor_set_requires_grad(t._h, 1)) end
   return t
@@ -414,9 +448,14 @@ function Tensor:detach() return wrap(C.uly_tensor_detach(H(self))) end
 -- (the tensor itself when nothing changes)
 function Tensor:to(what)
   local device, dtype
-  if type(what) == 'table' then device, dtype = what.device, what.dtype
-  elseif DEVICES[what] then device = what
-  else dtype = what end
+  if type(what) == 'table' then
+    options.check('to', what, { 'device', 'dtype' })
+    device, dtype = what.device, what.dtype
+  elseif DEVICES[what] or (type(what) == 'string' and what:match('^cuda:%d+$')) then device = what
+  elseif DTYPES[what] then dtype = what
+  else
+    raise(string.format("to: '%s' is neither a device (cpu, cuda) nor a dtype (f32, bf16, i32, i64, f64)", tostring(what)))
+  end
   local t = self
   if dtype and dtype_code(dtype) ~= C.uly_tensor_dtype(H(t)) then t = wrap(C.uly_tensor_to_dtype(H(t), dtype_code(dtype))) end
   if device then
@@ -442,7 +481,7 @@ end
 
 function Tensor:backward(grad, opts)
   if type(grad) == 'table' and not is_tensor(grad) then grad, opts = nil, grad end
-  opts = opts or {}
+  opts = options.check('backward', opts, { 'retain_graph' })
   check(C.uly_backward(H(self), grad and H(grad, 'backward gradient') or nil, opts.retain_graph and 1 or 0))
 end
 -- a backward may call back into Lua (nn.checkpoint): never from JIT-compiled code

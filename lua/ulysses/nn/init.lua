@@ -18,6 +18,7 @@ local function U()
 end
 
 local function raise(msg, level) error('nn: ' .. msg, (level or 1) + 1) end
+local options = require 'ulysses.options'
 
 ---------------------------------------------------------------- Module base class
 local Module = { __name = 'Module' }
@@ -173,7 +174,7 @@ function Module:__tostring() return repr(self, '') end
 local Linear = Module:extend('Linear')
 nn.Linear = Linear
 function Linear:__init(n_in, n_out, opts)
-  opts = opts or {}
+  opts = options.check('nn.Linear', opts, { 'bias', 'std' })
   self.in_features, self.out_features = n_in, n_out
   self:param('weight', U().empty(n_in, n_out):normal_(0, opts.std or 0.02))
   if opts.bias ~= false then self:param('bias', U().zeros(n_out)) end
@@ -191,7 +192,7 @@ end
 local Embedding = Module:extend('Embedding')
 nn.Embedding = Embedding
 function Embedding:__init(V, C, opts)
-  opts = opts or {}
+  opts = options.check('nn.Embedding', opts, { 'std' })
   self.num_embeddings, self.dim = V, C
   self:param('weight', U().empty(V, C):normal_(0, opts.std or 0.02))
 end
@@ -202,7 +203,7 @@ function Embedding:extra_repr() return string.format('%d, %d', self.num_embeddin
 local LayerNorm = Module:extend('LayerNorm')
 nn.LayerNorm = LayerNorm
 function LayerNorm:__init(C, opts)
-  opts = opts or {}
+  opts = options.check('nn.LayerNorm', opts, { 'eps' })
   self.dim, self.eps = C, opts.eps or 1e-5
   self:param('weight', U().ones(C))
   self:param('bias', U().zeros(C))
@@ -214,7 +215,7 @@ function LayerNorm:extra_repr() return string.format('%d, eps=%g', self.dim, sel
 local RMSNorm = Module:extend('RMSNorm')
 nn.RMSNorm = RMSNorm
 function RMSNorm:__init(C, opts)
-  opts = opts or {}
+  opts = options.check('nn.RMSNorm', opts, { 'eps' })
   self.dim, self.eps = C, opts.eps or 1e-6
   self:param('weight', U().ones(C))
 end
@@ -238,7 +239,7 @@ function Dropout:extra_repr() return string.format('p=%g', self.p) end
 -- GELU({approximate = 'none' | 'tanh'})
 local GELU = Module:extend('GELU')
 nn.GELU = GELU
-function GELU:__init(opts) self.approximate = (opts or {}).approximate or 'none' end
+function GELU:__init(opts) self.approximate = options.check('nn.GELU', opts, { 'approximate' }).approximate or 'none' end
 function GELU:forward(x) return x:gelu(self.approximate) end
 function GELU:extra_repr() return self.approximate == 'tanh' and "approximate='tanh'" or '' end
 
@@ -278,7 +279,7 @@ function MLP:forward(x) return self.proj(self.act(self.fc(x))) end
 local SwiGLU = Module:extend('SwiGLU')
 nn.SwiGLU = SwiGLU
 function SwiGLU:__init(C, hidden, opts)
-  opts = opts or {}
+  opts = options.check('nn.SwiGLU', opts, { 'bias', 'std' })
   local lopts = { bias = opts.bias or false, std = opts.std }
   self:add('w1', Linear(C, hidden, lopts))
   self:add('w3', Linear(C, hidden, lopts))

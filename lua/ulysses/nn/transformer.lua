@@ -8,6 +8,7 @@
 -- sequence parallelism, the shard's offset; while decoding, the number of cached tokens).
 return function(nn, U)
   local Module, Linear = nn.Module, nn.Linear
+  local options = require 'ulysses.options'
 
   local function raise(msg, level) error('nn: ' .. msg, (level or 1) + 1) end
 
@@ -37,7 +38,7 @@ return function(nn, U)
   local KVCache = {}
   KVCache.__index = KVCache
   nn.KVCache = setmetatable(KVCache, { __call = function(cls, B, max_T, Hkv, D, opts)
-    opts = opts or {}
+    opts = options.check('nn.KVCache', opts, { 'dtype', 'device' })
     local dtype = opts.dtype or 'f32'
     if dtype ~= 'f32' and dtype ~= 'bf16' then raise("KVCache: dtype must be 'f32' or 'bf16', got " .. tostring(dtype), 2) end
     local o = { dtype = dtype, device = opts.device }
@@ -72,7 +73,8 @@ return function(nn, U)
   local SelfAttention = Module:extend('SelfAttention')
   nn.SelfAttention = SelfAttention
   function SelfAttention:__init(C, opts)
-    opts = opts or {}
+    opts = options.check('nn.SelfAttention', opts, { 'heads', 'kv_heads', 'rope', 'rope_theta', 'causal', 'window',
+                                                     'attend', 'bias', 'std', 'proj_std' })
     local H = opts.heads or raise('SelfAttention: opts.heads is required', 3)
     local Hkv = opts.kv_heads or H
     if C % H ~= 0 then raise(string.format('SelfAttention: dim %d is not divisible by heads %d', C, H), 3) end
@@ -214,7 +216,9 @@ return function(nn, U)
   local Block = Module:extend('Block')
   nn.Block = Block
   function Block:__init(C, opts)
-    opts = opts or {}
+    opts = options.check('nn.Block', opts, { 'heads', 'kv_heads', 'norm', 'mlp', 'hidden', 'rope', 'rope_theta',
+                                             'bias', 'attend', 'window', 'dropout', 'std', 'proj_std', 'eps',
+                                             'checkpoint', 'tile' })
     local Norm = (opts.norm == 'rmsnorm') and nn.RMSNorm or nn.LayerNorm
     local proj_std = opts.proj_std or opts.std
     self:add('norm1', Norm(C, { eps = opts.eps }))
