@@ -5,7 +5,8 @@
 -- command line override it. One progress line per step (tokens/s, FLOP/s, MFU, memory, ETA),
 -- validation loss at intervals, a CSV log and an SVG loss plot in --out, rotating HDF5
 -- checkpoints, exact resume (--resume auto|PATH) and a sample from the model at the end.
--- Without --data it trains on data/kjv.h5 if present, else on an embedded text (Genesis 1).
+-- Without --data it trains on data/kjv.h5 ($ULY_DATA/kjv.h5) if present, else on an embedded
+-- text (Genesis 1).
 -- Under mpirun (mpirun -np 4 luajit train.lua --sp 2) the ranks form data-parallel x sequence-
 -- parallel groups: each rank reads only its slice of every window, attention goes through
 -- nn.DistributedAttention, gradients are summed once over all ranks, rank 0 prints and saves.
@@ -39,7 +40,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'wd', 0.1, 'AdamW weight decay (matrices only)' },
   { 'beta2', 0.95, 'AdamW beta2' },
   { 'clip', 1.0, 'clip the global gradient norm (0 = off)' },
-  { 'data', '', "HDF5 dataset from datasets/prepare.lua; 'embedded' = Genesis 1 (default: data/kjv.h5 if present, else embedded)" },
+  { 'data', '', "HDF5 dataset from datasets/prepare.lua; 'embedded' = Genesis 1 (default: data/kjv.h5, or $ULY_DATA/kjv.h5, if present, else embedded)" },
   { 'eval_every', 100, 'validation every N steps (0 = only at the end)' },
   { 'eval_batches', 8, 'validation batches per evaluation (0 = no evaluation)' },
   { 'out', 'runs/train', 'run directory: log.csv, loss.svg, ckpt/' },
@@ -202,7 +203,8 @@ local function resolve_data(cfg, quiet)
     end
     return cfg.data
   end
-  if cfg.data == '' and file_exists(here .. '/data/kjv.h5') then return here .. '/data/kjv.h5' end
+  local data_dir = os.getenv('ULY_DATA') or (here .. '/data')   -- where datasets/prepare.sh puts it
+  if cfg.data == '' and file_exists(data_dir .. '/kjv.h5') then return data_dir .. '/kjv.h5' end
   local path = cfg.out .. '/embedded.h5'
   if not file_exists(path) then
     local txt = cfg.out .. '/embedded.txt'

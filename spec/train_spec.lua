@@ -191,6 +191,21 @@ describe('train.lua', function()
     helpers.rmtree(dir)
   end)
 
+  it('finds the default data under $ULY_DATA, where datasets/prepare.sh puts it', function()
+    local dir = tmpdir()
+    local out, code = run(TINY .. '--steps 1 --eval_every 0 --sample 0 --out ' .. dir)   -- makes embedded.h5
+    assert.are.equal(0, code, out)
+    os.rename(dir .. '/embedded.h5', dir .. '/kjv.h5')
+    local p = assert(io.popen('ULY_DATA=' .. helpers.shq(dir) .. ' bin/ulysses train.lua '
+                              .. TINY:gsub('%-%-data embedded ', '') .. '--steps 1 --eval_every 0 --sample 0 --out '
+                              .. dir .. '/run 2>&1; echo "exit=$?"'))
+    out = p:read('*a')
+    p:close()
+    assert.truthy(out:match('exit=0%s*$'), out)
+    assert.truthy(out:find('data: ' .. dir .. '/kjv.h5', 1, true), out)
+    helpers.rmtree(dir)
+  end)
+
   it('--sp without mpirun says that one process does no sequence parallelism', function()
     local dir = tmpdir()
     local out, code = run(TINY .. '--sp 2 --steps 1 --eval_every 0 --eval_batches 0 --sample 0 --out ' .. dir)

@@ -296,7 +296,9 @@ end
 function uly.matmul_precision(p)
   local prev = C.uly_matmul_bf16() ~= 0 and 'bf16' or 'f32'
   if p ~= nil then
-    if p ~= 'bf16' and p ~= 'f32' then raise("matmul_precision: expected 'bf16' or 'f32', got " .. tostring(p)) end
+    if p ~= 'bf16' and p ~= 'f32' then
+      raise("matmul_precision: expected 'bf16' or 'f32' (TF32 on a GPU, exact f32 on the CPU), got " .. tostring(p))
+    end
     C.uly_set_matmul_bf16(p == 'bf16' and 1 or 0)
   end
   return prev
