@@ -54,7 +54,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'precision', 'auto', 'f32 | bf16 (matmul operands rounded to bf16, f32 accumulation, master weights and optimizer); auto: bf16 on cuda, f32 on cpu' },
   { 'sp', 0, 'ranks per sequence-parallel group under mpirun (0 = all ranks; world / sp groups do data parallelism)' },
   { 'overlap', 1, '1: each layer\'s gradients start their all-reduce during backward (dist.grad_sync); 0: all after backward' },
-  { 'zero', 0, '1: shard the AdamW state over the ranks (dist.ZeroAdamW, ZeRO stage 1: gradients reduce-scattered, with --overlap 1 during backward; parameters all-gathered)' },
+  { 'zero', 0, '1: shard the AdamW state over the ranks (dist.ZeroAdamW, ZeRO stage 2: gradients reduce-scattered, with --overlap 1 during backward, and freed; parameters all-gathered)' },
   { 'peak_gflops', 0, 'peak for MFU (0: cpu the f32 FMA peak of the threads, measured at start; cuda 989000, the H200 bf16 dense peak)' },
   { 'log_every', 0, 'seconds between progress lines (0 = every step)' },
   { 'sample', 200, 'tokens to generate at the end (0 = none)' },
@@ -344,7 +344,7 @@ local function main()
                     device == 'cuda' and (' (backend ' .. tostring(uly.cuda.backend()) .. ')') or '', cfg.precision))
   if zero then
     local info = opt:shard_info()
-    say(string.format('optimizer: AdamW state sharded over %d ranks (ZeRO-1): %s of state per rank instead of %s',
+    say(string.format('optimizer: AdamW state sharded over %d ranks (ZeRO-2): %s of state per rank instead of %s',
                       grid.world, uly.log.format_bytes(info.state_bytes), uly.log.format_bytes(8 * info.total)))
   end
 

@@ -1,4 +1,4 @@
--- bench/zero.lua — what ZeRO stage 1 (dist.ZeroAdamW) saves and costs against AdamW after an
+-- bench/zero.lua — what ZeRO (dist.ZeroAdamW, stages 1 and 2) saves and costs against AdamW after an
 -- all-reduce, data parallel over the P ranks this process runs with (sp = 1: each rank its own
 -- batch). For each way of reducing and stepping, rank 0 prints (it never asserts on time):
 --   state MiB   the optimizer state each rank holds (exp_avg + exp_avg_sq: 8 bytes a parameter,

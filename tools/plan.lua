@@ -1045,7 +1045,7 @@ function M.report(est)
       c.tile and tostring(c.tile) or 'off')
   if c.distributed or c.zero then
     add('%d ranks (data parallel %d x sequence parallel %d)%s', c.world, c.world / c.sp, c.sp,
-        c.zero and ', AdamW state sharded over all of them (ZeRO-1, dist.ZeroAdamW)' or '')
+        c.zero and (', AdamW state sharded over all of them (ZeRO stage %d, dist.ZeroAdamW)'):format(c.zero_stage) or '')
   end
   if c.device == 'cuda' then
     add('device cuda (%s kernels, %s GiB), matmul precision %s', c.kernels, string.format('%.1f', c.device_memory / GiB),
