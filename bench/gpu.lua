@@ -121,11 +121,12 @@ print(('\n== flash attention, causal, forward + backward (B 1, H %d, D %d): ours
 print(('%-8s %-13s %10s %10s %10s %10s %7s %14s %10s'):format('N', 'path', 'fwd ms', 'bwd ms', 'fwd TF/s', 'f+b TF/s',
                                                           'MFU', 'cuDNN f+b TF/s', 'ours/cuDNN'))
 local peer_note
--- the paths: matmul precision, ULY_CUDA_ATTN (kernels/cuda/attention_fused.cu takes bf16 at D 32/64/128)
--- and ULY_CUDA_ATTN_WGMMA for its forward ('': decided by its self-check, wgmma on Hopper; '0':
--- the mma.sync kernel)
-local paths = { { 'f32 chunked', 'f32', 'chunked', '' }, { 'bf16 chunked', 'bf16', 'chunked', '' },
-                { 'bf16 fused', 'bf16', 'fused', '' }, { 'fused mma.sync', 'bf16', 'fused', '0' } }
+-- the paths: matmul precision, ULY_CUDA_ATTN (kernels/cuda/attention_fused.cu takes bf16 at D 32/64/128),
+-- ULY_CUDA_ATTN_WGMMA for its kernels ('': decided by its self-check, wgmma on Hopper; '0': the
+-- mma.sync kernels) and ULY_CUDA_ATTN_BWD ('onepass': dQ with atomics from the dK/dV kernel, D <= 64)
+local paths = { { 'f32 chunked', 'f32', 'chunked', '', '' }, { 'bf16 chunked', 'bf16', 'chunked', '', '' },
+                { 'bf16 fused', 'bf16', 'fused', '', '' }, { 'fused 1-pass', 'bf16', 'fused', '', 'onepass' },
+                { 'fused mma.sync', 'bf16', 'fused', '0', '' } }
 local n = opts.quick and 128 or 4096
 while n <= (opts.quick and 128 or opts.attn_max) do
   local q = uly.randn(1, n, H, D, { device = 'cuda' }):requires_grad_()
@@ -145,6 +146,7 @@ while n <= (opts.quick and 128 or opts.attn_max) do
     uly.matmul_precision(path[2])
     ffi.C.setenv('ULY_CUDA_ATTN', path[3], 1)
     ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', path[4], 1)
+    ffi.C.setenv('ULY_CUDA_ATTN_BWD', path[5], 1)
     local fwd = time(function() local o = uly.no_grad(uly.flash_attention, q, k, v, { causal = true }) end, opts.reps)
     local both = time(function()
       local o = uly.flash_attention(q, k, v, { causal = true })
@@ -157,6 +159,7 @@ while n <= (opts.quick and 128 or opts.attn_max) do
   uly.matmul_precision('f32')
   ffi.C.setenv('ULY_CUDA_ATTN', 'fused', 1)
   ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', '', 1)
+  ffi.C.setenv('ULY_CUDA_ATTN_BWD', '', 1)
   q, k, v, g = nil, nil, nil, nil
   collectgarbage('collect')
   n = n * 2

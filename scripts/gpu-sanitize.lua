@@ -51,10 +51,12 @@ for _, D in ipairs({ 32, 64, 128 }) do
                           { 'documents', { causal = true, q_doc = docs, k_doc = docs } } }) do
     local name, opts = case[1], case[2]
     local cpu = run('cpu', 'f32', q, k, v, opts)
-    -- fused: its forward on wgmma where the self-check put it (Hopper); fused-mma: on mma.sync
-    for _, path in ipairs({ 'fused', 'fused-mma', 'chunked' }) do
+    -- fused: its forward on wgmma where the self-check put it (Hopper); fused-mma: on mma.sync;
+    -- fused-1pass: dQ with atomics from the dK/dV kernel (D 32, 64; 128 takes two passes)
+    for _, path in ipairs({ 'fused', 'fused-mma', 'fused-1pass', 'chunked' }) do
       ffi.C.setenv('ULY_CUDA_ATTN', path == 'chunked' and 'chunked' or 'fused', 1)
       ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', path == 'fused-mma' and '0' or '', 1)
+      ffi.C.setenv('ULY_CUDA_ATTN_BWD', path == 'fused-1pass' and 'onepass' or '', 1)
       local gpu = run('cuda', 'bf16', q, k, v, opts)
       uly.synchronize('cuda')
       local worst = 0

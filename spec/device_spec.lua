@@ -504,7 +504,7 @@ end)
 describe('fused tensor-core attention (mixed precision)', function()
   local function rounded(t) return t:bf16():float() end
   local function set_path(path) ffi.C.setenv('ULY_CUDA_ATTN', path, 1) end
-  after_each(function() set_path('fused'); uly.matmul_precision('f32') end)
+  after_each(function() set_path('fused'); ffi.C.setenv('ULY_CUDA_ATTN_BWD', '', 1); uly.matmul_precision('f32') end)
 
   -- fn(q, k, v) -> attention output; returns the output and the gradients of sum(out * w)
   local function run(device, precision, fn, inputs, w)
@@ -535,6 +535,10 @@ describe('fused tensor-core attention (mixed precision)', function()
       local b = helpers.values(again[i])
       for e = 0, n - 1 do assert(a[e] == b[e] or (a[e] ~= a[e] and b[e] ~= b[e]), 'fused attention is not deterministic') end
     end
+    -- the one-pass backward (D 32, 64): dQ from the dK/dV kernel's dS, added with atomics
+    ffi.C.setenv('ULY_CUDA_ATTN_BWD', 'onepass', 1)
+    local onepass = run('cuda', 'bf16', fn, inputs, w)
+    ffi.C.setenv('ULY_CUDA_ATTN_BWD', '', 1)
     set_path('chunked')
     local chunked = run('cuda', 'bf16', fn, inputs, w)
     local names = { 'output', 'grad q', 'grad k', 'grad v' }
@@ -543,7 +547,13 @@ describe('fused tensor-core attention (mixed precision)', function()
       local big = 0
       for e = 0, n - 1 do big = math.max(big, math.abs(vals[e])) end
       helpers.assert_close(fused[i], want[i], 1e-2, 1e-2 * big, 'fused ' .. (names[i] or i))
+      helpers.assert_close(onepass[i], want[i], 1e-2, 1e-2 * big, 'one-pass ' .. (names[i] or i))
       helpers.assert_close(chunked[i], want[i], 1e-2, 1e-2 * big, 'chunked ' .. (names[i] or i))
+    end
+    if #inputs == 3 then   -- the output, dK and dV are the two-pass kernels' own numbers
+      for _, i in ipairs({ 1, 3, 4 }) do
+        helpers.assert_close(onepass[i], fused[i], 0, MODE == 'cuda' and 1e-6 or 0, 'one-pass vs two-pass ' .. names[i])
+      end
     end
     if REAL then   -- two different kernels ran: the bits differ somewhere
       local a, n = helpers.values(fused[1])

@@ -473,17 +473,57 @@ __device__ static inline int next_query_tile(const geom &g, int64_t hk, int64_t 
 }
 
 /* dynamic shared memory of either backward kernel: two 64-row tiles that stay (dK/dV: K, V;
- * dQ: Q, dO) and two buffers of two 32-row tiles that stream (Q, dO; K, V) */
+ * dQ: Q, dO) and two buffers of two 32-row tiles that stream (Q, dO; K, V); the one-pass dK/dV
+ * kernel (DQ) adds dS^T as a bf16 tile of 64 keys x 32 queries */
+template <int D, bool DQ = false>
+static constexpr size_t backward_smem_bytes() { return (size_t)(2 * 64 + 4 * 32) * (D / 8) * 16 + (DQ ? 64 * 32 * 2 : 0); }
+
+/* the one-pass backward's dQ share of one (64-key, 32-query) tile pair: dq (f32, [B, Tq, H, D]
+ * rows i0.. of head h) += dS K over the block's 64 keys, dS^T read from the keys-major bf16 tile
+ * sdS (64 x 32); warp w takes query rows 16 (w & 1).. and half (w >> 1) of D, and adds its
+ * 16 x D/2 into dq with atomics (other blocks add the other keys' shares) */
 template <int D>
-static constexpr size_t backward_smem_bytes() { return (size_t)(2 * 64 + 4 * 32) * (D / 8) * 16; }
+__device__ static inline void dq_share(float *dq, const geom &g, int64_t b, int64_t h, int64_t i0, const uint4 *sdS,
+                                       const uint4 *sK, int warp) {
+    constexpr int NT = D / 16;   /* n8 tiles in half of D */
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    const int q0 = (warp & 1) * 16, c0 = (warp >> 1) * (D / 16);   /* its rows; its first chunk of D */
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {   /* 16 keys at a time */
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, frag_b<32>(sdS, kk * 16, q0 / 8));   /* dS rows q0.., keys kk * 16.. */
+#pragma unroll
+        for (int np = 0; np < NT / 2; np++) {
+            uint32_t bb[4];
+            ldmatrix_x4_trans(bb, frag_a<D>(sK, kk * 16, c0 + 2 * np));
+            mma_two(acc[2 * np], acc[2 * np + 1], a, bb);
+        }
+    }
+    const int lane = threadIdx.x & 31, tq = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int64_t i = i0 + q0 + (lane >> 2) + 8 * r;
+        if (i >= g.Tq) continue;
+        float *dst = dq + ((b * g.Tq + i) * g.H + h) * D + c0 * 8 + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            atomicAdd(dst + n * 8, acc[n][2 * r]);
+            atomicAdd(dst + n * 8 + 1, acc[n][2 * r + 1]);
+        }
+    }
+}
 
 /* WG: S^T, dP^T, dV += P^T dO and dK += dS^T Q as wgmma (Hopper), the streamed Q and dO tiles in
  * its layout; D = 64 only: at 128 the two wgmma accumulators (dK, dV) with S and dP spill ~100
- * bytes a thread in ptxas, where the mma.sync kernel spills 8 */
-template <int D, bool WG>
+ * bytes a thread in ptxas, where the mma.sync kernel spills 8.
+ * DQ (the one-pass backward, D = 32 and 64): dQ too, from the same dS (dq_share, atomics), so
+ * S and dP are computed once instead of once here and once in the dQ kernel */
+template <int D, bool WG, bool DQ = false>
 __global__ static void __launch_bounds__(FA_THREADS)
 fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO,
-                const float *lse, const float *delta, int *ran_wgmma) {
+                const float *lse, const float *delta, int *ran_wgmma, float *dq) {
     constexpr int CH = D / 8;
     constexpr bool W = WG && ULY_HAS_WGMMA && D == 64;
     ULY_DYNAMIC_SHARED(uint4, smem_raw);
@@ -546,6 +586,17 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
                 s[n][e] = p;
                 dp[n][e] = ds;
             }
+        if (DQ) {   /* dS^T into its bf16 tile (keys-major), then this tile pair's share of dQ */
+            uint4 *const sdS = smem + 256 * CH;
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+                    ((uint32_t *)&sdS[sw_at<32>(warp * 16 + (lane >> 2) + 8 * r, n)])[tq] =
+                        mma_pack_bf16(dp[n][2 * r], dp[n][2 * r + 1]);
+            __syncthreads();
+            dq_share<D>(dq, g, b, h, i0, sdS, sK, warp);
+        }
         if (W) {   /* dV += P^T dO, dK += dS^T Q: P^T, dS^T from the accumulators, dO and Q MN-major */
             wg_fence();
             acc_times_tile_wg<D, 2, 32>(dva, s, sO);
@@ -764,14 +815,14 @@ static void launch_dq(int64_t blocks, float *dq, const geom &g, const bf16 *q, c
                                                                                      ran);
 }
 
-template <int D, bool WG>
+template <int D, bool WG, bool DQ = false>
 static void launch_dkv(int64_t blocks, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
-                       const bf16 *dout, const float *lse, const float *delta, int *ran) {
-    const size_t smem = backward_smem_bytes<D>() + (WG ? 1024 : 0);   /* WG: room to align the tiles */
-    cudaError_t e = cudaFuncSetAttribute(fa_backward_dkv<D, WG>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+                       const bf16 *dout, const float *lse, const float *delta, int *ran, float *dq = NULL) {
+    const size_t smem = backward_smem_bytes<D, DQ>() + (WG ? 1024 : 0);   /* WG: room to align the tiles */
+    cudaError_t e = cudaFuncSetAttribute(fa_backward_dkv<D, WG, DQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dK, dV): shared memory", e); return; }
-    ULY_LAUNCH_SMEM((fa_backward_dkv<D, WG>), blocks, FA_THREADS, smem, uly_cu_stream)(dk, dv, g, q, k, v, dout, lse,
-                                                                                      delta, ran);
+    ULY_LAUNCH_SMEM((fa_backward_dkv<D, WG, DQ>), blocks, FA_THREADS, smem, uly_cu_stream)(dk, dv, g, q, k, v, dout, lse,
+                                                                                          delta, ran, dq);
 }
 
 /* the largest |a - b| over n values and the largest |a|, NaN counted as a difference */
@@ -930,9 +981,26 @@ static int forward_d(float *out, float *lse, const geom &g, const bf16 *q, const
     return 0;
 }
 
+/* ULY_CUDA_ATTN_BWD=onepass: dQ from the dK/dV kernel's own dS, added with atomics (D = 32, 64;
+ * at 128 its registers would spill): 5 tile products per (key, query) tile pair instead of 8,
+ * but dQ's sum is in no fixed order, so its last bits vary from run to run. Unset or 'twopass':
+ * the deterministic two kernels. bench/gpu.lua times both. */
+static int backward_onepass(int D) {
+    const char *env = getenv("ULY_CUDA_ATTN_BWD");
+    return env && !strcmp(env, "onepass") && D <= 64;
+}
+
 template <int D>
 static int backward_d(float *dq, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                       const bf16 *dout, const float *lse, const float *delta) {
+    if constexpr (D <= 64) {
+        if (dq && backward_onepass(D)) {
+            int64_t blocks = (g.Tk + 63) / 64 * g.B * g.Hkv;
+            if (use_wgmma(D)) launch_dkv<D, true, true>(blocks, dk, dv, g, q, k, v, dout, lse, delta, NULL, dq);
+            else launch_dkv<D, false, true>(blocks, dk, dv, g, q, k, v, dout, lse, delta, NULL, dq);
+            return launched("fused flash attention backward (one pass: dQ, dK, dV)");
+        }
+    }
     if (dk || dv) {
         int64_t blocks = (g.Tk + 63) / 64 * g.B * g.Hkv;
         if (use_wgmma(D)) launch_dkv<D, true>(blocks, dk, dv, g, q, k, v, dout, lse, delta, NULL);

@@ -124,6 +124,7 @@ static inline uint32_t __float_as_uint(float f) { uint32_t u; memcpy(&u, &f, 4);
 /* one thread runs at a time: atomics are plain read-modify-writes */
 static inline unsigned long long atomicMin(unsigned long long *p, unsigned long long v) { unsigned long long o = *p; if (v < o) *p = v; return o; }
 static inline unsigned long long atomicAdd(unsigned long long *p, unsigned long long v) { unsigned long long o = *p; *p = o + v; return o; }
+static inline float atomicAdd(float *p, float v) { float o = *p; *p = o + v; return o; }
 
 /* ---- bf16 ---- */
 struct __nv_bfloat16 { uint16_t x; };
