@@ -233,7 +233,7 @@ static ncclComm_t usable(void *comm, const char *kind, int64_t count, int dtype)
         uly_cu_fail_msg(kind, "the NCCL communicator was aborted by the watchdog after an earlier failure: end the job");
         return NULL;
     }
-    static const char *const names[] = {"f32", "f64", "i32", "i64", "bf16"};
+    static const char *const names[] = {"f32", "bf16", "i32", "i64", "f64"};   /* ULY_DTYPE_* order */
     const char *tn = dtype >= 0 && dtype < 5 ? names[dtype] : "?";
     snprintf(last_queued, sizeof last_queued, "%s of %lld %s elements over %d ranks", kind, (long long)count, tn, c->nranks);
     return c->nccl;
