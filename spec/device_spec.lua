@@ -939,6 +939,7 @@ describe('the NCCL watchdog under mpirun', function()
       assert(w:device_path() == 'device' and t:sum():item() == 2048)
       if os.getenv('WATCHDOG_CASE') == 'async' then
         if w:rank() == 0 then emu.uly_emu_nccl_async_error(6) else assert(emu.uly_emu_nccl_stall(1) == 0) end
+        t = t:bf16()
         w:all_reduce_start_(t)
         w:wait_all()          -- orders later device work after it: no host wait yet
         print(t:sum():item()) -- waits, and fails there
@@ -982,7 +983,7 @@ describe('the NCCL watchdog under mpirun', function()
     assert.are_not.equal(124, rc, 'the job hung until the outer timeout:\n' .. out)
     assert.matches('ulysses: rank 0: [^\n]*copy from the device: NCCL watchdog: NCCL reported an error %(remote process '
                    .. 'exited or there was a network error%) with device collectives in flight %(the last queued: '
-                   .. 'all%-reduce of 1024 f32', out)
+                   .. 'all%-reduce of 1024 bf16', out)
     assert.is_nil(out:find('timed out', 1, true), out)
   end)
 end)
