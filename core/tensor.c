@@ -164,7 +164,8 @@ int uly_check_tensor(const char *op, const char *arg, const uly_tensor *t) {
 int uly_check_float(const char *op, const char *arg, const uly_tensor *t) {
     if (uly_check_tensor(op, arg, t)) return -1;
     if (t->dtype != ULY_DTYPE_F32)
-        return uly_set_error("%s: '%s' is %s but the CPU kernel needs f32; convert with :float()", op, arg, uly_desc(t));
+        return uly_set_error("%s: '%s' is %s but the %s kernel needs f32; convert with :float()", op, arg, uly_desc(t),
+                             t->storage->device == ULY_DEVICE_CPU ? "CPU" : "device");
     return 0;
 }
 

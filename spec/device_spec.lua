@@ -942,7 +942,7 @@ describe('the NCCL watchdog under mpirun', function()
         t = t:bf16()
         w:all_reduce_start_(t)
         w:wait_all()          -- orders later device work after it: no host wait yet
-        print(t:sum():item()) -- waits, and fails there
+        print(t:float():sum():item()) -- waits, and fails there
       else
         if w:rank() == 1 then assert(emu.uly_emu_nccl_stall(1) == 0) end
         print('first: ' .. select(2, pcall(w.all_reduce_, w, t)))
