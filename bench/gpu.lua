@@ -123,10 +123,12 @@ print(('%-8s %-13s %10s %10s %10s %10s %7s %14s %10s'):format('N', 'path', 'fwd 
 local peer_note
 -- the paths: matmul precision, ULY_CUDA_ATTN (kernels/cuda/attention_fused.cu takes bf16 at D 32/64/128),
 -- ULY_CUDA_ATTN_WGMMA for its kernels ('': decided by its self-check, wgmma on Hopper; '0': the
--- mma.sync kernels) and ULY_CUDA_ATTN_BWD ('onepass': dQ with atomics from the dK/dV kernel, D <= 64)
-local paths = { { 'f32 chunked', 'f32', 'chunked', '', '' }, { 'bf16 chunked', 'bf16', 'chunked', '', '' },
-                { 'bf16 fused', 'bf16', 'fused', '', '' }, { 'fused 1-pass', 'bf16', 'fused', '', 'onepass' },
-                { 'fused mma.sync', 'bf16', 'fused', '0', '' } }
+-- mma.sync kernels), ULY_CUDA_ATTN_BWD ('onepass': dQ with atomics from the dK/dV kernel, D <= 64)
+-- and ULY_CUDA_ATTN_FWD ('pipelined': the wgmma forward issues the next tile's S before this softmax)
+local paths = { { 'f32 chunked', 'f32', 'chunked', '', '', '' }, { 'bf16 chunked', 'bf16', 'chunked', '', '', '' },
+                { 'bf16 fused', 'bf16', 'fused', '', '', '' }, { 'fused 1-pass', 'bf16', 'fused', '', 'onepass', '' },
+                { 'fused pipe+1p', 'bf16', 'fused', '', 'onepass', 'pipelined' },
+                { 'fused mma.sync', 'bf16', 'fused', '0', '', '' } }
 local n = opts.quick and 128 or 4096
 while n <= (opts.quick and 128 or opts.attn_max) do
   local q = uly.randn(1, n, H, D, { device = 'cuda' }):requires_grad_()
@@ -147,6 +149,7 @@ while n <= (opts.quick and 128 or opts.attn_max) do
     ffi.C.setenv('ULY_CUDA_ATTN', path[3], 1)
     ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', path[4], 1)
     ffi.C.setenv('ULY_CUDA_ATTN_BWD', path[5], 1)
+    ffi.C.setenv('ULY_CUDA_ATTN_FWD', path[6], 1)
     local fwd = time(function() local o = uly.no_grad(uly.flash_attention, q, k, v, { causal = true }) end, opts.reps)
     local both = time(function()
       local o = uly.flash_attention(q, k, v, { causal = true })
@@ -160,6 +163,7 @@ while n <= (opts.quick and 128 or opts.attn_max) do
   ffi.C.setenv('ULY_CUDA_ATTN', 'fused', 1)
   ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', '', 1)
   ffi.C.setenv('ULY_CUDA_ATTN_BWD', '', 1)
+  ffi.C.setenv('ULY_CUDA_ATTN_FWD', '', 1)
   q, k, v, g = nil, nil, nil, nil
   collectgarbage('collect')
   n = n * 2

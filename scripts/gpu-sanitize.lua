@@ -52,11 +52,13 @@ for _, D in ipairs({ 32, 64, 128 }) do
     local name, opts = case[1], case[2]
     local cpu = run('cpu', 'f32', q, k, v, opts)
     -- fused: its forward on wgmma where the self-check put it (Hopper); fused-mma: on mma.sync;
-    -- fused-1pass: dQ with atomics from the dK/dV kernel (D 32, 64; 128 takes two passes)
-    for _, path in ipairs({ 'fused', 'fused-mma', 'fused-1pass', 'chunked' }) do
+    -- fused-1pass: dQ with atomics from the dK/dV kernel (D 32, 64; 128 takes two passes);
+    -- fused-pipe: the wgmma forward with the next tile's S issued before this tile's softmax
+    for _, path in ipairs({ 'fused', 'fused-mma', 'fused-1pass', 'fused-pipe', 'chunked' }) do
       ffi.C.setenv('ULY_CUDA_ATTN', path == 'chunked' and 'chunked' or 'fused', 1)
       ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', path == 'fused-mma' and '0' or '', 1)
       ffi.C.setenv('ULY_CUDA_ATTN_BWD', path == 'fused-1pass' and 'onepass' or '', 1)
+      ffi.C.setenv('ULY_CUDA_ATTN_FWD', path == 'fused-pipe' and 'pipelined' or '', 1)
       local gpu = run('cuda', 'bf16', q, k, v, opts)
       uly.synchronize('cuda')
       local worst = 0

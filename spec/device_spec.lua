@@ -695,8 +695,9 @@ describe('fused tensor-core attention (mixed precision)', function()
     if not REAL then return end   -- the simulation has no fused kernels
     use_device()
     uly.matmul_precision('bf16')
-    local function forward(wg, q, k, v, opts)   -- the output and the gradients of sum(out * out)
+    local function forward(wg, q, k, v, opts, fwd)   -- the output and the gradients of sum(out * out)
       ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', wg, 1)
+      ffi.C.setenv('ULY_CUDA_ATTN_FWD', fwd or '', 1)
       local qq, kk, vv = q:detach():requires_grad_(), k:detach():requires_grad_(), v:detach():requires_grad_()
       local o = uly.flash_attention(qq, kk, vv, opts)
       ;(o * o):sum():backward()
@@ -716,9 +717,17 @@ describe('fused tensor-core attention (mixed precision)', function()
     for i, c in ipairs(cases) do
       local q, k, v = uly.randn(unpack(c[1])):cuda(), uly.randn(unpack(c[2])):cuda(), uly.randn(unpack(c[2])):cuda()
       local a, b = forward('0', q, k, v, c[3]), forward('1', q, k, v, c[3])
-      if MODE == 'cuda' then helpers.assert_close(b, a, 2e-3, 2e-3, 'wgmma vs mma.sync, case ' .. i)
-      else helpers.assert_close(b, a, 0, 0, 'wgmma vs mma.sync, case ' .. i) end
+      -- the pipelined forward: the next tile's S issued before this tile's softmax (K double-buffered)
+      local p = forward('1', q, k, v, c[3], 'pipelined')
+      if MODE == 'cuda' then
+        helpers.assert_close(b, a, 2e-3, 2e-3, 'wgmma vs mma.sync, case ' .. i)
+        helpers.assert_close(p, a, 2e-3, 2e-3, 'pipelined wgmma vs mma.sync, case ' .. i)
+      else
+        helpers.assert_close(b, a, 0, 0, 'wgmma vs mma.sync, case ' .. i)
+        helpers.assert_close(p, a, 0, 0, 'pipelined wgmma vs mma.sync, case ' .. i)
+      end
     end
+    ffi.C.setenv('ULY_CUDA_ATTN_FWD', '', 1)
     ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', os.getenv('ULY_TEST_WGMMA') or '', 1)
     uly.matmul_precision('f32')
     release_device()

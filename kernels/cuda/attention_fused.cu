@@ -226,24 +226,71 @@ __device__ static inline int64_t next_key_tile(const geom &g, int64_t i0, int64_
 }
 
 /* ---- forward ---- */
+/* one key tile's step of the online softmax for this lane's two rows: s (the tile's scores,
+ * accumulator layout) becomes P = exp(s scale - m) with masked pairs at 0 (st: the tile's
+ * state), the running max m and sum l move on, and O is rescaled to the new max */
+template <int D, bool grouped>
+__device__ static inline void online_softmax(float s[8][4], float o[D / 8][4], float m[2], float l[2], const geom &g,
+                                             int64_t b, const int64_t rows[2], int64_t j0, int st, int tq) {
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float x = s[n][e] * g.scale;
+            if (st == TILE_MASKED) {
+                int64_t i = rows[e >> 1], j = j0 + n * 8 + 2 * tq + (e & 1);
+                if ((grouped ? i < 0 : i >= g.Tq) || j >= g.Tk || !visible(g, b, i, j)) x = -INFINITY;
+            }
+            s[n][e] = x;
+            mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+    float base[2], alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float mn = fmaxf(m[r], quad_max(mx[r]));
+        base[r] = mn == -INFINITY ? 0.0f : mn;   /* a row with nothing visible yet stays at 0 */
+        alpha[r] = __expf(m[r] - base[r]);
+        m[r] = mn;
+        l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+        o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+    }
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float p = __expf(s[n][e] - base[e >> 1]);
+            s[n][e] = p;
+            l[e >> 1] += p;
+        }
+}
+
 /* Split over keys (decoding: one query tile against a long cache, flash-decoding): with
  * splits > 1 block `split` walks only its share of the band's key tiles and writes its rows'
  * partial O (normalised by its own sum) and log-sum-exp to part_o / part_lse, which fa_combine
  * merges; with splits = 1 it writes out and lse itself. */
-template <int D, bool grouped, bool WG>
+template <int D, bool grouped, bool WG, bool PIPE = false>
 __global__ static void __launch_bounds__(FA_THREADS)
 fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, int splits, float *part_o,
            float *part_lse, int *ran_wgmma) {
     constexpr int CH = D / 8, KS = D / 16;
     /* WG: S = Q K^T and O += P V on wgmma (Hopper), K and V tiles in its layout in dynamic shared
-     * memory; in a compilation pass without wgmma the same kernel takes the mma.sync path */
+     * memory; in a compilation pass without wgmma the same kernel takes the mma.sync path.
+     * PIPE (with WG): the next tile's S = Q K^T is issued before this tile's softmax, so the
+     * tensor cores work while the warps exponentiate (K double-buffered, loaded a tile ahead) */
     constexpr bool W = WG && ULY_HAS_WGMMA && (D == 64 || D == 128);
-    uint4 *sQ, *sK, *sV;
+    constexpr bool P2 = W && PIPE;
+    uint4 *sQ, *sK, *sV, *sK2 = NULL;
     if (W) {
         ULY_DYNAMIC_SHARED(uint4, dyn);
         sK = align_1024(dyn);
         sV = sK + 64 * CH;
         sQ = sV + 64 * CH;
+        if (P2) sK2 = sQ + 64 * CH;
         if (ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
     } else {
         __shared__ uint4 tQ[64 * CH], tK[64 * CH], tV[64 * CH];
@@ -278,6 +325,88 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
     }
     int st = TILE_EMPTY;
     int64_t j0 = lo <= hi ? next_key_tile(g, i0, lo / 64 * 64, hi, 64, &st) : -1;
+    float o[CH][4];
+#pragma unroll
+    for (int n = 0; n < CH; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    if constexpr (P2) {
+        /* cp.async groups, oldest first: Q + K(j0); K(j1); V(j0); then each round commits
+         * K(two tiles on) at its start and the next V at its end, so at a round's start the
+         * pending ones are [K(next), V(this), K(after next)] (empty groups keep the count) */
+        int st1 = TILE_EMPTY;
+        int64_t j1 = j0 >= 0 ? next_key_tile(g, i0, j0 + 64, hi, 64, &st1) : -1;
+        if (grouped) load_q_grouped<D>(sQ, q, hk * grp, g.Tq * grp, g.Tq, qs);
+        else load_tile_async<D, 64>(sQ, q, i0, g.Tq, qs);
+        if (j0 >= 0) load_tile_async<D, 64, true>(sK, k, j0, g.Tk, ks);
+        cp_async_commit();
+        if (j1 >= 0) load_tile_async<D, 64, true>(sK2, k, j1, g.Tk, ks);
+        cp_async_commit();
+        if (j0 >= 0) load_tile_async<D, 64, true>(sV, v, j0, g.Tk, ks);
+        cp_async_commit();
+        cp_async_wait<2>();   /* Q and K(j0) */
+        fence_proxy_async();
+        __syncthreads();
+        uint32_t qa[KS][4];
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++) ldmatrix_x4(qa[kk], frag_a<D>(sQ, warp * 16, 2 * kk));
+        float s[8][4];
+        if (j0 >= 0) {   /* S(j0) */
+#pragma unroll
+            for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < KS; kk++) wgmma_64x64<0>(&s[0][0], qa[kk], wg_desc_sw128(sK + (kk >> 2) * 512 + (kk & 3) * 2));
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_regs(&s[0][0], 32);
+        }
+        __syncthreads();   /* every warp is done with K(j0)'s buffer */
+        uint4 *k_this = sK, *k_next = sK2;   /* held K(j0); holds K(j1) */
+        while (j0 >= 0) {
+            int st2 = TILE_EMPTY;
+            const int64_t j2 = j1 >= 0 ? next_key_tile(g, i0, j1 + 64, hi, 64, &st2) : -1;
+            if (j2 >= 0) load_tile_async<D, 64, true>(k_this, k, j2, g.Tk, ks);   /* K two tiles on */
+            cp_async_commit();
+            cp_async_wait<2>();   /* K(j1) */
+            fence_proxy_async();
+            __syncthreads();
+            float sn[8][4];
+            if (j1 >= 0) {   /* S(j1), on the tensor cores while this tile's softmax runs */
+#pragma unroll
+                for (int n = 0; n < 8; n++) sn[n][0] = sn[n][1] = sn[n][2] = sn[n][3] = 0.0f;
+                wg_fence();
+#pragma unroll
+                for (int kk = 0; kk < KS; kk++)
+                    wgmma_64x64<0>(&sn[0][0], qa[kk], wg_desc_sw128(k_next + (kk >> 2) * 512 + (kk & 3) * 2));
+                wg_commit();
+            }
+            online_softmax<D, grouped>(s, o, m, l, g, b, rows, j0, st, tq);
+            cp_async_wait<1>();   /* V(j0) */
+            fence_proxy_async();
+            __syncthreads();
+            wg_fence();
+            acc_times_tile_wg<D, 4, 64>(o, s, sV);   /* O += P V */
+            wg_commit();
+            wg_wait<0>();   /* S(j1) and P V */
+            wg_fence_regs(&o[0][0], 4 * CH);
+            if (j1 >= 0) {
+                wg_fence_regs(&sn[0][0], 32);
+#pragma unroll
+                for (int n = 0; n < 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) s[n][e] = sn[n][e];
+            }
+            __syncthreads();   /* every warp is done with V(j0) */
+            if (j1 >= 0) load_tile_async<D, 64, true>(sV, v, j1, g.Tk, ks);
+            cp_async_commit();
+            j0 = j1; st = st1;
+            j1 = j2; st1 = st2;
+            uint4 *const t = k_this;
+            k_this = k_next;
+            k_next = t;
+        }
+        cp_async_wait<0>();
+    } else {
     if (grouped) load_q_grouped<D>(sQ, q, hk * grp, g.Tq * grp, g.Tq, qs);
     else load_tile_async<D, 64>(sQ, q, i0, g.Tq, qs);
     if (j0 >= 0) load_tile_async<D, 64, W>(sK, k, j0, g.Tk, ks);
@@ -291,10 +420,6 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
 #pragma unroll
     for (int kk = 0; kk < KS; kk++) ldmatrix_x4(qa[kk], frag_a<D>(sQ, warp * 16, 2 * kk));
 
-    float o[CH][4];
-#pragma unroll
-    for (int n = 0; n < CH; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     while (j0 >= 0) {
         float s[8][4];
 #pragma unroll
@@ -321,41 +446,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         const int64_t j_next = next_key_tile(g, i0, j0 + 64, hi, 64, &st_next);
         if (j_next >= 0) load_tile_async<D, 64, W>(sK, k, j_next, g.Tk, ks);
         cp_async_commit();
-        float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float x = s[n][e] * g.scale;
-                if (st == TILE_MASKED) {
-                    int64_t i = rows[e >> 1], j = j0 + n * 8 + 2 * tq + (e & 1);
-                    if ((grouped ? i < 0 : i >= g.Tq) || j >= g.Tk || !visible(g, b, i, j)) x = -INFINITY;
-                }
-                s[n][e] = x;
-                mx[e >> 1] = fmaxf(mx[e >> 1], x);
-            }
-        float base[2], alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            float mn = fmaxf(m[r], quad_max(mx[r]));
-            base[r] = mn == -INFINITY ? 0.0f : mn;   /* a row with nothing visible yet stays at 0 */
-            alpha[r] = __expf(m[r] - base[r]);
-            m[r] = mn;
-            l[r] *= alpha[r];
-        }
-#pragma unroll
-        for (int n = 0; n < CH; n++) {
-            o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
-            o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
-        }
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float p = __expf(s[n][e] - base[e >> 1]);
-                s[n][e] = p;
-                l[e >> 1] += p;
-            }
+        online_softmax<D, grouped>(s, o, m, l, g, b, rows, j0, st, tq);
         cp_async_wait<1>();   /* this tile's V (the next K may still be in flight) */
         if (W) fence_proxy_async();
         __syncthreads();
@@ -377,6 +468,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         j0 = j_next;
         st = st_next;
     }
+    }   /* the single-buffered loop */
     if (splits > 1) {   /* this split's partial rows, merged by fa_combine */
         out = part_o + (int64_t)split * g.B * g.Tq * g.H * D;
         lse = part_lse + (int64_t)split * g.B * g.H * g.Tq;
@@ -776,20 +868,20 @@ static int forward_grouped(const geom &g) {
 
 /* one forward kernel launch: grouped or not, wgmma or mma.sync (the wgmma kernel's tiles live
  * in dynamic shared memory: 3 tiles + 1 KiB to align them) */
-template <int D, bool grouped, bool WG>
+template <int D, bool grouped, bool WG, bool PIPE = false>
 static void launch_forward(int64_t blocks, float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k,
                            const bf16 *v, int splits, float *part, float *part_lse, int *ran) {
     if (WG) {
-        const size_t smem = 3 * 64 * (D / 8) * 16 + 1024;
+        const size_t smem = (PIPE ? 4 : 3) * 64 * (D / 8) * 16 + 1024;   /* PIPE: a second K tile */
         static bool raised;
         if (!raised) {
-            cudaError_t e = cudaFuncSetAttribute(fa_forward<D, grouped, WG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 (int)smem);
+            cudaError_t e = cudaFuncSetAttribute(fa_forward<D, grouped, WG, PIPE>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
             if (e != cudaSuccess) { uly_cu_fail("fused flash attention forward (wgmma): shared memory", e); return; }
             raised = true;
         }
-        ULY_LAUNCH_SMEM((fa_forward<D, grouped, WG>), blocks, FA_THREADS, smem, uly_cu_stream)(out, lse, g, q, k, v, splits,
-                                                                                              part, part_lse, ran);
+        ULY_LAUNCH_SMEM((fa_forward<D, grouped, WG, PIPE>), blocks, FA_THREADS, smem, uly_cu_stream)(
+            out, lse, g, q, k, v, splits, part, part_lse, ran);
     } else {
         ULY_LAUNCH((fa_forward<D, grouped, WG>), blocks, FA_THREADS, uly_cu_stream)(out, lse, g, q, k, v, splits, part,
                                                                                    part_lse, ran);
@@ -954,6 +1046,13 @@ extern "C" const char *uly_cuda_wgmma_status(void) {
     return wg_why;
 }
 
+/* ULY_CUDA_ATTN_FWD=pipelined: the wgmma forward issues the next tile's S before this tile's
+ * softmax (fa_forward's PIPE); unset: one tile at a time. bench/gpu.lua times both. */
+static int forward_pipelined(void) {
+    const char *env = getenv("ULY_CUDA_ATTN_FWD");
+    return env && !strcmp(env, "pipelined");
+}
+
 template <int D>
 static int forward_d(float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v) {
     const int grouped = forward_grouped(g), wg = use_wgmma(D);
@@ -967,7 +1066,10 @@ static int forward_d(float *out, float *lse, const geom &g, const bf16 *q, const
     }
     float *part_lse = part ? part + (size_t)splits * g.B * g.H * g.Tq * D : NULL;
     /* grouped: its own kernels, the packed tile's index arithmetic costs the other registers */
-    if (grouped && wg) launch_forward<D, true, true>(blocks * splits, out, lse, g, q, k, v, splits, part, part_lse, NULL);
+    if (wg && forward_pipelined()) {
+        if (grouped) launch_forward<D, true, true, true>(blocks * splits, out, lse, g, q, k, v, splits, part, part_lse, NULL);
+        else launch_forward<D, false, true, true>(blocks * splits, out, lse, g, q, k, v, splits, part, part_lse, NULL);
+    } else if (grouped && wg) launch_forward<D, true, true>(blocks * splits, out, lse, g, q, k, v, splits, part, part_lse, NULL);
     else if (grouped) launch_forward<D, true, false>(blocks * splits, out, lse, g, q, k, v, splits, part, part_lse, NULL);
     else if (wg) launch_forward<D, false, true>(blocks * splits, out, lse, g, q, k, v, splits, part, part_lse, NULL);
     else launch_forward<D, false, false>(blocks * splits, out, lse, g, q, k, v, splits, part, part_lse, NULL);

@@ -49,6 +49,7 @@ struct wgmma_op {
     uint64_t desc;
     float a[16][16];
     unsigned group;
+    std::vector<uint16_t> b_at_issue;   /* the B elements this thread reads, as they were at issue */
 };
 
 struct fiber {
@@ -287,12 +288,27 @@ uint32_t shared_offset(const void *p) {
     return (uint32_t)(c - dyn_smem);
 }
 
+static uint16_t wgmma_b_bits(uint64_t desc, int trans, int k, int n);
+
+/* the B elements (k, column) this thread's accumulators take, in a fixed order (wgmma_wait's) */
+template <typename F>
+static void each_b_of_thread(int n, F fn) {
+    unsigned t = B.cur & 3;
+    for (int j = 0; j < n / 8; j++)
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 16; k++) fn(k, 8 * j + 2 * (int)t + h);
+}
+
+/* queued; B is read now and again at the wait, which must find the same bytes: a tile written
+ * after the issue (not yet landed, no fence) or overwritten before the wait is an error */
 void wgmma_queue(float *d, int n, const float *a16x16, uint64_t desc, int trans) {
     fiber &f = B.fibers[B.cur];
     wgmma_op op;
     op.d = d; op.n = n; op.trans = trans; op.desc = desc; op.group = f.wg_commits;
     memcpy(op.a, a16x16, sizeof op.a);
-    f.wgmmas.push_back(op);
+    op.b_at_issue.reserve((size_t)n * 4);
+    each_b_of_thread(n, [&](int k, int c) { op.b_at_issue.push_back(wgmma_b_bits(desc, trans, k, c)); });
+    f.wgmmas.push_back(std::move(op));
 }
 void wgmma_commit() { B.fibers[B.cur].wg_commits++; }
 
@@ -302,7 +318,7 @@ void wgmma_commit() { B.fibers[B.cur].wg_commits++; }
  * index modulo 8 (address bits 4-6 ^= bits 7-9). K-major (trans 0): a line holds one n, k along
  * it; MN-major (trans 1): a line holds one k, n along it (n < 64: one atom); groups of 8 lines
  * `stride` bytes apart. */
-static float wgmma_b(uint64_t desc, int trans, int k, int n) {
+static uint16_t wgmma_b_bits(uint64_t desc, int trans, int k, int n) {
     uint32_t start = (uint32_t)(desc & 0x3fff) << 4, sbo = (uint32_t)((desc >> 32) & 0x3fff) << 4;
     unsigned swz = (unsigned)(desc >> 62);
     if (swz != 1) { fprintf(stderr, "cuda emulator: wgmma descriptor swizzle %u (only 128-byte is emulated)\n", swz); abort(); }
@@ -313,7 +329,10 @@ static float wgmma_b(uint64_t desc, int trans, int k, int n) {
     if (addr + 2 > dyn_smem_bytes) { fprintf(stderr, "cuda emulator: wgmma B read past shared memory\n"); abort(); }
     uint16_t bits;
     memcpy(&bits, dyn_smem + addr, 2);
-    uint32_t u = (uint32_t)bits << 16;
+    return bits;
+}
+static float wgmma_b(uint64_t desc, int trans, int k, int n) {
+    uint32_t u = (uint32_t)wgmma_b_bits(desc, trans, k, n) << 16;
     float v;
     memcpy(&v, &u, 4);
     return v;
@@ -324,7 +343,15 @@ void wgmma_wait(unsigned in_flight) {
     unsigned lane = B.cur & 31, g = lane >> 2, t = lane & 3;
     std::vector<wgmma_op> left;
     for (wgmma_op &op : f.wgmmas) {
-        if (op.group + in_flight >= f.wg_commits) { left.push_back(op); continue; }
+        if (op.group + in_flight >= f.wg_commits) { left.push_back(std::move(op)); continue; }
+        size_t at = 0;
+        each_b_of_thread(op.n, [&](int k, int c) {
+            if (wgmma_b_bits(op.desc, op.trans, k, c) != op.b_at_issue[at++]) {
+                fprintf(stderr, "cuda emulator: a wgmma's B tile changed between its issue and its wait (written after "
+                                "the issue, or overwritten before wgmma.wait_group)\n");
+                abort();
+            }
+        });
         for (int j = 0; j < op.n / 8; j++)
             for (int i = 0; i < 4; i++) {
                 int r = (int)g + 8 * (i >> 1), c = 8 * j + 2 * (int)t + (i & 1);
