@@ -205,6 +205,12 @@ int uly_check_inplace(const char *op, const uly_tensor *t) {
             return uly_set_error("%s: in-place write into %s, a view of a leaf %s that requires grad; do it inside "
                                  "uly.no_grad(...) or on a detached tensor", op, uly_desc(t), uly_desc(leaf));
     }
+    /* a tensor autograd computed (or a view of one): its new values would not be what its
+     * backward rule differentiates, so the gradients through it would be silently wrong */
+    if (uly_grad_enabled() && t->grad_fn)
+        return uly_set_error("%s: in-place write into %s, which autograd computed from tensors that require grad "
+                             "(backward would differentiate the old values); write into a copy outside the graph "
+                             "(t:detach():clone()), or inside uly.no_grad(...)", op, uly_desc(t));
     return 0;
 }
 

@@ -197,6 +197,20 @@ function M.generate(model, prompt, opts)
   local n_new = opts.max_new_tokens or 100
   local temperature = opts.temperature or 1.0
   local cfg = model.config
+  if not uly.is_tensor(prompt) or prompt:dim() ~= 2 or prompt:size(1) ~= 1 or prompt:size(2) < 1 then
+    T.raise('generate: the prompt must be token ids of shape [1, P] with P >= 1, got '
+            .. (uly.is_tensor(prompt) and prompt:describe() or type(prompt)))
+  end
+  if type(n_new) ~= 'number' or n_new ~= math.floor(n_new) or n_new < 0 then
+    T.raise('generate: max_new_tokens must be an integer >= 0, got ' .. tostring(n_new))
+  end
+  if type(temperature) ~= 'number' or not (temperature >= 0) or temperature == math.huge then
+    T.raise('generate: temperature must be a finite number >= 0 (0 = greedy), got ' .. tostring(temperature))
+  end
+  local top_k = opts.top_k
+  if top_k ~= nil and (type(top_k) ~= 'number' or top_k ~= math.floor(top_k) or top_k < 0) then
+    T.raise('generate: top_k must be an integer >= 0 (0 = all tokens), got ' .. tostring(top_k))
+  end
   local P = prompt:size(2)
   if P + n_new > cfg.seq then
     T.raise(string.format('generate: prompt %d + %d new tokens exceed the context length %d', P, n_new, cfg.seq))
@@ -215,7 +229,8 @@ function M.generate(model, prompt, opts)
   unshard(model)
   local out = {}
   local device = model:parameters()[1]:device()
-  uly.no_grad(function()
+  -- whatever happens below, the model leaves as it came (training mode, sharded attention)
+  local ok, err = pcall(uly.no_grad, function()
     local caches
     if opts.cache ~= false then
       caches = {}
@@ -246,6 +261,7 @@ function M.generate(model, prompt, opts)
   end)
   for _, e in ipairs(swapped) do e[1].attend = e[2] end
   model:train(was_training)
+  if not ok then error(err, 0) end
   return out
 end
 

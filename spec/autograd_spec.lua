@@ -213,9 +213,21 @@ describe('backward', function()
     assert.matches('view of a leaf', fails(function() x:narrow(1, 2, 2):fill_(0) end))
     assert.matches('view of a leaf', fails(function() x:view(3, 1):t()[1] = 9 end))
     assert.are.same({ 1, 2, 3 }, list(x))
-    local y = x * 1                               -- a non-leaf: writing into it is allowed
-    y[1] = 10
-    assert.are.same({ 10, 2, 3 }, list(y))
+    -- a tensor autograd computed: a write would leave its backward differentiating the old values
+    -- (y = 2x; y:fill_(1); (y x):sum() once gave x.grad = 2x + 1 instead of 1)
+    local y = x * 2
+    assert.matches('autograd computed', fails(function() y[1] = 10 end))
+    assert.matches('autograd computed', fails(function() y:fill_(1) end))
+    assert.matches('autograd computed', fails(function() y:narrow(1, 1, 2):zero_() end))
+    assert.matches('autograd computed', fails(function() y:copy_(uly.ones(3)) end))
+    local c = y:clone()
+    assert.matches('autograd computed', fails(function() c[1] = 10 end))   -- a clone is in the graph too
+    local d = y:detach()
+    d[1] = 10                                     -- out of the graph: allowed
+    assert.are.same({ 10, 4, 6 }, list(d))
+    local z = uly.no_grad(function() return x * 2 end)
+    z:fill_(1)                                    -- made without a graph: allowed
+    assert.are.same({ 1, 1, 1 }, list(z))
     uly.no_grad(function() x[2] = 7 end)
     assert.are.same({ 1, 7, 3 }, list(x))
     x:detach():fill_(0)

@@ -272,6 +272,33 @@ describe('models', function()
     end
   end)
 
+  it('generate refuses bad arguments by name and leaves the model as it came when it fails', function()
+    local m = GPT { preset = 'tiny', dropout = 0.5 }
+    local prompt = uly.tensor({ { 1, 2, 3 } }, { dtype = 'i32' })
+    for _, c in ipairs({
+      { uly.zeros({ 2, 3 }, { dtype = 'i32' }), {}, 'generate: the prompt must be token ids of shape [1, P]' },
+      { uly.zeros({ 3 }, { dtype = 'i32' }), {}, 'generate: the prompt must be token ids of shape [1, P]' },
+      { prompt, { max_new_tokens = 2.5 }, 'generate: max_new_tokens must be an integer >= 0, got 2.5' },
+      { prompt, { max_new_tokens = -1 }, 'generate: max_new_tokens must be an integer >= 0' },
+      { prompt, { temperature = 0 / 0 }, 'generate: temperature must be a finite number >= 0' },
+      { prompt, { top_k = -5 }, 'generate: top_k must be an integer >= 0' },
+      { prompt, { max_new_tokens = 1000 }, 'exceed the context length' },
+    }) do
+      local ok, err = pcall(m.generate, m, c[1], c[2])
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find(c[3], 1, true), tostring(err))
+      assert.is_true(m.training, 'generate left the model in eval mode after: ' .. tostring(err))
+    end
+    -- a failure inside the loop (a model whose forward fails) also restores training mode
+    local forward = m.forward
+    m.forward = function() error('boom') end
+    local ok, err = pcall(m.generate, m, prompt, { max_new_tokens = 2 })
+    m.forward = forward
+    assert.is_false(ok)
+    assert.matches('boom', tostring(err))
+    assert.is_true(m.training)
+  end)
+
   it('top-k sampling never returns a token outside the k largest logits', function()
     local common = require 'models.common'
     local logits = { 0.1, 5, -2, 4.9, 3, 0 }
