@@ -86,11 +86,27 @@ typedef struct { hid_t id; char *path; } open_file;
 static open_file *files;
 static int n_files, cap_files;
 
+static void drop_file(int i);
+
+/* files whose H5Fclose failed (a full disk while flushing): HDF5 keeps them half-open, and its own
+ * exit-time cleanup crashes closing them again, so the library's cleanup is ours (h5_at_exit) */
+static int failed_closes;
+
+static void h5_at_exit(void) {
+    while (n_files > 0) {   /* files the program left open: flushed and closed */
+        H5Fclose(files[n_files - 1].id);
+        drop_file(n_files - 1);
+    }
+    if (!failed_closes) H5close();
+}
+
 static void h5_init(void) {
     static int done;
     if (!done) {
+        H5dont_atexit();   /* before any other HDF5 call; h5_at_exit instead */
         H5open();
         H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+        atexit(h5_at_exit);
         done = 1;
     }
 }
@@ -329,6 +345,7 @@ int uly_h5_close(int64_t file) {
     if (!path) return -1;
     int i = find_file(file);
     herr_t rc = H5Fclose((hid_t)file);
+    if (rc < 0) failed_closes++;
     if (rc < 0) note_failure();
     if (rc < 0) uly_set_error("uly_h5_close: closing %s failed; data may not be complete on disk%s", path, h5_detail());
     drop_file(i);
