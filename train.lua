@@ -259,7 +259,21 @@ local function main()
   local function say(...) if main_rank then print(...) end end
   if cfg.threads > 0 then uly.set_num_threads(cfg.threads)
   elseif launched > 1 then uly.set_num_threads(math.max(1, math.floor(uly.get_num_threads() / launched))) end
-  if main_rank then mkdir_p(cfg.out) end
+  if main_rank then
+    mkdir_p(cfg.out)
+    -- a fresh run into a directory that holds another run's checkpoints: that run moves aside
+    -- whole (its rotation and `--resume auto` would otherwise mix the two runs' steps)
+    local held = cfg.resume == '' and uly.checkpoint.latest(cfg.out .. '/ckpt')
+    if held then
+      local n = 1
+      while file_exists(cfg.out .. '/previous-' .. n) do n = n + 1 end
+      local dest = cfg.out .. '/previous-' .. n
+      mkdir_p(dest)
+      for _, name in ipairs({ 'ckpt', 'log.csv', 'loss.svg' }) do os.rename(cfg.out .. '/' .. name, dest .. '/' .. name) end
+      say(string.format('%s held another run (its latest checkpoint %s): moved to %s; --resume auto continues a run',
+                        cfg.out, held:match('[^/]+$'), dest))
+    end
+  end
   if grid then grid.world_group:barrier() end
   uly.manual_seed(cfg.seed)
 

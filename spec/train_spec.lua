@@ -206,6 +206,22 @@ describe('train.lua', function()
     helpers.rmtree(dir)
   end)
 
+  it('a fresh run into a directory holding another run moves that run aside whole', function()
+    local dir = tmpdir()
+    local args = TINY .. '--eval_every 0 --eval_batches 0 --sample 0 --out ' .. dir
+    local out, code = run(args .. ' --steps 3')
+    assert.are.equal(0, code, out)
+    out, code = run(args .. ' --steps 2 --seed 5')
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find(dir .. ' held another run (its latest checkpoint step_000003.h5): moved to '
+                           .. dir .. '/previous-1', 1, true), out)
+    assert.truthy(read_file(dir .. '/previous-1/ckpt/step_000003.h5'), 'the old run\'s checkpoint was lost')
+    assert.truthy(read_file(dir .. '/previous-1/log.csv'), 'the old run\'s log was lost')
+    assert.truthy(read_file(dir .. '/ckpt/step_000002.h5'), 'the new run\'s checkpoint is missing')
+    assert.falsy(read_file(dir .. '/ckpt/step_000003.h5'), 'the runs were mixed')
+    helpers.rmtree(dir)
+  end)
+
   it('--sp without mpirun says that one process does no sequence parallelism', function()
     local dir = tmpdir()
     local out, code = run(TINY .. '--sp 2 --steps 1 --eval_every 0 --eval_batches 0 --sample 0 --out ' .. dir)

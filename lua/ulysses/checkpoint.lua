@@ -506,8 +506,14 @@ function M.save_rotating(dir, step, what, keep)
   copy.step = step
   local path = string.format('%s/step_%06d.h5', dir, step)
   M.save(path, copy)
-  local found = checkpoints_in(dir)
-  for i = keep + 1, #found do os.remove(found[i][2]) end
+  -- the newest `keep` by step stay, and always the one just written (a directory that also holds
+  -- later steps, from another run, must not lose it)
+  local found, kept = checkpoints_in(dir), 1
+  for i = 1, #found do
+    if found[i][2] ~= path then
+      if kept < keep then kept = kept + 1 else os.remove(found[i][2]) end
+    end
+  end
   return path
 end
 
