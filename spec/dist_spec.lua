@@ -380,6 +380,24 @@ describe('dist on a grid of ranks #mpi', function()
     helpers.assert_close(w2.grad, ew.grad:scale(1 / P), 1e-6, 0, 'w averaged')
     helpers.assert_close(b2.grad, eb.grad:scale(1 / P), 1e-6, 0, 'b averaged')
   end)
+
+  it('all_reduce_grads refuses lists that differ between the ranks, even with the same total size', function()
+    if P < 2 then return end
+    local function leaf(n)
+      local t = uly.zeros(n, { requires_grad = true })
+      t:sum():backward()
+      return t
+    end
+    -- 3 + 2 on rank 0, 2 + 3 elsewhere: the same flat buffer, different parameters
+    local list = me == 0 and { leaf(3), leaf(2) } or { leaf(2), leaf(3) }
+    local ok, err = pcall(dist.all_reduce_grads, list, g.world_group)
+    assert.is_false(ok)
+    assert.matches('all_reduce_grads: the list of parameter sizes differs between the ranks', tostring(err), 1, true)
+    list = me == 0 and { leaf(5) } or { leaf(2), leaf(3) }
+    ok, err = pcall(dist.all_reduce_grads, list, g.world_group)
+    assert.is_false(ok)
+    assert.matches('all_reduce_grads: the number of parameters differs between the ranks', tostring(err), 1, true)
+  end)
 end)
 
 describe('dist without mpirun: a world of one rank', function()

@@ -197,6 +197,9 @@ end
 
 ---------------------------------------------------------------- the grid
 local function grid()
+  if C.uly_dist_initialized() == 0 then
+    raise('uly.dist: the process grid is not set up yet; call uly.dist.init { sp = P } first (every rank)')
+  end
   local w, sp, dp = new_group(C.uly_dist_world()), new_group(C.uly_dist_sp_group()), new_group(C.uly_dist_dp_group())
   return {
     rank = w:rank(), world = w:size(),
@@ -334,6 +337,13 @@ function dist.all_reduce_grads(params, group, opts)
   if getmetatable(group) ~= Group then raise('all_reduce_grads: the group must be a dist group (e.g. grid.dp_group)') end
   local bucket_bytes = opts.bucket_bytes or BUCKET_BYTES
   local plan = grad_plan(params, math.max(1, math.floor(bucket_bytes / 4)))
+  if plan.checked_on ~= group then   -- once per list and group: the ranks hold the same parameters
+    group:check_same('all_reduce_grads: the number of parameters', { #params })
+    local sizes = {}
+    for _, p in ipairs(params) do sizes[#sizes + 1] = p:numel() end
+    group:check_same('all_reduce_grads: the list of parameter sizes', sizes)
+    plan.checked_on = group
+  end
   for i, p in ipairs(params) do
     local g = p.grad
     if g then plan.views[i]:copy_(g) else plan.views[i]:zero_() end
