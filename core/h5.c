@@ -9,6 +9,7 @@
  * uly_h5_* function exists and fails with a clear message. Like HDF5 itself (non-threadsafe
  * build), call these from one thread at a time. */
 #include <errno.h>
+#include <limits.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,13 +35,41 @@ static int fsync_path(const char *path, int flags, int is_dir) {
     return 0;
 }
 
+/* where a save to `path` must land: the path itself when it is missing or a regular file, the
+ * target of a symbolic link (so the link stays a link), an error for anything else (a directory,
+ * a device such as /dev/full, a pipe), which a rename over it would replace */
+int uly_file_destination(const char *path, char *out, int64_t out_len) {
+    if (!path || !*path || !out || out_len < 2) return uly_set_error("uly_file_destination: no path or buffer given");
+    struct stat st;
+    const char *use = path;
+    char real[PATH_MAX];
+    if (lstat(path, &st) == 0 && S_ISLNK(st.st_mode)) {
+        if (!realpath(path, real))
+            return uly_set_error("'%s' is a symbolic link to a missing file (%s): save to the target's path, or remove "
+                                 "the link", path, strerror(errno));
+        use = real;
+        if (stat(use, &st) != 0) return uly_set_error("cannot stat '%s': %s", use, strerror(errno));
+    } else if (lstat(path, &st) != 0) {
+        if (errno != ENOENT) return uly_set_error("cannot stat '%s': %s", path, strerror(errno));
+        st.st_mode = S_IFREG;   /* missing: a new file */
+    }
+    if (S_ISDIR(st.st_mode))
+        return uly_set_error("'%s' is a directory: give the path of a file inside it (e.g. %s/step.h5)", use, use);
+    if (!S_ISREG(st.st_mode))
+        return uly_set_error("'%s' is not a regular file (a device, pipe or socket), which saving would replace: give "
+                             "the path of a file", use);
+    if ((int64_t)strlen(use) + 1 > out_len) return uly_set_error("uly_file_destination: path too long: %s", use);
+    memcpy(out, use, strlen(use) + 1);
+    return 0;
+}
+
 int uly_file_commit(const char *tmp_path, const char *final_path) {
     if (!tmp_path || !final_path || !*tmp_path || !*final_path)
         return uly_set_error("uly_file_commit: both the temporary and the final path must be given");
     if (fsync_path(tmp_path, O_RDONLY, 0)) return -1;
     if (rename(tmp_path, final_path) != 0)
-        return uly_set_error("uly_file_commit: cannot rename '%s' to '%s': %s (both must be on one file system)",
-                             tmp_path, final_path, strerror(errno));
+        return uly_set_error("uly_file_commit: cannot rename '%s' to '%s': %s%s", tmp_path, final_path, strerror(errno),
+                             errno == EXDEV ? " (both must be on one file system)" : "");
     char dir[4096];
     const char *slash = strrchr(final_path, '/');
     if (!slash) snprintf(dir, sizeof dir, ".");

@@ -276,6 +276,25 @@ describe_h5('uly.checkpoint', function()
     assert.are.same(old, snapshot(fresh))
   end)
 
+  it('saves through a symbolic link into its target, and never over a directory, pipe or device', function()
+    local dir = path('runs/special')
+    local model = nn.Linear(2, 2)
+    ckpt.save(dir .. '/real.h5', { model = model, step = 1 })
+    os.execute(string.format("ln -sf real.h5 '%s/link.h5' && mkfifo '%s/pipe.h5' && mkdir -p '%s/sub.h5'", dir, dir, dir))
+    assert.are.equal(dir .. '/link.h5', ckpt.save(dir .. '/link.h5', { model = model, step = 2 }))
+    assert.are.equal(2, ckpt.load(dir .. '/real.h5', { model = model }).step)   -- written through the link
+    local p = io.popen("stat -c %F '" .. dir .. "/link.h5'")
+    assert.matches('symbolic link', p:read('*a'))                              -- which is still a link
+    p:close()
+    assert.matches("pipe.h5' is not a regular file", error_of(function() ckpt.save(dir .. '/pipe.h5', { model = model }) end))
+    p = io.popen("stat -c %F '" .. dir .. "/pipe.h5'")
+    assert.matches('fifo', p:read('*a'))                                       -- untouched
+    p:close()
+    assert.matches("sub.h5' is a directory", error_of(function() ckpt.save(dir .. '/sub.h5', { model = model }) end))
+    os.execute(string.format("ln -sf missing.h5 '%s/dangling.h5'", dir))
+    assert.matches('a symbolic link to a missing file', error_of(function() ckpt.save(dir .. '/dangling.h5', { model = model }) end))
+  end)
+
   it('save_rotating keeps the newest K by step and latest() finds the newest', function()
     local dir = path('runs/a/run_rotate') -- parents are created
     assert.is_nil(ckpt.latest(dir))

@@ -208,6 +208,8 @@ int uly_h5_set_attr_f64(int64_t file, const char *object, const char *key, doubl
 int uly_h5_get_attr_f64(int64_t file, const char *object, const char *key, double *value);
 int uly_h5_attr_type(int64_t file, const char *object, const char *key); /* 0 absent, 1 string, 2 number, 3 other; -1 error */
 int uly_file_commit(const char *tmp_path, const char *final_path); /* fsync tmp, rename over final, fsync dir */
+/* where a save to path lands (a symlink's target; an error for a directory, device or pipe) */
+int uly_file_destination(const char *path, char *out, int64_t out_len);
 
 /* ---- communication (core/comm*.c): Open MPI when the library is built with it and the process
  *      runs under mpirun; otherwise a world of size 1 whose collectives are local copies.

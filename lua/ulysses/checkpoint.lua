@@ -259,6 +259,10 @@ function M.save(path, what)
   end
   if what.step ~= nil and type(what.step) ~= 'number' then raise('checkpoint.save: step must be a number') end
   M._mkdir_p(path:match('^(.*)/[^/]*$') or '')   -- the checkpoint's directory, made if missing
+  local ok_dest, dest = pcall(h5.destination, path)   -- a symlink's target; never over a device
+  if not ok_dest then raise('checkpoint.save: ' .. tostring(dest):gsub('^[^:]*%.lua:%d+: ', '')) end
+  local given = path
+  path = dest
   tmp_counter = tmp_counter + 1
   local tmp = string.format('%s.tmp.%d.%d', path, getpid, tmp_counter)
   local f
@@ -273,7 +277,7 @@ function M.save(path, what)
     os.remove(tmp)
     raise(tostring(err))
   end
-  return path
+  return given
 end
 
 ---------------------------------------------------------------- load

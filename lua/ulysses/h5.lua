@@ -296,4 +296,12 @@ function h5.commit(tmp_path, final_path)
   check(C.uly_file_commit(tmp_path, final_path))
 end
 
+-- where a save to `path` must land: the path, or a symbolic link's target; an error naming the
+-- path for a directory, device or pipe (which the rename would replace)
+function h5.destination(path)
+  local buf = ffi.new('char[?]', 8192)
+  check(C.uly_file_destination(path, buf, 8192))
+  return ffi.string(buf)
+end
+
 return h5
