@@ -295,6 +295,14 @@ local function main()
   local valid_data = cfg.eval_batches > 0 and open_split('valid', { seq = cfg.seq, batch = cfg.batch, split = 'valid',
                                                                     random = false, shard = shard, documents = documents },
                                                          '; --eval_batches 0 trains without validation') or nil
+  if cfg.sample > 0 and cfg.prompt ~= '' then   -- found now, not after training
+    local ok, p = pcall(train_data.encode, train_data, cfg.prompt)
+    if not ok then usage('--prompt: ' .. clean(p)) end
+    if p:size(2) >= cfg.seq then
+      usage(string.format('--prompt is %d tokens, which leaves no room to sample within --seq %d: shorten it, raise '
+                          .. '--seq, or --sample 0', p:size(2), cfg.seq))
+    end
+  end
   local model = build_model(cfg, train_data.vocab_size)
   if cfg.device ~= 'cpu' then
     local ok, err = pcall(model.to, model, cfg.device)
@@ -325,6 +333,10 @@ local function main()
       local ok, info = pcall(uly.checkpoint.load, path, { model = model, optim = opt })
       if not ok then usage('--resume ' .. path .. ': ' .. clean(info)) end
       start_step = info.step
+      if type(start_step) ~= 'number' then
+        usage('--resume ' .. path .. ': the checkpoint has no step (checkpoint.save without step = n); train.lua '
+              .. 'resumes from its own checkpoints (OUT/ckpt)')
+      end
       if info.data then train_data:set_state(info.data) end
       local offsets = info.extra and info.extra.rng_offsets
       if offsets and offsets[rank + 1] then uly.set_rng_state { seed = info.rng.seed, offset = offsets[rank + 1] } end

@@ -307,9 +307,18 @@ describe_h5('uly.checkpoint', function()
     assert.are.same({ 'step_000007.h5', 'step_1000000.h5', 'step_999999.h5' }, dir_entries(dir))
     assert.are.equal(7, ckpt.load(dir .. '/step_000007.h5', { model = model }).step)
     assert.matches('keep must be an integer >= 1', error_of(function() ckpt.save_rotating(dir, 8, { model = model }, 0) end))
+    -- a save killed mid-write left its temporary file: removed once its process is gone
+    local stale, live = dir .. '/step_000009.h5.tmp.999999999.1', dir .. '/step_000009.h5.tmp.1.1'
+    for _, f in ipairs({ stale, live }) do io.open(f, 'w'):close() end
+    ckpt.save_rotating(dir, 1000001, { model = model }, 2)
+    assert.is_nil(io.open(stale, 'r'), 'a dead process\'s temporary file was kept')
+    local f = io.open(live, 'r')   -- pid 1 is alive: its save may still be running
+    assert.truthy(f, 'a live process\'s temporary file was removed')
+    f:close()
+    os.remove(live)
     -- a step below the ones already there (another run's) is never the one deleted
     local p5 = ckpt.save_rotating(dir, 5, { model = model }, 2)
-    assert.are.same({ 'step_000005.h5', 'step_1000000.h5' }, dir_entries(dir))
+    assert.are.same({ 'step_000005.h5', 'step_1000001.h5' }, dir_entries(dir))
     assert.are.equal(5, ckpt.load(p5, { model = model }).step)
   end)
 end)

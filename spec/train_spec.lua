@@ -155,6 +155,8 @@ describe('train.lua', function()
       ['--device gpu'] = "--device gpu: say 'cuda'",
       ['--device cuda:0'] = "--device cuda:0: say 'cuda'",
       ['--resume /nonexistent/ckpt.h5'] = '--resume /nonexistent/ckpt.h5: no such checkpoint',
+      ["--prompt 'In the beginning God created the heaven and the earth'"] =
+        '--prompt is 53 tokens, which leaves no room to sample within --seq 32',
     }) do
       out, code = run(TINY .. flags)
       assert.are.equal(2, code, flags .. ':\n' .. out)

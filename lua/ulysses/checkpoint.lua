@@ -494,6 +494,14 @@ function M.latest(dir)
   return found[1] and found[1][2] or nil
 end
 
+-- temporary files of saves whose process is gone (killed mid-write): each nearly a checkpoint's size
+local function remove_stale_temporaries(dir)
+  for _, name in ipairs(list_dir(dir) or {}) do
+    local pid = name:match('^step_%d+%.h5%.tmp%.(%d+)%.%d+$')
+    if pid and tonumber(pid) ~= getpid and not io.open('/proc/' .. pid .. '/stat', 'r') then os.remove(dir .. '/' .. name) end
+  end
+end
+
 function M.save_rotating(dir, step, what, keep)
   if type(dir) ~= 'string' or dir == '' then raise('checkpoint.save_rotating: dir must be a non-empty string') end
   if type(step) ~= 'number' or step < 0 or step ~= math.floor(step) then
@@ -512,6 +520,7 @@ function M.save_rotating(dir, step, what, keep)
   M.save(path, copy)
   -- the newest `keep` by step stay, and always the one just written (a directory that also holds
   -- later steps, from another run, must not lose it)
+  remove_stale_temporaries(dir)
   local found, kept = checkpoints_in(dir), 1
   for i = 1, #found do
     if found[i][2] ~= path then

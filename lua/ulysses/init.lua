@@ -259,7 +259,13 @@ function uly.manual_seed(seed)
   C.uly_manual_seed(seed)
 end
 function uly.rng_state() return { seed = C.uly_rng_seed(), offset = C.uly_rng_offset() } end
-function uly.set_rng_state(s) C.uly_rng_set_state(s.seed, s.offset) end
+function uly.set_rng_state(s)
+  if type(s) ~= 'table' or not tonumber(s.seed) or not tonumber(s.offset) then   -- numbers or uint64 cdata
+    raise('set_rng_state: expects the table uly.rng_state() returns, {seed = n, offset = n}, got '
+          .. (type(s) == 'table' and ('seed ' .. tostring(s.seed) .. ', offset ' .. tostring(s.offset)) or type(s)))
+  end
+  C.uly_rng_set_state(s.seed, s.offset)
+end
 
 -- the caching pool of a device ('cpu' by default): bytes allocated to tensors, their high-water
 -- mark, reserved (allocated + cached), the limit, and how often the pool called the OS / device
