@@ -209,10 +209,22 @@ int uly_dist_init(int sp_size) {
 
 int uly_dist_initialized(void) { return uly_grid.initialized; }
 
+/* the ranks' last agreement on the world group: a rank still waiting in a world collective (its
+ * peer skipped it and ended) gets this header instead of the one it waits for, so both fail at
+ * once, naming the collective, instead of after the timeout; a rank that is merely slower (rank 0
+ * still writing its results) is waited for as long as it takes, as MPI_Finalize would */
+static void agree_to_finish(void) {
+    call k;
+    if (uly_grid.world.size < 2 || comm_call_begin(&k, &uly_grid.world, KIND_FINALIZE)) return;
+    k.deadline = 0;
+    if (comm_agree(&k)) uly_dist_abort(uly_last_error());
+}
+
 int uly_dist_finalize(void) {
     int broken = 0;
     const uly_comm *groups[3] = {&uly_grid.world, &uly_grid.sp_group, &uly_grid.dp_group};
     for (int i = 0; i < 3; i++) broken |= groups[i]->broken || comm_device_aborted(groups[i]);
+    if (uly_grid.initialized && uly_grid.mpi && !broken) agree_to_finish();
     if (uly_grid.initialized) {
         free_group(&uly_grid.world);
         free_group(&uly_grid.sp_group);

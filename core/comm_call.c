@@ -21,7 +21,8 @@
 #include "comm_internal.h"
 
 const char *const comm_kind_names[KIND_NAMES] = {
-    "all_to_all", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "check_same"};
+    "all_to_all", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "check_same",
+    "finalize (its program has ended)"};
 const char *const comm_op_names[3] = {"sum", "avg", "max"};
 
 double comm_now(void) {

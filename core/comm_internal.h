@@ -11,7 +11,7 @@
 #define COMM_HIDDEN __attribute__((visibility("hidden")))
 #define CHUNK ((int64_t)1 << 30)  /* elements per MPI call of chunked collectives */
 
-enum { KIND_CHECK_SAME = ULY_COMM_KINDS, KIND_NAMES };
+enum { KIND_CHECK_SAME = ULY_COMM_KINDS, KIND_FINALIZE, KIND_NAMES };
 extern COMM_HIDDEN const char *const comm_kind_names[KIND_NAMES];   /* "all_to_all", ..., "check_same" */
 extern COMM_HIDDEN const char *const comm_op_names[3];              /* "sum", "avg", "max" */
 

@@ -514,14 +514,30 @@ describe('dist fails fast instead of hanging', function()
     assert.matches('ulysses: rank 1: [^\n]*rank one gives up', out)
   end)
 
-  it('a rank that skips a collective makes the other time out naming the collective', function()
+  it('a rank that skips a collective and ends fails the other at once, naming the collective', function()
     if not mpirun then return pending('needs mpirun and a library built with MPI') end
+    -- rank 1's finalize meets rank 0's all_reduce on the world group: out of step, no waiting
     local out, rc = job([[
       local uly = require 'ulysses'
       local dist = uly.dist
       dist.run(function()
         local g = dist.init { sp = 2 }
         if g.rank == 0 then g.world_group:all_reduce_(uly.zeros(4)) end
+      end)]], 'ULY_COMM_TIMEOUT=300')
+    assert.are_not.equal(0, rc, out)
+    assert.are_not.equal(124, rc, 'the job hung until the outer timeout:\n' .. out)
+    assert.matches('ulysses: rank %d: [^\n]*collectives out of step on group world: rank 0 is in all_reduce %(call 1%), '
+                   .. 'rank 1 is in finalize %(its program has ended%)', out)
+  end)
+
+  it('a rank that skips a collective and keeps computing makes the other time out naming the collective', function()
+    if not mpirun then return pending('needs mpirun and a library built with MPI') end
+    local out, rc = job([[
+      local uly = require 'ulysses'
+      local dist = uly.dist
+      dist.run(function()
+        local g = dist.init { sp = 2 }
+        if g.rank == 0 then g.world_group:all_reduce_(uly.zeros(4)) else os.execute('sleep 8') end
       end)]], 'ULY_COMM_TIMEOUT=3')
     assert.are_not.equal(0, rc, out)
     assert.are_not.equal(124, rc, 'the job hung until the outer timeout:\n' .. out)
