@@ -71,7 +71,7 @@ local function usage(msg)
     if (tonumber(os.getenv('OMPI_COMM_WORLD_RANK') or '0') or 0) == 0 then
       io.stderr:write('train.lua: ', msg, '\n(bin/ulysses train.lua --help lists every flag)\n')
     end
-    os.exit(2)
+    os.exit(2, true)   -- the state closed: what was made so far (tensors) is freed
   end
   local lines = { 'usage: bin/ulysses train.lua [--flag value ...]', '' }
   for _, f in ipairs(FLAGS) do
