@@ -90,6 +90,15 @@ __device__ static inline void load_q_grouped(uint4 *s, const bf16 *qb, int64_t h
     }
 }
 
+/* the forward's query tile, queued as cp.async copies: rows i0.. of the block's head, or (grouped)
+ * every query of the GQA group whose first query head is h0 */
+template <int D, bool grouped>
+__device__ static inline void load_query_tile(uint4 *sQ, const bf16 *q, const geom &g, int64_t h0, int64_t i0,
+                                              int64_t stride) {
+    if (grouped) load_q_grouped<D>(sQ, q, h0, g.Tq * (g.H / g.Hkv), g.Tq, stride);
+    else load_tile_async<D, 64>(sQ, q, i0, g.Tq, stride);
+}
+
 /* this lane's ldmatrix row for the 16 x 16 block at row r0, chunk kc: in A order (matrices
  * (r0, kc) (r0+8, kc) (r0, kc+1) (r0+8, kc+1)), which transposed is also the B operand of two
  * n-tiles (kc, kc+1) when the tile's rows are k */
@@ -335,8 +344,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
          * pending ones are [K(next), V(this), K(after next)] (empty groups keep the count) */
         int st1 = TILE_EMPTY;
         int64_t j1 = j0 >= 0 ? next_key_tile(g, i0, j0 + 64, hi, 64, &st1) : -1;
-        if (grouped) load_q_grouped<D>(sQ, q, hk * grp, g.Tq * grp, g.Tq, qs);
-        else load_tile_async<D, 64>(sQ, q, i0, g.Tq, qs);
+        load_query_tile<D, grouped>(sQ, q, g, hk * grp, i0, qs);
         if (j0 >= 0) load_tile_async<D, 64, true>(sK, k, j0, g.Tk, ks);
         cp_async_commit();
         if (j1 >= 0) load_tile_async<D, 64, true>(sK2, k, j1, g.Tk, ks);
@@ -407,8 +415,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         }
         cp_async_wait<0>();
     } else {
-    if (grouped) load_q_grouped<D>(sQ, q, hk * grp, g.Tq * grp, g.Tq, qs);
-    else load_tile_async<D, 64>(sQ, q, i0, g.Tq, qs);
+    load_query_tile<D, grouped>(sQ, q, g, hk * grp, i0, qs);
     if (j0 >= 0) load_tile_async<D, 64, W>(sK, k, j0, g.Tk, ks);
     cp_async_commit();
     if (j0 >= 0) load_tile_async<D, 64, W>(sV, v, j0, g.Tk, ks);

@@ -14,6 +14,11 @@ local uly = {
 local H, wrap, check, raise = T.handle, T.wrap, T.check, T.raise
 local options = require 'ulysses.options'
 local TENSOR_OPTIONS = { 'dtype', 'device', 'requires_grad' }
+local ARANGE_OPTIONS = { 'dtype', 'device' }
+local FROM_PTR_OPTIONS = { 'dtype', 'device', 'requires_grad', 'src_dtype' }
+local CROSS_ENTROPY_OPTIONS = { 'ignore_index', 'reduction' }
+local ATTENTION_OPTIONS = { 'causal', 'scale' }
+local FLASH_OPTIONS = { 'causal', 'scale', 'window', 'block_layout', 'block_size', 'q_doc', 'k_doc', 'doc' }
 
 uly.version = ffi.string(C.uly_version())
 
@@ -34,7 +39,7 @@ end
 function uly.tensor(data, opts) return T.from_table(data, opts) end
 -- a new tensor holding a copy of raw memory: from_ptr(ptr, {2, 3}, {dtype = 'f32', src_dtype = 'f64'})
 function uly.from_ptr(ptr, shape, opts)
-  opts = options.check('from_ptr', opts, { 'dtype', 'device', 'requires_grad', 'src_dtype' })
+  opts = options.check('from_ptr', opts, FROM_PTR_OPTIONS)
   if type(shape) ~= 'table' then raise('from_ptr: shape must be a table such as {2, 3}') end
   if ptr == nil then raise('from_ptr: pointer is NULL') end
   local t = T.empty(shape, { dtype = opts.dtype, device = opts.device })
@@ -73,7 +78,7 @@ function uly.arange(a, b, c, d)
   local opts = {}
   local args = { a, b, c, d }
   for i = 4, 1, -1 do
-    if type(args[i]) == 'table' then opts = options.check('arange', args[i], { 'dtype', 'device' }); args[i] = nil; break end
+    if type(args[i]) == 'table' then opts = options.check('arange', args[i], ARANGE_OPTIONS); args[i] = nil; break end
   end
   local start, stop, step = args[1], args[2], args[3]
   if stop == nil then start, stop = 0, start end
@@ -127,7 +132,7 @@ end
 local REDUCTIONS = { mean = 0, sum = 1, none = 2 }
 -- cross_entropy(logits [..., V], targets [...] i32/i64, {ignore_index = -100, reduction = 'mean'})
 function uly.cross_entropy(logits, targets, opts)
-  opts = options.check('cross_entropy', opts, { 'ignore_index', 'reduction' })
+  opts = options.check('cross_entropy', opts, CROSS_ENTROPY_OPTIONS)
   local red = REDUCTIONS[opts.reduction or 'mean']
   if not red then raise("cross_entropy: reduction must be 'mean', 'sum' or 'none', got " .. tostring(opts.reduction)) end
   return wrap(C.uly_cross_entropy(H(logits, 'cross_entropy logits'), H(targets, 'cross_entropy targets'),
@@ -136,7 +141,7 @@ end
 
 -- attention(q [B, Tq, H, D], k, v [B, Tk, Hkv, D], {causal = false, scale = 1/sqrt(D)})
 function uly.attention(q, k, v, opts)
-  opts = options.check('attention', opts, { 'causal', 'scale' })
+  opts = options.check('attention', opts, ATTENTION_OPTIONS)
   return wrap(C.uly_attention(H(q, 'attention q'), H(k, 'attention k'), H(v, 'attention v'), opts.scale or 0,
                               opts.causal and 1 or 0))
 end
@@ -160,8 +165,7 @@ local function window_widths(w, causal)
   return l, r
 end
 function uly.flash_attention(q, k, v, opts)
-  opts = options.check('flash_attention', opts,
-                       { 'causal', 'scale', 'window', 'block_layout', 'block_size', 'q_doc', 'k_doc', 'doc' })
+  opts = options.check('flash_attention', opts, FLASH_OPTIONS)
   local m = ffi.new('uly_attn_mask')
   m.causal = opts.causal and 1 or 0
   m.window_left, m.window_right = window_widths(opts.window, opts.causal)

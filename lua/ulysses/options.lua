@@ -36,12 +36,24 @@ function M.nearest(key, allowed)
   return nil
 end
 
+-- the set of names of an `allowed` list, made once per list (the lists are constants of their
+-- callers, some on per-step paths such as attention)
+local sets = setmetatable({}, { __mode = 'k' })
+local function set_of(allowed)
+  local set = sets[allowed]
+  if not set then
+    set = {}
+    for _, name in ipairs(allowed) do set[name] = true end
+    sets[allowed] = set
+  end
+  return set
+end
+
 -- opts (a table or nil) must hold only the keys in `allowed` (a list of names)
 function M.check(what, opts, allowed)
   if opts == nil then return {} end
   if type(opts) ~= 'table' then raise(string.format('%s: options must be a table, got %s', what, type(opts))) end
-  local set = {}
-  for _, name in ipairs(allowed) do set[name] = true end
+  local set = set_of(allowed)
   for k in pairs(opts) do
     if not set[k] then
       local names = {}

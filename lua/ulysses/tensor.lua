@@ -4,6 +4,7 @@
 local ffi = require 'ffi'
 local lib = require 'ulysses.ffi'
 local options = require 'ulysses.options'
+local TENSOR_OPTIONS, BACKWARD_OPTIONS, TO_OPTIONS = { 'dtype', 'device', 'requires_grad' }, { 'retain_graph' }, { 'device', 'dtype' }
 local C = lib.C
 
 local Tensor = {}          -- methods
@@ -257,7 +258,7 @@ local function flatten(data, shape, depth, out)
 end
 
 function M.from_table(data, opts)
-  opts = options.check('tensor', opts, { 'dtype', 'device', 'requires_grad' })
+  opts = options.check('tensor', opts, TENSOR_OPTIONS)
   local shape, flat = {}, {}
   if type(data) == 'number' then flat[1] = data
   elseif type(data) == 'table' then flatten(data, shape, 1, flat)
@@ -272,7 +273,7 @@ function M.from_table(data, opts)
 end
 
 function M.empty(shape, opts)
-  opts = options.check('empty', opts, { 'dtype', 'device', 'requires_grad' })
+  opts = options.check('empty', opts, TENSOR_OPTIONS)
   local t = wrap(C.uly_tensor_empty(#shape, to_i64(shape), dtype_code(opts.dtype), device_code(opts.device)))
   if opts.requires_grad then check(C.uly_tensor_set_requires_grad(t._h, 1)) end
   return t
@@ -449,7 +450,7 @@ function Tensor:detach() return wrap(C.uly_tensor_detach(H(self))) end
 function Tensor:to(what)
   local device, dtype
   if type(what) == 'table' then
-    options.check('to', what, { 'device', 'dtype' })
+    options.check('to', what, TO_OPTIONS)
     device, dtype = what.device, what.dtype
   elseif DEVICES[what] or (type(what) == 'string' and what:match('^cuda:%d+$')) then device = what
   elseif DTYPES[what] then dtype = what
@@ -481,7 +482,7 @@ end
 
 function Tensor:backward(grad, opts)
   if type(grad) == 'table' and not is_tensor(grad) then grad, opts = nil, grad end
-  opts = options.check('backward', opts, { 'retain_graph' })
+  opts = options.check('backward', opts, BACKWARD_OPTIONS)
   check(C.uly_backward(H(self), grad and H(grad, 'backward gradient') or nil, opts.retain_graph and 1 or 0))
 end
 -- a backward may call back into Lua (nn.checkpoint): never from JIT-compiled code
