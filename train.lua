@@ -284,16 +284,16 @@ local function main()
   local shard = grid and { rank = grid.sp_rank, size = grid.sp_size } or nil
   local dp_rank = grid and grid.dp_rank or 0
   local documents = cfg.documents ~= 0 or nil
-  local function open_split(split, opts, hint)
+  local function open_split(opts, hint)
     local ok, d = pcall(uly.data.open, data_path, opts)
     if not ok then usage(clean(d) .. (hint or '')) end
     return d
   end
-  local train_data = open_split('train', { seq = cfg.seq, batch = cfg.batch, split = 'train',
-                                           seed = cfg.seed + 7919 * dp_rank, shard = shard, documents = documents })
+  local train_data = open_split({ seq = cfg.seq, batch = cfg.batch, split = 'train',
+                                  seed = cfg.seed + 7919 * dp_rank, shard = shard, documents = documents })
   -- validation only when asked for (--eval_batches 0 trains on a file without a usable split)
-  local valid_data = cfg.eval_batches > 0 and open_split('valid', { seq = cfg.seq, batch = cfg.batch, split = 'valid',
-                                                                    random = false, shard = shard, documents = documents },
+  local valid_data = cfg.eval_batches > 0 and open_split({ seq = cfg.seq, batch = cfg.batch, split = 'valid',
+                                                           random = false, shard = shard, documents = documents },
                                                          '; --eval_batches 0 trains without validation') or nil
   if cfg.sample > 0 and cfg.prompt ~= '' then   -- found now, not after training
     local ok, p = pcall(train_data.encode, train_data, cfg.prompt)
@@ -320,8 +320,9 @@ local function main()
   if cfg.zero ~= 0 and not grid then say('--zero 1: a single process has nothing to shard over; plain AdamW') end
   local opt = zero and uly.dist.ZeroAdamW(model:parameters(), grid.world_group, adamw)
     or uly.optim.AdamW(model:parameters(), adamw)
-  local schedule = cfg.schedule == 'constant' and uly.optim.schedule.constant { lr = cfg.lr, warmup = math.min(cfg.warmup, cfg.steps) }
-    or uly.optim.schedule.cosine { lr = cfg.lr, warmup = math.min(cfg.warmup, cfg.steps), steps = cfg.steps, min_lr = cfg.min_lr }
+  local warmup = math.min(cfg.warmup, cfg.steps)
+  local schedule = cfg.schedule == 'constant' and uly.optim.schedule.constant { lr = cfg.lr, warmup = warmup }
+    or uly.optim.schedule.cosine { lr = cfg.lr, warmup = warmup, steps = cfg.steps, min_lr = cfg.min_lr }
   local common = require 'models.common'
 
   -- resume: model, optimizer, RNG, data position and step from a checkpoint
