@@ -4,7 +4,8 @@
 local ffi = require 'ffi'
 local lib = require 'ulysses.ffi'
 local options = require 'ulysses.options'
-local TENSOR_OPTIONS, BACKWARD_OPTIONS, TO_OPTIONS = { 'dtype', 'device', 'requires_grad' }, { 'retain_graph' }, { 'device', 'dtype' }
+local TENSOR_OPTIONS = { 'dtype', 'device', 'requires_grad' }   -- the option names each call takes
+local BACKWARD_OPTIONS, TO_OPTIONS = { 'retain_graph' }, { 'device', 'dtype' }
 local C = lib.C
 
 local Tensor = {}          -- methods
