@@ -276,6 +276,21 @@ describe_h5('uly.checkpoint', function()
     assert.are.same(old, snapshot(fresh))
   end)
 
+  it('finds a tensor whose bytes changed after saving (every dataset carries a checksum)', function()
+    local file = path('runs/checksum.h5')
+    local model = nn.Linear(3, 2)
+    ckpt.save(file, { model = model, step = 1 })
+    assert.are.equal(1, ckpt.load(file, { model = model }).step)
+    local h5 = require 'ulysses.h5'
+    local f = h5.open(file, 'r+')
+    assert.matches('^%x+$', f:attr('model/weight', 'uly_checksum'))
+    f:set_attr('model/weight', 'uly_checksum', '0123456789abcdef')   -- as if the data had changed
+    f:close()
+    local err = error_of(function() ckpt.load(file, { model = model }) end)
+    assert.matches("dataset 'model/weight' in .* does not match the checksum written with it", err)
+    assert.matches('the file is corrupt', err)
+  end)
+
   it('saves through a symbolic link into its target, and never over a directory, pipe or device', function()
     local dir = path('runs/special')
     local model = nn.Linear(2, 2)

@@ -401,7 +401,14 @@ local function load_from(f, opts)
   end
   -- everything checked: copy
   U().no_grad(function()
-    for _, e in ipairs(plan) do f:read_into(e[1], e[2]) end
+    for i, e in ipairs(plan) do
+      local ok, err = pcall(f.read_into, f, e[1], e[2])
+      if not ok then   -- a corrupt tensor (its checksum) or an unreadable one, found while copying
+        raise(string.format('checkpoint.load: %s%s', tostring(err):gsub('^[^:]*%.lua:%d+: ', ''),
+                            i > 1 and string.format(' (%d tensors before it were already loaded: load a good checkpoint '
+                                                    .. 'into this model before using it)', i - 1) or ''))
+      end
+    end
   end)
   if sd then opts.optim:load_state_dict(sd) end
   local rng = { seed = parse_u64(read_attr(f, 'rng_seed', true), 'rng_seed'),
