@@ -235,6 +235,18 @@ __device__ static inline int64_t next_key_tile(const geom &g, int64_t i0, int64_
 }
 
 /* ---- forward ---- */
+/* S = Q K^T for the warpgroup's 64 x 64 tile on wgmma, queued and committed (the caller waits):
+ * qa the warp's Q fragments, kt the K tile in the wgmma layout (K-major B, 16 of D an instruction) */
+template <int KS>
+__device__ static inline void scores_wg(float s[8][4], const uint32_t qa[KS][4], const uint4 *kt) {
+#pragma unroll
+    for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++) wgmma_64x64<0>(&s[0][0], qa[kk], wg_desc_sw128(kt + (kk >> 2) * 512 + (kk & 3) * 2));
+    wg_commit();
+}
+
 /* one key tile's step of the online softmax for this lane's two rows: s (the tile's scores,
  * accumulator layout) becomes P = exp(s scale - m) with masked pairs at 0 (st: the tile's
  * state), the running max m and sum l move on, and O is rescaled to the new max */
@@ -359,12 +371,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         for (int kk = 0; kk < KS; kk++) ldmatrix_x4(qa[kk], frag_a<D>(sQ, warp * 16, 2 * kk));
         float s[8][4];
         if (j0 >= 0) {   /* S(j0) */
-#pragma unroll
-            for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < KS; kk++) wgmma_64x64<0>(&s[0][0], qa[kk], wg_desc_sw128(sK + (kk >> 2) * 512 + (kk & 3) * 2));
-            wg_commit();
+            scores_wg<KS>(s, qa, sK);
             wg_wait<0>();
             wg_fence_regs(&s[0][0], 32);
         }
@@ -379,15 +386,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
             fence_proxy_async();
             __syncthreads();
             float sn[8][4];
-            if (j1 >= 0) {   /* S(j1), on the tensor cores while this tile's softmax runs */
-#pragma unroll
-                for (int n = 0; n < 8; n++) sn[n][0] = sn[n][1] = sn[n][2] = sn[n][3] = 0.0f;
-                wg_fence();
-#pragma unroll
-                for (int kk = 0; kk < KS; kk++)
-                    wgmma_64x64<0>(&sn[0][0], qa[kk], wg_desc_sw128(k_next + (kk >> 2) * 512 + (kk & 3) * 2));
-                wg_commit();
-            }
+            if (j1 >= 0) scores_wg<KS>(sn, qa, k_next);   /* S(j1): the tensor cores run it during this softmax */
             online_softmax<D, grouped>(s, o, m, l, g, b, rows, j0, st, tq);
             cp_async_wait<1>();   /* V(j0) */
             fence_proxy_async();
@@ -431,11 +430,8 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         float s[8][4];
 #pragma unroll
         for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-        if (W) {   /* the whole 64 x 64 tile by the warpgroup: K-major B, 16 of D per instruction */
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < KS; kk++) wgmma_64x64<0>(&s[0][0], qa[kk], wg_desc_sw128(sK + (kk >> 2) * 512 + (kk & 3) * 2));
-            wg_commit();
+        if (W) {   /* the whole 64 x 64 tile by the warpgroup */
+            scores_wg<KS>(s, qa, sK);
             wg_wait<0>();
             wg_fence_regs(&s[0][0], 32);
         } else {
