@@ -221,8 +221,7 @@ local function resolve_data(cfg, quiet)
 end
 
 local function build_model(cfg, vocab)
-  local Model = cfg.model == 'llama' and require 'models.llama' or cfg.model == 'gpt' and require 'models.gpt'
-  if not Model then usage("--model must be 'gpt' or 'llama', got " .. cfg.model) end
+  local Model = require('models.' .. cfg.model)   -- gpt or llama (check_flags)
   local mc = { preset = cfg.preset, vocab = vocab, seq = cfg.seq, dropout = cfg.dropout,
                sp = cfg.world > 1 and cfg.sp or nil, checkpoint = cfg.checkpoint ~= 0, attention = cfg.attention,
                window = cfg.window > 0 and cfg.window or nil, tile = cfg.tile > 0 and cfg.tile or nil }
@@ -310,9 +309,6 @@ local function main()
   end
   local device = cfg.device
   if cfg.precision == 'auto' then cfg.precision = device == 'cuda' and 'bf16' or 'f32' end
-  if cfg.precision ~= 'f32' and cfg.precision ~= 'bf16' then
-    usage("--precision must be 'f32', 'bf16' or 'auto', got " .. cfg.precision)
-  end
   uly.matmul_precision(cfg.precision)
   local ctx = { pos = train_data.offset or 0, seq_total = cfg.seq }
   local adamw = { lr = cfg.lr, betas = { 0.9, cfg.beta2 }, weight_decay = cfg.wd }
