@@ -23,6 +23,7 @@ mkdir -p "$(dirname "$report")" build-gpu
 jobs=$(nproc 2>/dev/null || echo 2)
 # the report is written as the check goes, so a run stopped by a time limit still leaves what it did
 log=$report
+check_start=$(date +%s)
 echo "ulysses GPU check, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" >"$log"
 say() { echo "$*" | tee -a "$log"; }
 finish() { # status line, exit code
@@ -31,10 +32,34 @@ finish() { # status line, exit code
   exit "$2"
 }
 
+# link_alternatives DEB... — the links each package's postinst makes with update-alternatives
+# (dpkg -x runs no scripts): /usr/bin/mpirun and mpicc, libopenblas.so, cblas.h, mpi.h's folder
+link_alternatives() {
+  local ctl; ctl=$(mktemp -d)
+  for f in "$@"; do
+    rm -rf "${ctl:?}"/*; dpkg -e "$f" "$ctl" 2>/dev/null && [ -f "$ctl/postinst" ] || continue
+    # join continued lines, then read each `--install|--slave LINK NAME PATH`
+    sed -e ':a' -e '/\\$/N; s/\\\n//; ta' "$ctl/postinst" |
+      grep -o -E -- '--(install|slave)[[:space:]]+[^[:space:]]+[[:space:]]+[^[:space:]]+[[:space:]]+[^[:space:]]+' |
+      while read -r _ link _ target; do
+        [ -e "$link" ] || [ -L "$link" ] || [ ! -e "$target" ] || { mkdir -p "$(dirname "$link")" && ln -s "$target" "$link"; }
+      done
+  done
+  rm -rf "$ctl"
+}
 debs=${ULY_GPU_DEBS:-.gpu-debs}
 if compgen -G "$debs/*.deb" >/dev/null; then
-  for f in "$debs"/*.deb; do dpkg -x "$f" / || finish "cannot unpack $f" 1; done
+  unpacked=()
+  for f in "$debs"/*.deb; do
+    # a package the image already has installed is left as it is (its version may be newer)
+    pkg=$(dpkg-deb -f "$f" Package 2>/dev/null)
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' && continue
+    dpkg -x "$f" / || finish "cannot unpack $f" 1
+    unpacked+=("$f")
+  done
+  [ ${#unpacked[@]} -eq 0 ] || link_alternatives "${unpacked[@]}"
   ldconfig 2>/dev/null
+  say "unpacked ${#unpacked[@]} of $(ls "$debs"/*.deb | wc -l) packages from $debs/"
 fi
 export PATH="/usr/local/cuda/bin:$PATH"
 export ULY_SEED="${ULY_SEED:-$(( $(date +%s) % 100000 ))}"
@@ -54,7 +79,24 @@ say "== nvcc: $(nvcc --version | tail -2 | head -1)"
 
 say "== build (build-gpu/, ULY_CUDA=ON)"
 start=$(date +%s)
-if ! { cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DULY_CUDA=ON >build-gpu/build.log 2>&1 &&
+# libraries built ahead on a machine without a GPU (scripts/gpu-prebuild.sh) are used when they
+# were built from these very sources and load here; else (or in a rehearsal) the build runs here
+prebuilt=${ULY_GPU_PREBUILT:-.gpu-prebuilt}
+built=""
+if [ "${ULY_GPU_CHECK_EMULATE:-0}" != 1 ] && [ -f "$prebuilt/STAMP" ] && [ -f "$prebuilt/libulysses_cuda.so" ]; then
+  if [ "$(cat "$prebuilt/STAMP")" != "$(scripts/source-stamp.sh)" ]; then
+    say "$prebuilt/: built from other sources (stamp $(cat "$prebuilt/STAMP")): building here"
+  else
+    cp "$prebuilt/libulysses.so" "$prebuilt/libulysses_cuda.so" build-gpu/
+    if ULY_LIB=build-gpu/libulysses.so ULY_CUDA_LIB=build-gpu/libulysses_cuda.so LUA_PATH='lua/?.lua;lua/?/init.lua;;' \
+         luajit -e 'assert(require("ulysses").cuda.lib())' >build-gpu/build.log 2>&1; then
+      built=prebuilt; say "build: the libraries in $prebuilt/ (stamp $(cat "$prebuilt/STAMP")) load here: not rebuilt"
+    else
+      say "$prebuilt/: the libraries do not load here ($(tail -1 build-gpu/build.log)): building here"
+    fi
+  fi
+fi
+if [ -z "$built" ] && ! { cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DULY_CUDA=ON >build-gpu/build.log 2>&1 &&
        cmake --build build-gpu -j"$jobs" >>build-gpu/build.log 2>&1; }; then
   tail -40 build-gpu/build.log | tee -a "$log"; finish "build failed (build-gpu/build.log)" 1
 fi
@@ -77,17 +119,46 @@ LUA_PATH='lua/?.lua;lua/?/init.lua;;' luajit -e '
     print(("device %d: %s, %.1f GiB total, %.1f GiB free"):format(d.index, d.name, d.total_memory / 2^30, d.free_memory / 2^30))
   end' 2>&1 | tee -a "$log"
 
-say "== #gpu specs (seed $ULY_SEED)"
-luajit /usr/bin/busted --run=gpu 2>&1 | tee -a "$log"
-rc=${PIPESTATUS[0]}
-summary=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -1)
+# every stage runs under `timeout`, capped by what is left of the whole check's budget
+# (ULY_GPU_CHECK_BUDGET seconds from the start, default 480: a device lease is short), most
+# telling first: specs, device suite, benchmarks, the 2-rank step, then the sanitizer
+budget=${ULY_GPU_CHECK_BUDGET:-480}
+cap() { # cap SECONDS: prints min(SECONDS, what is left less 10 s for the report), 0 when nothing is
+  local left=$(( check_start + budget - $(date +%s) - 10 ))
+  (( left < $1 )) && echo $(( left > 15 ? left : 0 )) || echo "$1"
+}
+run_stage() { # run_stage NAME SECONDS COMMAND...: appends to $failures when it fails or runs out of time
+  local name=$1 secs; secs=$(cap "$2"); shift 2
+  if [ "$secs" -eq 0 ]; then say "(skipped: the check's ${budget} s budget is spent)"; failures+="$name (not run: budget); "; return; fi
+  local t0; t0=$(date +%s)
+  timeout "$secs" "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  say "($name: exit $rc, $(( $(date +%s) - t0 )) s${secs:+ of $secs})"
+  [ "$rc" -eq 0 ] || failures+="$name (exit $rc$([ "$rc" -eq 124 ] && echo ', timed out')); "
+}
 failures=""
-[ $rc -eq 0 ] && [ -n "$summary" ] || failures="#gpu specs (exit $rc: ${summary:-no summary}); "
+
+say "== #gpu specs (seed $ULY_SEED)"
+run_stage "#gpu specs" 120 luajit /usr/bin/busted --run=gpu
+summary=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -1)
 
 say "== device suite on the GPU (spec/device_spec.lua, ULY_TEST_DEVICE=$test_device)"
-ULY_TEST_DEVICE=$test_device timeout 240 luajit /usr/bin/busted spec/device_spec.lua 2>&1 | tee -a "$log"
-rc=${PIPESTATUS[0]}
-[ $rc -eq 0 ] || failures+="device suite (exit $rc); "
+ULY_TEST_DEVICE=$test_device run_stage "device suite" 180 luajit /usr/bin/busted spec/device_spec.lua
+
+if [ -e bench/gpu.lua ]; then
+  say "== benchmarks (bench/gpu.lua)"
+  run_stage "benchmarks" 200 bin/ulysses bench/gpu.lua $bench_args
+fi
+
+if command -v mpirun >/dev/null; then
+  say "== Ulysses, collectives, the overlapped gradient all-reduce and ZeroAdamW on 2 ranks sharing the GPU (host-staged)"
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ULY_TEST_DEVICE=$test_device ULY_TEST_SP=2 run_stage "2-rank Ulysses step" 120 \
+    mpirun --oversubscribe --bind-to none -x ULY_TEST_DEVICE -x ULY_TEST_SP -x ULY_LIB -x ULY_CUDA_LIB -np 2 \
+    luajit /usr/bin/busted --run=mpi --filter=device spec/ulysses_spec.lua spec/dist_spec.lua spec/grad_sync_spec.lua spec/plan_spec.lua spec/zero_spec.lua
+else
+  say "mpirun: not found (carry openmpi-bin and its libraries in $debs/ for the 2-rank check)"
+  failures+="2-rank Ulysses step (no mpirun); "
+fi
 
 # the bf16 attention kernels (fused and chunked) under compute-sanitizer: racecheck (shared-memory
 # hazards: a missing __syncthreads or cp.async wait), memcheck (out-of-bounds, misaligned); small shapes
@@ -98,28 +169,9 @@ if [ "$emulate" != 1 ]; then
 fi
 for tool in racecheck memcheck; do
   say "== attention kernels${sanitizer:+ under compute-sanitizer --tool $tool} (scripts/gpu-sanitize.lua)"
-  timeout 150 ${sanitizer:+$sanitizer --tool $tool --error-exitcode 3} luajit scripts/gpu-sanitize.lua 2>&1 | tail -30 | tee -a "$log"
-  rc=${PIPESTATUS[0]}
-  [ $rc -eq 0 ] || failures+="attention kernels${sanitizer:+ under $tool} (exit $rc); "
+  run_stage "attention kernels${sanitizer:+ under $tool}" 120 ${sanitizer:+$sanitizer --tool $tool --print-limit 20 --error-exitcode 3} luajit scripts/gpu-sanitize.lua
   [ -n "$sanitizer" ] || break
 done
 
-if command -v mpirun >/dev/null; then
-  say "== Ulysses, collectives, the overlapped gradient all-reduce and ZeroAdamW on 2 ranks sharing the GPU (host-staged)"
-  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ULY_TEST_DEVICE=$test_device ULY_TEST_SP=2 timeout 180 \
-    mpirun --oversubscribe --bind-to none -x ULY_TEST_DEVICE -x ULY_TEST_SP -x ULY_LIB -x ULY_CUDA_LIB -np 2 \
-    luajit /usr/bin/busted --run=mpi --filter=device spec/ulysses_spec.lua spec/dist_spec.lua spec/grad_sync_spec.lua spec/plan_spec.lua spec/zero_spec.lua \
-    2>&1 | tee -a "$log"
-  rc=${PIPESTATUS[0]}
-  [ $rc -eq 0 ] || failures+="2-rank Ulysses step (exit $rc); "
-else
-  say "mpirun: not found (carry openmpi-bin and its libraries in $debs/ for the 2-rank check)"
-fi
-
-if [ -e bench/gpu.lua ]; then
-  say "== benchmarks (bench/gpu.lua)"
-  timeout 240 bin/ulysses bench/gpu.lua $bench_args 2>&1 | tee -a "$log"
-  [ ${PIPESTATUS[0]} -eq 0 ] || failures+="benchmarks; "
-fi
 [ -z "$failures" ] || finish "failed: $failures" 1
 finish "ok: $summary, device suite and Ulysses passed" 0
