@@ -169,7 +169,7 @@ while n <= (opts.quick and 128 or opts.attn_max) do
   n = n * 2
 end
 if peer_note then print(peer_note) end
-print('fused forward on wgmma: ' .. tostring(uly.cuda.wgmma_status()))
+print('fused kernels on wgmma: ' .. tostring(uly.cuda.wgmma_status(D)))
 
 ---------------------------------------------------------------- 2b. decoding
 -- one new token's attention against a KV cache (the 1b preset's 32 query / 8 K/V heads, D 64),
@@ -222,12 +222,30 @@ if opts.step then
     opt:step()
     losses[#losses + 1] = loss:item()
   end, opts.quick and 1 or 1)
+  -- where one more step's time goes: the device synchronised between its phases
+  local phases, t0 = {}, nil
+  local function mark(name)
+    uly.synchronize('cuda')
+    local now = uly.clock()
+    phases[#phases + 1] = ('%s %.2f s'):format(name, now - t0)
+    t0 = now
+  end
+  t0 = uly.clock()
+  opt:zero_grad()
+  local loss = model:loss(x, x)
+  mark('forward')
+  loss:backward()
+  mark('backward (checkpoint recomputation included)')
+  opt:step()
+  mark('optimizer')
+  loss = nil
   uly.matmul_precision('f32')
   local flops = model:flops_per_token(T) * T
   print(('parameters %.3f B, %.1f GFLOP/token (model FLOPs), loss %.3f -> %.3f'):format(model:num_parameters() / 1e9,
         model:flops_per_token(T) / 1e9, losses[1], losses[#losses]))
   print(('step %.2f s, %.0f tokens/s, %.1f TFLOP/s, MFU %.1f%%, peak device memory %.1f GiB'):format(step_s, T / step_s,
         tf(flops, step_s), 100 * flops / step_s / peak, uly.memory('cuda').peak / 2^30))
+  print('one step: ' .. table.concat(phases, ', '))
   -- the memory planner's GPU mode next to what the step took (pool peak; kernels' temporaries)
   local plan = require 'tools.plan'
   local est = plan.estimate { model = 'llama', preset = preset, seq = T, checkpoint = true, tile = math.min(T, 4096),

@@ -51,9 +51,11 @@ debs=${ULY_GPU_DEBS:-.gpu-debs}
 if compgen -G "$debs/*.deb" >/dev/null; then
   unpacked=()
   for f in "$debs"/*.deb; do
-    # a package the image already has installed is left as it is (its version may be newer)
+    # the image's own libgfortran5 (newer) is kept; the rest replaces what the image has: Open
+    # MPI 4.1 crashes in mpirun on Ubuntu 24.04's PMIx 5 (seen on an H200 machine, 2026-12-04)
     pkg=$(dpkg-deb -f "$f" Package 2>/dev/null)
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' && continue
+    case " ${ULY_GPU_DEBS_KEEP:-libgfortran5} " in *" $pkg "*)
+      dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' && continue;; esac
     dpkg -x "$f" / || finish "cannot unpack $f" 1
     unpacked+=("$f")
   done
@@ -145,12 +147,15 @@ summary=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -1)
 say "== device suite on the GPU (spec/device_spec.lua, ULY_TEST_DEVICE=$test_device)"
 ULY_TEST_DEVICE=$test_device run_stage "device suite" 180 luajit /usr/bin/busted spec/device_spec.lua
 
-if [ -e bench/gpu.lua ]; then
+if [ -e bench/gpu.lua ] && [ -z "${ULY_GPU_CHECK_NO_BENCH:-}" ]; then   # ULY_GPU_CHECK_NO_BENCH=1: specs only
   say "== benchmarks (bench/gpu.lua)"
   run_stage "benchmarks" 200 bin/ulysses bench/gpu.lua $bench_args
 fi
 
 if command -v mpirun >/dev/null; then
+  # Open MPI 4.1 over PMIx 5 (Ubuntu 24.04's, as on the H200 image) crashes in mpirun before any
+  # rank starts (pmix_preg_base_generate_ppn, seen 2026-12-04); PMIx's native regex component avoids it
+  export PMIX_MCA_preg=${PMIX_MCA_preg:-native}
   say "== Ulysses, collectives, the overlapped gradient all-reduce and ZeroAdamW on 2 ranks sharing the GPU (host-staged)"
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ULY_TEST_DEVICE=$test_device ULY_TEST_SP=2 run_stage "2-rank Ulysses step" 120 \
     mpirun --oversubscribe --bind-to none -x ULY_TEST_DEVICE -x ULY_TEST_SP -x ULY_LIB -x ULY_CUDA_LIB -np 2 \

@@ -11,6 +11,7 @@ local dir = (arg and arg[0] or ''):match('^(.*)scripts/[^/]*$') or './'
 package.path = dir .. 'lua/?.lua;' .. dir .. 'lua/?/init.lua;' .. package.path
 local uly = require 'ulysses'
 local ffi = require 'ffi'
+io.stdout:setvbuf('line')   -- each line out at once: a run that dies shows how far it got
 
 local ok, why = uly.cuda.ensure()
 if not ok then io.stderr:write('gpu-sanitize: no CUDA device: ', tostring(why), '\n'); os.exit(1) end
@@ -70,6 +71,6 @@ for _, D in ipairs({ 32, 64, 128 }) do
     end
   end
 end
-print('fused forward on wgmma: ' .. tostring(uly.cuda.wgmma_status()))
+print('fused kernels on wgmma: ' .. tostring(uly.cuda.wgmma_status()))
 if failed then os.exit(1) end
 print('gpu-sanitize: ok')

@@ -162,6 +162,9 @@ end
 function M.use_test_device()
   local mode = os.getenv('ULY_TEST_DEVICE')
   local real = mode == 'cuda' or mode == 'emu'
+  -- full f32 GEMMs: a comparison with the CPU measures the kernels, not TF32's rounding (which
+  -- AdamW's m / sqrt(v) turns into whole steps for parameters whose gradients are near 0)
+  if real and uly.cuda.lib() then uly.cuda.tf32(false) end
   if not uly.cuda.backend() then
     if real then
       local ok, why = uly.cuda.ensure()

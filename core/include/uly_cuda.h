@@ -12,6 +12,7 @@ int uly_cuda_device_count(void);
 const char *uly_cuda_last_error(void);
 void uly_cuda_record_error(const char *message);   /* set the text uly_cuda_last_error returns */
 void uly_cuda_set_tf32(int on);                     /* f32 GEMMs on tensor cores in TF32 (default 1) */
+int uly_cuda_tf32(void);                            /* 1: TF32, 0: full f32 */
 int uly_cuda_device_name(int dev, char *buf, int len);
 int uly_cuda_device_memory(int dev, int64_t *free_b, int64_t *total_b);
 
@@ -39,9 +40,10 @@ int uly_cuda_temporaries_peak(int64_t *bytes, int reset);
 /* how many times the GEMMs asked cuBLASLt's heuristic for an algorithm (once per distinct problem:
  * the answers are kept) */
 int64_t uly_cuda_gemm_heuristic_queries(void);
-/* whether the fused attention kernels run on Hopper's wgmma, and why ("on (...)", "off: ..."):
- * decided at its first call with head dim 64 or 128 (a self-check on compute capability 9.0) */
-const char *uly_cuda_wgmma_status(void);
+/* whether the fused attention kernels at head dim D (64 or 128) run on Hopper's wgmma, and why
+ * ("on (...)", "off: ..."): decided for each D at its first call (a self-check on compute
+ * capability 9.0) */
+const char *uly_cuda_wgmma_status(int D);
 
 /* kernels: p[0..n) = v on the current device, synchronised */
 int uly_cuda_fill_f32(float *p, int64_t n, float v);

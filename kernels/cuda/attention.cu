@@ -24,6 +24,7 @@
 #include <cuda_bf16.h>
 #include "common.cuh"
 #include "attention.cuh"
+#include "uly_cuda.h"
 
 #define WARPS 4
 #define MAXD 256
@@ -342,11 +343,12 @@ static int gemm_ok(cublasStatus_t s, const char *what) {
 }
 
 /* C (col-major m x n, ldc) = alpha op(A) op(B) + beta C with f32 accumulation: f32 operands on TF32
- * tensor cores, or bf16 operands (mixed precision) at the bf16 rate */
+ * tensor cores (full f32 after uly_cuda_set_tf32(0), as every f32 GEMM), or bf16 operands (mixed
+ * precision) at the bf16 rate */
 static int gemm_t(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, float alpha, const void *A,
                   int64_t lda, const void *B, int64_t ldb, float beta, float *C, int64_t ldc, cudaDataType_t type,
                   const char *what) {
-    cublasComputeType_t compute = type == CUDA_R_32F ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    cublasComputeType_t compute = type == CUDA_R_32F && uly_cuda_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     return gemm_ok(cublasGemmEx(uly_cu_cublas(), ta, tb, (int)m, (int)n, (int)k, &alpha, A, type, (int)lda, B, type,
                                 (int)ldb, &beta, C, CUDA_R_32F, (int)ldc, compute, CUBLAS_GEMM_DEFAULT), what);
 }

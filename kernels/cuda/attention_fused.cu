@@ -891,14 +891,19 @@ static void launch_forward(int64_t blocks, float *out, float *lse, const geom &g
     }
 }
 
-/* ---- wgmma in the forward (Hopper) ----
- * ULY_CUDA_ATTN_WGMMA=0 turns it off; =1 uses it wherever the kernel was built with it (the
- * emulator: the specs run it so). Unset: on a compute capability 9.0 device once a self-check at
- * first use passes: a small causal GQA problem through both kernels, where the wgmma one must
- * have run its wgmma code (the sm_90a build) and agree with mma.sync within bf16 rounding; else
- * it stays off, and uly_cuda_wgmma_status says why. */
-static int wg_state;            /* 0: not decided, 1: on, -1: off */
-static char wg_why[200] = "not decided yet (decided at the first fused attention forward with D = 64 or 128)";
+/* ---- wgmma in the fused kernels (Hopper) ----
+ * ULY_CUDA_ATTN_WGMMA=0 turns it off; =1 uses it wherever the kernel was built with it, unchecked
+ * (the emulator: the specs run it so; on an H200 the D = 64 kernels then give wrong numbers, see
+ * below). Unset: on a compute capability 9.0 device, for each head dim (64, 128) apart, once a
+ * self-check at its first use passes: a small causal GQA problem through the forward, dQ and
+ * dK/dV kernels both ways, where the wgmma ones must have run their wgmma code (the sm_90a
+ * build) and agree with mma.sync within bf16 rounding; else it stays off for that head dim, and
+ * uly_cuda_wgmma_status(D) says why. Seen on an H200 (2026-12-04): D = 128 passes, bit for bit;
+ * the D = 64 forward (from its second key tile on), dQ and dK/dV disagree, so D = 64 stays on
+ * mma.sync (cause not found; the emulator's model of wgmma agrees with mma.sync there). */
+static int wg_state[2];   /* by head dim (64, 128): 0 not decided, 1 on, -1 off */
+static char wg_why[2][200] = {"not decided yet (decided at the first fused attention with D = 64)",
+                              "not decided yet (decided at the first fused attention with D = 128)"};
 
 template <int D, bool WG>
 static void launch_dq(int64_t blocks, float *dq, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
@@ -1026,7 +1031,8 @@ static int use_wgmma(int D) {
     const char *env = getenv("ULY_CUDA_ATTN_WGMMA");
     if (env && !strcmp(env, "0")) return 0;
     if (env && !strcmp(env, "1")) return 1;
-    if (wg_state) return wg_state > 0;
+    const int at = D == 128;
+    if (wg_state[at]) return wg_state[at] > 0;
     int dev = 0, major = 0, minor = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ||
         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev)) {
@@ -1034,19 +1040,22 @@ static int use_wgmma(int D) {
         major = 0;
     }
     if (major != 9 || minor != 0) {
-        snprintf(wg_why, sizeof wg_why, "off: compute capability %d.%d (wgmma needs 9.0)", major, minor);
-        wg_state = -1;
+        snprintf(wg_why[at], sizeof wg_why[at], "off: compute capability %d.%d (wgmma needs 9.0)", major, minor);
+        wg_state[at] = -1;
         return 0;
     }
-    wg_state = (D == 64 ? wgmma_selfcheck<64>(wg_why, sizeof wg_why) : wgmma_selfcheck<128>(wg_why, sizeof wg_why)) ? 1 : -1;
-    return wg_state > 0;
+    const int ok = D == 64 ? wgmma_selfcheck<64>(wg_why[at], sizeof wg_why[at])
+                           : wgmma_selfcheck<128>(wg_why[at], sizeof wg_why[at]);
+    wg_state[at] = ok ? 1 : -1;
+    return ok;
 }
 
-extern "C" const char *uly_cuda_wgmma_status(void) {
+extern "C" const char *uly_cuda_wgmma_status(int D) {
+    if (D != 64 && D != 128) return "off: head dims other than 64 and 128 have no wgmma kernels";
     const char *env = getenv("ULY_CUDA_ATTN_WGMMA");
     if (env && !strcmp(env, "0")) return "off (ULY_CUDA_ATTN_WGMMA=0)";
     if (env && !strcmp(env, "1")) return "on (ULY_CUDA_ATTN_WGMMA=1, no self-check)";
-    return wg_why;
+    return wg_why[D == 128];
 }
 
 /* ULY_CUDA_ATTN_FWD=pipelined: the wgmma forward issues the next tile's S before this tile's

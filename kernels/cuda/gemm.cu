@@ -22,6 +22,7 @@ static const size_t LT_WORKSPACE = 32 << 20;   /* what cuBLASLt asks for on Hopp
 static int use_tf32 = 1;
 
 extern "C" void uly_cuda_set_tf32(int on) { use_tf32 = on != 0; }
+extern "C" int uly_cuda_tf32(void) { return use_tf32; }
 
 /* the backend's cuBLAS handle (on its stream), made on first use; NULL if cuBLAS failed */
 extern "C" cublasHandle_t uly_cu_cublas(void) {

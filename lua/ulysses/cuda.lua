@@ -124,13 +124,35 @@ function M.gemm_heuristic_queries()
   return lib and tonumber(lib.uly_cuda_gemm_heuristic_queries()) or nil
 end
 
--- whether the fused attention kernels run on Hopper's wgmma (sm_90a), and why: 'on (...)' or
--- 'off: ...' (decided at its first call with head dim 64 or 128, by a self-check on a compute
--- capability 9.0 GPU; ULY_CUDA_ATTN_WGMMA=0 / 1 forces it). nil when the CUDA backend is not running.
-function M.wgmma_status()
+-- whether the fused attention kernels at head dim D run on Hopper's wgmma (sm_90a), and why:
+-- 'on (...)' or 'off: ...'. D 64 and 128 have wgmma kernels, each decided at its first call by a
+-- self-check on a compute capability 9.0 GPU (ULY_CUDA_ATTN_WGMMA=0 / 1 forces it); other head
+-- dims are always off. Without D: 'D 64: ...; D 128: ...'. nil when the CUDA backend is not running.
+function M.wgmma_status(D)
+  if D ~= nil and (type(D) ~= 'number' or D % 1 ~= 0) then
+    error('uly.cuda.wgmma_status: expected a head dim (an integer; 64 and 128 have wgmma kernels) or nothing, got '
+          .. type(D) .. ' ' .. tostring(D), 2)
+  end
   if M.backend() ~= 'cuda' then return nil end
   local lib = M.lib()
-  return lib and ffi.string(lib.uly_cuda_wgmma_status()) or nil
+  if not lib then return nil end
+  if D then return ffi.string(lib.uly_cuda_wgmma_status(D)) end
+  return ('D 64: %s; D 128: %s'):format(ffi.string(lib.uly_cuda_wgmma_status(64)), ffi.string(lib.uly_cuda_wgmma_status(128)))
+end
+
+-- f32 GEMMs (matmul, linear, the chunked attention's products) on tensor cores in TF32 (10
+-- mantissa bits, f32 accumulation; the default, like PyTorch's allow_tf32), or in full f32 with
+-- on = false (several times slower; agrees with the CPU to f32 rounding). Returns the previous
+-- setting; uly.cuda.tf32() only reads it. bf16 matmuls (uly.matmul_precision) are not affected.
+function M.tf32(on)
+  if on ~= nil and type(on) ~= 'boolean' then
+    error('uly.cuda.tf32: expected true, false or nothing, got ' .. type(on) .. ' ' .. tostring(on), 2)
+  end
+  local lib = M.lib()
+  if not lib then return true end
+  local prev = lib.uly_cuda_tf32() ~= 0
+  if on ~= nil then lib.uly_cuda_set_tf32(on and 1 or 0) end
+  return prev
 end
 
 -- Make device 'cuda' usable: returns true, or false and the reason. Registers the CUDA library's

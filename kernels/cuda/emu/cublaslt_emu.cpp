@@ -92,6 +92,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const vo
     const int m = (int)c->rows, n = (int)c->cols, k = (int)(d->ta == CUBLAS_OP_N ? a->cols : a->rows);
     const uly_emu_lt_layout la = *a, lb = *b, lc = *c;
     const cublasOperation_t ta = d->ta, tb = d->tb;
+    const bool tf32 = d->compute == CUBLAS_COMPUTE_32F_FAST_TF32;
     const float *bias = d->epilogue == CUBLASLT_EPILOGUE_BIAS ? d->bias : NULL;
     if (d->epilogue == CUBLASLT_EPILOGUE_BIAS && !bias) return CUBLAS_STATUS_INVALID_VALUE;
     uly_emu::submit(stream, [=]() {
@@ -99,7 +100,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const vo
         for (int32_t i = 0; i < lc.batches; i++) {
             float *out = (float *)D + i * lc.stride;
             uly_emu::gemm(ta, tb, m, n, k, al, (const char *)A + i * la.stride * ea, la.type, (int)la.ld,
-                          (const char *)B + i * lb.stride * eb, lb.type, (int)lb.ld, be, out, (int)lc.ld);
+                          (const char *)B + i * lb.stride * eb, lb.type, (int)lb.ld, be, out, (int)lc.ld, tf32);
             if (bias)
                 for (int j = 0; j < n; j++)
                     for (int r = 0; r < m; r++) out[r + (int64_t)j * lc.ld] += bias[r];

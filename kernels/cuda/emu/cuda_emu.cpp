@@ -508,20 +508,32 @@ struct uly_emu_cublas { cudaStream_t stream; };
 cublasStatus_t cublasCreate(cublasHandle_t *h) { *h = new uly_emu_cublas{NULL}; return CUBLAS_STATUS_SUCCESS; }
 cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) { h->stream = s; return CUBLAS_STATUS_SUCCESS; }
 
-static float element(const void *p, cudaDataType_t t, long long i) {
+/* x rounded to TF32: 10 explicit mantissa bits, to nearest (ties away from zero) */
+static float to_tf32(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;   /* not inf or nan */
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+static float element(const void *p, cudaDataType_t t, long long i, bool tf32) {
     if (t == CUDA_R_16BF) { __nv_bfloat16 b = ((const __nv_bfloat16 *)p)[i]; return __bfloat162float(b); }
-    return ((const float *)p)[i];
+    return tf32 ? to_tf32(((const float *)p)[i]) : ((const float *)p)[i];
 }
 
 /* column-major C = alpha op(A) op(B) + beta C, f32 accumulation in index order */
 void uly_emu::gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, float alpha, const void *A,
-                  cudaDataType_t at, int lda, const void *B, cudaDataType_t bt, int ldb, float beta, float *C, int ldc) {
+                  cudaDataType_t at, int lda, const void *B, cudaDataType_t bt, int ldb, float beta, float *C, int ldc,
+                  bool tf32) {
     for (int j = 0; j < n; j++)
         for (int i = 0; i < m; i++) {
             float s = 0.0f;
             for (int l = 0; l < k; l++) {
-                float a = ta == CUBLAS_OP_N ? element(A, at, i + (long long)l * lda) : element(A, at, l + (long long)i * lda);
-                float b = tb == CUBLAS_OP_N ? element(B, bt, l + (long long)j * ldb) : element(B, bt, j + (long long)l * ldb);
+                float a = ta == CUBLAS_OP_N ? element(A, at, i + (long long)l * lda, tf32)
+                                            : element(A, at, l + (long long)i * lda, tf32);
+                float b = tb == CUBLAS_OP_N ? element(B, bt, l + (long long)j * ldb, tf32)
+                                            : element(B, bt, j + (long long)l * ldb, tf32);
                 s += a * b;
             }
             float *c = C + i + (long long)j * ldc;
@@ -531,11 +543,12 @@ void uly_emu::gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int
 
 cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                             const void *alpha, const void *A, cudaDataType_t at, int lda, const void *B, cudaDataType_t bt,
-                            int ldb, const void *beta, void *C, cudaDataType_t ct, int ldc, cublasComputeType_t,
+                            int ldb, const void *beta, void *C, cudaDataType_t ct, int ldc, cublasComputeType_t compute,
                             cublasGemmAlgo_t) {
     if (ct != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
     float al = *(const float *)alpha, be = *(const float *)beta;   /* host scalars: read at the call */
-    uly_emu::submit(h->stream, [=]() { uly_emu::gemm(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, (float *)C, ldc); });
+    const bool tf32 = compute == CUBLAS_COMPUTE_32F_FAST_TF32;
+    uly_emu::submit(h->stream, [=]() { uly_emu::gemm(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, (float *)C, ldc, tf32); });
     return CUBLAS_STATUS_SUCCESS;
 }
 
