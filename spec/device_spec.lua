@@ -452,6 +452,21 @@ describe('mixed precision (matmul in bf16)', function()
   local function rounded(t) return t:bf16():float() end
   after_each(function() uly.matmul_precision('f32') end)
 
+  -- the f32 operands are rounded to bf16 four at a time where aligned, one at a time elsewhere
+  -- (a view 13 floats into its buffer) and for the tail (counts not a multiple of 4)
+  it('rounds operands of any alignment and length: the CPU\'s bf16 product', function()
+    use_device()
+    helpers.reseed(52)
+    local whole, b = uly.randn(9, 13), uly.randn(13, 5)
+    local a = whole:narrow(1, 2, 7)   -- 7 x 13, starting 13 floats (52 bytes) in
+    local big_a, big_b = uly.randn(64, 95), uly.randn(95, 33)   -- aligned; 6080 and 3135 elements (a tail of 3)
+    uly.matmul_precision('bf16')
+    local function on_device(x, y, row0, rows) return x:cuda():narrow(1, row0, rows):matmul(y:cuda()):cpu() end
+    helpers.assert_close(on_device(whole, b, 2, 7), a:matmul(b), 1e-5, 1e-6, 'bf16 matmul of a view')
+    helpers.assert_close(on_device(big_a, big_b, 1, 64), big_a:matmul(big_b), 1e-5, 1e-6, 'aligned bf16 matmul')
+    release_device()
+  end)
+
   it('rounds both operands and the output gradient to bf16 and accumulates in f32', function()
     helpers.reseed()
     local a, b = uly.randn(2, 5, 7):requires_grad_(), uly.randn(7, 3):requires_grad_()

@@ -139,6 +139,7 @@ static inline __nv_bfloat16 __float2bfloat16_rn(float f) {
 static inline float __bfloat162float(__nv_bfloat16 b) { return __uint_as_float((uint32_t)b.x << 16); }
 static inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.x; }
 struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
 
 /* ---- runtime ---- */
 typedef enum cudaError { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorMemoryAllocation = 2,
