@@ -24,7 +24,9 @@ jobs=$(nproc 2>/dev/null || echo 2)
 # the report is written as the check goes, so a run stopped by a time limit still leaves what it did
 log=$report
 check_start=$(date +%s)
-echo "ulysses GPU check, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')" >"$log"
+# the sources' stamp names what was checked even where the copy's git metadata is not current
+echo "ulysses GPU check, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')," \
+  "sources $(scripts/source-stamp.sh 2>/dev/null || echo '?')" >"$log"
 say() { echo "$*" | tee -a "$log"; }
 finish() { # status line, exit code
   say "gpu-check: $1 ($(date -u '+%H:%M:%S UTC'))"
