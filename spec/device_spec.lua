@@ -913,6 +913,29 @@ describe('memory planner on the CUDA kernels', function()
   end)
 end)
 
+describe('scripts/gpu-profile.lua and uly.cuda.profiler', function()
+  it('runs each workload (small) inside a profiler range, and refuses unknown ones', function()
+    if not REAL then return end   -- the simulation has no CUDA library to open a range in
+    local env = 'ULY_CUDA_LIB=' .. helpers.shq(os.getenv('ULY_CUDA_LIB') or '')
+    for _, w in ipairs({ 'attention 64', 'attention 128', 'gemm f32', 'gemm bf16' }) do
+      local p = assert(io.popen(env .. ' luajit scripts/gpu-profile.lua ' .. w .. ' --small 2>&1; echo "exit=$?"'))
+      local out = p:read('*a')
+      p:close()
+      assert.truthy(out:match('exit=0%s*$'), out)
+      assert.truthy(out:find('the second profiled', 1, true), out)
+    end
+    local p = assert(io.popen(env .. ' luajit scripts/gpu-profile.lua attention 96 2>&1; echo "exit=$?"'))
+    local out = p:read('*a')
+    p:close()
+    assert.truthy(out:find('attention takes head dim 64 or 128, got 96', 1, true), out)
+    assert.truthy(out:match('exit=2%s*$'), out)
+    use_device()
+    uly.cuda.profiler(true)
+    uly.cuda.profiler(false)
+    assert.matches('uly.cuda.profiler: expected true or false, got string', helpers.error_of(uly.cuda.profiler, 'on'))
+  end)
+end)
+
 describe('bench/gpu.lua', function()
   it('runs its whole code path on the simulation or the emulator (--quick), printing every table', function()
     if MODE == 'cuda' then return end   -- scripts/gpu-check.sh runs the real benchmark

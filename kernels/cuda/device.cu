@@ -2,6 +2,7 @@
  * and driver versions, device buffers and host<->device copies, and fill_f32 (the first kernel,
  * the device path's smoke test). Every failure is cleared from the CUDA runtime and kept, with
  * the operation that met it, for uly_cuda_last_error(). */
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <string.h>
@@ -25,6 +26,13 @@ static int fail_msg(const char *op, const char *msg) {
 
 const char *uly_cuda_last_error(void) { return last_error; }
 void uly_cuda_record_error(const char *message) { snprintf(last_error, sizeof last_error, "%s", message); }
+
+/* the profiler's collection on (1) or off (0), for `ncu --profile-from-start off` around a region */
+int uly_cuda_profiler(int on) {
+    cudaError_t err = on ? cudaProfilerStart() : cudaProfilerStop();
+    if (err != cudaSuccess) { fail(on ? "cudaProfilerStart" : "cudaProfilerStop", err); return -1; }
+    return 0;
+}
 
 int uly_cuda_device_count(void) {
     int n = 0;

@@ -155,6 +155,15 @@ function M.tf32(on)
   return prev
 end
 
+-- a profiler range: ncu or nsys started with --profile-from-start off (or its equivalent) record
+-- the kernels between uly.cuda.profiler(true) and uly.cuda.profiler(false) only
+function M.profiler(on)
+  if type(on) ~= 'boolean' then error('uly.cuda.profiler: expected true or false, got ' .. type(on), 2) end
+  local lib, reason = M.lib()
+  if not lib then error('uly.cuda.profiler: ' .. tostring(reason), 2) end
+  if lib.uly_cuda_profiler(on and 1 or 0) ~= 0 then error('uly.cuda.profiler: ' .. ffi.string(lib.uly_cuda_last_error()), 2) end
+end
+
 -- Make device 'cuda' usable: returns true, or false and the reason. Registers the CUDA library's
 -- backend table with the core on first use (one device, its stream and cuBLAS handle). With
 -- ULY_CUDA_SIMULATE=1 in the environment the host-memory simulation stands in instead (runs the

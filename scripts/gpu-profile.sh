@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# scripts/gpu-profile.sh — ncu on the kernels that set our GPU speed, for a device session after
+# scripts/gpu-check.sh (it needs the build-gpu/ libraries that check built or took from
+# .gpu-prebuilt): the fused attention's forward, dK/dV and dQ kernels at D 64 and 128 (N 4096),
+# and every kernel of one f32 and one bf16 4096^3 matmul, each the second of two runs
+# (scripts/gpu-profile.lua opens a profiler range around it: --profile-from-start off, so warm-up,
+# cuBLASLt's heuristic and the wgmma self-check stay out). Writes the ncu reports and a summary
+# (duration, registers, occupancy, issue-slot use, stall reasons) to $1, else $OUT, else
+# build-gpu/profile/. About a minute on an H200. Clocks are left alone (--clock-control none).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-build-gpu/profile}}
+mkdir -p "$out"
+export PATH="/usr/local/cuda/bin:$PATH"
+export ULY_LIB=${ULY_LIB:-build-gpu/libulysses.so} ULY_CUDA_LIB=${ULY_CUDA_LIB:-build-gpu/libulysses_cuda.so}
+command -v ncu >/dev/null || { echo "gpu-profile: ncu not found"; exit 1; }
+sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats)
+profile() { # profile NAME KERNEL-REGEX ENV... -- ARGS...
+  local name=$1 kernels=$2; shift 2
+  local envs=()
+  while [ "$1" != -- ]; do envs+=("$1"); shift; done   # (none now: kept for variants, e.g. ULY_CUDA_ATTN_WGMMA=0)
+  shift
+  env "${envs[@]}" timeout 120 ncu --clock-control none --profile-from-start off -k "regex:$kernels" \
+    "${sections[@]}" luajit scripts/gpu-profile.lua "$@" >"$out/ncu-$name.txt" 2>&1
+  echo "== $name (exit $?)"
+  grep -E "^  [a-z_]|^  void|Duration|Registers Per Thread|Theoretical Occupancy|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|Stall|stalled" \
+    "$out/ncu-$name.txt" | sed -E 's/\(float \*.*$//; s/ +/ /g' | cut -c1-160
+}
+{
+  profile attention-64 'fa_' -- attention 64
+  profile attention-128 'fa_' -- attention 128
+  profile gemm-f32 '.' -- gemm f32
+  profile gemm-bf16 '.' -- gemm bf16
+} | tee "$out/profile-summary.txt"
