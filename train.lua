@@ -502,8 +502,13 @@ local function main()
     end
     local n = math.min(cfg.sample, cfg.seq - prompt:size(2))
     local ids = model:generate(prompt, { max_new_tokens = n, temperature = cfg.temperature, top_k = cfg.top_k })
-    print('sample (temperature ' .. cfg.temperature .. ', top-k ' .. cfg.top_k .. '):')
-    print(train_data:decode(prompt) .. '|' .. train_data:decode(ids))
+    -- prompt and continuation on lines of their own: no character can mark the seam (DNA decodes
+    -- its record separator as '|', text can hold anything)
+    print('sample (temperature ' .. cfg.temperature .. ', top-k ' .. cfg.top_k .. '), prompt then continuation:')
+    print('--- prompt (' .. prompt:size(2) .. ' tokens)')
+    print(train_data:decode(prompt))
+    print('--- continuation (' .. #ids .. ' tokens)')
+    print(train_data:decode(ids))
   end
 end
 
