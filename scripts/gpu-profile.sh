@@ -15,16 +15,26 @@ export PATH="/usr/local/cuda/bin:$PATH"
 export ULY_LIB=${ULY_LIB:-build-gpu/libulysses.so} ULY_CUDA_LIB=${ULY_CUDA_LIB:-build-gpu/libulysses_cuda.so}
 command -v ncu >/dev/null || { echo "gpu-profile: ncu not found"; exit 1; }
 sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats)
+# and every stall reason's cycles per issued instruction (the section prints only the top one);
+# a run that ncu refuses for these metrics (names differ between versions) is repeated without them
+stalls=(--metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio')
 profile() { # profile NAME KERNEL-REGEX ENV... -- ARGS...
   local name=$1 kernels=$2; shift 2
   local envs=()
   while [ "$1" != -- ]; do envs+=("$1"); shift; done   # (none now: kept for variants, e.g. ULY_CUDA_ATTN_WGMMA=0)
   shift
-  env "${envs[@]}" timeout 120 ncu --clock-control none --profile-from-start off -k "regex:$kernels" \
-    "${sections[@]}" luajit scripts/gpu-profile.lua "$@" >"$out/ncu-$name.txt" 2>&1
-  echo "== $name (exit $?)"
-  grep -E "^  [a-z_]|^  void|Duration|Registers Per Thread|Theoretical Occupancy|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|Stall|stalled" \
-    "$out/ncu-$name.txt" | sed -E 's/\(float \*.*$//; s/ +/ /g' | cut -c1-160
+  local extra rc
+  for extra in with without; do
+    local opts=("${sections[@]}")
+    [ $extra = with ] && opts+=("${stalls[@]}")
+    env "${envs[@]}" timeout 120 ncu --clock-control none --profile-from-start off -k "regex:$kernels" "${opts[@]}" \
+      luajit scripts/gpu-profile.lua "$@" >"$out/ncu-$name.txt" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && [ $extra = with ] && grep -q "ERROR" "$out/ncu-$name.txt" || break
+  done
+  echo "== $name (exit $rc${extra:+, stall metrics $extra})"
+  grep -E "^  [a-z_]|^  void|Duration|Registers Per Thread|Theoretical Occupancy|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|issue_stalled" \
+    "$out/ncu-$name.txt" | grep -vE "issue_stalled.* 0(\.0[0-9]*)?$" | sed -E 's/\(float \*.*$//; s/ +/ /g' | cut -c1-160
 }
 {
   profile attention-64 'fa_' -- attention 64
