@@ -235,6 +235,18 @@ __device__ static inline int64_t next_key_tile(const geom &g, int64_t i0, int64_
 }
 
 /* ---- forward ---- */
+/* Q's A fragments loaded again from its shared tile, before each wgmma S = Q K^T in the loop.
+ * Loaded once before the loop (as the mma.sync path does), they were live across it in the PTX,
+ * but ptxas (CUDA 13.0, sm_90a) gave their registers to P's bf16 fragments inside the loop in the
+ * D = 64 forward, so from the second key tile on S was P K^T: the wrong numbers an H200 showed
+ * (2026-12-04; seen in the SASS: LDSM into R88-R103 before the loop, F2FP into them within it).
+ * Reloading costs KS ldmatrix per tile and leaves nothing live across the back edge. */
+template <int D>
+__device__ static inline void reload_q(uint32_t qa[][4], const uint4 *sQ, int warp) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) ldmatrix_x4(qa[kk], frag_a<D>(sQ, warp * 16, 2 * kk));
+}
+
 /* S = Q K^T for the warpgroup's 64 x 64 tile on wgmma, queued and committed (the caller waits):
  * qa the warp's Q fragments, kt the K tile in the wgmma layout (K-major B, 16 of D an instruction) */
 template <int KS>
@@ -413,6 +425,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
             fence_proxy_async();
             __syncthreads();
             float sn[8][4];
+            reload_q<D>(qa, sQ, warp);   /* see reload_q */
             if (j1 >= 0) scores_wg<KS>(sn, qa, k_next);   /* S(j1): the tensor cores run it during this softmax */
             online_softmax<D, grouped>(s, o, m, l, g, b, rows, j0, st, tq);
             cp_async_wait<1>();   /* V(j0) */
@@ -458,6 +471,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
 #pragma unroll
         for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
         if (W) {   /* the whole 64 x 64 tile by the warpgroup */
+            reload_q<D>(qa, sQ, warp);   /* see reload_q */
             scores_wg<KS>(s, qa, sK);
             wg_wait<0>();
             wg_fence_regs(&s[0][0], 32);
@@ -933,9 +947,10 @@ static void launch_forward(int64_t blocks, float *out, float *lse, const geom &g
  * self-check at its first use passes: a small causal GQA problem through the forward, dQ and
  * dK/dV kernels both ways, where the wgmma ones must have run their wgmma code (the sm_90a
  * build) and agree with mma.sync within bf16 rounding; else it stays off for that head dim, and
- * uly_cuda_wgmma_status(D) says why. Seen on an H200 (2026-12-04): D = 128 passes, bit for bit;
- * the D = 64 forward (from its second key tile on), dQ and dK/dV disagree, so D = 64 stays on
- * mma.sync (cause not found; the emulator's model of wgmma agrees with mma.sync there). */
+ * uly_cuda_wgmma_status(D) says why. Seen on an H200 (2026-12-04): D = 128 passed, bit for bit;
+ * D = 64's forward was wrong from its second key tile on, a ptxas register reuse that reload_q
+ * now avoids (found afterwards in the SASS; the fix not yet run on a GPU: the self-check decides
+ * on the next one). Its dQ and dK/dV were only compared after that forward, so may be right. */
 static int wg_state[2];   /* by head dim (64, 128): 0 not decided, 1 on, -1 off */
 static char wg_why[2][200] = {"not decided yet (decided at the first fused attention with D = 64)",
                               "not decided yet (decided at the first fused attention with D = 128)"};
