@@ -50,7 +50,7 @@ describe('train.lua', function()
     assert.are.equal(3, evals, out)
     assert.truthy(out:find('unigram entropy of the training data', 1, true), out)
     assert.truthy(out:find('--- summary ---', 1, true), out)
-    assert.truthy(out:find('\nAnd God said|', 1, true), out)
+    assert.truthy(out:find('\nAnd God said\n--- continuation (', 1, true), out)   -- the prompt, then the sample
     -- the CSV log has one row per step; the plot is an SVG with a polyline
     local rows = uly.log.read_csv(dir .. '/log.csv')
     assert.are.equal(60, #rows)

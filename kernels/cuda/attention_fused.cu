@@ -263,7 +263,7 @@ __device__ static inline void scores_wg(float s[8][4], const uint32_t qa[KS][4],
  * the (query, key) pair is not visible: rows[] the query indices (past the last, or grouped -1,
  * for none), keys from j0. Called only for TILE_MASKED tiles, behind one uniform branch, so the
  * other tiles' loop stays short: with the check inside it per element, the forward at D = 64
- * was 35,000 instructions and its warps waited for instruction fetches half the time (ncu, H200).
+ * was 17,700 instructions and its warps waited for instruction fetches half the time (ncu, H200).
  * The row's band, layout row and document are looked up once per row, not per element. */
 template <int NT, bool grouped>
 __device__ static inline void mask_scores(float s[][4], const geom &g, int64_t b, const int64_t rows[2], int64_t j0,
@@ -942,9 +942,9 @@ static void launch_forward(int64_t blocks, float *out, float *lse, const geom &g
 
 /* ---- wgmma in the fused kernels (Hopper) ----
  * ULY_CUDA_ATTN_WGMMA=0 turns it off; =1 uses it wherever the kernel was built with it, unchecked
- * (the emulator: the specs run it so; on an H200 the D = 64 kernels then give wrong numbers, see
- * below). Unset: on a compute capability 9.0 device, for each head dim (64, 128) apart, once a
- * self-check at its first use passes: a small causal GQA problem through the forward, dQ and
+ * (the emulator: the specs run it so; for comparisons on a GPU). Unset: on a compute capability
+ * 9.0 device, for each head dim (64, 128) apart, once a self-check at its first use passes: a
+ * small causal GQA problem through the forward, dQ and
  * dK/dV kernels both ways, where the wgmma ones must have run their wgmma code (the sm_90a
  * build) and agree with mma.sync within bf16 rounding; else it stays off for that head dim, and
  * uly_cuda_wgmma_status(D) says why. Seen on an H200 (2026-12-04): D = 128 passed, bit for bit;

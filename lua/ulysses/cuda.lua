@@ -143,7 +143,8 @@ end
 -- f32 GEMMs (matmul, linear, the chunked attention's products) on tensor cores in TF32 (10
 -- mantissa bits, f32 accumulation; the default, like PyTorch's allow_tf32), or in full f32 with
 -- on = false (several times slower; agrees with the CPU to f32 rounding). Returns the previous
--- setting; uly.cuda.tf32() only reads it. bf16 matmuls (uly.matmul_precision) are not affected.
+-- setting (true, changing nothing, without the CUDA library); uly.cuda.tf32() only reads it. bf16
+-- matmuls (uly.matmul_precision) are not affected.
 function M.tf32(on)
   if on ~= nil and type(on) ~= 'boolean' then
     error('uly.cuda.tf32: expected true, false or nothing, got ' .. type(on) .. ' ' .. tostring(on), 2)
