@@ -148,6 +148,14 @@ function M.token_ids(B, T, V)
   return uly.tensor(t, { dtype = 'i32' })
 end
 
+-- a job run under `timeout` (exit status rc, output out) failed, and not by hanging until the
+-- timeout ended it (124)
+function M.assert_failed_not_hung(rc, out)
+  local luassert = require 'luassert'   -- busted's assert (this module sees Lua's own)
+  luassert.are_not.equal(0, rc, out)
+  luassert.are_not.equal(124, rc, 'the job hung until the outer timeout:\n' .. out)
+end
+
 -- the message of fn()'s error; fails when fn does not raise one
 function M.error_of(fn, ...)
   local ok, err = pcall(fn, ...)
