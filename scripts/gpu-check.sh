@@ -24,6 +24,7 @@ jobs=$(nproc 2>/dev/null || echo 2)
 # the report is written as the check goes, so a run stopped by a time limit still leaves what it did
 log=$report
 check_start=$(date +%s)
+emulate=${ULY_GPU_CHECK_EMULATE:-0}
 # the sources' stamp names what was checked even where the copy's git metadata is not current
 echo "ulysses GPU check, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')," \
   "sources $(scripts/source-stamp.sh 2>/dev/null || echo '?')" >"$log"
@@ -87,7 +88,7 @@ start=$(date +%s)
 # were built from these very sources and load here; else (or in a rehearsal) the build runs here
 prebuilt=${ULY_GPU_PREBUILT:-.gpu-prebuilt}
 built=""
-if [ "${ULY_GPU_CHECK_EMULATE:-0}" != 1 ] && [ -f "$prebuilt/STAMP" ] && [ -f "$prebuilt/libulysses_cuda.so" ]; then
+if [ "$emulate" != 1 ] && [ -f "$prebuilt/STAMP" ] && [ -f "$prebuilt/libulysses_cuda.so" ]; then
   if [ "$(cat "$prebuilt/STAMP")" != "$(scripts/source-stamp.sh)" ]; then
     say "$prebuilt/: built from other sources (stamp $(cat "$prebuilt/STAMP")): building here"
   else
@@ -108,7 +109,6 @@ say "build: $(( $(date +%s) - start )) s"
 
 say "== devices and versions"
 export ULY_LIB=build-gpu/libulysses.so ULY_CUDA_LIB=build-gpu/libulysses_cuda.so
-emulate=${ULY_GPU_CHECK_EMULATE:-0}
 test_device=cuda bench_args=""
 if [ "$emulate" = 1 ]; then
   export ULY_CUDA_LIB=build-gpu/libulysses_cuemu.so ULY_EMU_CC=9.0   # as an H200: the wgmma self-check runs
