@@ -27,11 +27,15 @@
  * O += P V as warpgroup MMAs (wgmma, mma.cuh): the block's 4 warps are one warpgroup, Q stays in
  * registers as A, K and V are B straight from shared memory in the 128-byte-swizzled layout
  * (K-major K, MN-major V), and the softmax is unchanged (wgmma's accumulators have mma.sync's
- * layout). The dQ kernel does the same (S and dP as 64 x 32 wgmmas with K and V K-major, dQ += dS
- * K with K MN-major), and so does dK/dV at D = 64 (S^T, dP^T with Q and dO K-major; dV, dK with
- * them MN-major; at D = 128 it stays on mma.sync, where wgmma's accumulators would spill).
+ * layout). The dQ kernel does the same (S and dP as 64 x 32 wgmmas, A (Q, dO) and B (K, V) both
+ * K-major from shared memory, dQ += dS K with K MN-major), and so does dK/dV (S^T, dP^T with K,
+ * V as A and Q, dO as B, K-major; dV, dK with Q, dO MN-major).
  * Enabled by a self-check at the first forward (every kernel both ways on a small problem);
- * ULY_CUDA_ATTN_WGMMA=0 / 1 forces it off / on. */
+ * ULY_CUDA_ATTN_WGMMA=0 / 1 forces it off / on.
+ * What ptxas needs to keep a kernel's wgmmas back to back (scripts/sass-check.sh fails when it
+ * does not: its C7520 note, each wgmma then waits for the one before): no call in the loop around
+ * them (a 64-bit division is one: the mask's layout lookups divide in 32 bits), and A fragments
+ * written before the fence, not between two wgmmas (acc_to_a_all). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,10 +63,22 @@ __device__ static inline int sw128_at(int r, int c) { return (c >> 3) * ROWS * 8
  * caller commits the group and waits for it */
 template <int D, int ROWS, bool WG = false>
 __device__ static inline void load_tile_async(uint4 *s, const bf16 *src, int64_t r0, int64_t nrows, int64_t stride) {
-    constexpr int CH = D / 8;
-    for (int e = threadIdx.x; e < ROWS * CH; e += FA_THREADS) {
-        int r = e / CH, c = e % CH, in = r0 + r < nrows;
-        cp_async16(&s[WG ? sw128_at<ROWS>(r, c) : sw_at<D>(r, c)], in ? src + (r0 + r) * stride + c * 8 : src, in);
+    /* a thread copies chunk c of rows r, r + RP, ...: one address each side computed, then
+     * constant steps (RP is a multiple of the swizzle's 8 rows, so row r + k RP's chunk c sits
+     * k RP rows after row r's), and the rows left compared in 32 bits (the loop as e / CH, e % CH
+     * per copy was ~170 integer instructions a tile in the hot loops) */
+    constexpr int CH = D / 8, RP = FA_THREADS / CH, STEP = RP * (WG ? 8 : CH);
+    static_assert(FA_THREADS % CH == 0 && ROWS % RP == 0 && RP % 8 == 0, "load_tile_async: tile shape");
+    const int c = threadIdx.x % CH, r = threadIdx.x / CH;
+    const int64_t rest = nrows - r0 - r;   /* rows of the source from this thread's first row on */
+    const int left = rest < 0 ? 0 : rest > ROWS ? ROWS : (int)rest;
+    const bf16 *p = src + (r0 + r) * stride + c * 8;
+    const int64_t step = RP * stride;
+    uint4 *d = s + (WG ? sw128_at<ROWS>(r, c) : sw_at<D>(r, c));
+#pragma unroll
+    for (int k = 0; k < ROWS / RP; k++, p += step) {
+        const bool in = k * RP < left;
+        cp_async16(d + k * STEP, in ? p : src, in);
     }
 }
 
@@ -145,22 +161,21 @@ __device__ static inline void acc_times_tile(float acc[D / 8][4], float x[2 * KT
     }
 }
 
-/* two_products on wgmma: a1, a2 64-row tiles in the ldmatrix layout (A from registers), b1, b2
- * 32-row tiles in the wgmma layout (K-major B); s and dp are the warpgroup's 64 x 32 results */
+/* two_products on wgmma: a1, a2 64-row tiles and b1, b2 32-row tiles, all in the wgmma layout
+ * (K-major; A through a descriptor too, so no A registers: 64 fewer a thread at D = 128, which
+ * lets dK/dV run on wgmma there without spilling); s and dp are the warpgroup's 64 x 32 results */
 template <int D>
 __device__ static inline void two_products_wg(float s[4][4], float dp[4][4], const uint4 *a1, const uint4 *b1,
-                                              const uint4 *a2, const uint4 *b2, int warp) {
+                                              const uint4 *a2, const uint4 *b2) {
 #pragma unroll
     for (int n = 0; n < 4; n++)
         for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
-        uint32_t x[4], y[4];
-        ldmatrix_x4(x, frag_a<D>(a1, warp * 16, 2 * kk));
-        ldmatrix_x4(y, frag_a<D>(a2, warp * 16, 2 * kk));
-        wgmma_64x32<0>(&s[0][0], x, wg_desc_sw128(b1 + (kk >> 2) * 256 + (kk & 3) * 2));
-        wgmma_64x32<0>(&dp[0][0], y, wg_desc_sw128(b2 + (kk >> 2) * 256 + (kk & 3) * 2));
+        const int at = (kk & 3) * 2;   /* 16 of D: 32 bytes into the 128-byte lines of atom column kk / 4 */
+        wgmma_64x32_ss<0>(&s[0][0], wg_desc_sw128(a1 + (kk >> 2) * 512 + at), wg_desc_sw128(b1 + (kk >> 2) * 256 + at));
+        wgmma_64x32_ss<0>(&dp[0][0], wg_desc_sw128(a2 + (kk >> 2) * 512 + at), wg_desc_sw128(b2 + (kk >> 2) * 256 + at));
     }
     wg_commit();
     wg_wait<0>();
@@ -168,19 +183,24 @@ __device__ static inline void two_products_wg(float s[4][4], float dp[4][4], con
     wg_fence_regs(&dp[0][0], 16);
 }
 
-/* acc_times_tile on wgmma, queued (the caller fences, commits and waits): acc += x t, x 64 x 16 KT
- * in accumulator layout (rounded to bf16 here), t the first 16 KT rows of a ROWS-row tile in the
- * wgmma layout (MN-major B), 64 of D per instruction */
-template <int D, int KT, int ROWS>
-__device__ static inline void acc_times_tile_wg(float acc[D / 8][4], float x[2 * KT][4], const uint4 *t) {
+/* x (16 x 16 KT of this warp's rows, accumulator layout) rounded to bf16 as KT A fragments */
+template <int KT>
+__device__ static inline void acc_to_a_all(uint32_t xa[KT][4], float x[2 * KT][4]) {
 #pragma unroll
-    for (int kk = 0; kk < KT; kk++) {
-        uint32_t xa[4];
-        acc_to_a(xa, x[2 * kk], x[2 * kk + 1]);
+    for (int kk = 0; kk < KT; kk++) acc_to_a(xa[kk], x[2 * kk], x[2 * kk + 1]);
+}
+
+/* acc_times_tile on wgmma, queued (the caller fences, commits and waits): acc += x t, x 64 x 16 KT
+ * as KT A fragments (acc_to_a_all, rounded before the caller's fence: converting between two
+ * wgmmas makes ptxas insert a warpgroup arrive before each (C7519)), t the
+ * first 16 KT rows of a ROWS-row tile in the wgmma layout (MN-major B), 64 of D per instruction */
+template <int D, int KT, int ROWS>
+__device__ static inline void acc_times_tile_wg(float acc[D / 8][4], const uint32_t xa[KT][4], const uint4 *t) {
+#pragma unroll
+    for (int kk = 0; kk < KT; kk++)
 #pragma unroll
         for (int half = 0; half < D / 64; half++)
-            wgmma_64x64<1>(&acc[8 * half][0], xa, wg_desc_sw128(t + half * ROWS * 8 + kk * 128));
-    }
+            wgmma_64x64<1>(&acc[8 * half][0], xa[kk], wg_desc_sw128(t + half * ROWS * 8 + kk * 128));
 }
 
 __device__ static inline float quad_max(float v) {
@@ -192,28 +212,68 @@ __device__ static inline float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+/* 2^x on the special-function unit, subnormal results flushed to 0: one instruction, where
+ * __expf is a multiply, the same instruction and a subnormal fix-up around it */
+#define LOG2E_F 1.4426950408889634f
+__device__ static inline float exp2_ftz(float x) {
+#ifdef ULY_CUDA_EMU
+    return exp2f(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
+/* How many blocks of a wgmma kernel an SM should hold (__launch_bounds__' second argument, which
+ * caps ptxas's registers): at D = 128, 3 (168 registers a thread; uncapped, the forward took 186,
+ * which leaves room for 2), at D = 64, 4 (128). The few bytes this spills (the loop bounds) sit
+ * outside the MMA and softmax code. The mma.sync build is left uncapped: it would spill its
+ * accumulators. */
+#define WG_MIN_BLOCKS(wg, D) ((wg) && ULY_HAS_WGMMA ? ((D) == 128 ? 3 : (D) == 64 ? 4 : 1) : 1)
+
 enum { TILE_EMPTY = 0, TILE_MASKED = 1, TILE_FULL = 2 };
 
-/* which pairs of query rows [i0, i1] x keys [j0, j1] are visible: none, some, or all */
-__device__ static int tile_state(const geom &g, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
-    int partial = i1 >= g.Tq || j1 >= g.Tk;
+/* query rows [i0, i1] (clamped to the last) with the bands of the first and the last: both ends
+ * of the band grow with the row, so these bound every row's. A block computes its rows' span
+ * once; classifying a key tile is then a few comparisons (and the layout's blocks when there is
+ * one) instead of two band computations per tile in the hot loop */
+struct row_span {
+    int32_t i0, i1, lo0, hi0, lo1, hi1;   /* 32 bits: uly_cu_fused_attention_ok wants Tq, Tk < 2^30 */
+    int partial;                          /* rows past the last query */
+};
+__device__ static inline row_span span_of_rows(const geom &g, int64_t i0, int64_t i1) {
+    row_span r;
+    int64_t lo0, hi0, lo1, hi1;
+    r.partial = i1 >= g.Tq;
     if (i1 >= g.Tq) i1 = g.Tq - 1;
-    if (j1 >= g.Tk) j1 = g.Tk - 1;
-    if (i0 > i1 || j0 > j1) return TILE_EMPTY;
-    int64_t lo0, hi0, lo1, hi1;   /* both ends of the band grow with the row */
     band(g, i0, &lo0, &hi0);
     band(g, i1, &lo1, &hi1);
-    if (hi1 < j0 || lo0 > j1) return TILE_EMPTY;
-    int all = lo1 <= j0 && hi0 >= j1;
-    if (g.layout) {
-        int64_t b0 = i0 / g.bs, b1 = i1 / g.bs, c0 = j0 / g.bs, c1 = j1 / g.bs;
+    r.i0 = (int32_t)i0; r.i1 = (int32_t)i1;
+    r.lo0 = (int32_t)lo0; r.hi0 = (int32_t)hi0; r.lo1 = (int32_t)lo1; r.hi1 = (int32_t)hi1;
+    return r;
+}
+
+/* which pairs of the rows of rs x keys [j0, j1] are visible: none, some, or all */
+__device__ static int tile_state(const geom &g, const row_span &rs, int64_t j0, int64_t j1) {
+    const int partial = rs.partial || j1 >= g.Tk;
+    if (j1 >= g.Tk) j1 = g.Tk - 1;
+    if (rs.i0 > rs.i1 || j0 > j1) return TILE_EMPTY;
+    if (rs.hi1 < j0 || rs.lo0 > j1) return TILE_EMPTY;
+    int all = rs.lo1 <= j0 && rs.hi0 >= j1;
+    if (g.layout) {   /* 32-bit divisions: positions < 2^30 (a 64-bit one is a call) */
+        const uint32_t bs = (uint32_t)g.bs;
+        const int b0 = (int)((uint32_t)rs.i0 / bs), b1 = (int)((uint32_t)rs.i1 / bs);
+        const int c0 = (int)((uint32_t)j0 / bs), c1 = (int)((uint32_t)j1 / bs);
         if ((b1 - b0 + 1) * (c1 - c0 + 1) > 64) {
             all = 0;   /* small blocks: masked element by element */
         } else {
             int any = 0, every = 1;
-            for (int64_t r = b0; r <= b1; r++)
-                for (int64_t c = c0; c <= c1; c++) {
-                    int on = g.layout[r * g.nbc + c] != 0;
+#pragma unroll 1
+            for (int r = b0; r <= b1; r++)
+#pragma unroll 1
+                for (int c = c0; c <= c1; c++) {
+                    int on = g.layout[(int64_t)r * g.nbc + c] != 0;
                     any |= on;
                     every &= on;
                 }
@@ -224,11 +284,12 @@ __device__ static int tile_state(const geom &g, int64_t i0, int64_t i1, int64_t 
     return all && !partial && !g.q_doc ? TILE_FULL : TILE_MASKED;
 }
 
-/* the first key tile [j, j + step) at or after j (up to key hi) with a visible pair for query
- * rows [i0, i0 + 63], and its state; -1 when none is left */
-__device__ static inline int64_t next_key_tile(const geom &g, int64_t i0, int64_t j, int64_t hi, int step, int *st) {
+/* the first key tile [j, j + step) at or after j (up to key hi) with a visible pair for the rows
+ * of rs, and its state; -1 when none is left */
+__device__ static inline int64_t next_key_tile(const geom &g, const row_span &rs, int64_t j, int64_t hi, int step,
+                                               int *st) {
     for (; j <= hi; j += step) {
-        *st = tile_state(g, i0, i0 + 63, j, j + step - 1);
+        *st = tile_state(g, rs, j, j + step - 1);
         if (*st != TILE_EMPTY) return j;
     }
     return -1;
@@ -259,34 +320,100 @@ __device__ static inline void scores_wg(float s[8][4], const uint32_t qa[KS][4],
     wg_commit();
 }
 
-/* s (NT n8 tiles of scores for this lane's two query rows, accumulator layout) at -inf where
- * the (query, key) pair is not visible: rows[] the query indices (past the last, or grouped -1,
- * for none), keys from j0. Called only for TILE_MASKED tiles, behind one uniform branch, so the
- * other tiles' loop stays short: with the check inside it per element, the forward at D = 64
- * was 17,700 instructions and its warps waited for instruction fetches half the time (ncu, H200).
- * The row's band, layout row and document are looked up once per row, not per element. */
+/* The per-element mask, for TILE_MASKED tiles only (behind one uniform branch, so that the other
+ * tiles' loop stays short). A lane holds 2 NT elements of a fixed index (its query row; in dK/dV
+ * its key) against the columns col0 + 8 n + c (n < NT, c < 2; col0 = the tile's first column +
+ * 2 (lane % 4)): visible_bits says which it may see as bit 2 n + c. The band is an interval of
+ * columns, compared unrolled in 32 bits; the block-sparse layout and documents, rarer, run a
+ * rolled loop. Unrolled per element with 64-bit divisions (the forward at D = 64 was 17,700
+ * instructions, then 5,500 with the mask behind a branch) the warps waited for instruction
+ * fetches half the time (ncu, H200). */
+
+/* the query rows [*lo, *hi] that see key j by the causal / window band (rows past the last out) */
+__device__ static inline void key_band(const geom &g, int64_t j, int64_t *lo, int64_t *hi) {
+    const int64_t jp = j - (g.Tk - g.Tq);   /* the key's position in query numbering */
+    int64_t a = 0, z = g.Tq - 1;
+    if (g.causal && jp > a) a = jp;
+    if (g.right >= 0 && jp - g.right > a) a = jp - g.right;
+    if (g.left >= 0 && jp + g.left < z) z = jp + g.left;
+    *lo = a;
+    *hi = z;
+}
+
+/* bit 2 n + c: whether fixed index `fixed` (ROW: query row i, columns keys; else key j, columns
+ * queries) sees column col0 + 8 n + c; fixed must be in range (i < Tq, j < Tk) */
+template <int NT, bool ROW>
+__device__ static uint32_t visible_bits(const geom &g, int64_t b, int64_t fixed, int64_t col0) {
+    int64_t lo, hi;
+    if (ROW) band(g, fixed, &lo, &hi);
+    else key_band(g, fixed, &lo, &hi);
+    /* relative to col0, clamped into [-1, 8 NT] so that 32 bits hold them */
+    const int span = 8 * NT;
+    const int a = (int)(lo - col0 < -1 ? -1 : lo - col0 > span ? span : lo - col0);
+    const int z = (int)(hi - col0 < -1 ? -1 : hi - col0 > span ? span : hi - col0);
+    uint32_t bits = 0;
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) bits |= (uint32_t)(8 * n + c >= a && 8 * n + c <= z) << (2 * n + c);
+    /* 32-bit divisions (positions and the block size fit): a 64-bit one is a subroutine call,
+     * and a call in the loop around the backward kernels' wgmmas made ptxas serialise every wgmma
+     * of the kernel (C7520; scripts/sass-check.sh fails on it). No branch on the data either (a
+     * column out of the band reads entry 0 instead). */
+    if (g.layout) {
+        const uint32_t bs = (uint32_t)g.bs, row = (uint32_t)(ROW ? fixed : 0), key = (uint32_t)(ROW ? 0 : fixed);
+#pragma unroll 1
+        for (int e = 0; e < 2 * NT; e++) {
+            const bool want = bits >> e & 1;
+            const uint32_t col = (uint32_t)col0 + 8 * (e >> 1) + (e & 1), i = ROW ? row : col, j = ROW ? col : key;
+            const int64_t at = want ? (int64_t)(i / bs) * g.nbc + j / bs : 0;
+            bits &= ~((uint32_t)(g.layout[at] == 0) << e);
+        }
+    }
+    if (g.q_doc) {
+#pragma unroll 1
+        for (int e = 0; e < 2 * NT; e++) {
+            const bool want = bits >> e & 1;
+            const int64_t col = col0 + 8 * (e >> 1) + (e & 1), i = want ? (ROW ? fixed : col) : 0,
+                          j = want ? (ROW ? col : fixed) : 0;
+            bits &= ~((uint32_t)(g.q_doc[b * g.Tq + i] != g.k_doc[b * g.Tk + j]) << e);
+        }
+    }
+    return bits;
+}
+
+/* s[n][2 r + c] at -inf where bit 2 n + c of bits is clear */
+template <int NT>
+__device__ static inline void apply_bits(float s[][4], uint32_t bits, int r) {
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int c = 0; c < 2; c++)
+            if (!(bits >> (2 * n + c) & 1)) s[n][2 * r + c] = -INFINITY;
+}
+
+/* which keys from j0 this lane's two query rows see (visible_bits of each; rows[] the query
+ * indices, past the last, or grouped -1, for none) */
 template <int NT, bool grouped>
-__device__ static inline void mask_scores(float s[][4], const geom &g, int64_t b, const int64_t rows[2], int64_t j0,
-                                          int tq) {
+__device__ static inline void row_bits(uint32_t bits[2], const geom &g, int64_t b, const int64_t rows[2], int64_t j0,
+                                       int tq) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int64_t i = rows[r];
         const bool row_in = grouped ? i >= 0 : i < g.Tq;
-        int64_t lo = 0, hi = -1;
-        if (row_in) band(g, i, &lo, &hi);
-        const int32_t *lrow = g.layout && row_in ? g.layout + (i / g.bs) * g.nbc : NULL;
-        const int32_t qd = g.q_doc && row_in ? g.q_doc[b * g.Tq + i] : 0;
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-#pragma unroll
-            for (int c = 0; c < 2; c++) {
-                const int64_t j = j0 + n * 8 + 2 * tq + c;
-                bool on = j >= lo && j <= hi;   /* hi < Tk: keys past the last are out */
-                if (on && lrow) on = lrow[j / g.bs] != 0;
-                if (on && g.q_doc) on = g.k_doc[b * g.Tk + j] == qd;
-                if (!on) s[n][2 * r + c] = -INFINITY;
-            }
+        bits[r] = visible_bits<NT, true>(g, b, row_in ? i : 0, j0 + 2 * tq) & (row_in ? ~0u : 0u);
     }
+}
+
+/* s (NT n8 tiles of scores for this lane's two query rows, accumulator layout) at -inf where
+ * the (query, key) pair is not visible, keys from j0 */
+template <int NT, bool grouped>
+__device__ static inline void mask_scores(float s[][4], const geom &g, int64_t b, const int64_t rows[2], int64_t j0,
+                                          int tq) {
+    uint32_t bits[2];
+    row_bits<NT, grouped>(bits, g, b, rows, j0, tq);
+    apply_bits<NT>(s, bits[0], 0);
+    apply_bits<NT>(s, bits[1], 1);
 }
 
 /* one key tile's step of the online softmax for this lane's two rows: s (the tile's scores,
@@ -296,21 +423,18 @@ template <int D, bool grouped>
 __device__ static inline void online_softmax(float s[8][4], float o[D / 8][4], float m[2], float l[2], const geom &g,
                                              int64_t b, const int64_t rows[2], int64_t j0, int st, int tq) {
     if (st == TILE_MASKED) mask_scores<8, grouped>(s, g, b, rows, j0, tq);
-    float mx[2] = {-INFINITY, -INFINITY};
+    float mx[2] = {-INFINITY, -INFINITY};   /* the raw scores' max: scale > 0 keeps the order */
 #pragma unroll
     for (int n = 0; n < 8; n++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const float x = s[n][e] * g.scale;   /* -inf stays -inf (scale > 0) */
-            s[n][e] = x;
-            mx[e >> 1] = fmaxf(mx[e >> 1], x);
-        }
-    float base[2], alpha[2];
+        for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+    float nb2[2], alpha[2];   /* -(the new max) in log2 units: exp(x scale - m) = 2^(x scale log2e - m log2e) */
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        float mn = fmaxf(m[r], quad_max(mx[r]));
-        base[r] = mn == -INFINITY ? 0.0f : mn;   /* a row with nothing visible yet stays at 0 */
-        alpha[r] = __expf(m[r] - base[r]);
+        const float mn = fmaxf(m[r], quad_max(mx[r]) * g.scale);   /* -inf stays -inf */
+        const float base = mn == -INFINITY ? 0.0f : mn;             /* a row with nothing visible yet stays at 0 */
+        alpha[r] = __expf(m[r] - base);
+        nb2[r] = -base * LOG2E_F;
         m[r] = mn;
         l[r] *= alpha[r];
     }
@@ -319,11 +443,12 @@ __device__ static inline void online_softmax(float s[8][4], float o[D / 8][4], f
         o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
         o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
     }
+    const float sl2 = g.scale * LOG2E_F;
 #pragma unroll
     for (int n = 0; n < 8; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            float p = __expf(s[n][e] - base[e >> 1]);
+            const float p = exp2_ftz(fmaf(s[n][e], sl2, nb2[e >> 1]));   /* masked: -inf -> 0 */
             s[n][e] = p;
             l[e >> 1] += p;
         }
@@ -334,7 +459,7 @@ __device__ static inline void online_softmax(float s[8][4], float o[D / 8][4], f
  * partial O (normalised by its own sum) and log-sum-exp to part_o / part_lse, which fa_combine
  * merges; with splits = 1 it writes out and lse itself. */
 template <int D, bool grouped, bool WG, bool PIPE = false>
-__global__ static void __launch_bounds__(FA_THREADS)
+__global__ static void __launch_bounds__(FA_THREADS, WG_MIN_BLOCKS(WG && !PIPE, D))
 fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, int splits, float *part_o,
            float *part_lse, int *ran_wgmma) {
     constexpr int CH = D / 8, KS = D / 16;
@@ -377,6 +502,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
     /* pipeline: K of the next tile loads during this tile's softmax and P V, V during its S */
     int64_t lo, hi;
     chunk_band(g, i0, i0 + 64 < g.Tq ? i0 + 64 : g.Tq, &lo, &hi);
+    const row_span rs = span_of_rows(g, i0, i0 + 63);
     if (splits > 1 && lo <= hi) {   /* this split's share of the band's key tiles */
         const int64_t t0 = lo / 64, tiles = hi / 64 - t0 + 1;
         const int64_t a = t0 + tiles * split / splits, z = t0 + tiles * (split + 1) / splits;
@@ -384,7 +510,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         hi = z * 64 - 1 < hi ? z * 64 - 1 : hi;
     }
     int st = TILE_EMPTY;
-    int64_t j0 = lo <= hi ? next_key_tile(g, i0, lo / 64 * 64, hi, 64, &st) : -1;
+    int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / 64 * 64, hi, 64, &st) : -1;
     float o[CH][4];
 #pragma unroll
     for (int n = 0; n < CH; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
@@ -394,7 +520,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
          * K(two tiles on) at its start and the next V at its end, so at a round's start the
          * pending ones are [K(next), V(this), K(after next)] (empty groups keep the count) */
         int st1 = TILE_EMPTY;
-        int64_t j1 = j0 >= 0 ? next_key_tile(g, i0, j0 + 64, hi, 64, &st1) : -1;
+        int64_t j1 = j0 >= 0 ? next_key_tile(g, rs, j0 + 64, hi, 64, &st1) : -1;
         load_query_tile<D, grouped>(sQ, q, g, hk * grp, i0, qs);
         if (j0 >= 0) load_tile_async<D, 64, true>(sK, k, j0, g.Tk, ks);
         cp_async_commit();
@@ -418,7 +544,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         uint4 *k_this = sK, *k_next = sK2;   /* held K(j0); holds K(j1) */
         while (j0 >= 0) {
             int st2 = TILE_EMPTY;
-            const int64_t j2 = j1 >= 0 ? next_key_tile(g, i0, j1 + 64, hi, 64, &st2) : -1;
+            const int64_t j2 = j1 >= 0 ? next_key_tile(g, rs, j1 + 64, hi, 64, &st2) : -1;
             if (j2 >= 0) load_tile_async<D, 64, true>(k_this, k, j2, g.Tk, ks);   /* K two tiles on */
             cp_async_commit();
             cp_async_wait<2>();   /* K(j1) */
@@ -431,8 +557,10 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
             cp_async_wait<1>();   /* V(j0) */
             fence_proxy_async();
             __syncthreads();
+            uint32_t pa[4][4];
+            acc_to_a_all<4>(pa, s);
             wg_fence();
-            acc_times_tile_wg<D, 4, 64>(o, s, sV);   /* O += P V */
+            acc_times_tile_wg<D, 4, 64>(o, pa, sV);   /* O += P V */
             wg_commit();
             wg_wait<0>();   /* S(j1) and P V */
             wg_fence_regs(&o[0][0], 4 * CH);
@@ -487,7 +615,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         }
         __syncthreads();   /* every warp is done with K */
         int st_next = TILE_EMPTY;
-        const int64_t j_next = next_key_tile(g, i0, j0 + 64, hi, 64, &st_next);
+        const int64_t j_next = next_key_tile(g, rs, j0 + 64, hi, 64, &st_next);
         if (j_next >= 0) load_tile_async<D, 64, W>(sK, k, j_next, g.Tk, ks);
         cp_async_commit();
         online_softmax<D, grouped>(s, o, m, l, g, b, rows, j0, st, tq);
@@ -495,8 +623,10 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         if (W) fence_proxy_async();
         __syncthreads();
         if (W) {   /* O += P V: P from the accumulators as A, V MN-major */
+            uint32_t pa[4][4];
+            acc_to_a_all<4>(pa, s);
             wg_fence();
-            acc_times_tile_wg<D, 4, 64>(o, s, sV);
+            acc_times_tile_wg<D, 4, 64>(o, pa, sV);
             wg_commit();
             wg_wait<0>();
             wg_fence_regs(&o[0][0], 4 * CH);
@@ -602,7 +732,7 @@ __device__ static inline int next_query_tile(const geom &g, int64_t hk, int64_t 
                                              int64_t i_hi, int64_t *h, int64_t *i0, int *st) {
     for (; *h < hk * G + G; (*h)++, *i0 = i_lo / 32 * 32)
         for (; *i0 <= i_hi; *i0 += 32) {
-            *st = tile_state(g, *i0, *i0 + 31, j0, j0 + 63);
+            *st = tile_state(g, span_of_rows(g, *i0, *i0 + 31), j0, j0 + 63);
             if (*st != TILE_EMPTY) return 1;
         }
     return 0;
@@ -651,17 +781,18 @@ __device__ static inline void dq_share(float *dq, const geom &g, int64_t b, int6
     }
 }
 
-/* WG: S^T, dP^T, dV += P^T dO and dK += dS^T Q as wgmma (Hopper), the streamed Q and dO tiles in
- * its layout; D = 64 only: at 128 the two wgmma accumulators (dK, dV) with S and dP spill ~100
- * bytes a thread in ptxas, where the mma.sync kernel spills 8.
+/* WG: S^T, dP^T, dV += P^T dO and dK += dS^T Q as wgmma (Hopper), every tile in its layout (at
+ * D = 128: 221 registers, no spills, with S^T and dP^T's A (K, V) from shared memory; with A in
+ * registers it spilled ~100 bytes a thread, and the mma.sync kernel uses 255).
  * DQ (the one-pass backward, D = 32 and 64): dQ too, from the same dS (dq_share, atomics), so
- * S and dP are computed once instead of once here and once in the dQ kernel */
+ * S and dP are computed once instead of once here and once in the dQ kernel; dq_share reads K
+ * through ldmatrix, whose layout is the wgmma one at D = 64 only, so DQ stays on mma.sync at 128 */
 template <int D, bool WG, bool DQ = false>
 __global__ static void __launch_bounds__(FA_THREADS)
 fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO,
                 const float *lse, const float *delta, int *ran_wgmma, float *dq) {
     constexpr int CH = D / 8;
-    constexpr bool W = WG && ULY_HAS_WGMMA && D == 64;
+    constexpr bool W = WG && ULY_HAS_WGMMA && (D == 64 || (D == 128 && !DQ));
     ULY_DYNAMIC_SHARED(uint4, smem_raw);
     uint4 *const smem = W ? align_1024(smem_raw) : smem_raw;
     if (W && ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
@@ -684,8 +815,8 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
     int64_t h = hk * G, i0 = i_lo / 32 * 32;
     int st = TILE_EMPTY, buf = 0;
     int have = i_lo <= i_hi && next_query_tile(g, hk, G, j0, i_lo, i_hi, &h, &i0, &st);
-    load_tile_async<D, 64>(sK, K + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
-    load_tile_async<D, 64>(sV, V + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
+    load_tile_async<D, 64, W>(sK, K + b * g.Tk * ks + hk * D, j0, g.Tk, ks);   /* W: A of S^T, dP^T */
+    load_tile_async<D, 64, W>(sV, V + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
     if (have) {
         load_tile_async<D, 32, W>(smem + 128 * CH, qbase + h * D, i0, g.Tq, qs);
         load_tile_async<D, 32, W>(smem + 160 * CH, obase + h * D, i0, g.Tq, qs);
@@ -701,34 +832,42 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
             load_tile_async<D, 32, W>(other + 32 * CH, obase + h_next * D, i_next, g.Tq, qs);
         }
         cp_async_commit();
+        /* this tile's mask (bit 2 n + c of key r: the query in s[n][2 r + c]; all set but on
+         * masked tiles), worked out while the tiles load, applied after the MMAs */
+        uint32_t vis[2] = {~0u, ~0u};
+        if (st == TILE_MASKED)
+#pragma unroll
+            for (int r = 0; r < 2; r++) vis[r] = keys[r] < g.Tk ? visible_bits<4, false>(g, b, keys[r], i0 + 2 * tq) : 0u;
         cp_async_wait<1>();   /* this tile's Q and dO (and K, V): all but the newest group */
         if (W) fence_proxy_async();
         __syncthreads();
         const uint4 *const sQ = smem + (128 + 64 * buf) * CH, *const sO = sQ + 32 * CH;
         const float *L = lse + (b * g.H + h) * g.Tq, *dl = delta + (b * g.H + h) * g.Tq;
         float s[4][4], dp[4][4];
-        if (W) two_products_wg<D>(s, dp, sK, sQ, sV, sO, warp);   /* S^T = K Q^T, dP^T = V dO^T */
+        if (W) two_products_wg<D>(s, dp, sK, sQ, sV, sO);   /* S^T = K Q^T, dP^T = V dO^T */
         else two_products<D>(s, dp, sK, sQ, sV, sO, warp);
-        if (st == TILE_MASKED)   /* S^T at -inf where not visible (exp gives 0), behind one branch */
+        apply_bits<4>(s, vis[0], 0);   /* S^T at -inf where not visible (exp gives 0) */
+        apply_bits<4>(s, vis[1], 1);
+        /* P^T = exp(S^T scale - lse) as 2^(S^T scale log2e - lse log2e): a query with lse -inf
+         * (nothing visible) or past the last gets -inf, so P = 0 and dS = 0 */
+        float nl2[4][2], dlc[4][2];
 #pragma unroll
-            for (int n = 0; n < 4; n++)
+        for (int n = 0; n < 4; n++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int64_t j = keys[e >> 1], i = i0 + n * 8 + 2 * tq + (e & 1);
-                    if (i >= g.Tq || j >= g.Tk || !visible(g, b, i, j)) s[n][e] = -INFINITY;
-                }
+            for (int c = 0; c < 2; c++) {
+                const int64_t i = i0 + n * 8 + 2 * tq + c;
+                const float Li = i < g.Tq ? L[i] : -INFINITY;
+                nl2[n][c] = Li > -INFINITY ? -Li * LOG2E_F : -INFINITY;
+                dlc[n][c] = i < g.Tq ? dl[i] : 0.0f;
+            }
+        const float sl2 = g.scale * LOG2E_F;
 #pragma unroll
         for (int n = 0; n < 4; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int64_t i = i0 + n * 8 + 2 * tq + (e & 1);
-                float Li = i < g.Tq ? L[i] : -INFINITY, p = 0.0f, ds = 0.0f;
-                if (Li > -INFINITY) {
-                    p = __expf(s[n][e] * g.scale - Li);
-                    ds = p * (dp[n][e] - dl[i]) * g.scale;
-                }
+                const float p = exp2_ftz(fmaf(s[n][e], sl2, nl2[n][e & 1]));
                 s[n][e] = p;
-                dp[n][e] = ds;
+                dp[n][e] = p * (dp[n][e] - dlc[n][e & 1]) * g.scale;
             }
         if (DQ) {   /* dS^T into its bf16 tile (keys-major), then this tile pair's share of dQ */
             uint4 *const sdS = smem + 256 * CH;
@@ -742,9 +881,12 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
             dq_share<D>(dq, g, b, h, i0, sdS, sK, warp);
         }
         if (W) {   /* dV += P^T dO, dK += dS^T Q: P^T, dS^T from the accumulators, dO and Q MN-major */
+            uint32_t pa[2][4], da[2][4];
+            acc_to_a_all<2>(pa, s);
+            acc_to_a_all<2>(da, dp);
             wg_fence();
-            acc_times_tile_wg<D, 2, 32>(dva, s, sO);
-            acc_times_tile_wg<D, 2, 32>(dka, dp, sQ);
+            acc_times_tile_wg<D, 2, 32>(dva, pa, sO);
+            acc_times_tile_wg<D, 2, 32>(dka, da, sQ);
             wg_commit();
             wg_wait<0>();
             wg_fence_regs(&dva[0][0], 4 * CH);
@@ -794,20 +936,24 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
     const bf16 *k = K + b * g.Tk * ks + hk * D, *v = V + b * g.Tk * ks + hk * D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
     const int64_t rows[2] = {i0 + warp * 16 + (lane >> 2), i0 + warp * 16 + (lane >> 2) + 8};
-    float L[2], dl[2];
+    /* per row: -lse log2e (-inf for a row with nothing visible or past the last: P = 0), delta */
+    float nl2[2], dl[2];
+    const float sl2 = g.scale * LOG2E_F;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        int in = rows[r] < g.Tq;
-        L[r] = in ? lse[(b * g.H + h) * g.Tq + rows[r]] : -INFINITY;
+        const int in = rows[r] < g.Tq;
+        const float L = in ? lse[(b * g.H + h) * g.Tq + rows[r]] : -INFINITY;
+        nl2[r] = L > -INFINITY ? -L * LOG2E_F : -INFINITY;
         dl[r] = in ? delta[(b * g.H + h) * g.Tq + rows[r]] : 0.0f;
     }
     /* pipeline: the next key tile's K and V load into the other buffer during this one's math */
     int64_t lo, hi;
     chunk_band(g, i0, i0 + 64 < g.Tq ? i0 + 64 : g.Tq, &lo, &hi);
+    const row_span rs = span_of_rows(g, i0, i0 + 63);
     int st = TILE_EMPTY, buf = 0;
-    int64_t j0 = lo <= hi ? next_key_tile(g, i0, lo / 32 * 32, hi, 32, &st) : -1;
-    load_tile_async<D, 64>(sQ, Q + b * g.Tq * qs + h * D, i0, g.Tq, qs);
-    load_tile_async<D, 64>(sO, dO + b * g.Tq * qs + h * D, i0, g.Tq, qs);
+    int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / 32 * 32, hi, 32, &st) : -1;
+    load_tile_async<D, 64, W>(sQ, Q + b * g.Tq * qs + h * D, i0, g.Tq, qs);   /* W: A of S, dP */
+    load_tile_async<D, 64, W>(sO, dO + b * g.Tq * qs + h * D, i0, g.Tq, qs);
     if (j0 >= 0) {
         load_tile_async<D, 32, W>(smem + 128 * CH, k, j0, g.Tk, ks);
         load_tile_async<D, 32, W>(smem + 160 * CH, v, j0, g.Tk, ks);
@@ -818,33 +964,34 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
     for (int n = 0; n < CH; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     while (j0 >= 0) {
         int st_next = TILE_EMPTY;
-        const int64_t j_next = next_key_tile(g, i0, j0 + 32, hi, 32, &st_next);
+        const int64_t j_next = next_key_tile(g, rs, j0 + 32, hi, 32, &st_next);
         if (j_next >= 0) {   /* the other buffer: every warp finished with it at the end of the last round */
             uint4 *const other = smem + (128 + 64 * (buf ^ 1)) * CH;
             load_tile_async<D, 32, W>(other, k, j_next, g.Tk, ks);
             load_tile_async<D, 32, W>(other + 32 * CH, v, j_next, g.Tk, ks);
         }
         cp_async_commit();
+        uint32_t vis[2] = {~0u, ~0u};   /* the tile's mask, while the tiles load (as in dK/dV) */
+        if (st == TILE_MASKED) row_bits<4, false>(vis, g, b, rows, j0, tq);
         cp_async_wait<1>();   /* this tile's K and V (and Q, dO): all but the newest group */
         if (W) fence_proxy_async();
         __syncthreads();
         const uint4 *const sK = smem + (128 + 64 * buf) * CH, *const sV = sK + 32 * CH;
         float s[4][4], dp[4][4];
-        if (W) two_products_wg<D>(s, dp, sQ, sK, sO, sV, warp);   /* S = Q K^T, dP = dO V^T */
+        if (W) two_products_wg<D>(s, dp, sQ, sK, sO, sV);   /* S = Q K^T, dP = dO V^T */
         else two_products<D>(s, dp, sQ, sK, sO, sV, warp);
-        if (st == TILE_MASKED) mask_scores<4, false>(s, g, b, rows, j0, tq);   /* exp(-inf) = 0 */
+        apply_bits<4>(s, vis[0], 0);   /* exp(-inf) = 0 */
+        apply_bits<4>(s, vis[1], 1);
 #pragma unroll
         for (int n = 0; n < 4; n++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float ds = 0.0f;
-                if (L[e >> 1] > -INFINITY)
-                    ds = __expf(s[n][e] * g.scale - L[e >> 1]) * (dp[n][e] - dl[e >> 1]) * g.scale;
-                s[n][e] = ds;
-            }
+            for (int e = 0; e < 4; e++)   /* dS = P (dP - delta) scale, P = 2^(S scale log2e - lse log2e) */
+                s[n][e] = exp2_ftz(fmaf(s[n][e], sl2, nl2[e >> 1])) * (dp[n][e] - dl[e >> 1]) * g.scale;
         if (W) {   /* dQ += dS K: dS from the accumulators as A, K MN-major */
+            uint32_t da[2][4];
+            acc_to_a_all<2>(da, s);
             wg_fence();
-            acc_times_tile_wg<D, 2, 32>(acc, s, sK);
+            acc_times_tile_wg<D, 2, 32>(acc, da, sK);
             wg_commit();
             wg_wait<0>();
             wg_fence_regs(&acc[0][0], 4 * CH);
@@ -856,6 +1003,7 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
         st = st_next;
         buf ^= 1;
     }
+    wg_fence_regs(&acc[0][0], 4 * CH);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         int64_t i = rows[r];
@@ -873,7 +1021,8 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
 int uly_cu_fused_attention_ok(const geom &g) {
     const char *env = getenv("ULY_CUDA_ATTN");
     if (env && !strcmp(env, "chunked")) return 0;
-    return (g.D == 32 || g.D == 64 || g.D == 128) && g.Tq > 0 && g.Tk > 0;
+    return (g.D == 32 || g.D == 64 || g.D == 128) && g.Tq > 0 && g.Tk > 0 && g.Tq < ((int64_t)1 << 30) &&
+           g.Tk < ((int64_t)1 << 30);   /* tile_state's row_span holds positions in 32 bits */
 }
 
 static int launched(const char *name) {

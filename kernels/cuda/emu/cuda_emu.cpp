@@ -50,6 +50,8 @@ struct wgmma_op {
     float a[16][16];
     unsigned group;
     std::vector<uint16_t> b_at_issue;   /* the B elements this thread reads, as they were at issue */
+    bool a_shared;                      /* A through a descriptor (desc_a), checked again at the wait */
+    uint64_t desc_a;
 };
 
 struct fiber {
@@ -305,10 +307,31 @@ void wgmma_queue(float *d, int n, const float *a16x16, uint64_t desc, int trans)
     fiber &f = B.fibers[B.cur];
     wgmma_op op;
     op.d = d; op.n = n; op.trans = trans; op.desc = desc; op.group = f.wg_commits;
+    op.a_shared = false; op.desc_a = 0;
     memcpy(op.a, a16x16, sizeof op.a);
     op.b_at_issue.reserve((size_t)n * 4);
     each_b_of_thread(n, [&](int k, int c) { op.b_at_issue.push_back(wgmma_b_bits(desc, trans, k, c)); });
     f.wgmmas.push_back(std::move(op));
+}
+static float bf16_bits_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+/* element (m, k) of a K-major 64 x 16 A tile: laid out as a K-major B with its rows as n */
+static void wgmma_a_rows(uint64_t desc_a, float a[16][16]) {
+    const int w = (int)((B.cur >> 5) & 3);
+    for (int r = 0; r < 16; r++)
+        for (int k = 0; k < 16; k++) a[r][k] = bf16_bits_to_float(wgmma_b_bits(desc_a, 0, k, 16 * w + r));
+}
+void wgmma_queue_ss(float *d, int n, uint64_t desc_a, uint64_t desc_b, int trans_b) {
+    float a[16][16];
+    wgmma_a_rows(desc_a, a);
+    wgmma_queue(d, n, &a[0][0], desc_b, trans_b);
+    wgmma_op &op = B.fibers[B.cur].wgmmas.back();
+    op.a_shared = true;
+    op.desc_a = desc_a;
 }
 void wgmma_commit() { B.fibers[B.cur].wg_commits++; }
 
@@ -344,6 +367,15 @@ void wgmma_wait(unsigned in_flight) {
     std::vector<wgmma_op> left;
     for (wgmma_op &op : f.wgmmas) {
         if (op.group + in_flight >= f.wg_commits) { left.push_back(std::move(op)); continue; }
+        if (op.a_shared) {
+            float a[16][16];
+            wgmma_a_rows(op.desc_a, a);
+            if (memcmp(a, op.a, sizeof a)) {
+                fprintf(stderr, "cuda emulator: a wgmma's A tile changed between its issue and its wait (written after "
+                                "the issue, or overwritten before wgmma.wait_group)\n");
+                abort();
+            }
+        }
         size_t at = 0;
         each_b_of_thread(op.n, [&](int k, int c) {
             if (wgmma_b_bits(op.desc, op.trans, k, c) != op.b_at_issue[at++]) {
