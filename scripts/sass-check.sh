@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# scripts/sass-check.sh — what ptxas makes of the fused attention kernels for Hopper (sm_90a), on a
+# machine without a GPU: compiles kernels/cuda/attention_fused.cu to a cubin with -Xptxas -v and
+# prints, per kernel, its registers, spilled bytes and (when a cuobjdump is found: the toolkit's,
+# or $CUOBJDUMP) its SASS instruction count, its wgmmas and how many of them are issued after a
+# wait for an earlier one (one per group that needs the last group's results is expected; one per
+# wgmma is serialised). Fails (exit 1) when ptxas serialises any kernel's wgmmas (its C7520 note;
+# seen on the dQ kernel: a 64-bit division, a subroutine call, in its loop), so CI catches it
+# without a GPU.
+# usage: scripts/sass-check.sh [--quiet]     (about 30 s)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+quiet=0
+[ "${1:-}" = "--quiet" ] && quiet=1
+nvcc=${NVCC:-/usr/local/cuda/bin/nvcc}
+command -v "$nvcc" >/dev/null 2>&1 || { echo "sass-check: no nvcc ($nvcc): nothing to check"; exit 0; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+if ! "$nvcc" -O3 -std=c++17 -Icore/include -cubin -arch=sm_90a -Xptxas -v kernels/cuda/attention_fused.cu \
+    -o "$tmp/af.cubin" 2>"$tmp/ptxas.txt"; then
+  cat "$tmp/ptxas.txt"
+  echo "sass-check: nvcc failed"
+  exit 1
+fi
+cuobjdump=${CUOBJDUMP:-$(dirname "$nvcc")/cuobjdump}
+[ -x "$cuobjdump" ] && "$cuobjdump" -sass "$tmp/af.cubin" >"$tmp/af.sass" 2>/dev/null || : >"$tmp/af.sass"
+demangle() { if command -v c++filt >/dev/null 2>&1; then c++filt; else cat; fi; }
+
+# one line per kernel: registers, spill stores/loads (bytes), SASS instructions, wgmma issue
+awk '
+  /Compiling entry function/ { f = $0; sub(/.*entry function ./, "", f); sub(/. for .*/, "", f); order[++n] = f }
+  /Used [0-9]+ registers/ { r = $0; sub(/.*Used /, "", r); sub(/ registers.*/, "", r); regs[f] = r }
+  /bytes spill stores/ { s = $0; sub(/ bytes spill stores.*/, "", s); sub(/.*, /, "", s)
+                         l = $0; sub(/ bytes spill loads.*/, "", l); sub(/.*stores, /, "", l); spill[f] = s "/" l }
+  END { for (i = 1; i <= n; i++) print order[i], regs[order[i]], spill[order[i]] }
+' "$tmp/ptxas.txt" | sort -u >"$tmp/kernels.txt"
+awk '
+  /Function : / { f = $3 }
+  f != "" && /^ +\/\*[0-9a-f]+\*\/ / { count[f]++
+      if ($0 ~ /HGMMA/) { hg[f]++; if (prev[f] == "depbar") waited[f]++; prev[f] = "hgmma" }
+      else if ($0 ~ /WARPGROUP.DEPBAR/) { if (prev[f] == "hgmma") prev[f] = "depbar" } }
+  END { for (k in count) print k, count[k], hg[k] + 0, waited[k] + 0 }
+' "$tmp/af.sass" >"$tmp/sass.txt"
+
+bad=0
+if [ $quiet -eq 0 ]; then
+  printf '%-8s %-8s %-8s %-22s %s\n' regs spill instr "wgmmas (after a wait)" kernel
+fi
+while read -r mangled regs spill; do
+  instr=- wg=-
+  line=$(grep -m1 "^$mangled " "$tmp/sass.txt" || true)
+  if [ -n "$line" ]; then
+    set -- $line
+    instr=$2
+    [ "$3" -gt 0 ] && wg="$3 ($4)"
+  fi
+  name=$(echo "$mangled" | demangle | sed 's/(.*//')
+  [ $quiet -eq 0 ] && printf '%-8s %-8s %-8s %-22s %s\n' "$regs" "${spill:-0/0}" "$instr" "$wg" "$name"
+done <"$tmp/kernels.txt"
+if grep -q C7520 "$tmp/ptxas.txt"; then
+  echo "sass-check: ptxas serialises the wgmmas (C7520) of:"
+  grep C7520 "$tmp/ptxas.txt" | sed "s/.*function '//; s/'.*//" | demangle | sed 's/(.*//; s/^/  /'
+  bad=1
+fi
+[ -s "$tmp/af.sass" ] || echo "sass-check: no cuobjdump (set CUOBJDUMP): instruction counts not shown"
+[ $bad -eq 0 ] && echo "sass-check: ok (no kernel's wgmmas serialised)"
+exit $bad
