@@ -102,10 +102,9 @@ for _, s in ipairs(shapes) do
 end
 
 ---------------------------------------------------------------- 2. attention
-local H, D = opts.quick and 2 or 16, opts.quick and 32 or 128
 local here = (debug.getinfo(1, 'S').source:match('^@(.*)/[^/]*$') or '.')
 -- cuDNN's fused attention through PyTorch: { fwd = s, both = s, backend = name }, or nil and why
-local function cudnn_attention(n)
+local function cudnn_attention(n, H, D)
   if backend ~= 'cuda' then return nil, 'no GPU' end
   local cmd = ('%spython3 %s/peers/torch_sdpa.py attention %d %d %d %d 2>&1'):format(require('bench.util').peer_env(),
                                                                                  here, n, H, D, opts.reps)
@@ -116,60 +115,72 @@ local function cudnn_attention(n)
   if not fwd then return nil, (out:match('"error": "([^"]*)"') or out:gsub('\n', ' '):sub(1, 120)) end
   return { fwd = tonumber(fwd), both = tonumber(both), backend = out:match('"backend": "([^"]*)"') }
 end
-print(('\n== flash attention, causal, forward + backward (B 1, H %d, D %d): ours in f32 (TF32, chunked cuBLAS),'
-       .. ' bf16 chunked, bf16 fused tensor-core kernels, vs cuDNN fused (bf16)'):format(H, D))
-print(('%-8s %-13s %10s %10s %10s %10s %7s %14s %10s'):format('N', 'path', 'fwd ms', 'bwd ms', 'fwd TF/s', 'f+b TF/s',
-                                                          'MFU', 'cuDNN f+b TF/s', 'ours/cuDNN'))
-local peer_note
--- the paths: matmul precision, ULY_CUDA_ATTN (kernels/cuda/attention_fused.cu takes bf16 at D 32/64/128),
--- ULY_CUDA_ATTN_WGMMA for its kernels ('': decided by its self-check, wgmma on Hopper; '0': the
--- mma.sync kernels), ULY_CUDA_ATTN_BWD ('onepass': dQ with atomics from the dK/dV kernel, D <= 64)
--- and ULY_CUDA_ATTN_FWD ('pipelined': the wgmma forward issues the next tile's S before this softmax)
-local paths = { { 'f32 chunked', 'f32', 'chunked', '', '', '' }, { 'bf16 chunked', 'bf16', 'chunked', '', '', '' },
-                { 'bf16 fused', 'bf16', 'fused', '', '', '' }, { 'fused 1-pass', 'bf16', 'fused', '', 'onepass', '' },
-                { 'fused pipe+1p', 'bf16', 'fused', '', 'onepass', 'pipelined' },
-                { 'fused mma.sync', 'bf16', 'fused', '0', '', '' } }
-local n = opts.quick and 128 or 4096
-while n <= (opts.quick and 128 or opts.attn_max) do
-  local q = uly.randn(1, n, H, D, { device = 'cuda' }):requires_grad_()
-  local k = uly.randn(1, n, H, D, { device = 'cuda' }):requires_grad_()
-  local v = uly.randn(1, n, H, D, { device = 'cuda' }):requires_grad_()
-  local g = uly.randn(1, n, H, D, { device = 'cuda' })
-  local f_flops = 2 * n * n * D * H
-  local peer, why = cudnn_attention(n)
-  local c_col = 'n/a'
-  if peer then
-    c_col = ('%.1f'):format(tf(3.5 * f_flops, peer.both))
-    peer_note = 'peer: PyTorch scaled_dot_product_attention, backend ' .. tostring(peer.backend)
-  else
-    peer_note = 'cuDNN column: ' .. tostring(why)
+-- the paths: label, matmul precision, ULY_CUDA_ATTN (kernels/cuda/attention_fused.cu takes bf16 at D
+-- 32/64/128), ULY_CUDA_ATTN_WGMMA for its kernels ('': decided by its self-check, wgmma on Hopper;
+-- '0': the mma.sync kernels), ULY_CUDA_ATTN_BWD ('onepass': dQ with atomics from the dK/dV kernel,
+-- D <= 64) and ULY_CUDA_ATTN_FWD ('pipelined': the wgmma forward issues the next tile's S before
+-- this softmax)
+local all_paths = { { 'f32 chunked', 'f32', 'chunked', '', '', '' }, { 'bf16 chunked', 'bf16', 'chunked', '', '', '' },
+                    { 'bf16 fused', 'bf16', 'fused', '', '', '' }, { 'fused 1-pass', 'bf16', 'fused', '', 'onepass', '' },
+                    { 'fused pipe+1p', 'bf16', 'fused', '', 'onepass', 'pipelined' },
+                    { 'fused mma.sync', 'bf16', 'fused', '0', '', '' } }
+local fused_paths = { all_paths[3], all_paths[4], all_paths[5], all_paths[6] }
+
+-- causal forward + backward at B 1, H heads of D, N from 4096 (quick: 128) doubling up to n_max,
+-- every path against cuDNN's fused kernel on the same shape
+local function attention_table(H, D, paths, n_max)
+  print(('\n== flash attention, causal, forward + backward (B 1, H %d, D %d): ours (%s) vs cuDNN fused (bf16)')
+        :format(H, D, #paths == #all_paths and 'f32 with TF32 chunked cuBLAS, bf16 chunked, bf16 fused tensor-core kernels'
+                                          or 'bf16 fused tensor-core kernels'))
+  print(('%-8s %-14s %10s %10s %10s %10s %7s %14s %10s'):format('N', 'path', 'fwd ms', 'bwd ms', 'fwd TF/s', 'f+b TF/s',
+                                                            'MFU', 'cuDNN f+b TF/s', 'ours/cuDNN'))
+  local peer_note
+  local n = opts.quick and 128 or 4096
+  while n <= (opts.quick and 128 or n_max) do
+    local q = uly.randn(1, n, H, D, { device = 'cuda' }):requires_grad_()
+    local k = uly.randn(1, n, H, D, { device = 'cuda' }):requires_grad_()
+    local v = uly.randn(1, n, H, D, { device = 'cuda' }):requires_grad_()
+    local g = uly.randn(1, n, H, D, { device = 'cuda' })
+    local f_flops = 2 * n * n * D * H
+    local peer, why = cudnn_attention(n, H, D)
+    local c_col = 'n/a'
+    if peer then
+      c_col = ('%.1f'):format(tf(3.5 * f_flops, peer.both))
+      peer_note = 'peer: PyTorch scaled_dot_product_attention, backend ' .. tostring(peer.backend)
+    else
+      peer_note = 'cuDNN column: ' .. tostring(why)
+    end
+    for _, path in ipairs(paths) do
+      uly.matmul_precision(path[2])
+      ffi.C.setenv('ULY_CUDA_ATTN', path[3], 1)
+      ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', path[4], 1)
+      ffi.C.setenv('ULY_CUDA_ATTN_BWD', path[5], 1)
+      ffi.C.setenv('ULY_CUDA_ATTN_FWD', path[6], 1)
+      local fwd = time(function() local o = uly.no_grad(uly.flash_attention, q, k, v, { causal = true }) end, opts.reps)
+      local both = time(function()
+        local o = uly.flash_attention(q, k, v, { causal = true })
+        o:backward(g)
+      end, opts.reps)
+      print(('%-8d %-14s %10.2f %10.2f %10.1f %10.1f %6.1f%% %14s %10s'):format(n, path[1], fwd * 1e3, (both - fwd) * 1e3,
+        tf(f_flops, fwd), tf(3.5 * f_flops, both), 100 * 3.5 * f_flops / both / peak, c_col,
+        peer and ('%.2f'):format(peer.both / both) or ''))
+    end
+    uly.matmul_precision('f32')
+    ffi.C.setenv('ULY_CUDA_ATTN', 'fused', 1)
+    ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', '', 1)
+    ffi.C.setenv('ULY_CUDA_ATTN_BWD', '', 1)
+    ffi.C.setenv('ULY_CUDA_ATTN_FWD', '', 1)
+    q, k, v, g = nil, nil, nil, nil
+    collectgarbage('collect')
+    n = n * 2
   end
-  for _, path in ipairs(paths) do
-    uly.matmul_precision(path[2])
-    ffi.C.setenv('ULY_CUDA_ATTN', path[3], 1)
-    ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', path[4], 1)
-    ffi.C.setenv('ULY_CUDA_ATTN_BWD', path[5], 1)
-    ffi.C.setenv('ULY_CUDA_ATTN_FWD', path[6], 1)
-    local fwd = time(function() local o = uly.no_grad(uly.flash_attention, q, k, v, { causal = true }) end, opts.reps)
-    local both = time(function()
-      local o = uly.flash_attention(q, k, v, { causal = true })
-      o:backward(g)
-    end, opts.reps)
-    print(('%-8d %-13s %10.2f %10.2f %10.1f %10.1f %6.1f%% %14s %10s'):format(n, path[1], fwd * 1e3, (both - fwd) * 1e3,
-      tf(f_flops, fwd), tf(3.5 * f_flops, both), 100 * 3.5 * f_flops / both / peak, c_col,
-      peer and ('%.2f'):format(peer.both / both) or ''))
-  end
-  uly.matmul_precision('f32')
-  ffi.C.setenv('ULY_CUDA_ATTN', 'fused', 1)
-  ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', '', 1)
-  ffi.C.setenv('ULY_CUDA_ATTN_BWD', '', 1)
-  ffi.C.setenv('ULY_CUDA_ATTN_FWD', '', 1)
-  q, k, v, g = nil, nil, nil, nil
-  collectgarbage('collect')
-  n = n * 2
+  if peer_note then print(peer_note) end
+  print('fused kernels on wgmma: ' .. tostring(uly.cuda.wgmma_status(D)))
 end
-if peer_note then print(peer_note) end
-print('fused kernels on wgmma: ' .. tostring(uly.cuda.wgmma_status(D)))
+-- head dim 128 (every path), then the 1b preset's 64 (32 heads; the fused kernels, which its
+-- training step runs)
+attention_table(opts.quick and 2 or 16, opts.quick and 32 or 128, all_paths, opts.attn_max)
+attention_table(opts.quick and 2 or 32, 64, fused_paths, opts.attn_max)
 
 ---------------------------------------------------------------- 2b. decoding
 -- one new token's attention against a KV cache (the 1b preset's 32 query / 8 K/V heads, D 64),
