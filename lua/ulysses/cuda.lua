@@ -125,9 +125,10 @@ function M.gemm_heuristic_queries()
 end
 
 -- whether the fused attention kernels at head dim D run on Hopper's wgmma (sm_90a), and why:
--- 'on (...)' or 'off: ...'. D 64 and 128 have wgmma kernels, each decided at its first call by a
--- self-check on a compute capability 9.0 GPU (ULY_CUDA_ATTN_WGMMA=0 / 1 forces it); other head
--- dims are always off. Without D: 'D 64: ...; D 128: ...'. nil when the CUDA backend is not running.
+-- 'on (...)', 'partly on: forward ...; dQ ...; dK/dV ...' (each kernel decided apart) or 'off: ...'.
+-- D 64 and 128 have wgmma kernels, decided at the head dim's first call by a self-check on a
+-- compute capability 9.0 GPU (ULY_CUDA_ATTN_WGMMA=0 / 1 forces it); other head dims are always
+-- off. Without D: 'D 64: ...; D 128: ...'. nil when the CUDA backend is not running.
 function M.wgmma_status(D)
   if D ~= nil and (type(D) ~= 'number' or D % 1 ~= 0) then
     error('uly.cuda.wgmma_status: expected a head dim (an integer; 64 and 128 have wgmma kernels) or nothing, got '
