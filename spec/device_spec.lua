@@ -528,6 +528,13 @@ describe('mixed precision (matmul in bf16)', function()
       helpers.assert_close(again, first, 0, 0, 'the same algorithm, the same bits')
       a:narrow(1, 1, 36):matmul(b)                                    -- another problem
       assert.equal(before + 2, uly.cuda.gemm_heuristic_queries())
+      -- ULY_CUDA_GEMM=cublas (bench/gpu.lua's comparison): cuBLAS's GemmEx, cuBLASLt never asked,
+      -- the same product within rounding of the summation order
+      ffi.C.setenv('ULY_CUDA_GEMM', 'cublas', 1)
+      local ex = a:matmul(b:narrow(2, 1, 28)):cpu()
+      assert.equal(before + 2, uly.cuda.gemm_heuristic_queries())
+      ffi.C.setenv('ULY_CUDA_GEMM', '', 1)
+      helpers.assert_close(ex, first:narrow(2, 1, 28), 1e-5, 1e-5, 'GemmEx vs cuBLASLt, ' .. precision)
     end
     uly.matmul_precision('f32')
     release_device()

@@ -6,11 +6,12 @@
  * strided-batched cublasLtMatmul (its heuristic's first algorithm, a 32 MiB workspace; cuBLAS's
  * GemmStridedBatchedEx where cuBLASLt finds nothing), the rest (a broadcast output that
  * accumulates, irregular batch strides) one cuBLAS call per batch, in order, on the backend's
- * stream. */
+ * stream. ULY_CUDA_GEMM=cublas skips cuBLASLt (GemmEx throughout; bench/gpu.lua compares). */
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include "common.cuh"
 #include "uly_cuda.h"
@@ -79,6 +80,10 @@ static int lt_gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_
                    int64_t sa, const void *B, int64_t ldb, int64_t sb, float beta, float *C, int64_t ldc, int64_t sc,
                    int64_t batches, cudaDataType_t in_type, cublasComputeType_t compute, const float *bias = NULL) {
     if (!lt) return -1;
+    /* ULY_CUDA_GEMM=cublas: cuBLAS's GemmEx instead (bench/gpu.lua compares: is cuBLASLt's first
+     * heuristic the slower algorithm?) */
+    const char *env = getenv("ULY_CUDA_GEMM");
+    if (env && !strcmp(env, "cublas")) return -1;
     cublasLtMatmulDesc_t desc = NULL;
     cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
     cublasLtMatmulPreference_t pref = NULL;
