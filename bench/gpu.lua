@@ -256,19 +256,35 @@ if opts.step then
   opt:step()
   mark('optimizer')
   loss = nil
+  local pool_peak, temporaries = uly.memory('cuda').peak, uly.cuda.temporaries_peak()   -- before the attention runs below
+  -- the step's attention alone, at its shape (B 1, T, heads / K/V heads of dim / heads): each layer
+  -- runs one forward in the forward pass and a forward (recomputed) plus a backward in backward
+  local c = model.config
+  local hd = math.floor(c.dim / c.heads)
+  local aq = uly.randn(1, T, c.heads, hd, { device = 'cuda' }):requires_grad_()
+  local ak = uly.randn(1, T, c.kv_heads, hd, { device = 'cuda' }):requires_grad_()
+  local av = uly.randn(1, T, c.kv_heads, hd, { device = 'cuda' }):requires_grad_()
+  local ag = uly.randn(1, T, c.heads, hd, { device = 'cuda' })
+  local a_fwd = time(function() uly.no_grad(uly.flash_attention, aq, ak, av, { causal = true }) end, opts.reps)
+  local a_both = time(function() uly.flash_attention(aq, ak, av, { causal = true }):backward(ag) end, opts.reps)
+  aq, ak, av, ag = nil, nil, nil, nil
+  local a_step = c.layers * (a_fwd + a_both)
+  local attention_line = ('attention at the step\'s shape (%d heads, %d K/V, D %d): %.1f ms forward, %.1f ms backward a layer;'
+    .. ' %d layers x (forward + recomputed forward + backward) = %.2f s of the step'):format(c.heads, c.kv_heads, hd,
+    a_fwd * 1e3, (a_both - a_fwd) * 1e3, c.layers, a_step)
   uly.matmul_precision('f32')
   local flops = model:flops_per_token(T) * T
   print(('parameters %.3f B, %.1f GFLOP/token (model FLOPs), loss %.3f -> %.3f'):format(model:num_parameters() / 1e9,
         model:flops_per_token(T) / 1e9, losses[1], losses[#losses]))
   print(('step %.2f s, %.0f tokens/s, %.1f TFLOP/s, MFU %.1f%%, peak device memory %.1f GiB'):format(step_s, T / step_s,
-        tf(flops, step_s), 100 * flops / step_s / peak, uly.memory('cuda').peak / 2^30))
+        tf(flops, step_s), 100 * flops / step_s / peak, pool_peak / 2^30))
   print('one step: ' .. table.concat(phases, ', '))
+  print(attention_line)
   -- the memory planner's GPU mode next to what the step took (pool peak; kernels' temporaries)
   local plan = require 'tools.plan'
   local est = plan.estimate { model = 'llama', preset = preset, seq = T, checkpoint = true, tile = math.min(T, 4096),
                               device = 'cuda', precision = 'bf16', device_memory = uly.memory('cuda').limit }
-  local temporaries = uly.cuda.temporaries_peak()
   print(('memory: pool peak %s (planner %s), kernels\' temporaries %s (planner %s)'):format(
-    plan.format_bytes(uly.memory('cuda').peak), plan.format_bytes(est.total),
+    plan.format_bytes(pool_peak), plan.format_bytes(est.total),
     temporaries and plan.format_bytes(temporaries) or 'n/a', plan.format_bytes(est.untracked)))
 end

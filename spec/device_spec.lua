@@ -972,7 +972,7 @@ describe('bench/gpu.lua', function()
     assert.truthy(out:match('exit=0%s*$'), out)
     local wants = { '== GEMM', '64 x 48 x 32             f32', '64 x 48 x 32             bf16', '== flash attention',
                     '== decoding', '200      auto', '== training step: Llama tiny', 'tokens/s',
-                    'one step: forward ' }
+                    'one step: forward ', 'attention at the step\'s shape' }
     if MODE == 'emu' then wants[#wants + 1] = 'ulysses CUDA emulator' end   -- and raw cuBLAS ran (no n/a)
     for _, want in ipairs(wants) do
       assert.truthy(out:find(want, 1, true), 'missing ' .. want .. ' in:\n' .. out)
