@@ -163,16 +163,17 @@ __device__ static inline void acc_times_tile(float acc[D / 8][4], float x[2 * KT
 
 /* two_products on wgmma: a1, a2 64-row tiles and b1, b2 32-row tiles, all in the wgmma layout
  * (K-major; A through a descriptor too, so no A registers: 64 fewer a thread at D = 128, which
- * lets dK/dV run on wgmma there without spilling); s and dp are the warpgroup's 64 x 32 results */
+ * lets dK/dV run on wgmma there without spilling); s and dp are the warpgroup's 64 x 32 results.
+ * The first of each chain ignores the accumulator (ACC 0) instead of adding to zeroed registers:
+ * with zeros written, ptxas waited for the first wgmma before issuing the second (dQ, D = 128). */
 template <int D>
 __device__ static inline void two_products_wg(float s[4][4], float dp[4][4], const uint4 *a1, const uint4 *b1,
                                               const uint4 *a2, const uint4 *b2) {
-#pragma unroll
-    for (int n = 0; n < 4; n++)
-        for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
     wg_fence();
+    wgmma_64x32_ss<0, 0>(&s[0][0], wg_desc_sw128(a1), wg_desc_sw128(b1));
+    wgmma_64x32_ss<0, 0>(&dp[0][0], wg_desc_sw128(a2), wg_desc_sw128(b2));
 #pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
+    for (int kk = 1; kk < D / 16; kk++) {
         const int at = (kk & 3) * 2;   /* 16 of D: 32 bytes into the 128-byte lines of atom column kk / 4 */
         wgmma_64x32_ss<0>(&s[0][0], wg_desc_sw128(a1 + (kk >> 2) * 512 + at), wg_desc_sw128(b1 + (kk >> 2) * 256 + at));
         wgmma_64x32_ss<0>(&dp[0][0], wg_desc_sw128(a2 + (kk >> 2) * 512 + at), wg_desc_sw128(b2 + (kk >> 2) * 256 + at));

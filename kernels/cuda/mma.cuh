@@ -163,9 +163,9 @@ template <int TRANS>
 __device__ static inline void wgmma_64x64(float d[32], const uint32_t a[4], uint64_t desc) { wgmma_64xN<64, TRANS>(d, a, desc); }
 template <int TRANS>
 __device__ static inline void wgmma_64x32(float d[16], const uint32_t a[4], uint64_t desc) { wgmma_64xN<32, TRANS>(d, a, desc); }
-template <int TRANS>
+template <int TRANS, int ACC = 1>
 __device__ static inline void wgmma_64x32_ss(float d[16], uint64_t desc_a, uint64_t desc) {
-    uly_emu::wgmma_queue_ss(d, 32, desc_a, desc, TRANS);
+    uly_emu::wgmma_queue_ss(d, 32, desc_a, desc, TRANS, ACC);
 }
 __device__ static inline void wg_fence(void) {}
 __device__ static inline void wg_commit(void) { uly_emu::wgmma_commit(); }
@@ -197,16 +197,18 @@ __device__ static inline void wgmma_64x32(float d[16], const uint32_t a[4], uint
                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TRANS));
 }
-/* the same with A through a descriptor too (64 x 16, K-major, wg_desc_sw128): no A registers */
-template <int TRANS>
+/* the same with A through a descriptor too (64 x 16, K-major, wg_desc_sw128): no A registers;
+ * ACC 0: d = A B, its old value ignored (the first of a chain, no zeroed registers: ptxas then
+ * waits for nothing before the next wgmma) */
+template <int TRANS, int ACC = 1>
 __device__ static inline void wgmma_64x32_ss(float d[16], uint64_t desc_a, uint64_t desc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %19, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
                  "%16, %17, p, 1, 1, 0, %18;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "l"(desc_a), "l"(desc), "n"(TRANS));
+                 : "l"(desc_a), "l"(desc), "n"(TRANS), "n"(ACC));
 }
 __device__ static inline void wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ static inline void wg_commit(void) { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -222,7 +224,7 @@ template <int TRANS>
 __device__ static inline void wgmma_64x64(float *, const uint32_t *, uint64_t) {}
 template <int TRANS>
 __device__ static inline void wgmma_64x32(float *, const uint32_t *, uint64_t) {}
-template <int TRANS>
+template <int TRANS, int ACC = 1>
 __device__ static inline void wgmma_64x32_ss(float *, uint64_t, uint64_t) {}
 __device__ static inline void wg_fence(void) {}
 __device__ static inline void wg_commit(void) {}

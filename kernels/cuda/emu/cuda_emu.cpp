@@ -51,6 +51,7 @@ struct wgmma_op {
     unsigned group;
     std::vector<uint16_t> b_at_issue;   /* the B elements this thread reads, as they were at issue */
     bool a_shared;                      /* A through a descriptor (desc_a), checked again at the wait */
+    bool accumulate;                    /* false: d = A B (wgmma's scale-d 0) */
     uint64_t desc_a;
 };
 
@@ -307,7 +308,7 @@ void wgmma_queue(float *d, int n, const float *a16x16, uint64_t desc, int trans)
     fiber &f = B.fibers[B.cur];
     wgmma_op op;
     op.d = d; op.n = n; op.trans = trans; op.desc = desc; op.group = f.wg_commits;
-    op.a_shared = false; op.desc_a = 0;
+    op.a_shared = false; op.desc_a = 0; op.accumulate = true;
     memcpy(op.a, a16x16, sizeof op.a);
     op.b_at_issue.reserve((size_t)n * 4);
     each_b_of_thread(n, [&](int k, int c) { op.b_at_issue.push_back(wgmma_b_bits(desc, trans, k, c)); });
@@ -325,13 +326,14 @@ static void wgmma_a_rows(uint64_t desc_a, float a[16][16]) {
     for (int r = 0; r < 16; r++)
         for (int k = 0; k < 16; k++) a[r][k] = bf16_bits_to_float(wgmma_b_bits(desc_a, 0, k, 16 * w + r));
 }
-void wgmma_queue_ss(float *d, int n, uint64_t desc_a, uint64_t desc_b, int trans_b) {
+void wgmma_queue_ss(float *d, int n, uint64_t desc_a, uint64_t desc_b, int trans_b, int accumulate) {
     float a[16][16];
     wgmma_a_rows(desc_a, a);
     wgmma_queue(d, n, &a[0][0], desc_b, trans_b);
     wgmma_op &op = B.fibers[B.cur].wgmmas.back();
     op.a_shared = true;
     op.desc_a = desc_a;
+    op.accumulate = accumulate != 0;
 }
 void wgmma_commit() { B.fibers[B.cur].wg_commits++; }
 
@@ -389,7 +391,7 @@ void wgmma_wait(unsigned in_flight) {
                 int r = (int)g + 8 * (i >> 1), c = 8 * j + 2 * (int)t + (i & 1);
                 float s = 0.0f;
                 for (int k = 0; k < 16; k++) s += op.a[r][k] * wgmma_b(op.desc, op.trans, k, c);
-                op.d[4 * j + i] += s;
+                op.d[4 * j + i] = op.accumulate ? op.d[4 * j + i] + s : s;
             }
     }
     f.wgmmas.swap(left);
