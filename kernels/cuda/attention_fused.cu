@@ -782,6 +782,20 @@ __device__ static inline void dq_share(float *dq, const geom &g, int64_t b, int6
     }
 }
 
+/* the dK/dV kernel's per-query statistics of one 32-query tile, lse at st[0..31] and delta at
+ * st[32..63] (zeros past the last query), queued as single-float cp.async copies beside the tile's
+ * Q and dO: read from shared memory in the loop instead of from global memory (each thread's
+ * loads of them there stalled on L2 latency every tile) */
+static constexpr size_t DKV_STATS_BYTES = 2 * 64 * sizeof(float);   /* two buffers */
+__device__ static inline void load_stats_async(float *st, const float *L, const float *dl, int64_t i0, int64_t Tq) {
+    const int t = threadIdx.x;
+    if (t < 64) {
+        const int64_t i = i0 + (t & 31);
+        const bool in = i < Tq;
+        cp_async4(st + t, in ? (t < 32 ? L : dl) + i : L, in);
+    }
+}
+
 /* WG: S^T, dP^T, dV += P^T dO and dK += dS^T Q as wgmma (Hopper), every tile in its layout (at
  * D = 128: 221 registers, no spills, with S^T and dP^T's A (K, V) from shared memory; with A in
  * registers it spilled ~100 bytes a thread, and the mma.sync kernel uses 255).
@@ -797,8 +811,10 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
     ULY_DYNAMIC_SHARED(uint4, smem_raw);
     uint4 *const smem = W ? align_1024(smem_raw) : smem_raw;
     if (W && ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
-    /* K, V, then two buffers of Q (32 rows) followed by dO (32 rows) */
+    /* K, V, then two buffers of Q (32 rows) followed by dO (32 rows), (DQ: dS^T), then the two
+     * buffers of lse and delta */
     uint4 *const sK = smem, *const sV = smem + 64 * CH;
+    float *const sStats = (float *)(smem + 256 * CH + (DQ ? 64 * 32 * 2 / 16 : 0));
     const int64_t nt = (g.Tk + 63) / 64, tile = (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
     const int64_t b = bh / g.Hkv, hk = bh % g.Hkv, j0 = tile * 64, G = g.H / g.Hkv;
     const int64_t qs = g.H * D, ks = g.Hkv * D;
@@ -818,9 +834,11 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
     int have = i_lo <= i_hi && next_query_tile(g, hk, G, j0, i_lo, i_hi, &h, &i0, &st);
     load_tile_async<D, 64, W>(sK, K + b * g.Tk * ks + hk * D, j0, g.Tk, ks);   /* W: A of S^T, dP^T */
     load_tile_async<D, 64, W>(sV, V + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
+    const float *const lse_b = lse + b * g.H * g.Tq, *const delta_b = delta + b * g.H * g.Tq;
     if (have) {
         load_tile_async<D, 32, W>(smem + 128 * CH, qbase + h * D, i0, g.Tq, qs);
         load_tile_async<D, 32, W>(smem + 160 * CH, obase + h * D, i0, g.Tq, qs);
+        load_stats_async(sStats, lse_b + h * g.Tq, delta_b + h * g.Tq, i0, g.Tq);
     }
     cp_async_commit();
     while (have) {
@@ -831,6 +849,7 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
             uint4 *const other = smem + (128 + 64 * (buf ^ 1)) * CH;
             load_tile_async<D, 32, W>(other, qbase + h_next * D, i_next, g.Tq, qs);
             load_tile_async<D, 32, W>(other + 32 * CH, obase + h_next * D, i_next, g.Tq, qs);
+            load_stats_async(sStats + 64 * (buf ^ 1), lse_b + h_next * g.Tq, delta_b + h_next * g.Tq, i_next, g.Tq);
         }
         cp_async_commit();
         /* this tile's mask (bit 2 n + c of key r: the query in s[n][2 r + c]; all set but on
@@ -843,7 +862,7 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
         if (W) fence_proxy_async();
         __syncthreads();
         const uint4 *const sQ = smem + (128 + 64 * buf) * CH, *const sO = sQ + 32 * CH;
-        const float *L = lse + (b * g.H + h) * g.Tq, *dl = delta + (b * g.H + h) * g.Tq;
+        const float *const stats = sStats + 64 * buf;   /* this tile's lse, then delta */
         float s[4][4], dp[4][4];
         if (W) two_products_wg<D>(s, dp, sK, sQ, sV, sO);   /* S^T = K Q^T, dP^T = V dO^T */
         else two_products<D>(s, dp, sK, sQ, sV, sO, warp);
@@ -856,10 +875,10 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
         for (int n = 0; n < 4; n++)
 #pragma unroll
             for (int c = 0; c < 2; c++) {
-                const int64_t i = i0 + n * 8 + 2 * tq + c;
-                const float Li = i < g.Tq ? L[i] : -INFINITY;
+                const int t = n * 8 + 2 * tq + c;
+                const float Li = i0 + t < g.Tq ? stats[t] : -INFINITY;
                 nl2[n][c] = Li > -INFINITY ? -Li * LOG2E_F : -INFINITY;
-                dlc[n][c] = i < g.Tq ? dl[i] : 0.0f;
+                dlc[n][c] = stats[32 + t];   /* 0 past the last query */
             }
         const float sl2 = g.scale * LOG2E_F;
 #pragma unroll
@@ -1119,7 +1138,7 @@ static void launch_dq(int64_t blocks, float *dq, const geom &g, const bf16 *q, c
 template <int D, bool WG, bool DQ = false>
 static void launch_dkv(int64_t blocks, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                        const bf16 *dout, const float *lse, const float *delta, int *ran, float *dq = NULL) {
-    const size_t smem = backward_smem_bytes<D, DQ>() + (WG ? 1024 : 0);   /* WG: room to align the tiles */
+    const size_t smem = backward_smem_bytes<D, DQ>() + DKV_STATS_BYTES + (WG ? 1024 : 0);   /* WG: room to align */
     cudaError_t e = cudaFuncSetAttribute(fa_backward_dkv<D, WG, DQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dK, dV): shared memory", e); return; }
     ULY_LAUNCH_SMEM((fa_backward_dkv<D, WG, DQ>), blocks, FA_THREADS, smem, uly_cu_stream)(dk, dv, g, q, k, v, dout, lse,

@@ -1,7 +1,7 @@
 /* kernels/cuda/mma.cuh — the warp-level tensor-core instructions of sm_80 and later (also run on
  * sm_90), as small functions: mma.sync m16n8k16 with bf16 operands and f32 accumulators,
  * ldmatrix (x4, plain and transposed) from shared memory, and the asynchronous global -> shared
- * copies (cp.async, 16 bytes, zero-filled past the end; commit / wait by group) that let a tile
+ * copies (cp.async, 16 bytes or one float, zero-filled past the end; commit / wait by group) that let a tile
  * load run under the math of the previous one. Fragment layouts are the PTX ISA's:
  * with g = lane / 4 and t = lane % 4,
  *   A (16 x 16, row-major) a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..]
@@ -75,6 +75,8 @@ __device__ static inline void ldmatrix_x4_trans(uint32_t r[4], const void *row) 
 
 /* 16 bytes global -> shared, or 16 zero bytes when !valid (src is then not read) */
 __device__ static inline void cp_async16(void *dst, const void *src, int valid) { uly_emu::async_copy16(dst, src, valid); }
+/* 4 bytes (a float), or 4 zero bytes when !valid */
+__device__ static inline void cp_async4(void *dst, const void *src, int valid) { uly_emu::async_copy4(dst, src, valid); }
 __device__ static inline void cp_async_commit(void) { uly_emu::async_commit(); }
 template <int N>
 __device__ static inline void cp_async_wait(void) { uly_emu::async_wait(N); }
@@ -102,6 +104,10 @@ __device__ static inline void ldmatrix_x4_trans(uint32_t r[4], const void *row) 
 __device__ static inline void cp_async16(void *dst, const void *src, int valid) {
     unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ static inline void cp_async4(void *dst, const void *src, int valid) {
+    unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 __device__ static inline void cp_async_commit(void) { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 /* until at most N of the groups committed so far are still in flight */

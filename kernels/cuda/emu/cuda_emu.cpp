@@ -39,7 +39,7 @@ const size_t STACK = 64 << 10;
 struct async_copy {
     void *dst;
     const void *src;
-    int valid;
+    int bytes, valid;
     unsigned group;
 };
 
@@ -257,23 +257,25 @@ void sync_block() { wait_at(BLOCK); }
 
 /* cp.async: queued per thread, done when a wait covers its group (late, as the GPU may be: a
  * read of the tile before the wait sees the old bytes) */
-void async_copy16(void *dst, const void *src, int valid) {
+static void queue_copy(void *dst, const void *src, int bytes, int valid) {
     if (B.eager_copies) {   /* ULY_EMU_ASYNC=eager: at once, as early as the GPU may land them */
-        if (valid) memcpy(dst, src, 16);
-        else memset(dst, 0, 16);
+        if (valid) memcpy(dst, src, (size_t)bytes);
+        else memset(dst, 0, (size_t)bytes);
         return;
     }
     fiber &f = B.fibers[B.cur];
-    f.copies.push_back(async_copy{dst, src, valid, f.commits});
+    f.copies.push_back(async_copy{dst, src, bytes, valid, f.commits});
 }
+void async_copy16(void *dst, const void *src, int valid) { queue_copy(dst, src, 16, valid); }
+void async_copy4(void *dst, const void *src, int valid) { queue_copy(dst, src, 4, valid); }
 void async_commit() { B.fibers[B.cur].commits++; }
 void async_wait(unsigned in_flight) {
     fiber &f = B.fibers[B.cur];
     std::vector<async_copy> left;
     for (const async_copy &c : f.copies) {
         if (c.group + in_flight < f.commits) {   /* committed, and not among the newest in_flight groups */
-            if (c.valid) memcpy(c.dst, c.src, 16);
-            else memset(c.dst, 0, 16);
+            if (c.valid) memcpy(c.dst, c.src, (size_t)c.bytes);
+            else memset(c.dst, 0, (size_t)c.bytes);
         } else {
             left.push_back(c);
         }

@@ -57,6 +57,7 @@ void warp_gather(const void *mine, size_t bytes, void *all);
 /* cp.async (kernels/cuda/mma.cuh): 16 bytes (zeros when !valid) queued by this thread, done at
  * the async_wait that leaves fewer than in_flight + 1 of its committed groups pending */
 void async_copy16(void *dst, const void *src, int valid);
+void async_copy4(void *dst, const void *src, int valid);   /* the same with 4 bytes */
 void async_commit();
 void async_wait(unsigned in_flight);
 /* wgmma (kernels/cuda/mma.cuh): the byte offset of p in the block's dynamic shared memory (a
