@@ -15,8 +15,9 @@
  *    P^T = exp(scale S^T - lse), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta) scale,
  *    dK += dS^T Q;
  *  - dQ: a block per 64 query rows; each warp walks 32-key tiles: S and dP again, dQ += dS K.
- * Tiles arrive by cp.async: in the forward the next K loads during the softmax and P V, the next
- * V during S; in the backward kernels the next streaming tiles (dK/dV: Q and dO; dQ: K and V) into
+ * Tiles arrive by cp.async: in the forward the next K loads during the softmax and P V (on
+ * wgmma into a second buffer, from the start of the tile: two barriers a tile), the next V
+ * during S; in the backward kernels the next streaming tiles (dK/dV: Q and dO; dQ: K and V) into
  * a second buffer during the whole tile (64 KiB of dynamic shared memory at D = 128).
  * Tiles no pair of which is visible are skipped (band, block-sparse layout); tiles wholly visible
  * skip the per-element mask. Shared tiles are swizzled in 16-byte chunks so that ldmatrix reads
@@ -476,7 +477,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         sK = align_1024(dyn);
         sV = sK + 64 * CH;
         sQ = sV + 64 * CH;
-        if (P2) sK2 = sQ + 64 * CH;
+        sK2 = sQ + 64 * CH;   /* K's second buffer */
         if (ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
     } else {
         __shared__ uint4 tQ[64 * CH], tK[64 * CH], tV[64 * CH];
@@ -582,14 +583,62 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
             k_next = t;
         }
         cp_async_wait<0>();
-    } else {
+    } else if constexpr (W) {
+        /* K double-buffered: K of the next tile is queued at the top of this one (its buffer was
+         * last read by the S before the previous P V, which every warp finished before the barrier
+         * there), so each tile needs two barriers, not four: one before P V (this V landed) and
+         * one after it (every warp done with V, the next K landed). cp.async groups at a tile's
+         * top: [V(this)], then K(next) is committed; V(next) after the second barrier. */
+        load_query_tile<D, grouped>(sQ, q, g, hk * grp, i0, qs);
+        if (j0 >= 0) load_tile_async<D, 64, true>(sK, k, j0, g.Tk, ks);
+        cp_async_commit();
+        if (j0 >= 0) load_tile_async<D, 64, true>(sV, v, j0, g.Tk, ks);
+        cp_async_commit();
+        cp_async_wait<1>();   /* Q and K(j0) */
+        fence_proxy_async();
+        __syncthreads();
+        uint32_t qa[KS][4];
+        uint4 *k_this = sK, *k_next = sK2;
+        while (j0 >= 0) {
+            int st_next = TILE_EMPTY;
+            const int64_t j_next = next_key_tile(g, rs, j0 + 64, hi, 64, &st_next);
+            if (j_next >= 0) load_tile_async<D, 64, true>(k_next, k, j_next, g.Tk, ks);
+            cp_async_commit();
+            float s[8][4];
+            reload_q<D>(qa, sQ, warp);   /* see reload_q */
+            scores_wg<KS>(s, qa, k_this);
+            wg_wait<0>();
+            wg_fence_regs(&s[0][0], 32);
+            online_softmax<D, grouped>(s, o, m, l, g, b, rows, j0, st, tq);
+            cp_async_wait<1>();   /* this tile's V (the next K may still be in flight) */
+            fence_proxy_async();
+            __syncthreads();
+            uint32_t pa[4][4];
+            acc_to_a_all<4>(pa, s);
+            wg_fence();
+            acc_times_tile_wg<D, 4, 64>(o, pa, sV);   /* O += P V */
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_regs(&o[0][0], 4 * CH);
+            cp_async_wait<0>();   /* the next K */
+            fence_proxy_async();
+            __syncthreads();      /* every warp is done with V (and with this K), the next K landed */
+            if (j_next >= 0) load_tile_async<D, 64, true>(sV, v, j_next, g.Tk, ks);
+            cp_async_commit();
+            j0 = j_next;
+            st = st_next;
+            uint4 *const t = k_this;
+            k_this = k_next;
+            k_next = t;
+        }
+        cp_async_wait<0>();
+    } else {   /* mma.sync: one K and one V buffer in static shared memory (48 KiB at D = 128) */
     load_query_tile<D, grouped>(sQ, q, g, hk * grp, i0, qs);
-    if (j0 >= 0) load_tile_async<D, 64, W>(sK, k, j0, g.Tk, ks);
+    if (j0 >= 0) load_tile_async<D, 64>(sK, k, j0, g.Tk, ks);
     cp_async_commit();
-    if (j0 >= 0) load_tile_async<D, 64, W>(sV, v, j0, g.Tk, ks);
+    if (j0 >= 0) load_tile_async<D, 64>(sV, v, j0, g.Tk, ks);
     cp_async_commit();
     cp_async_wait<1>();   /* Q and the first K */
-    if (W) fence_proxy_async();   /* the tensor cores read what cp.async wrote */
     __syncthreads();
     uint32_t qa[KS][4];
 #pragma unroll
@@ -599,51 +648,32 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         float s[8][4];
 #pragma unroll
         for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-        if (W) {   /* the whole 64 x 64 tile by the warpgroup */
-            reload_q<D>(qa, sQ, warp);   /* see reload_q */
-            scores_wg<KS>(s, qa, sK);
-            wg_wait<0>();
-            wg_fence_regs(&s[0][0], 32);
-        } else {
 #pragma unroll
-            for (int kk = 0; kk < KS; kk++)
+        for (int kk = 0; kk < KS; kk++)
 #pragma unroll
-                for (int np = 0; np < 4; np++) {
-                    uint32_t bb[4];
-                    ldmatrix_x4(bb, frag_b<D>(sK, np * 16, 2 * kk));
-                    mma_two(s[2 * np], s[2 * np + 1], qa[kk], bb);
-                }
-        }
+            for (int np = 0; np < 4; np++) {
+                uint32_t bb[4];
+                ldmatrix_x4(bb, frag_b<D>(sK, np * 16, 2 * kk));
+                mma_two(s[2 * np], s[2 * np + 1], qa[kk], bb);
+            }
         __syncthreads();   /* every warp is done with K */
         int st_next = TILE_EMPTY;
         const int64_t j_next = next_key_tile(g, rs, j0 + 64, hi, 64, &st_next);
-        if (j_next >= 0) load_tile_async<D, 64, W>(sK, k, j_next, g.Tk, ks);
+        if (j_next >= 0) load_tile_async<D, 64>(sK, k, j_next, g.Tk, ks);
         cp_async_commit();
         online_softmax<D, grouped>(s, o, m, l, g, b, rows, j0, st, tq);
         cp_async_wait<1>();   /* this tile's V (the next K may still be in flight) */
-        if (W) fence_proxy_async();
         __syncthreads();
-        if (W) {   /* O += P V: P from the accumulators as A, V MN-major */
-            uint32_t pa[4][4];
-            acc_to_a_all<4>(pa, s);
-            wg_fence();
-            acc_times_tile_wg<D, 4, 64>(o, pa, sV);
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_regs(&o[0][0], 4 * CH);
-        } else {
-            acc_times_tile<D, 4>(o, s, sV);   /* O += P V */
-        }
+        acc_times_tile<D, 4>(o, s, sV);   /* O += P V */
         __syncthreads();   /* every warp is done with V */
-        if (j_next >= 0) load_tile_async<D, 64, W>(sV, v, j_next, g.Tk, ks);
+        if (j_next >= 0) load_tile_async<D, 64>(sV, v, j_next, g.Tk, ks);
         cp_async_commit();
         cp_async_wait<1>();   /* the next K (its V may still be in flight) */
-        if (W) fence_proxy_async();
         __syncthreads();
         j0 = j_next;
         st = st_next;
     }
-    }   /* the single-buffered loop */
+    }   /* the mma.sync loop */
     if (splits > 1) {   /* this split's partial rows, merged by fa_combine */
         out = part_o + (int64_t)split * g.B * g.Tq * g.H * D;
         lse = part_lse + (int64_t)split * g.B * g.H * g.Tq;
@@ -1088,12 +1118,12 @@ static int forward_grouped(const geom &g) {
 }
 
 /* one forward kernel launch: grouped or not, wgmma or mma.sync (the wgmma kernel's tiles live
- * in dynamic shared memory: 3 tiles + 1 KiB to align them) */
+ * in dynamic shared memory: Q, V, two K tiles + 1 KiB to align them) */
 template <int D, bool grouped, bool WG, bool PIPE = false>
 static void launch_forward(int64_t blocks, float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k,
                            const bf16 *v, int splits, float *part, float *part_lse, int *ran) {
     if (WG) {
-        const size_t smem = (PIPE ? 4 : 3) * 64 * (D / 8) * 16 + 1024;   /* PIPE: a second K tile */
+        const size_t smem = 4 * 64 * (D / 8) * 16 + 1024;   /* Q, V and two K tiles, + 1 KiB to align them */
         static bool raised;
         if (!raised) {
             cudaError_t e = cudaFuncSetAttribute(fa_forward<D, grouped, WG, PIPE>,
