@@ -456,6 +456,42 @@ __device__ static inline void online_softmax(float s[8][4], float o[D / 8][4], f
         }
 }
 
+/* acc += x t on the warpgroup's tensor cores, waited for (O += P V in the forward, dQ += dS K):
+ * x (16 x 16 KT of this warp's rows, accumulator layout) rounded to A fragments before the
+ * fence, t a ROWS-row tile in the wgmma layout as MN-major B. The wait covers every wgmma in
+ * flight (the pipelined forward's next S too). */
+template <int D, int KT, int ROWS>
+__device__ static inline void times_tile_wg_waited(float acc[D / 8][4], float x[2 * KT][4], const uint4 *t) {
+    uint32_t xa[KT][4];
+    acc_to_a_all<KT>(xa, x);
+    wg_fence();
+    acc_times_tile_wg<D, KT, ROWS>(acc, xa, t);
+    wg_commit();
+    wg_wait<0>();
+    wg_fence_regs(&acc[0][0], 4 * (D / 8));
+}
+
+/* the wgmma forward's first tiles, as cp.async groups: Q with K(j0); with PIPE, K(j1) into K's
+ * second buffer; V(j0). Waits for Q and K(j0), which every thread then sees */
+template <int D, bool grouped, bool PIPE>
+__device__ static inline void forward_prologue_wg(uint4 *sQ, uint4 *sK, uint4 *sK2, uint4 *sV, const bf16 *q,
+                                                  const bf16 *k, const bf16 *v, const geom &g, int64_t h0, int64_t i0,
+                                                  int64_t j0, int64_t j1) {
+    const int64_t qs = g.H * D, ks = g.Hkv * D;
+    load_query_tile<D, grouped>(sQ, q, g, h0, i0, qs);
+    if (j0 >= 0) load_tile_async<D, 64, true>(sK, k, j0, g.Tk, ks);
+    cp_async_commit();
+    if (PIPE) {
+        if (j1 >= 0) load_tile_async<D, 64, true>(sK2, k, j1, g.Tk, ks);
+        cp_async_commit();
+    }
+    if (j0 >= 0) load_tile_async<D, 64, true>(sV, v, j0, g.Tk, ks);
+    cp_async_commit();
+    cp_async_wait<PIPE ? 2 : 1>();   /* Q and K(j0) */
+    fence_proxy_async();
+    __syncthreads();
+}
+
 /* Split over keys (decoding: one query tile against a long cache, flash-decoding): with
  * splits > 1 block `split` walks only its share of the band's key tiles and writes its rows'
  * partial O (normalised by its own sum) and log-sum-exp to part_o / part_lse, which fa_combine
@@ -523,16 +559,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
          * pending ones are [K(next), V(this), K(after next)] (empty groups keep the count) */
         int st1 = TILE_EMPTY;
         int64_t j1 = j0 >= 0 ? next_key_tile(g, rs, j0 + 64, hi, 64, &st1) : -1;
-        load_query_tile<D, grouped>(sQ, q, g, hk * grp, i0, qs);
-        if (j0 >= 0) load_tile_async<D, 64, true>(sK, k, j0, g.Tk, ks);
-        cp_async_commit();
-        if (j1 >= 0) load_tile_async<D, 64, true>(sK2, k, j1, g.Tk, ks);
-        cp_async_commit();
-        if (j0 >= 0) load_tile_async<D, 64, true>(sV, v, j0, g.Tk, ks);
-        cp_async_commit();
-        cp_async_wait<2>();   /* Q and K(j0) */
-        fence_proxy_async();
-        __syncthreads();
+        forward_prologue_wg<D, grouped, true>(sQ, sK, sK2, sV, q, k, v, g, hk * grp, i0, j0, j1);
         uint32_t qa[KS][4];
 #pragma unroll
         for (int kk = 0; kk < KS; kk++) ldmatrix_x4(qa[kk], frag_a<D>(sQ, warp * 16, 2 * kk));
@@ -559,13 +586,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
             cp_async_wait<1>();   /* V(j0) */
             fence_proxy_async();
             __syncthreads();
-            uint32_t pa[4][4];
-            acc_to_a_all<4>(pa, s);
-            wg_fence();
-            acc_times_tile_wg<D, 4, 64>(o, pa, sV);   /* O += P V */
-            wg_commit();
-            wg_wait<0>();   /* S(j1) and P V */
-            wg_fence_regs(&o[0][0], 4 * CH);
+            times_tile_wg_waited<D, 4, 64>(o, s, sV);   /* O += P V; the wait covers S(j1) too */
             if (j1 >= 0) {
                 wg_fence_regs(&sn[0][0], 32);
 #pragma unroll
@@ -589,14 +610,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
          * there), so each tile needs two barriers, not four: one before P V (this V landed) and
          * one after it (every warp done with V, the next K landed). cp.async groups at a tile's
          * top: [V(this)], then K(next) is committed; V(next) after the second barrier. */
-        load_query_tile<D, grouped>(sQ, q, g, hk * grp, i0, qs);
-        if (j0 >= 0) load_tile_async<D, 64, true>(sK, k, j0, g.Tk, ks);
-        cp_async_commit();
-        if (j0 >= 0) load_tile_async<D, 64, true>(sV, v, j0, g.Tk, ks);
-        cp_async_commit();
-        cp_async_wait<1>();   /* Q and K(j0) */
-        fence_proxy_async();
-        __syncthreads();
+        forward_prologue_wg<D, grouped, false>(sQ, sK, sK2, sV, q, k, v, g, hk * grp, i0, j0, -1);
         uint32_t qa[KS][4];
         uint4 *k_this = sK, *k_next = sK2;
         while (j0 >= 0) {
@@ -613,13 +627,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
             cp_async_wait<1>();   /* this tile's V (the next K may still be in flight) */
             fence_proxy_async();
             __syncthreads();
-            uint32_t pa[4][4];
-            acc_to_a_all<4>(pa, s);
-            wg_fence();
-            acc_times_tile_wg<D, 4, 64>(o, pa, sV);   /* O += P V */
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_regs(&o[0][0], 4 * CH);
+            times_tile_wg_waited<D, 4, 64>(o, s, sV);   /* O += P V */
             cp_async_wait<0>();   /* the next K */
             fence_proxy_async();
             __syncthreads();      /* every warp is done with V (and with this K), the next K landed */
@@ -1037,17 +1045,8 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
 #pragma unroll
             for (int e = 0; e < 4; e++)   /* dS = P (dP - delta) scale, P = 2^(S scale log2e - lse log2e) */
                 s[n][e] = exp2_ftz(fmaf(s[n][e], sl2, nl2[e >> 1])) * (dp[n][e] - dl[e >> 1]) * g.scale;
-        if (W) {   /* dQ += dS K: dS from the accumulators as A, K MN-major */
-            uint32_t da[2][4];
-            acc_to_a_all<2>(da, s);
-            wg_fence();
-            acc_times_tile_wg<D, 2, 32>(acc, da, sK);
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_regs(&acc[0][0], 4 * CH);
-        } else {
-            acc_times_tile<D, 2>(acc, s, sK);   /* dQ += dS K */
-        }
+        if (W) times_tile_wg_waited<D, 2, 32>(acc, s, sK);   /* dQ += dS K, K MN-major */
+        else acc_times_tile<D, 2>(acc, s, sK);
         __syncthreads();   /* every warp is done with this buffer before the next round refills it */
         j0 = j_next;
         st = st_next;
