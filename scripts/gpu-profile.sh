@@ -15,9 +15,11 @@ export PATH="/usr/local/cuda/bin:$PATH"
 export ULY_LIB=${ULY_LIB:-build-gpu/libulysses.so} ULY_CUDA_LIB=${ULY_CUDA_LIB:-build-gpu/libulysses_cuda.so}
 command -v ncu >/dev/null || { echo "gpu-profile: ncu not found"; exit 1; }
 sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats)
-# and every stall reason's cycles per issued instruction (the section prints only the top one);
-# a run that ncu refuses for these metrics (names differ between versions) is repeated without them
-stalls=(--metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio')
+# and every stall reason's cycles per issued instruction (the section prints only the top one), and
+# where the warps stall (SourceCounters: the sampled stalls by instruction; the fused attention is
+# built with -lineinfo, so by source line too); a run that ncu refuses for these (names differ
+# between versions) is repeated without them
+stalls=(--metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' --section SourceCounters)
 profile() { # profile NAME KERNEL-REGEX ENV... -- ARGS...
   local name=$1 kernels=$2; shift 2
   local envs=()
