@@ -87,8 +87,8 @@ if [ -e build/libulysses_cuemu.so ]; then
   # is overwritten shows here (the sanitizer run below lands them at the wait, also warp by warp)
   SPEC_ARGS="--filter=fused spec/device_spec.lua" run_specs "fused attention, warps one at a time, eager cp.async" \
     ULY_TEST_DEVICE=emu ULY_EMU_ORDER=reverse ULY_EMU_ASYNC=eager ULY_CUDA_LIB=build/libulysses_cuemu.so
-  # the fused forward on Hopper's wgmma (every D = 64 / 128 forward), warps one at a time
-  SPEC_ARGS="--filter=fused spec/device_spec.lua" run_specs "fused attention forward on wgmma, warps one at a time" \
+  # the fused kernels on Hopper's wgmma (every D = 64 / 128 forward, dQ and dK/dV), warps one at a time
+  SPEC_ARGS="--filter=fused spec/device_spec.lua" run_specs "fused attention on wgmma, warps one at a time" \
     ULY_TEST_DEVICE=emu ULY_EMU_ORDER=reverse ULY_CUDA_ATTN_WGMMA=1 ULY_TEST_WGMMA=1 ULY_CUDA_LIB=build/libulysses_cuemu.so
   if command -v mpirun >/dev/null 2>&1; then
     # ranks:gpus — ranks sharing the one emulated GPU (exchanges staged through host memory), then
