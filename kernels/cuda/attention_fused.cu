@@ -229,10 +229,12 @@ __device__ static inline float exp2_ftz(float x) {
 
 /* How many blocks of a wgmma kernel an SM should hold (__launch_bounds__' second argument, which
  * caps ptxas's registers): at D = 128, 3 (168 registers a thread; uncapped, the forward took 186,
- * which leaves room for 2), at D = 64, 4 (128). The few bytes this spills (the loop bounds) sit
- * outside the MMA and softmax code. The mma.sync build is left uncapped: it would spill its
- * accumulators. */
-#define WG_MIN_BLOCKS(wg, D) ((wg) && ULY_HAS_WGMMA ? ((D) == 128 ? 3 : (D) == 64 ? 4 : 1) : 1)
+ * which leaves room for 2), at D = 64, 4 (128). Used by the forward (not pipelined: the few bytes
+ * it spills, the loop bounds, sit outside the MMA and softmax code) and by dK/dV at D = 64 (123
+ * registers, no spills; uncapped 144; the one-pass variant would spill 68 bytes and is left
+ * out). The mma.sync build is left uncapped: it would spill its accumulators. 0 is "unspecified":
+ * ptxas then picks as with no second argument (an explicit 1 made it take more registers). */
+#define WG_MIN_BLOCKS(wg, D) ((wg) && ULY_HAS_WGMMA ? ((D) == 128 ? 3 : (D) == 64 ? 4 : 0) : 0)
 
 enum { TILE_EMPTY = 0, TILE_MASKED = 1, TILE_FULL = 2 };
 
@@ -841,7 +843,7 @@ __device__ static inline void load_stats_async(float *st, const float *L, const 
  * S and dP are computed once instead of once here and once in the dQ kernel; dq_share reads K
  * through ldmatrix, whose layout is the wgmma one at D = 64 only, so DQ stays on mma.sync at 128 */
 template <int D, bool WG, bool DQ = false>
-__global__ static void __launch_bounds__(FA_THREADS)
+__global__ static void __launch_bounds__(FA_THREADS, WG_MIN_BLOCKS(WG && D == 64 && !DQ, D))
 fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO,
                 const float *lse, const float *delta, int *ran_wgmma, float *dq) {
     constexpr int CH = D / 8;
