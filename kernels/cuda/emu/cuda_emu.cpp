@@ -294,6 +294,7 @@ uint32_t shared_offset(const void *p) {
 }
 
 static uint16_t wgmma_b_bits(uint64_t desc, int trans, int k, int n);
+static float wgmma_b(uint64_t desc, int trans, int k, int n);
 
 /* the B elements (k, column) this thread's accumulators take, in a fixed order (wgmma_wait's) */
 template <typename F>
@@ -316,17 +317,11 @@ void wgmma_queue(float *d, int n, const float *a16x16, uint64_t desc, int trans)
     each_b_of_thread(n, [&](int k, int c) { op.b_at_issue.push_back(wgmma_b_bits(desc, trans, k, c)); });
     f.wgmmas.push_back(std::move(op));
 }
-static float bf16_bits_to_float(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float v;
-    memcpy(&v, &u, 4);
-    return v;
-}
-/* element (m, k) of a K-major 64 x 16 A tile: laid out as a K-major B with its rows as n */
+/* this thread's warp's 16 rows of a K-major 64 x 16 A tile: laid out as a K-major B with its rows as n */
 static void wgmma_a_rows(uint64_t desc_a, float a[16][16]) {
     const int w = (int)((B.cur >> 5) & 3);
     for (int r = 0; r < 16; r++)
-        for (int k = 0; k < 16; k++) a[r][k] = bf16_bits_to_float(wgmma_b_bits(desc_a, 0, k, 16 * w + r));
+        for (int k = 0; k < 16; k++) a[r][k] = wgmma_b(desc_a, 0, k, 16 * w + r);
 }
 void wgmma_queue_ss(float *d, int n, uint64_t desc_a, uint64_t desc_b, int trans_b, int accumulate) {
     float a[16][16];
