@@ -170,14 +170,17 @@ __device__ static inline void acc_times_tile(float acc[D / 8][4], float x[2 * KT
 template <int D>
 __device__ static inline void two_products_wg(float s[4][4], float dp[4][4], const uint4 *a1, const uint4 *b1,
                                               const uint4 *a2, const uint4 *b2) {
+    const uint32_t da1 = wg_desc_lo(a1), db1 = wg_desc_lo(b1), da2 = wg_desc_lo(a2), db2 = wg_desc_lo(b2);
     wg_fence();
-    wgmma_64x32_ss<0, 0>(&s[0][0], wg_desc_sw128(a1), wg_desc_sw128(b1));
-    wgmma_64x32_ss<0, 0>(&dp[0][0], wg_desc_sw128(a2), wg_desc_sw128(b2));
+    wgmma_64x32_ss<0, 0>(&s[0][0], wg_desc_at(da1, 0), wg_desc_at(db1, 0));
+    wgmma_64x32_ss<0, 0>(&dp[0][0], wg_desc_at(da2, 0), wg_desc_at(db2, 0));
 #pragma unroll
     for (int kk = 1; kk < D / 16; kk++) {
-        const int at = (kk & 3) * 2;   /* 16 of D: 32 bytes into the 128-byte lines of atom column kk / 4 */
-        wgmma_64x32_ss<0>(&s[0][0], wg_desc_sw128(a1 + (kk >> 2) * 512 + at), wg_desc_sw128(b1 + (kk >> 2) * 256 + at));
-        wgmma_64x32_ss<0>(&dp[0][0], wg_desc_sw128(a2 + (kk >> 2) * 512 + at), wg_desc_sw128(b2 + (kk >> 2) * 256 + at));
+        /* 16 of D: 32 bytes into the 128-byte lines of atom column kk / 4 (64-row atoms 8 KiB
+         * apart in A, 32-row ones 4 KiB in B) */
+        const uint32_t at = (kk & 3) * 32, a_off = (kk >> 2) * 8192 + at, b_off = (kk >> 2) * 4096 + at;
+        wgmma_64x32_ss<0>(&s[0][0], wg_desc_at(da1, a_off), wg_desc_at(db1, b_off));
+        wgmma_64x32_ss<0>(&dp[0][0], wg_desc_at(da2, a_off), wg_desc_at(db2, b_off));
     }
     wg_commit();
     wg_wait<0>();
@@ -198,11 +201,12 @@ __device__ static inline void acc_to_a_all(uint32_t xa[KT][4], float x[2 * KT][4
  * first 16 KT rows of a ROWS-row tile in the wgmma layout (MN-major B), 64 of D per instruction */
 template <int D, int KT, int ROWS>
 __device__ static inline void acc_times_tile_wg(float acc[D / 8][4], const uint32_t xa[KT][4], const uint4 *t) {
+    const uint32_t dt = wg_desc_lo(t);
 #pragma unroll
     for (int kk = 0; kk < KT; kk++)
 #pragma unroll
-        for (int half = 0; half < D / 64; half++)
-            wgmma_64x64<1>(&acc[8 * half][0], xa[kk], wg_desc_sw128(t + half * ROWS * 8 + kk * 128));
+        for (int half = 0; half < D / 64; half++)   /* atom columns ROWS x 128 bytes apart, 16 rows 2 KiB */
+            wgmma_64x64<1>(&acc[8 * half][0], xa[kk], wg_desc_at(dt, half * ROWS * 128 + kk * 2048));
 }
 
 __device__ static inline float quad_max(float v) {
@@ -245,6 +249,8 @@ enum { TILE_EMPTY = 0, TILE_MASKED = 1, TILE_FULL = 2 };
 struct row_span {
     int32_t i0, i1, lo0, hi0, lo1, hi1;   /* 32 bits: uly_cu_fused_attention_ok wants Tq, Tk < 2^30 */
     int partial;                          /* rows past the last query */
+    int32_t full_lo, full_hi;             /* the keys every row sees ([lo1, hi0] of keys < Tk; none with
+                                             rows past the last or documents) */
 };
 __device__ static inline row_span span_of_rows(const geom &g, int64_t i0, int64_t i1) {
     row_span r;
@@ -255,6 +261,8 @@ __device__ static inline row_span span_of_rows(const geom &g, int64_t i0, int64_
     band(g, i1, &lo1, &hi1);
     r.i0 = (int32_t)i0; r.i1 = (int32_t)i1;
     r.lo0 = (int32_t)lo0; r.hi0 = (int32_t)hi0; r.lo1 = (int32_t)lo1; r.hi1 = (int32_t)hi1;
+    r.full_lo = r.lo1;
+    r.full_hi = r.partial || g.q_doc ? -1 : r.hi0;   /* band() keeps hi0 below Tk */
     return r;
 }
 
@@ -292,6 +300,16 @@ __device__ static int tile_state(const geom &g, const row_span &rs, int64_t j0, 
  * of rs, and its state; -1 when none is left */
 __device__ static inline int64_t next_key_tile(const geom &g, const row_span &rs, int64_t j, int64_t hi, int step,
                                                int *st) {
+    if (!g.layout) {
+        /* without a block-sparse layout every tile of the band [lo, hi] the walk starts from
+         * (chunk_band's: the rows' bands are intervals with both ends growing with the row, so
+         * their union is one) has a visible pair: no search, and the state is two comparisons
+         * (the search was ~55 instructions a tile) */
+        const int jj = (int)j;   /* j, hi < Tk < 2^30 */
+        if (jj > (int)hi) return -1;
+        *st = jj >= rs.full_lo && jj + step - 1 <= rs.full_hi ? TILE_FULL : TILE_MASKED;
+        return j;
+    }
     for (; j <= hi; j += step) {
         *st = tile_state(g, rs, j, j + step - 1);
         if (*st != TILE_EMPTY) return j;
@@ -318,9 +336,10 @@ template <int KS>
 __device__ static inline void scores_wg(float s[8][4], const uint32_t qa[KS][4], const uint4 *kt) {
 #pragma unroll
     for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    const uint32_t dk = wg_desc_lo(kt);
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < KS; kk++) wgmma_64x64<0>(&s[0][0], qa[kk], wg_desc_sw128(kt + (kk >> 2) * 512 + (kk & 3) * 2));
+    for (int kk = 0; kk < KS; kk++) wgmma_64x64<0>(&s[0][0], qa[kk], wg_desc_at(dk, (kk >> 2) * 8192 + (kk & 3) * 32));
     wg_commit();
 }
 
@@ -767,11 +786,32 @@ __device__ static inline void query_span(const geom &g, int64_t j0, int64_t j1, 
     *i_hi = z;
 }
 
-/* the next 32-query tile, head-major over the G query heads sharing kv head hk, at or after
- * (*h, *i0) with a visible pair against keys [j0, j0 + 63]; 0 when none is left */
-__device__ static inline int next_query_tile(const geom &g, int64_t hk, int64_t G, int64_t j0, int64_t i_lo,
-                                             int64_t i_hi, int64_t *h, int64_t *i0, int *st) {
-    for (; *h < hk * G + G; (*h)++, *i0 = i_lo / 32 * 32)
+/* the query rows [lo, hi] that see every key of [j0, j0 + 63] (none with keys past the last or
+ * documents): rows see [band lo, band hi], both ends growing with the row, so these are the rows
+ * from the first that sees key j0 + 63 to the last that sees key j0 */
+struct full_rows { int32_t lo, hi; };
+__device__ static inline full_rows full_rows_of_keys(const geom &g, int64_t j0) {
+    int64_t a, z, a1, z1;
+    key_band(g, j0 + 63, &a, &z);
+    key_band(g, j0, &a1, &z1);
+    full_rows f = {(int32_t)a, (int32_t)z1};
+    if (j0 + 63 >= g.Tk || g.q_doc) f.hi = -1;
+    return f;
+}
+
+/* the next 32-query tile, head-major over the query heads sharing the kv head (up to h_end), at or after
+ * (*h, *i0) with a visible pair against keys [j0, j0 + 63]; 0 when none is left. Without a
+ * block-sparse layout every tile of the rows [i_lo, i_hi] (query_span's, not empty) has one, and
+ * it is wholly visible when its rows are within fr (the search took ~100 instructions a tile). */
+__device__ static inline int next_query_tile(const geom &g, int h_end, int64_t j0, int i_lo, int i_hi,
+                                             const full_rows &fr, int *h, int *i0, int *st) {
+    if (!g.layout) {
+        if (*i0 > i_hi) { (*h)++; *i0 = i_lo / 32 * 32; }
+        if (*h >= h_end) return 0;
+        *st = *i0 >= fr.lo && *i0 + 31 <= fr.hi ? TILE_FULL : TILE_MASKED;
+        return 1;
+    }
+    for (; *h < h_end; (*h)++, *i0 = i_lo / 32 * 32)
         for (; *i0 <= i_hi; *i0 += 32) {
             *st = tile_state(g, span_of_rows(g, *i0, *i0 + 31), j0, j0 + 63);
             if (*st != TILE_EMPTY) return 1;
@@ -867,11 +907,14 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
     for (int n = 0; n < CH; n++)
         for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.0f;
     /* pipeline: the next query tile's Q and dO load into the other buffer during this one's math */
-    int64_t i_lo, i_hi;
-    query_span(g, j0, j0 + 63 < g.Tk ? j0 + 63 : g.Tk - 1, &i_lo, &i_hi);
-    int64_t h = hk * G, i0 = i_lo / 32 * 32;
+    /* the walk in 32 bits (positions < 2^30, heads fewer): fewer registers live across the loop */
+    int64_t span_lo, span_hi;
+    query_span(g, j0, j0 + 63 < g.Tk ? j0 + 63 : g.Tk - 1, &span_lo, &span_hi);
+    const int i_lo = (int)span_lo, i_hi = (int)span_hi, h_end = (int)(hk * G + G);
+    int h = (int)(hk * G), i0 = i_lo / 32 * 32;
     int st = TILE_EMPTY, buf = 0;
-    int have = i_lo <= i_hi && next_query_tile(g, hk, G, j0, i_lo, i_hi, &h, &i0, &st);
+    const full_rows fr = full_rows_of_keys(g, j0);
+    int have = i_lo <= i_hi && next_query_tile(g, h_end, j0, i_lo, i_hi, fr, &h, &i0, &st);
     load_tile_async<D, 64, W>(sK, K + b * g.Tk * ks + hk * D, j0, g.Tk, ks);   /* W: A of S^T, dP^T */
     load_tile_async<D, 64, W>(sV, V + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
     const float *const lse_b = lse + b * g.H * g.Tq, *const delta_b = delta + b * g.H * g.Tq;
@@ -882,9 +925,9 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
     }
     cp_async_commit();
     while (have) {
-        int64_t h_next = h, i_next = i0 + 32;
+        int h_next = h, i_next = i0 + 32;
         int st_next = TILE_EMPTY;
-        const int more = next_query_tile(g, hk, G, j0, i_lo, i_hi, &h_next, &i_next, &st_next);
+        const int more = next_query_tile(g, h_end, j0, i_lo, i_hi, fr, &h_next, &i_next, &st_next);
         if (more) {   /* the other buffer: every warp finished with it at the end of the last round */
             uint4 *const other = smem + (128 + 64 * (buf ^ 1)) * CH;
             load_tile_async<D, 32, W>(other, qbase + h_next * D, i_next, g.Tq, qs);

@@ -146,6 +146,16 @@ __device__ static inline uint64_t wg_desc_sw128(const void *p) {
     const uint64_t off = 1024 >> 4;
     return (uint64_t)((a >> 4) & 0x3fff) | (off << 16) | (off << 32) | ((uint64_t)1 << 62);
 }
+/* A tile's descriptors from one base: wg_desc_lo(p) once, then wg_desc_at(lo, bytes) for the
+ * operand `bytes` (a multiple of 16) after p is one 32-bit add (the address field is the low 14
+ * bits of the low word, and shared memory ends below 256 KiB, so the sum never carries out of it;
+ * the high word, the 8-line stride and the swizzle mode, is a constant). Built per wgmma by
+ * wg_desc_sw128, each descriptor cost ~4 uniform instructions: ~70 a tile in dK/dV. */
+#define WG_DESC_HI ((uint32_t)(1024 >> 4) | (1u << 30))
+__device__ static inline uint32_t wg_desc_lo(const void *p) { return (uint32_t)wg_desc_sw128(p); }
+__device__ static inline uint64_t wg_desc_at(uint32_t lo, uint32_t bytes) {
+    return ((uint64_t)WG_DESC_HI << 32) | (uint64_t)(lo + (bytes >> 4));
+}
 
 #ifdef ULY_CUDA_EMU
 /* d (N / 2 floats) += A B for this warp's 16 rows of a 64 x N x 16 warpgroup MMA; TRANS: B MN-major */
