@@ -71,11 +71,19 @@ __device__ static inline void load_tile_async(uint4 *s, const bf16 *src, int64_t
     constexpr int CH = D / 8, RP = FA_THREADS / CH, STEP = RP * (WG ? 8 : CH);
     static_assert(FA_THREADS % CH == 0 && ROWS % RP == 0 && RP % 8 == 0, "load_tile_async: tile shape");
     const int c = threadIdx.x % CH, r = threadIdx.x / CH;
+    uint4 *d = s + (WG ? sw128_at<ROWS>(r, c) : sw_at<D>(r, c));
+    const int64_t step = RP * stride;
+    if (r0 + ROWS <= nrows) {
+        /* the whole tile in range (all but a sequence's last tile; the same for every thread): no
+         * bounds, no selects, nothing but the copies and a 64-bit pointer step between them */
+        const bf16 *p = src + (r0 + r) * stride + c * 8;
+#pragma unroll
+        for (int k = 0; k < ROWS / RP; k++, p += step) cp_async16(d + k * STEP, p, 1);
+        return;
+    }
     const int64_t rest = nrows - r0 - r;   /* rows of the source from this thread's first row on */
     const int left = rest < 0 ? 0 : rest > ROWS ? ROWS : (int)rest;
     const bf16 *p = src + (r0 + r) * stride + c * 8;
-    const int64_t step = RP * stride;
-    uint4 *d = s + (WG ? sw128_at<ROWS>(r, c) : sw_at<D>(r, c));
 #pragma unroll
     for (int k = 0; k < ROWS / RP; k++, p += step) {
         const bool in = k * RP < left;
@@ -439,9 +447,17 @@ __device__ static inline void mask_scores(float s[][4], const geom &g, int64_t b
     apply_bits<NT>(s, bits[1], 1);
 }
 
+/* How far (natural-log units) a row's scores may rise above its running max before the max
+ * moves: 8 log 2, so that exp(s - m) <= 256 (bf16 and the f32 sums hold that easily). Until then
+ * the max stays and O is not rescaled: a rescale is a multiply per O accumulator (64 a thread a
+ * tile at D = 128), and past the first tiles of a row its max rarely grows by that much. The
+ * result is the same up to rounding (O and l carry the same stale max; lse = m + log l). */
+#define RESCALE_SLACK 5.5451774f
+
 /* one key tile's step of the online softmax for this lane's two rows: s (the tile's scores,
  * accumulator layout) becomes P = exp(s scale - m) with masked pairs at 0 (st: the tile's
- * state), the running max m and sum l move on, and O is rescaled to the new max */
+ * state), and when a row of the warp has scores more than RESCALE_SLACK above its max, every
+ * row's max moves to its new one, with its sum l and O rescaled (one branch for the warp) */
 template <int D, bool grouped>
 __device__ static inline void online_softmax(float s[8][4], float o[D / 8][4], float m[2], float l[2], const geom &g,
                                              int64_t b, const int64_t rows[2], int64_t j0, int st, int tq) {
@@ -451,21 +467,31 @@ __device__ static inline void online_softmax(float s[8][4], float o[D / 8][4], f
     for (int n = 0; n < 8; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-    float nb2[2], alpha[2];   /* -(the new max) in log2 units: exp(x scale - m) = 2^(x scale log2e - m log2e) */
+    float mt[2];   /* the tile's max per row, scaled; -inf where it sees nothing */
+    bool grow = false;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        const float mn = fmaxf(m[r], quad_max(mx[r]) * g.scale);   /* -inf stays -inf */
-        const float base = mn == -INFINITY ? 0.0f : mn;             /* a row with nothing visible yet stays at 0 */
-        alpha[r] = __expf(m[r] - base);
-        nb2[r] = -base * LOG2E_F;
-        m[r] = mn;
-        l[r] *= alpha[r];
+        mt[r] = quad_max(mx[r]) * g.scale;
+        grow |= mt[r] > m[r] + RESCALE_SLACK;   /* a row's first visible scores (m = -inf) too */
     }
+    if (__any_sync(0xffffffffu, grow)) {
+        float alpha[2];
 #pragma unroll
-    for (int n = 0; n < D / 8; n++) {
-        o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
-        o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+        for (int r = 0; r < 2; r++) {
+            const float mn = fmaxf(m[r], mt[r]);            /* -inf stays -inf */
+            alpha[r] = mn == -INFINITY ? 1.0f : __expf(m[r] - mn);   /* 0 from -inf: O and l were 0 */
+            m[r] = mn;
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+        }
     }
+    float nb2[2];   /* -m in log2 units: exp(x scale - m) = 2^(x scale log2e - m log2e) */
+#pragma unroll
+    for (int r = 0; r < 2; r++) nb2[r] = m[r] == -INFINITY ? 0.0f : -m[r] * LOG2E_F;   /* nothing visible yet: P = 0 */
     const float sl2 = g.scale * LOG2E_F;
 #pragma unroll
     for (int n = 0; n < 8; n++)

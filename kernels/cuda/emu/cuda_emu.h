@@ -123,6 +123,16 @@ static inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
     memcpy(&out, &bits, sizeof out);
     return out;
 }
+/* a warp vote: every lane's predicate gathered (a warp-wide barrier, as a shuffle is) */
+static inline int __any_sync(unsigned mask, int pred) {
+    (void)mask;
+    int all[32];
+    pred = pred != 0;
+    uly_emu::warp_gather(&pred, sizeof pred, all);
+    int any = 0;
+    for (int l = 0; l < 32; l++) any |= all[l];
+    return any;
+}
 #define __expf(x) expf(x)   /* glibc declares its own __expf */
 static inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t __float_as_uint(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
