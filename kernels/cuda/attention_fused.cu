@@ -853,7 +853,7 @@ static constexpr size_t backward_smem_bytes() { return (size_t)(2 * 64 + 4 * 32)
 
 /* the one-pass backward's dQ share of one (64-key, 32-query) tile pair: dq (f32, [B, Tq, H, D]
  * rows i0.. of head h) += dS K over the block's 64 keys, dS^T read from the keys-major bf16 tile
- * sdS (64 x 32); warp w takes query rows 16 (w & 1).. and half (w >> 1) of D, and adds its
+ * sdS (64 x 32, dS / scale: the scale is applied here); warp w takes query rows 16 (w & 1).. and half (w >> 1) of D, and adds its
  * 16 x D/2 into dq with atomics (other blocks add the other keys' shares) */
 template <int D>
 __device__ static inline void dq_share(float *dq, const geom &g, int64_t b, int64_t h, int64_t i0, const uint4 *sdS,
@@ -882,8 +882,8 @@ __device__ static inline void dq_share(float *dq, const geom &g, int64_t b, int6
         float *dst = dq + ((b * g.Tq + i) * g.H + h) * D + c0 * 8 + 2 * tq;
 #pragma unroll
         for (int n = 0; n < NT; n++) {
-            atomicAdd(dst + n * 8, acc[n][2 * r]);
-            atomicAdd(dst + n * 8 + 1, acc[n][2 * r + 1]);
+            atomicAdd(dst + n * 8, acc[n][2 * r] * g.scale);   /* sdS holds dS / scale */
+            atomicAdd(dst + n * 8 + 1, acc[n][2 * r + 1] * g.scale);
         }
     }
 }
@@ -975,19 +975,23 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
         float s[4][4], dp[4][4];
         if (W) two_products_wg<D>(s, dp, sK, sQ, sV, sO);   /* S^T = K Q^T, dP^T = V dO^T */
         else two_products<D>(s, dp, sK, sQ, sV, sO, warp);
-        apply_bits<4>(s, vis[0], 0);   /* S^T at -inf where not visible (exp gives 0) */
-        apply_bits<4>(s, vis[1], 1);
-        /* P^T = exp(S^T scale - lse) as 2^(S^T scale log2e - lse log2e): a query with lse -inf
-         * (nothing visible) or past the last gets -inf, so P = 0 and dS = 0 */
+        if (st == TILE_MASKED) {   /* S^T at -inf where not visible (exp gives 0) */
+            apply_bits<4>(s, vis[0], 0);
+            apply_bits<4>(s, vis[1], 1);
+        }
+        /* P^T = exp(S^T scale - lse) as 2^(S^T scale log2e - lse log2e). Only masked tiles hold
+         * queries past the last (stats 0) or queries that see nothing (lse -inf), and there
+         * every pair of theirs is -inf: lse is clamped to -1e30 so that -inf - lse stays -inf
+         * (P = 0; with lse -inf it would be NaN). dS^T / scale = P^T (dP^T - delta): the scale
+         * is applied to dK once at the end (and by dq_share to its dQ) */
         float nl2[4][2], dlc[4][2];
 #pragma unroll
         for (int n = 0; n < 4; n++)
 #pragma unroll
             for (int c = 0; c < 2; c++) {
                 const int t = n * 8 + 2 * tq + c;
-                const float Li = i0 + t < g.Tq ? stats[t] : -INFINITY;
-                nl2[n][c] = Li > -INFINITY ? -Li * LOG2E_F : -INFINITY;
-                dlc[n][c] = stats[32 + t];   /* 0 past the last query */
+                nl2[n][c] = -fmaxf(stats[t], -1e30f) * LOG2E_F;
+                dlc[n][c] = stats[32 + t];
             }
         const float sl2 = g.scale * LOG2E_F;
 #pragma unroll
@@ -996,7 +1000,7 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
             for (int e = 0; e < 4; e++) {
                 const float p = exp2_ftz(fmaf(s[n][e], sl2, nl2[n][e & 1]));
                 s[n][e] = p;
-                dp[n][e] = p * (dp[n][e] - dlc[n][e & 1]) * g.scale;
+                dp[n][e] = p * (dp[n][e] - dlc[n][e & 1]);
             }
         if (DQ) {   /* dS^T into its bf16 tile (keys-major), then this tile pair's share of dQ */
             uint4 *const sdS = smem + 256 * CH;
@@ -1040,7 +1044,7 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
         for (int n = 0; n < CH; n++)
 #pragma unroll
             for (int c = 0; c < 2; c++) {
-                if (dk) dk[at + n * 8 + c] += dka[n][2 * r + c];
+                if (dk) dk[at + n * 8 + c] += dka[n][2 * r + c] * g.scale;   /* dS's scale, left out of the loop */
                 if (dv) dv[at + n * 8 + c] += dva[n][2 * r + c];
             }
     }
@@ -1109,13 +1113,15 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
         float s[4][4], dp[4][4];
         if (W) two_products_wg<D>(s, dp, sQ, sK, sO, sV);   /* S = Q K^T, dP = dO V^T */
         else two_products<D>(s, dp, sQ, sK, sO, sV, warp);
-        apply_bits<4>(s, vis[0], 0);   /* exp(-inf) = 0 */
-        apply_bits<4>(s, vis[1], 1);
+        if (st == TILE_MASKED) {   /* exp(-inf) = 0 */
+            apply_bits<4>(s, vis[0], 0);
+            apply_bits<4>(s, vis[1], 1);
+        }
 #pragma unroll
         for (int n = 0; n < 4; n++)
 #pragma unroll
-            for (int e = 0; e < 4; e++)   /* dS = P (dP - delta) scale, P = 2^(S scale log2e - lse log2e) */
-                s[n][e] = exp2_ftz(fmaf(s[n][e], sl2, nl2[e >> 1])) * (dp[n][e] - dl[e >> 1]) * g.scale;
+            for (int e = 0; e < 4; e++)   /* dS / scale = P (dP - delta), P = 2^(S scale log2e - lse log2e) */
+                s[n][e] = exp2_ftz(fmaf(s[n][e], sl2, nl2[e >> 1])) * (dp[n][e] - dl[e >> 1]);
         if (W) times_tile_wg_waited<D, 2, 32>(acc, s, sK);   /* dQ += dS K, K MN-major */
         else acc_times_tile<D, 2>(acc, s, sK);
         __syncthreads();   /* every warp is done with this buffer before the next round refills it */
@@ -1130,9 +1136,9 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
         if (i >= g.Tq) continue;
         float *dst = dq + ((b * g.Tq + i) * g.H + h) * D + 2 * tq;
 #pragma unroll
-        for (int n = 0; n < CH; n++) {
-            dst[n * 8] += acc[n][2 * r];
-            dst[n * 8 + 1] += acc[n][2 * r + 1];
+        for (int n = 0; n < CH; n++) {   /* dS's scale, left out of the loop */
+            dst[n * 8] += acc[n][2 * r] * g.scale;
+            dst[n * 8 + 1] += acc[n][2 * r + 1] * g.scale;
         }
     }
 }
