@@ -8,7 +8,8 @@
 --      chunked cuBLAS path, and bf16 on the fused tensor-core kernels (attention_fused.cu);
 --   2b. decoding: one query against a KV cache, with and without splitting the key band;
 --   3. a training step of a Llama-style model (preset 1b: 1.24 B parameters) at 32k tokens:
---      flash attention, activation checkpointing, tiled loss, bf16 matmuls, AdamW.
+--      flash attention, activation checkpointing, tiled loss, bf16 matmuls, AdamW; one more step
+--      under uly.cuda.profile prints the GPU time by kernel.
 -- Never asserts on time. Each timing is the median of --reps runs after a warm-up, bracketed by
 -- uly.synchronize('cuda'). FLOPs: GEMM 2 M N K; causal attention forward 2 N^2 D H (half of the
 -- dense 4 N^2 D H), backward 2.5x forward; the step counts model FLOPs (6 N_params + 12 L C T per
@@ -257,6 +258,16 @@ if opts.step then
   mark('optimizer')
   loss = nil
   local pool_peak, temporaries = uly.memory('cuda').peak, uly.cuda.temporaries_peak()   -- before the attention runs below
+  -- one more step under the profiler: the GPU's time by kernel (uly.cuda.profile)
+  local profile_text = 'n/a (no CUDA backend: the simulation)'
+  if backend == 'cuda' then
+    local report = uly.cuda.profile(function()
+      opt:zero_grad()
+      model:loss(x, x):backward()
+      opt:step()
+    end)
+    profile_text = uly.cuda.format_profile(report, opts.quick and 5 or 30)
+  end
   -- the step's attention alone, at its shape (B 1, T, heads / K/V heads of dim / heads): each layer
   -- runs one forward in the forward pass and a forward (recomputed) plus a backward in backward
   local c = model.config
@@ -280,6 +291,7 @@ if opts.step then
         tf(flops, step_s), 100 * flops / step_s / peak, pool_peak / 2^30))
   print('one step: ' .. table.concat(phases, ', '))
   print(attention_line)
+  print('GPU time by kernel in one step (uly.cuda.profile; events around each launch):\n' .. profile_text)
   -- the memory planner's GPU mode next to what the step took (pool peak; kernels' temporaries)
   local plan = require 'tools.plan'
   local est = plan.estimate { model = 'llama', preset = preset, seq = T, checkpoint = true, tile = math.min(T, 4096),

@@ -1042,6 +1042,57 @@ describe('scripts/gpu-profile.lua and uly.cuda.profiler', function()
   end)
 end)
 
+describe('uly.cuda.profile', function()
+  it('times each kernel and GEMM by name, longest first, and refuses misuse', function()
+    if not REAL then
+      -- the simulation has no CUDA backend to time
+      assert.matches('the CUDA backend is not running', helpers.error_of(uly.cuda.profile, function() end))
+      return
+    end
+    use_device()
+    uly.matmul_precision('bf16')
+    local a, b = uly.randn(64, 48):cuda(), uly.randn(48, 32):cuda()
+    local q, k, v = uly.randn(1, 70, 2, 64):cuda(), uly.randn(1, 70, 2, 64):cuda(), uly.randn(1, 70, 2, 64):cuda()
+    local report, got = uly.cuda.profile(function(x)
+      local c = uly.matmul(x, b)
+      c = uly.matmul(x, b) + c
+      uly.flash_attention(q, k, v, { causal = true })
+      return c
+    end, a)
+    uly.matmul_precision('f32')
+    assert.same({ 64, 32 }, got:shape())   -- fn's results come back after the report
+    local by = {}
+    for i, kern in ipairs(report.kernels) do
+      by[kern.name] = kern
+      assert(kern.ms >= 0 and kern.calls >= 1, kern.name)
+      if i > 1 then assert(kern.ms <= report.kernels[i - 1].ms, 'not longest first') end
+    end
+    assert.equal(2, by['matmul bf16 64 x 32 x 48'].calls, 'two matmuls of one shape: one line, two calls')
+    assert.truthy(by['attention forward D 64 wgmma'] or by['attention forward D 64'], 'the fused forward is named')
+    local names = {}
+    for _, kern in ipairs(report.kernels) do names[#names + 1] = kern.name end
+    local sum = 0
+    for _, kern in ipairs(report.kernels) do sum = sum + kern.ms end
+    assert.near(sum, report.kernel_ms, 1e-9)
+    assert(report.wall_ms >= 0)
+    local text = uly.cuda.format_profile(report, 2)
+    assert.truthy(text:find('matmul bf16 64 x 32 x 48', 1, true) or text:find('more kernels', 1, true), text)
+    assert.truthy(text:find('wall time on the stream', 1, true), text)
+    -- off again: nothing is recorded outside a profile, and the next one starts empty
+    uly.matmul(a, b)
+    local again = uly.cuda.profile(function() end)
+    assert.equal(0, #again.kernels, table.concat(names, ', '))
+    -- an error inside stops the profile (the next starts) and comes out unchanged
+    assert.matches('boom', helpers.error_of(uly.cuda.profile, function() error('boom') end))
+    assert.matches('profiles do not nest', helpers.error_of(uly.cuda.profile, function()
+      uly.cuda.profile(function() end)
+    end))
+    assert.matches('expected a function', helpers.error_of(uly.cuda.profile, 'x'))
+    assert.matches('expected a report', helpers.error_of(uly.cuda.format_profile, 3))
+    release_device()
+  end)
+end)
+
 describe('bench/gpu.lua', function()
   it('runs its whole code path on the simulation or the emulator (--quick), printing every table', function()
     if MODE == 'cuda' then return end   -- scripts/gpu-check.sh runs the real benchmark
@@ -1053,7 +1104,11 @@ describe('bench/gpu.lua', function()
     local wants = { '== GEMM', '64 x 48 x 32             f32', '64 x 48 x 32             bf16', '== flash attention',
                     '== decoding', '200      auto', '== training step: Llama tiny', 'tokens/s',
                     'one step: forward ', 'attention at the step\'s shape' }
-    if MODE == 'emu' then wants[#wants + 1] = 'ulysses CUDA emulator' end   -- and raw cuBLAS ran (no n/a)
+    if MODE == 'emu' then   -- and raw cuBLAS ran (no n/a), and the profiled step
+      for _, w in ipairs({ 'ulysses CUDA emulator', 'GPU time by kernel in one step', 'wall time on the stream' }) do
+        wants[#wants + 1] = w
+      end
+    end
     for _, want in ipairs(wants) do
       assert.truthy(out:find(want, 1, true), 'missing ' .. want .. ' in:\n' .. out)
     end

@@ -46,6 +46,15 @@ int64_t uly_cuda_gemm_heuristic_queries(void);
  * capability 9.0) */
 const char *uly_cuda_wgmma_status(int D);
 
+/* profiling (kernels/cuda/profile.cu): between start and stop every kernel launch and GEMM is
+ * timed on the GPU by events; stop waits for the device and sums the times per name. Then count
+ * gives the number of names (and the wall time from start to stop on the backend's stream, ms),
+ * entry(i) the i-th name, longest total first, its launches and its total ms. Profiles do not nest. */
+int uly_cuda_profile_start(void);
+int uly_cuda_profile_stop(void);
+int uly_cuda_profile_count(double *wall_ms);
+int uly_cuda_profile_entry(int i, char *name, int len, int64_t *calls, double *ms);
+
 /* kernels: p[0..n) = v on the current device, synchronised */
 int uly_cuda_fill_f32(float *p, int64_t n, float v);
 

@@ -349,6 +349,7 @@ static int gemm_t(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t
                   int64_t lda, const void *B, int64_t ldb, float beta, float *C, int64_t ldc, cudaDataType_t type,
                   const char *what) {
     cublasComputeType_t compute = type == CUDA_R_32F && uly_cuda_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    uly_cu_prof_scope prof(what, uly_cu_stream);   /* `what` names the chunk's product */
     return gemm_ok(cublasGemmEx(uly_cu_cublas(), ta, tb, (int)m, (int)n, (int)k, &alpha, A, type, (int)lda, B, type,
                                 (int)ldb, &beta, C, CUDA_R_32F, (int)ldc, compute, CUBLAS_GEMM_DEFAULT), what);
 }

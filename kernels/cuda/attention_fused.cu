@@ -1207,11 +1207,15 @@ static void launch_forward(int64_t blocks, float *out, float *lse, const geom &g
             if (e != cudaSuccess) { uly_cu_fail("fused flash attention forward (wgmma): shared memory", e); return; }
             raised = true;
         }
-        ULY_LAUNCH_SMEM((fa_forward<D, grouped, WG, PIPE>), blocks, FA_THREADS, smem, uly_cu_stream)(
+        char name[64] = "";   /* for the profiler */
+        if (uly_cu_prof_on) snprintf(name, sizeof name, "attention forward D %d wgmma%s%s", D, grouped ? " grouped" : "", PIPE ? " pipelined" : "");
+        ULY_LAUNCH_SMEM_AS(name, (fa_forward<D, grouped, WG, PIPE>), blocks, FA_THREADS, smem, uly_cu_stream)(
             out, lse, g, q, k, v, splits, part, part_lse, ran);
     } else {
-        ULY_LAUNCH((fa_forward<D, grouped, WG>), blocks, FA_THREADS, uly_cu_stream)(out, lse, g, q, k, v, splits, part,
-                                                                                   part_lse, ran);
+        char name[64] = "";   /* for the profiler */
+        if (uly_cu_prof_on) snprintf(name, sizeof name, "attention forward D %d%s", D, grouped ? " grouped" : "");
+        ULY_LAUNCH_AS(name, (fa_forward<D, grouped, WG>), blocks, FA_THREADS, uly_cu_stream)(out, lse, g, q, k, v, splits,
+                                                                                             part, part_lse, ran);
     }
 }
 
@@ -1237,8 +1241,10 @@ static void launch_dq(int64_t blocks, float *dq, const geom &g, const bf16 *q, c
     const size_t smem = backward_smem_bytes<D>() + (WG ? 1024 : 0);   /* WG: room to align the tiles */
     cudaError_t e = cudaFuncSetAttribute(fa_backward_dq<D, WG>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dQ): shared memory", e); return; }
-    ULY_LAUNCH_SMEM((fa_backward_dq<D, WG>), blocks, FA_THREADS, smem, uly_cu_stream)(dq, g, q, k, v, dout, lse, delta,
-                                                                                     ran);
+    char name[64] = "";   /* for the profiler */
+    if (uly_cu_prof_on) snprintf(name, sizeof name, "attention backward dQ D %d%s", D, WG ? " wgmma" : "");
+    ULY_LAUNCH_SMEM_AS(name, (fa_backward_dq<D, WG>), blocks, FA_THREADS, smem, uly_cu_stream)(dq, g, q, k, v, dout, lse,
+                                                                                              delta, ran);
 }
 
 template <int D, bool WG, bool DQ = false>
@@ -1247,8 +1253,10 @@ static void launch_dkv(int64_t blocks, float *dk, float *dv, const geom &g, cons
     const size_t smem = backward_smem_bytes<D, DQ>() + DKV_STATS_BYTES + (WG ? 1024 : 0);   /* WG: room to align */
     cudaError_t e = cudaFuncSetAttribute(fa_backward_dkv<D, WG, DQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dK, dV): shared memory", e); return; }
-    ULY_LAUNCH_SMEM((fa_backward_dkv<D, WG, DQ>), blocks, FA_THREADS, smem, uly_cu_stream)(dk, dv, g, q, k, v, dout, lse,
-                                                                                          delta, ran, dq);
+    char name[64] = "";   /* for the profiler */
+    if (uly_cu_prof_on) snprintf(name, sizeof name, "attention backward dK dV%s D %d%s", DQ ? " dQ (one pass)" : "", D, WG ? " wgmma" : "");
+    ULY_LAUNCH_SMEM_AS(name, (fa_backward_dkv<D, WG, DQ>), blocks, FA_THREADS, smem, uly_cu_stream)(dk, dv, g, q, k, v,
+                                                                                                   dout, lse, delta, ran, dq);
 }
 
 /* the largest |a - b| over n values and the largest |a|, NaN counted as a difference */

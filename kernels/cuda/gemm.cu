@@ -31,6 +31,11 @@ extern "C" cublasHandle_t uly_cu_cublas(void) {
     return handle;
 }
 
+/* a GEMM's precision for the profiler's names */
+static const char *gemm_precision(cudaDataType_t in_type, cublasComputeType_t compute) {
+    return in_type != CUDA_R_32F ? "bf16" : compute == CUBLAS_COMPUTE_32F_FAST_TF32 ? "tf32" : "f32";
+}
+
 static const char *cublas_name(cublasStatus_t s) {
     switch (s) {
     case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
@@ -137,8 +142,14 @@ static int lt_gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_
     }
     ok = ok && hit->found;
     const float one = 1.0f;
-    ok = ok && cublasLtMatmul(lt, desc, &one, A, la, B, lb, &beta, C, lc, C, lc, &hit->algo, lt_workspace, ws,
-                              uly_cu_stream) == CUBLAS_STATUS_SUCCESS;
+    if (ok) {
+        char name[96] = "";   /* for the profiler: row-major M x N x K, the column-major call's n x m x k */
+        if (uly_cu_prof_on) snprintf(name, sizeof name, "matmul %s %lld x %lld x %lld%s", gemm_precision(in_type, compute), (long long)n,
+                 (long long)m, (long long)k, batches > 1 ? " batched" : "");
+        uly_cu_prof_scope prof(name, uly_cu_stream);
+        ok = cublasLtMatmul(lt, desc, &one, A, la, B, lb, &beta, C, lc, C, lc, &hit->algo, lt_workspace, ws,
+                            uly_cu_stream) == CUBLAS_STATUS_SUCCESS;
+    }
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
     if (lc) cublasLtMatrixLayoutDestroy(lc);
     if (lb) cublasLtMatrixLayoutDestroy(lb);
@@ -321,11 +332,15 @@ static void gemm_typed(int nb, const int64_t *bshape, uly_mat A, const void *ap,
     int64_t sa, sb, sc;
     cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
     int regular = collapse(nb, bshape, &A, &sa) && collapse(nb, bshape, &B, &sb) && collapse(nb, bshape, &C, &sc);
+    char name[96] = "";   /* for the profiler */
+    if (uly_cu_prof_on) snprintf(name, sizeof name, "matmul %s %lld x %lld x %lld (cuBLAS)%s", gemm_precision(in_type, compute), (long long)M,
+             (long long)N, (long long)K, batches > 1 ? " batched" : "");
     if (regular && (sc != 0 || batches == 1)) {
         if (lt_gemm(opb, opa, N, M, K, bp, ldb, sb, ap, lda, sa, beta, C.p, ldc, sc, batches, in_type, compute))
-            s = cublasGemmStridedBatchedEx(handle, opb, opa, (int)N, (int)M, (int)K, &one, bp, in_type, (int)ldb, sb,
+            s = (uly_cu_prof_scope{name, uly_cu_stream},
+                 cublasGemmStridedBatchedEx(handle, opb, opa, (int)N, (int)M, (int)K, &one, bp, in_type, (int)ldb, sb,
                                            ap, in_type, (int)lda, sa, &beta, C.p, CUDA_R_32F, (int)ldc, sc,
-                                           (int)batches, compute, CUBLAS_GEMM_DEFAULT);
+                                           (int)batches, compute, CUBLAS_GEMM_DEFAULT));
     } else {
         int64_t idx[8] = {0};
         for (int64_t bi = 0; bi < batches && s == CUBLAS_STATUS_SUCCESS; bi++) {
@@ -336,9 +351,10 @@ static void gemm_typed(int nb, const int64_t *bshape, uly_mat A, const void *ap,
                 if (C.bstride[d] == 0 && idx[d] > 0) first = 0;
             }
             const float b_eff = first ? beta : 1.0f;
-            s = cublasGemmEx(handle, opb, opa, (int)N, (int)M, (int)K, &one, (const char *)bp + ob * es, in_type, (int)ldb,
-                             (const char *)ap + oa * es, in_type, (int)lda, &b_eff, C.p + oc, CUDA_R_32F, (int)ldc, compute,
-                             CUBLAS_GEMM_DEFAULT);
+            s = (uly_cu_prof_scope{name, uly_cu_stream},
+                 cublasGemmEx(handle, opb, opa, (int)N, (int)M, (int)K, &one, (const char *)bp + ob * es, in_type, (int)ldb,
+                              (const char *)ap + oa * es, in_type, (int)lda, &b_eff, C.p + oc, CUDA_R_32F, (int)ldc, compute,
+                              CUBLAS_GEMM_DEFAULT));
             for (int d = nb - 1; d >= 0; d--) { if (++idx[d] < bshape[d]) break; idx[d] = 0; }
         }
     }

@@ -214,6 +214,67 @@ function M.backend()
   return name ~= nil and ffi.string(name) or nil
 end
 
+-- GPU time by kernel: runs fn(...) with every kernel launch and GEMM of the CUDA backend timed
+-- on the GPU (a CUDA event before and after each), then returns a report and fn's results:
+--   { wall_ms = from the start to the end on the backend's stream,
+--     kernel_ms = the kernels' sum (less than wall_ms by the gaps between launches: host time,
+--                 copies, NCCL),
+--     kernels = { { name =, calls =, ms = }, ... } longest total first }
+-- Names: the kernel's (attention and GEMMs with their shapes and paths). Profiles do not nest; an
+-- error in fn stops the profile and is raised again. Events cost a few microseconds a launch, so
+-- wall_ms runs a little long; compare kernels within one report.
+function M.profile(fn, ...)
+  if type(fn) ~= 'function' then error('uly.cuda.profile: expected a function to run, got ' .. type(fn), 2) end
+  if M.backend() ~= 'cuda' then
+    error('uly.cuda.profile: the CUDA backend is not running (start it: uly.device(\'cuda\') or a tensor on cuda)', 2)
+  end
+  local lib = M.lib()
+  if lib.uly_cuda_profile_start() ~= 0 then error(ffi.string(lib.uly_cuda_last_error()), 2) end
+  local results = (function(...) return { n = select('#', ...), ... } end)(pcall(fn, ...))
+  local stopped = lib.uly_cuda_profile_stop() == 0
+  if not results[1] then error(results[2], 0) end
+  if not stopped then error(ffi.string(lib.uly_cuda_last_error()), 2) end
+  local wall = ffi.new('double[1]')
+  local n = lib.uly_cuda_profile_count(wall)
+  local report = { wall_ms = wall[0], kernel_ms = 0, kernels = {} }
+  local name, calls, ms = ffi.new('char[128]'), ffi.new('int64_t[1]'), ffi.new('double[1]')
+  for i = 0, n - 1 do
+    if lib.uly_cuda_profile_entry(i, name, 128, calls, ms) == 0 then
+      report.kernels[#report.kernels + 1] = { name = ffi.string(name), calls = tonumber(calls[0]), ms = ms[0] }
+      report.kernel_ms = report.kernel_ms + ms[0]
+    end
+  end
+  return report, unpack(results, 2, results.n)
+end
+
+-- a profile report (uly.cuda.profile) as text: the `top` (default 20) longest kernels with their
+-- share of the wall time, then the rest together and the gaps
+function M.format_profile(report, top)
+  if type(report) ~= 'table' or type(report.kernels) ~= 'table' then
+    error('uly.cuda.format_profile: expected a report from uly.cuda.profile, got ' .. type(report), 2)
+  end
+  top = top or 20
+  local wall = report.wall_ms > 0 and report.wall_ms or 1
+  local lines = { ('%10s %6s %7s  %s'):format('GPU ms', 'share', 'calls', 'kernel') }
+  local rest, rest_calls = 0, 0
+  for i, k in ipairs(report.kernels) do
+    if i <= top then
+      lines[#lines + 1] = ('%10.3f %5.1f%% %7d  %s'):format(k.ms, 100 * k.ms / wall, k.calls, k.name)
+    else
+      rest, rest_calls = rest + k.ms, rest_calls + k.calls
+    end
+  end
+  if #report.kernels > top then
+    lines[#lines + 1] = ('%10.3f %5.1f%% %7d  (%d more kernels)'):format(rest, 100 * rest / wall, rest_calls,
+                                                                        #report.kernels - top)
+  end
+  local gaps = report.wall_ms - report.kernel_ms
+  lines[#lines + 1] = ('%10.3f %5.1f%%          (between kernels: host, copies, communication)'):format(
+    math.max(gaps, 0), 100 * math.max(gaps, 0) / wall)
+  lines[#lines + 1] = ('%10.3f %5.1f%%          wall time on the stream'):format(report.wall_ms, 100 * report.wall_ms / wall)
+  return table.concat(lines, '\n')
+end
+
 -- "13.0" from 13000
 function M.version_string(v) return string.format('%d.%d', math.floor(v / 1000), math.floor(v % 1000 / 10)) end
 
