@@ -935,7 +935,9 @@ describe('fused tensor-core attention (mixed precision)', function()
       { 200, 200, { causal = true, window = 126 } },
       { 150, 150, { causal = true }, docs = 70 },   -- documents [0, 70) and [70, 150)
     }
-    for _, D in ipairs({ 32, 64 }) do
+    for _, run in ipairs({ { 32, '' }, { 64, '' }, { 64, '64' } }) do   -- D, ULY_CUDA_ATTN_DKV (64-query dK/dV tiles)
+      local D = run[1]
+      ffi.C.setenv('ULY_CUDA_ATTN_DKV', run[2], 1)
       for _, c in ipairs(cases) do
         for _, dir in ipairs({ 1, -1 }) do
           local Tq, Tk, opts = c[1], c[2], c[3]
@@ -955,11 +957,36 @@ describe('fused tensor-core attention (mixed precision)', function()
             end, inputs,
             { fused_only = true,
               part = function(name, t) if name ~= 'grad q' and name ~= 'grad k' then return t end end })
-          assert(ok, ('D %d, Tq %d, Tk %d, %s keys: %s'):format(D, Tq, Tk, dir > 0 and 'rising' or 'falling',
-                 tostring(err)))
+          if not ok then ffi.C.setenv('ULY_CUDA_ATTN_DKV', '', 1) end
+          assert(ok, ('D %d%s, Tq %d, Tk %d, %s keys: %s'):format(D, run[2] ~= '' and ' (dK/dV 64-query tiles)' or '', Tq,
+                 Tk, dir > 0 and 'rising' or 'falling', tostring(err)))
         end
       end
     end
+    ffi.C.setenv('ULY_CUDA_ATTN_DKV', '', 1)
+  end)
+  -- ULY_CUDA_ATTN_DKV=64: the dK/dV kernel's wgmma variant with 64-query tiles (D = 64): its own
+  -- query walk (tile classification at 64 rows), buffers, stats and 64 x 64 products
+  it('the dK/dV kernel with 64-query tiles gives the CPU\'s gradients (D = 64: GQA, masks, edges)', function()
+    if not REAL then return end   -- the simulation has no fused kernels
+    helpers.reseed(38)
+    ffi.C.setenv('ULY_CUDA_ATTN_DKV', '64', 1)
+    local ok, err = pcall(function()
+      against_cpu(function(q, k, v) return uly.flash_attention(q, k, v, { causal = true }) end,
+        { uly.randn(2, 150, 4, 64), uly.randn(2, 150, 2, 64), uly.randn(2, 150, 2, 64) }, { fused_only = true })
+      against_cpu(function(q, k, v) return uly.flash_attention(q, k, v, { window = { 70, 9 } }) end,
+        { uly.randn(1, 97, 2, 64), uly.randn(1, 160, 1, 64), uly.randn(1, 160, 1, 64) }, { fused_only = true })
+      local lay = uly.attention_layouts.from_function(5, 5, function(r, c) return c == 0 or c == r or (r + c) % 3 == 0 end)
+      against_cpu(function(q, k, v) return uly.flash_attention(q, k, v, { block_layout = lay, block_size = 32, causal = true }) end,
+        { uly.randn(1, 150, 2, 64), uly.randn(1, 150, 2, 64), uly.randn(1, 150, 2, 64) }, { fused_only = true })
+      local docs = {}
+      for t = 1, 130 do docs[t] = t <= 45 and 0 or (t <= 100 and 1 or 2) end
+      local d = uly.tensor(docs, { dtype = 'i32' }):view(1, 130)
+      against_cpu(function(q, k, v, a, b) return uly.flash_attention(q, k, v, { causal = true, q_doc = a, k_doc = b }) end,
+        { uly.randn(1, 130, 2, 64), uly.randn(1, 130, 1, 64), uly.randn(1, 130, 1, 64), d, d }, { fused_only = true })
+    end)
+    ffi.C.setenv('ULY_CUDA_ATTN_DKV', '', 1)
+    assert(ok, err)
   end)
 end)
 

@@ -170,30 +170,36 @@ __device__ static inline void acc_times_tile(float acc[D / 8][4], float x[2 * KT
     }
 }
 
-/* two_products on wgmma: a1, a2 64-row tiles and b1, b2 32-row tiles, all in the wgmma layout
- * (K-major; A through a descriptor too, so no A registers: 64 fewer a thread at D = 128, which
- * lets dK/dV run on wgmma there without spilling); s and dp are the warpgroup's 64 x 32 results.
+/* two_products on wgmma: a1, a2 64-row tiles and b1, b2 N-row tiles (32 or 64), all in the wgmma
+ * layout (K-major; A through a descriptor too, so no A registers: 64 fewer a thread at D = 128,
+ * which lets dK/dV run on wgmma there without spilling); s and dp are the warpgroup's 64 x N.
  * The first of each chain ignores the accumulator (ACC 0) instead of adding to zeroed registers:
  * with zeros written, ptxas waited for the first wgmma before issuing the second (dQ, D = 128). */
-template <int D>
-__device__ static inline void two_products_wg(float s[4][4], float dp[4][4], const uint4 *a1, const uint4 *b1,
+template <int N, int ACC>
+__device__ static inline void wgmma_64xN_ss(float *d, uint64_t desc_a, uint64_t desc_b) {
+    if constexpr (N == 64) wgmma_64x64_ss<0, ACC>(d, desc_a, desc_b);
+    else wgmma_64x32_ss<0, ACC>(d, desc_a, desc_b);
+}
+template <int D, int N = 32>
+__device__ static inline void two_products_wg(float s[N / 8][4], float dp[N / 8][4], const uint4 *a1, const uint4 *b1,
                                               const uint4 *a2, const uint4 *b2) {
+    static_assert(N == 32 || N == 64, "two_products_wg: B tiles of 32 or 64 rows");
     const uint32_t da1 = wg_desc_lo(a1), db1 = wg_desc_lo(b1), da2 = wg_desc_lo(a2), db2 = wg_desc_lo(b2);
     wg_fence();
-    wgmma_64x32_ss<0, 0>(&s[0][0], wg_desc_at(da1, 0), wg_desc_at(db1, 0));
-    wgmma_64x32_ss<0, 0>(&dp[0][0], wg_desc_at(da2, 0), wg_desc_at(db2, 0));
+    wgmma_64xN_ss<N, 0>(&s[0][0], wg_desc_at(da1, 0), wg_desc_at(db1, 0));
+    wgmma_64xN_ss<N, 0>(&dp[0][0], wg_desc_at(da2, 0), wg_desc_at(db2, 0));
 #pragma unroll
     for (int kk = 1; kk < D / 16; kk++) {
         /* 16 of D: 32 bytes into the 128-byte lines of atom column kk / 4 (64-row atoms 8 KiB
-         * apart in A, 32-row ones 4 KiB in B) */
-        const uint32_t at = (kk & 3) * 32, a_off = (kk >> 2) * 8192 + at, b_off = (kk >> 2) * 4096 + at;
-        wgmma_64x32_ss<0>(&s[0][0], wg_desc_at(da1, a_off), wg_desc_at(db1, b_off));
-        wgmma_64x32_ss<0>(&dp[0][0], wg_desc_at(da2, a_off), wg_desc_at(db2, b_off));
+         * apart in A, N-row ones N x 128 bytes in B) */
+        const uint32_t at = (kk & 3) * 32, a_off = (kk >> 2) * 8192 + at, b_off = (kk >> 2) * (N * 128) + at;
+        wgmma_64xN_ss<N, 1>(&s[0][0], wg_desc_at(da1, a_off), wg_desc_at(db1, b_off));
+        wgmma_64xN_ss<N, 1>(&dp[0][0], wg_desc_at(da2, a_off), wg_desc_at(db2, b_off));
     }
     wg_commit();
     wg_wait<0>();
-    wg_fence_regs(&s[0][0], 16);
-    wg_fence_regs(&dp[0][0], 16);
+    wg_fence_regs(&s[0][0], N / 2);
+    wg_fence_regs(&dp[0][0], N / 2);
 }
 
 /* x (16 x 16 KT of this warp's rows, accumulator layout) rounded to bf16 as KT A fragments */
@@ -825,31 +831,33 @@ __device__ static inline full_rows full_rows_of_keys(const geom &g, int64_t j0) 
     return f;
 }
 
-/* the next 32-query tile, head-major over the query heads sharing the kv head (up to h_end), at or after
+/* the next QT-query tile, head-major over the query heads sharing the kv head (up to h_end), at or after
  * (*h, *i0) with a visible pair against keys [j0, j0 + 63]; 0 when none is left. Without a
  * block-sparse layout every tile of the rows [i_lo, i_hi] (query_span's, not empty) has one, and
  * it is wholly visible when its rows are within fr (the search took ~100 instructions a tile). */
+template <int QT>
 __device__ static inline int next_query_tile(const geom &g, int h_end, int64_t j0, int i_lo, int i_hi,
                                              const full_rows &fr, int *h, int *i0, int *st) {
     if (!g.layout) {
-        if (*i0 > i_hi) { (*h)++; *i0 = i_lo / 32 * 32; }
+        if (*i0 > i_hi) { (*h)++; *i0 = i_lo / QT * QT; }
         if (*h >= h_end) return 0;
-        *st = *i0 >= fr.lo && *i0 + 31 <= fr.hi ? TILE_FULL : TILE_MASKED;
+        *st = *i0 >= fr.lo && *i0 + QT - 1 <= fr.hi ? TILE_FULL : TILE_MASKED;
         return 1;
     }
-    for (; *h < h_end; (*h)++, *i0 = i_lo / 32 * 32)
-        for (; *i0 <= i_hi; *i0 += 32) {
-            *st = tile_state(g, span_of_rows(g, *i0, *i0 + 31), j0, j0 + 63);
+    for (; *h < h_end; (*h)++, *i0 = i_lo / QT * QT)
+        for (; *i0 <= i_hi; *i0 += QT) {
+            *st = tile_state(g, span_of_rows(g, *i0, *i0 + QT - 1), j0, j0 + 63);
             if (*st != TILE_EMPTY) return 1;
         }
     return 0;
 }
 
 /* dynamic shared memory of either backward kernel: two 64-row tiles that stay (dK/dV: K, V;
- * dQ: Q, dO) and two buffers of two 32-row tiles that stream (Q, dO; K, V); the one-pass dK/dV
- * kernel (DQ) adds dS^T as a bf16 tile of 64 keys x 32 queries */
-template <int D, bool DQ = false>
-static constexpr size_t backward_smem_bytes() { return (size_t)(2 * 64 + 4 * 32) * (D / 8) * 16 + (DQ ? 64 * 32 * 2 : 0); }
+ * dQ: Q, dO) and two buffers of two ST-row tiles that stream (Q, dO; K, V: 32 rows, or 64 in the
+ * dK/dV variant with 64-query tiles); the one-pass dK/dV kernel (DQ) adds dS^T as a bf16 tile of
+ * 64 keys x 32 queries */
+template <int D, bool DQ = false, int ST = 32>
+static constexpr size_t backward_smem_bytes() { return (size_t)(2 * 64 + 4 * ST) * (D / 8) * 16 + (DQ ? 64 * 32 * 2 : 0); }
 
 /* the one-pass backward's dQ share of one (64-key, 32-query) tile pair: dq (f32, [B, Tq, H, D]
  * rows i0.. of head h) += dS K over the block's 64 keys, dS^T read from the keys-major bf16 tile
@@ -888,17 +896,19 @@ __device__ static inline void dq_share(float *dq, const geom &g, int64_t b, int6
     }
 }
 
-/* the dK/dV kernel's per-query statistics of one 32-query tile, lse at st[0..31] and delta at
- * st[32..63] (zeros past the last query), queued as single-float cp.async copies beside the tile's
- * Q and dO: read from shared memory in the loop instead of from global memory (each thread's
- * loads of them there stalled on L2 latency every tile) */
-static constexpr size_t DKV_STATS_BYTES = 2 * 64 * sizeof(float);   /* two buffers */
+/* the dK/dV kernel's per-query statistics of one QT-query tile, lse at st[0..QT) and delta at
+ * st[QT..2 QT) (zeros past the last query), queued as single-float cp.async copies beside the
+ * tile's Q and dO: read from shared memory in the loop instead of from global memory (each
+ * thread's loads of them there stalled on L2 latency every tile) */
+static constexpr size_t dkv_stats_bytes(int QT) { return 2 * 2 * (size_t)QT * sizeof(float); }   /* two buffers */
+template <int QT>
 __device__ static inline void load_stats_async(float *st, const float *L, const float *dl, int64_t i0, int64_t Tq) {
+    static_assert(2 * QT <= FA_THREADS, "load_stats_async: a thread a value");
     const int t = threadIdx.x;
-    if (t < 64) {
-        const int64_t i = i0 + (t & 31);
+    if (t < 2 * QT) {
+        const int64_t i = i0 + (t & (QT - 1));
         const bool in = i < Tq;
-        cp_async4(st + t, in ? (t < 32 ? L : dl) + i : L, in);
+        cp_async4(st + t, in ? (t < QT ? L : dl) + i : L, in);
     }
 }
 
@@ -908,19 +918,26 @@ __device__ static inline void load_stats_async(float *st, const float *L, const 
  * DQ (the one-pass backward, D = 32 and 64): dQ too, from the same dS (dq_share, atomics), so
  * S and dP are computed once instead of once here and once in the dQ kernel; dq_share reads K
  * through ldmatrix, whose layout is the wgmma one at D = 64 only, so DQ stays on mma.sync at 128 */
-template <int D, bool WG, bool DQ = false>
-__global__ static void __launch_bounds__(FA_THREADS, WG_MIN_BLOCKS(WG && D == 64 && !DQ, D))
+/* QT: queries a tile, 32, or 64 in the wgmma variant at D = 64 (ULY_CUDA_ATTN_DKV=64): S^T and
+ * dP^T as 64 x 64 wgmmas, whose A (K, V: 2 KiB a wgmma from shared memory) then feeds twice the
+ * math of a 64 x 32 one, and half the tiles to walk; 3 blocks per SM instead of 4 (more registers) */
+#define DKV_MIN_BLOCKS(wg, D, DQ, QT) ((QT) == 64 ? ((wg) && ULY_HAS_WGMMA ? 3 : 0) : WG_MIN_BLOCKS((wg) && (D) == 64 && !(DQ), D))
+template <int D, bool WG, bool DQ = false, int QT = 32>
+__global__ static void __launch_bounds__(FA_THREADS, DKV_MIN_BLOCKS(WG, D, DQ, QT))
 fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO,
                 const float *lse, const float *delta, int *ran_wgmma, float *dq) {
     constexpr int CH = D / 8;
     constexpr bool W = WG && ULY_HAS_WGMMA && (D == 64 || (D == 128 && !DQ));
+    static_assert(QT == 32 || (QT == 64 && D == 64 && !DQ), "fa_backward_dkv: 64-query tiles only at D 64, two-pass");
+    constexpr int T = W ? QT : 32;   /* this pass's query tile (mma.sync: 32) */
+    constexpr int NT = T / 8;        /* n8 tiles of queries: S^T is 64 x T */
     ULY_DYNAMIC_SHARED(uint4, smem_raw);
     uint4 *const smem = W ? align_1024(smem_raw) : smem_raw;
     if (W && ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
-    /* K, V, then two buffers of Q (32 rows) followed by dO (32 rows), (DQ: dS^T), then the two
-     * buffers of lse and delta */
+    /* K, V, then two buffers of Q (T rows) followed by dO (T rows), (DQ: dS^T), then the two
+     * buffers of lse and delta (2 T floats each) */
     uint4 *const sK = smem, *const sV = smem + 64 * CH;
-    float *const sStats = (float *)(smem + 256 * CH + (DQ ? 64 * 32 * 2 / 16 : 0));
+    float *const sStats = (float *)(smem + (128 + 4 * QT) * CH + (DQ ? 64 * 32 * 2 / 16 : 0));
     const int64_t nt = (g.Tk + 63) / 64, tile = (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
     const int64_t b = bh / g.Hkv, hk = bh % g.Hkv, j0 = tile * 64, G = g.H / g.Hkv;
     const int64_t qs = g.H * D, ks = g.Hkv * D;
@@ -937,28 +954,28 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
     int64_t span_lo, span_hi;
     query_span(g, j0, j0 + 63 < g.Tk ? j0 + 63 : g.Tk - 1, &span_lo, &span_hi);
     const int i_lo = (int)span_lo, i_hi = (int)span_hi, h_end = (int)(hk * G + G);
-    int h = (int)(hk * G), i0 = i_lo / 32 * 32;
+    int h = (int)(hk * G), i0 = i_lo / T * T;
     int st = TILE_EMPTY, buf = 0;
     const full_rows fr = full_rows_of_keys(g, j0);
-    int have = i_lo <= i_hi && next_query_tile(g, h_end, j0, i_lo, i_hi, fr, &h, &i0, &st);
+    int have = i_lo <= i_hi && next_query_tile<T>(g, h_end, j0, i_lo, i_hi, fr, &h, &i0, &st);
     load_tile_async<D, 64, W>(sK, K + b * g.Tk * ks + hk * D, j0, g.Tk, ks);   /* W: A of S^T, dP^T */
     load_tile_async<D, 64, W>(sV, V + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
     const float *const lse_b = lse + b * g.H * g.Tq, *const delta_b = delta + b * g.H * g.Tq;
     if (have) {
-        load_tile_async<D, 32, W>(smem + 128 * CH, qbase + h * D, i0, g.Tq, qs);
-        load_tile_async<D, 32, W>(smem + 160 * CH, obase + h * D, i0, g.Tq, qs);
-        load_stats_async(sStats, lse_b + h * g.Tq, delta_b + h * g.Tq, i0, g.Tq);
+        load_tile_async<D, T, W>(smem + 128 * CH, qbase + h * D, i0, g.Tq, qs);
+        load_tile_async<D, T, W>(smem + (128 + T) * CH, obase + h * D, i0, g.Tq, qs);
+        load_stats_async<T>(sStats, lse_b + h * g.Tq, delta_b + h * g.Tq, i0, g.Tq);
     }
     cp_async_commit();
     while (have) {
-        int h_next = h, i_next = i0 + 32;
+        int h_next = h, i_next = i0 + T;
         int st_next = TILE_EMPTY;
-        const int more = next_query_tile(g, h_end, j0, i_lo, i_hi, fr, &h_next, &i_next, &st_next);
+        const int more = next_query_tile<T>(g, h_end, j0, i_lo, i_hi, fr, &h_next, &i_next, &st_next);
         if (more) {   /* the other buffer: every warp finished with it at the end of the last round */
-            uint4 *const other = smem + (128 + 64 * (buf ^ 1)) * CH;
-            load_tile_async<D, 32, W>(other, qbase + h_next * D, i_next, g.Tq, qs);
-            load_tile_async<D, 32, W>(other + 32 * CH, obase + h_next * D, i_next, g.Tq, qs);
-            load_stats_async(sStats + 64 * (buf ^ 1), lse_b + h_next * g.Tq, delta_b + h_next * g.Tq, i_next, g.Tq);
+            uint4 *const other = smem + (128 + 2 * T * (buf ^ 1)) * CH;
+            load_tile_async<D, T, W>(other, qbase + h_next * D, i_next, g.Tq, qs);
+            load_tile_async<D, T, W>(other + T * CH, obase + h_next * D, i_next, g.Tq, qs);
+            load_stats_async<T>(sStats + 2 * T * (buf ^ 1), lse_b + h_next * g.Tq, delta_b + h_next * g.Tq, i_next, g.Tq);
         }
         cp_async_commit();
         /* this tile's mask (bit 2 n + c of key r: the query in s[n][2 r + c]; all set but on
@@ -966,43 +983,43 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
         uint32_t vis[2] = {~0u, ~0u};
         if (st == TILE_MASKED)
 #pragma unroll
-            for (int r = 0; r < 2; r++) vis[r] = keys[r] < g.Tk ? visible_bits<4, false>(g, b, keys[r], i0 + 2 * tq) : 0u;
+            for (int r = 0; r < 2; r++) vis[r] = keys[r] < g.Tk ? visible_bits<NT, false>(g, b, keys[r], i0 + 2 * tq) : 0u;
         cp_async_wait<1>();   /* this tile's Q and dO (and K, V): all but the newest group */
         if (W) fence_proxy_async();
         __syncthreads();
-        const uint4 *const sQ = smem + (128 + 64 * buf) * CH, *const sO = sQ + 32 * CH;
-        const float *const stats = sStats + 64 * buf;   /* this tile's lse, then delta */
-        float s[4][4], dp[4][4];
-        if (W) two_products_wg<D>(s, dp, sK, sQ, sV, sO);   /* S^T = K Q^T, dP^T = V dO^T */
+        const uint4 *const sQ = smem + (128 + 2 * T * buf) * CH, *const sO = sQ + T * CH;
+        const float *const stats = sStats + 2 * T * buf;   /* this tile's lse, then delta */
+        float s[NT][4], dp[NT][4];
+        if constexpr (W) two_products_wg<D, T>(s, dp, sK, sQ, sV, sO);   /* S^T = K Q^T, dP^T = V dO^T */
         else two_products<D>(s, dp, sK, sQ, sV, sO, warp);
         if (st == TILE_MASKED) {   /* S^T at -inf where not visible (exp gives 0) */
-            apply_bits<4>(s, vis[0], 0);
-            apply_bits<4>(s, vis[1], 1);
+            apply_bits<NT>(s, vis[0], 0);
+            apply_bits<NT>(s, vis[1], 1);
         }
         /* P^T = exp(S^T scale - lse) as 2^(S^T scale log2e - lse log2e). Only masked tiles hold
          * queries past the last (stats 0) or queries that see nothing (lse -inf), and there
          * every pair of theirs is -inf: lse is clamped to -1e30 so that -inf - lse stays -inf
          * (P = 0; with lse -inf it would be NaN). dS^T / scale = P^T (dP^T - delta): the scale
          * is applied to dK once at the end (and by dq_share to its dQ) */
-        float nl2[4][2], dlc[4][2];
+        float nl2[NT][2], dlc[NT][2];
 #pragma unroll
-        for (int n = 0; n < 4; n++)
+        for (int n = 0; n < NT; n++)
 #pragma unroll
             for (int c = 0; c < 2; c++) {
                 const int t = n * 8 + 2 * tq + c;
                 nl2[n][c] = -fmaxf(stats[t], -1e30f) * LOG2E_F;
-                dlc[n][c] = stats[32 + t];
+                dlc[n][c] = stats[T + t];
             }
         const float sl2 = g.scale * LOG2E_F;
 #pragma unroll
-        for (int n = 0; n < 4; n++)
+        for (int n = 0; n < NT; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const float p = exp2_ftz(fmaf(s[n][e], sl2, nl2[n][e & 1]));
                 s[n][e] = p;
                 dp[n][e] = p * (dp[n][e] - dlc[n][e & 1]);
             }
-        if (DQ) {   /* dS^T into its bf16 tile (keys-major), then this tile pair's share of dQ */
+        if constexpr (DQ) {   /* dS^T into its bf16 tile (keys-major), then this tile pair's share of dQ */
             uint4 *const sdS = smem + 256 * CH;
 #pragma unroll
             for (int n = 0; n < 4; n++)
@@ -1013,19 +1030,19 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
             __syncthreads();
             dq_share<D>(dq, g, b, h, i0, sdS, sK, warp);
         }
-        if (W) {   /* dV += P^T dO, dK += dS^T Q: P^T, dS^T from the accumulators, dO and Q MN-major */
-            uint32_t pa[2][4], da[2][4];
-            acc_to_a_all<2>(pa, s);
-            acc_to_a_all<2>(da, dp);
+        if constexpr (W) {   /* dV += P^T dO, dK += dS^T Q: P^T, dS^T from the accumulators, dO and Q MN-major */
+            uint32_t pa[T / 16][4], da[T / 16][4];
+            acc_to_a_all<T / 16>(pa, s);
+            acc_to_a_all<T / 16>(da, dp);
             wg_fence();
-            acc_times_tile_wg<D, 2, 32>(dva, pa, sO);
-            acc_times_tile_wg<D, 2, 32>(dka, da, sQ);
+            acc_times_tile_wg<D, T / 16, T>(dva, pa, sO);
+            acc_times_tile_wg<D, T / 16, T>(dka, da, sQ);
             wg_commit();
             wg_wait<0>();
             wg_fence_regs(&dva[0][0], 4 * CH);
             wg_fence_regs(&dka[0][0], 4 * CH);
         } else {
-            acc_times_tile<D, 2>(dva, s, sO);    /* dV += P^T dO */
+            acc_times_tile<D, 2>(dva, s, sO);    /* dV += P^T dO (T = 32) */
             acc_times_tile<D, 2>(dka, dp, sQ);   /* dK += dS^T Q */
         }
         __syncthreads();   /* every warp is done with this buffer before the next round refills it */
@@ -1247,16 +1264,36 @@ static void launch_dq(int64_t blocks, float *dq, const geom &g, const bf16 *q, c
                                                                                               delta, ran);
 }
 
+/* ULY_CUDA_ATTN_DKV=64: the dK/dV kernel's wgmma variant with 64-query tiles at D = 64 (see
+ * fa_backward_dkv; bench/gpu.lua times it beside the default 32) */
+static int dkv_query_tile(int D) {
+    const char *env = getenv("ULY_CUDA_ATTN_DKV");
+    return D == 64 && env && !strcmp(env, "64") ? 64 : 32;
+}
+
+template <int D, bool WG, bool DQ = false, int QT = 32>
+static void launch_dkv_qt(int64_t blocks, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k,
+                          const bf16 *v, const bf16 *dout, const float *lse, const float *delta, int *ran, float *dq) {
+    const size_t smem = backward_smem_bytes<D, DQ, QT>() + dkv_stats_bytes(QT) + (WG ? 1024 : 0);   /* WG: room to align */
+    cudaError_t e = cudaFuncSetAttribute(fa_backward_dkv<D, WG, DQ, QT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dK, dV): shared memory", e); return; }
+    char name[80] = "";   /* for the profiler */
+    if (uly_cu_prof_on)
+        snprintf(name, sizeof name, "attention backward dK dV%s D %d%s%s", DQ ? " dQ (one pass)" : "", D, WG ? " wgmma" : "",
+                 QT == 64 ? " (64-query tiles)" : "");
+    ULY_LAUNCH_SMEM_AS(name, (fa_backward_dkv<D, WG, DQ, QT>), blocks, FA_THREADS, smem, uly_cu_stream)(
+        dk, dv, g, q, k, v, dout, lse, delta, ran, dq);
+}
 template <int D, bool WG, bool DQ = false>
 static void launch_dkv(int64_t blocks, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                        const bf16 *dout, const float *lse, const float *delta, int *ran, float *dq = NULL) {
-    const size_t smem = backward_smem_bytes<D, DQ>() + DKV_STATS_BYTES + (WG ? 1024 : 0);   /* WG: room to align */
-    cudaError_t e = cudaFuncSetAttribute(fa_backward_dkv<D, WG, DQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dK, dV): shared memory", e); return; }
-    char name[64] = "";   /* for the profiler */
-    if (uly_cu_prof_on) snprintf(name, sizeof name, "attention backward dK dV%s D %d%s", DQ ? " dQ (one pass)" : "", D, WG ? " wgmma" : "");
-    ULY_LAUNCH_SMEM_AS(name, (fa_backward_dkv<D, WG, DQ>), blocks, FA_THREADS, smem, uly_cu_stream)(dk, dv, g, q, k, v,
-                                                                                                   dout, lse, delta, ran, dq);
+    if constexpr (WG && !DQ && D == 64) {
+        if (dkv_query_tile(D) == 64) {
+            launch_dkv_qt<D, WG, DQ, 64>(blocks, dk, dv, g, q, k, v, dout, lse, delta, ran, dq);
+            return;
+        }
+    }
+    launch_dkv_qt<D, WG, DQ, 32>(blocks, dk, dv, g, q, k, v, dout, lse, delta, ran, dq);
 }
 
 /* the largest |a - b| over n values and the largest |a|, NaN counted as a difference */

@@ -183,6 +183,10 @@ template <int TRANS, int ACC = 1>
 __device__ static inline void wgmma_64x32_ss(float d[16], uint64_t desc_a, uint64_t desc) {
     uly_emu::wgmma_queue_ss(d, 32, desc_a, desc, TRANS, ACC);
 }
+template <int TRANS, int ACC = 1>
+__device__ static inline void wgmma_64x64_ss(float d[32], uint64_t desc_a, uint64_t desc) {
+    uly_emu::wgmma_queue_ss(d, 64, desc_a, desc, TRANS, ACC);
+}
 __device__ static inline void wg_fence(void) {}
 __device__ static inline void wg_commit(void) { uly_emu::wgmma_commit(); }
 template <int N>
@@ -226,6 +230,19 @@ __device__ static inline void wgmma_64x32_ss(float d[16], uint64_t desc_a, uint6
                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
                  : "l"(desc_a), "l"(desc), "n"(TRANS), "n"(ACC));
 }
+template <int TRANS, int ACC = 1>
+__device__ static inline void wgmma_64x64_ss(float d[32], uint64_t desc_a, uint64_t desc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %35, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "%32, %33, p, 1, 1, 0, %34;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(desc_a), "l"(desc), "n"(TRANS), "n"(ACC));
+}
 __device__ static inline void wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ static inline void wg_commit(void) { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -242,6 +259,8 @@ template <int TRANS>
 __device__ static inline void wgmma_64x32(float *, const uint32_t *, uint64_t) {}
 template <int TRANS, int ACC = 1>
 __device__ static inline void wgmma_64x32_ss(float *, uint64_t, uint64_t) {}
+template <int TRANS, int ACC = 1>
+__device__ static inline void wgmma_64x64_ss(float *, uint64_t, uint64_t) {}
 __device__ static inline void wg_fence(void) {}
 __device__ static inline void wg_commit(void) {}
 template <int N>
