@@ -126,13 +126,17 @@ end
 -- 32/64/128), ULY_CUDA_ATTN_WGMMA for its kernels ('': decided by its self-check, wgmma on Hopper;
 -- '0': the mma.sync kernels), ULY_CUDA_ATTN_BWD ('onepass': dQ with atomics from the dK/dV kernel,
 -- D <= 64), ULY_CUDA_ATTN_FWD ('pipelined': the wgmma forward issues the next tile's S before
--- this softmax) and ULY_CUDA_ATTN_DKV ('64': the dK/dV kernel's 64-query tiles, D 64)
-local all_paths = { { 'f32 chunked', 'f32', 'chunked', '', '', '', '' }, { 'bf16 chunked', 'bf16', 'chunked', '', '', '', '' },
-                    { 'bf16 fused', 'bf16', 'fused', '', '', '', '' }, { 'fused 1-pass', 'bf16', 'fused', '', 'onepass', '', '' },
-                    { 'fused pipe+1p', 'bf16', 'fused', '', 'onepass', 'pipelined', '' },
-                    { 'fused mma.sync', 'bf16', 'fused', '0', '', '', '' } }
-local fused_paths = { all_paths[3], all_paths[4], all_paths[5], all_paths[6],
-                      { 'fused dkv64', 'bf16', 'fused', '', '', '', '64' } }   -- (the D 64 table)
+-- this softmax), ULY_CUDA_ATTN_DKV ('64': the dK/dV kernel's 64-query tiles, D 64) and
+-- ULY_CUDA_ATTN_DQ ('64': the dQ kernel's 64-key tiles, D 64)
+local all_paths = { { 'f32 chunked', 'f32', 'chunked', '', '', '', '', '' },
+                    { 'bf16 chunked', 'bf16', 'chunked', '', '', '', '', '' },
+                    { 'bf16 fused', 'bf16', 'fused', '', '', '', '', '' },
+                    { 'fused 1-pass', 'bf16', 'fused', '', 'onepass', '', '', '' },
+                    { 'fused pipe+1p', 'bf16', 'fused', '', 'onepass', 'pipelined', '', '' },
+                    { 'fused mma.sync', 'bf16', 'fused', '0', '', '', '', '' } }
+local fused_paths = { all_paths[3], all_paths[4], all_paths[5], all_paths[6],   -- the D 64 table's, and:
+                      { 'fused dkv64', 'bf16', 'fused', '', '', '', '64', '' }, { 'fused dq64', 'bf16', 'fused', '', '', '', '', '64' },
+                      { 'fused bwd64', 'bf16', 'fused', '', '', '', '64', '64' } }
 
 -- causal forward + backward at B 1, H heads of D, N from 4096 (quick: 128) doubling up to n_max,
 -- every path against cuDNN's fused kernel on the same shape
@@ -165,6 +169,7 @@ local function attention_table(H, D, paths, n_max)
       ffi.C.setenv('ULY_CUDA_ATTN_BWD', path[5], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_FWD', path[6], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', path[7], 1)
+      ffi.C.setenv('ULY_CUDA_ATTN_DQ', path[8], 1)
       local fwd = time(function() local o = uly.no_grad(uly.flash_attention, q, k, v, { causal = true }) end, opts.reps)
       local both = time(function()
         local o = uly.flash_attention(q, k, v, { causal = true })
@@ -180,6 +185,7 @@ local function attention_table(H, D, paths, n_max)
     ffi.C.setenv('ULY_CUDA_ATTN_BWD', '', 1)
     ffi.C.setenv('ULY_CUDA_ATTN_FWD', '', 1)
     ffi.C.setenv('ULY_CUDA_ATTN_DKV', '', 1)
+    ffi.C.setenv('ULY_CUDA_ATTN_DQ', '', 1)
     q, k, v, g = nil, nil, nil, nil
     collectgarbage('collect')
     n = n * 2

@@ -1069,13 +1069,19 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
 
 /* ---- backward: dQ ---- */
 /* WG: S, dP and dQ += dS K as wgmma (Hopper), the K and V tiles in its layout (D = 64, 128) */
-template <int D, bool WG>
+/* KT: keys a tile, 32, or 64 in the wgmma variant at D = 64 (ULY_CUDA_ATTN_DQ=64): S and dP as
+ * 64 x 64 wgmmas, whose A (Q, dO from shared memory) then feeds twice the math, and half the
+ * tiles to walk */
+template <int D, bool WG, int KT = 32>
 __global__ static void __launch_bounds__(FA_THREADS)
 fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO, const float *lse,
                const float *delta, int *ran_wgmma) {
     constexpr int CH = D / 8;
     constexpr bool W = WG && ULY_HAS_WGMMA && (D == 64 || D == 128);
-    /* Q, dO (64 rows), then two buffers of K (32 rows) followed by V (32 rows) */
+    static_assert(KT == 32 || (KT == 64 && D == 64), "fa_backward_dq: 64-key tiles only at D 64");
+    constexpr int T = W ? KT : 32;   /* this pass's key tile (mma.sync: 32) */
+    constexpr int NT = T / 8;        /* n8 tiles of keys: S is 64 x T */
+    /* Q, dO (64 rows), then two buffers of K (T rows) followed by V (T rows) */
     ULY_DYNAMIC_SHARED(uint4, smem_raw);
     uint4 *const smem = W ? align_1024(smem_raw) : smem_raw;
     if (W && ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
@@ -1101,12 +1107,12 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
     chunk_band(g, i0, i0 + 64 < g.Tq ? i0 + 64 : g.Tq, &lo, &hi);
     const row_span rs = span_of_rows(g, i0, i0 + 63);
     int st = TILE_EMPTY, buf = 0;
-    int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / 32 * 32, hi, 32, &st) : -1;
+    int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / T * T, hi, T, &st) : -1;
     load_tile_async<D, 64, W>(sQ, Q + b * g.Tq * qs + h * D, i0, g.Tq, qs);   /* W: A of S, dP */
     load_tile_async<D, 64, W>(sO, dO + b * g.Tq * qs + h * D, i0, g.Tq, qs);
     if (j0 >= 0) {
-        load_tile_async<D, 32, W>(smem + 128 * CH, k, j0, g.Tk, ks);
-        load_tile_async<D, 32, W>(smem + 160 * CH, v, j0, g.Tk, ks);
+        load_tile_async<D, T, W>(smem + 128 * CH, k, j0, g.Tk, ks);
+        load_tile_async<D, T, W>(smem + (128 + T) * CH, v, j0, g.Tk, ks);
     }
     cp_async_commit();
     float acc[CH][4];
@@ -1114,33 +1120,33 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
     for (int n = 0; n < CH; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     while (j0 >= 0) {
         int st_next = TILE_EMPTY;
-        const int64_t j_next = next_key_tile(g, rs, j0 + 32, hi, 32, &st_next);
+        const int64_t j_next = next_key_tile(g, rs, j0 + T, hi, T, &st_next);
         if (j_next >= 0) {   /* the other buffer: every warp finished with it at the end of the last round */
-            uint4 *const other = smem + (128 + 64 * (buf ^ 1)) * CH;
-            load_tile_async<D, 32, W>(other, k, j_next, g.Tk, ks);
-            load_tile_async<D, 32, W>(other + 32 * CH, v, j_next, g.Tk, ks);
+            uint4 *const other = smem + (128 + 2 * T * (buf ^ 1)) * CH;
+            load_tile_async<D, T, W>(other, k, j_next, g.Tk, ks);
+            load_tile_async<D, T, W>(other + T * CH, v, j_next, g.Tk, ks);
         }
         cp_async_commit();
         uint32_t vis[2] = {~0u, ~0u};   /* the tile's mask, while the tiles load (as in dK/dV) */
-        if (st == TILE_MASKED) row_bits<4, false>(vis, g, b, rows, j0, tq);
+        if (st == TILE_MASKED) row_bits<NT, false>(vis, g, b, rows, j0, tq);
         cp_async_wait<1>();   /* this tile's K and V (and Q, dO): all but the newest group */
         if (W) fence_proxy_async();
         __syncthreads();
-        const uint4 *const sK = smem + (128 + 64 * buf) * CH, *const sV = sK + 32 * CH;
-        float s[4][4], dp[4][4];
-        if (W) two_products_wg<D>(s, dp, sQ, sK, sO, sV);   /* S = Q K^T, dP = dO V^T */
+        const uint4 *const sK = smem + (128 + 2 * T * buf) * CH, *const sV = sK + T * CH;
+        float s[NT][4], dp[NT][4];
+        if constexpr (W) two_products_wg<D, T>(s, dp, sQ, sK, sO, sV);   /* S = Q K^T, dP = dO V^T */
         else two_products<D>(s, dp, sQ, sK, sO, sV, warp);
         if (st == TILE_MASKED) {   /* exp(-inf) = 0 */
-            apply_bits<4>(s, vis[0], 0);
-            apply_bits<4>(s, vis[1], 1);
+            apply_bits<NT>(s, vis[0], 0);
+            apply_bits<NT>(s, vis[1], 1);
         }
 #pragma unroll
-        for (int n = 0; n < 4; n++)
+        for (int n = 0; n < NT; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++)   /* dS / scale = P (dP - delta), P = 2^(S scale log2e - lse log2e) */
                 s[n][e] = exp2_ftz(fmaf(s[n][e], sl2, nl2[e >> 1])) * (dp[n][e] - dl[e >> 1]);
-        if (W) times_tile_wg_waited<D, 2, 32>(acc, s, sK);   /* dQ += dS K, K MN-major */
-        else acc_times_tile<D, 2>(acc, s, sK);
+        if constexpr (W) times_tile_wg_waited<D, T / 16, T>(acc, s, sK);   /* dQ += dS K, K MN-major */
+        else acc_times_tile<D, 2>(acc, s, sK);   /* (T = 32) */
         __syncthreads();   /* every warp is done with this buffer before the next round refills it */
         j0 = j_next;
         st = st_next;
@@ -1252,16 +1258,35 @@ static int wg_state[2][3];   /* by head dim (64, 128) and kernel: 0 not decided,
 static char wg_why[2][400] = {"not decided yet (decided at the first fused attention with D = 64)",
                               "not decided yet (decided at the first fused attention with D = 128)"};
 
+/* ULY_CUDA_ATTN_DQ=64: the dQ kernel's wgmma variant with 64-key tiles at D = 64 (see
+ * fa_backward_dq; bench/gpu.lua times it beside the default 32) */
+static int dq_key_tile(int D) {
+    const char *env = getenv("ULY_CUDA_ATTN_DQ");
+    return D == 64 && env && !strcmp(env, "64") ? 64 : 32;
+}
+
+template <int D, bool WG, int KT>
+static void launch_dq_kt(int64_t blocks, float *dq, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
+                         const bf16 *dout, const float *lse, const float *delta, int *ran) {
+    const size_t smem = backward_smem_bytes<D, false, KT>() + (WG ? 1024 : 0);   /* WG: room to align the tiles */
+    cudaError_t e = cudaFuncSetAttribute(fa_backward_dq<D, WG, KT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dQ): shared memory", e); return; }
+    char name[64] = "";   /* for the profiler */
+    if (uly_cu_prof_on)
+        snprintf(name, sizeof name, "attention backward dQ D %d%s%s", D, WG ? " wgmma" : "", KT == 64 ? " (64-key tiles)" : "");
+    ULY_LAUNCH_SMEM_AS(name, (fa_backward_dq<D, WG, KT>), blocks, FA_THREADS, smem, uly_cu_stream)(dq, g, q, k, v, dout,
+                                                                                                  lse, delta, ran);
+}
 template <int D, bool WG>
 static void launch_dq(int64_t blocks, float *dq, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                       const bf16 *dout, const float *lse, const float *delta, int *ran) {
-    const size_t smem = backward_smem_bytes<D>() + (WG ? 1024 : 0);   /* WG: room to align the tiles */
-    cudaError_t e = cudaFuncSetAttribute(fa_backward_dq<D, WG>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dQ): shared memory", e); return; }
-    char name[64] = "";   /* for the profiler */
-    if (uly_cu_prof_on) snprintf(name, sizeof name, "attention backward dQ D %d%s", D, WG ? " wgmma" : "");
-    ULY_LAUNCH_SMEM_AS(name, (fa_backward_dq<D, WG>), blocks, FA_THREADS, smem, uly_cu_stream)(dq, g, q, k, v, dout, lse,
-                                                                                              delta, ran);
+    if constexpr (WG && D == 64) {
+        if (dq_key_tile(D) == 64) {
+            launch_dq_kt<D, WG, 64>(blocks, dq, g, q, k, v, dout, lse, delta, ran);
+            return;
+        }
+    }
+    launch_dq_kt<D, WG, 32>(blocks, dq, g, q, k, v, dout, lse, delta, ran);
 }
 
 /* ULY_CUDA_ATTN_DKV=64: the dK/dV kernel's wgmma variant with 64-query tiles at D = 64 (see
