@@ -1,6 +1,6 @@
 /* kernels/cuda/profile.cu — GPU time per kernel (profile.cuh): while on, each launch's pair of
- * events is kept (events from a pool that grows and is reused); stop waits for the device and
- * sums each pair's elapsed time under its name. The report: uly_cuda_profile_entry(i), entries
+ * events is kept (made as needed); stop waits for the device, sums each pair's elapsed time under
+ * its name and destroys the events. The report: uly_cuda_profile_entry(i), entries
  * by total time, longest first, and the wall time from start to stop on the backend's stream. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,8 +24,7 @@ struct entry {
     int64_t calls;
     double ms;
 };
-std::vector<cudaEvent_t> pool;        /* events made so far, reused by each profile */
-size_t pool_used;
+std::vector<cudaEvent_t> pool;        /* this profile's events, destroyed at its stop */
 std::vector<launch_rec> launches;     /* this profile's, in launch order */
 std::vector<entry> report;            /* the last stop's */
 cudaEvent_t wall_a, wall_b;
@@ -33,12 +32,14 @@ double wall_ms;
 char failure[200];
 
 cudaEvent_t take_event() {
-    if (pool_used == pool.size()) {
-        cudaEvent_t e;
-        if (cudaEventCreate(&e) != cudaSuccess) return NULL;
-        pool.push_back(e);
-    }
-    return pool[pool_used++];
+    cudaEvent_t e;
+    if (cudaEventCreate(&e) != cudaSuccess) return NULL;
+    pool.push_back(e);
+    return e;
+}
+void destroy_events() {
+    for (cudaEvent_t e : pool) cudaEventDestroy(e);
+    pool.clear();
 }
 void fail(const char *what, cudaError_t e) {
     if (!failure[0]) snprintf(failure, sizeof failure, "profiling: %s: %s", what, cudaGetErrorString(e));
@@ -73,12 +74,13 @@ extern "C" int uly_cuda_profile_start(void) {
     if (!uly_cuda_backend()) return -1;   /* the reason is recorded */
     launches.clear();
     report.clear();
-    pool_used = 0;
+    destroy_events();
     failure[0] = 0;
     wall_ms = 0;
     wall_a = take_event();
     wall_b = take_event();
     if (!wall_a || !wall_b || cudaEventRecord(wall_a, uly_cu_stream) != cudaSuccess) {
+        destroy_events();
         uly_cuda_record_error("uly.cuda.profile: cannot record a CUDA event");
         return -1;
     }
@@ -109,6 +111,7 @@ extern "C" int uly_cuda_profile_stop(void) {
         }
     }
     launches.clear();
+    destroy_events();
     std::stable_sort(report.begin(), report.end(), [](const entry &x, const entry &y) { return x.ms > y.ms; });
     if (failure[0]) {
         report.clear();
