@@ -25,10 +25,10 @@
  * Head dims 32, 64 and 128; attention.cu runs everything else (and f32 precision) on its chunked
  * cuBLAS path. ULY_CUDA_ATTN=chunked forces that path for comparisons.
  * On Hopper (sm_90a, this file's 9.0 build) the forward at D = 64 and 128 runs S = Q K^T and
- * O += P V as warpgroup MMAs (wgmma, mma.cuh): the block's 4 warps are one warpgroup, Q stays in
- * registers as A, K and V are B straight from shared memory in the 128-byte-swizzled layout
- * (K-major K, MN-major V), and the softmax is unchanged (wgmma's accumulators have mma.sync's
- * layout). The dQ kernel does the same (S and dP as 64 x 32 wgmmas, A (Q, dO) and B (K, V) both
+ * O += P V as warpgroup MMAs (wgmma, mma.cuh): the block's 4 warps are one warpgroup, Q (A) and
+ * K, V (B) come straight from shared memory in the 128-byte-swizzled layout (K-major Q and K,
+ * MN-major V), P is A from registers, and the softmax is unchanged (wgmma's accumulators have
+ * mma.sync's layout). The dQ kernel does the same (S and dP as 64 x 32 wgmmas, A (Q, dO) and B (K, V) both
  * K-major from shared memory, dQ += dS K with K MN-major), and so does dK/dV (S^T, dP^T with K,
  * V as A and Q, dO as B, K-major; dV, dK with Q, dO MN-major).
  * Enabled by a self-check at the first forward (every kernel both ways on a small problem);
@@ -104,24 +104,26 @@ __device__ static inline uint4 *align_1024(uint4 *p) {
 
 /* the query tile of a GQA group packed (decoding): row r is query r % Tq of query head
  * h0 + r / Tq, rows at or past `rows` zeros; qb points at the batch's first query row */
-template <int D>
+template <int D, bool WG = false>
 __device__ static inline void load_q_grouped(uint4 *s, const bf16 *qb, int64_t h0, int64_t rows, int64_t Tq,
                                              int64_t stride) {
     constexpr int CH = D / 8;
     for (int e = threadIdx.x; e < 64 * CH; e += FA_THREADS) {
         int r = e / CH, c = e % CH, in = r < rows;
         const int tq = (int)Tq;   /* <= 64 here: 32-bit division */
-        cp_async16(&s[sw_at<D>(r, c)], in ? qb + (h0 + r / tq) * D + (r % tq) * stride + c * 8 : qb, in);
+        cp_async16(&s[WG ? sw128_at<64>(r, c) : sw_at<D>(r, c)], in ? qb + (h0 + r / tq) * D + (r % tq) * stride + c * 8 : qb,
+                   in);
     }
 }
 
 /* the forward's query tile, queued as cp.async copies: rows i0.. of the block's head, or (grouped)
- * every query of the GQA group whose first query head is h0 */
-template <int D, bool grouped>
+ * every query of the GQA group whose first query head is h0; WG: in the wgmma layout (A of
+ * S = Q K^T from shared memory) */
+template <int D, bool grouped, bool WG = false>
 __device__ static inline void load_query_tile(uint4 *sQ, const bf16 *q, const geom &g, int64_t h0, int64_t i0,
                                               int64_t stride) {
-    if (grouped) load_q_grouped<D>(sQ, q, h0, g.Tq * (g.H / g.Hkv), g.Tq, stride);
-    else load_tile_async<D, 64>(sQ, q, i0, g.Tq, stride);
+    if (grouped) load_q_grouped<D, WG>(sQ, q, h0, g.Tq * (g.H / g.Hkv), g.Tq, stride);
+    else load_tile_async<D, 64, WG>(sQ, q, i0, g.Tq, stride);
 }
 
 /* this lane's ldmatrix row for the 16 x 16 block at row r0, chunk kc: in A order (matrices
@@ -246,11 +248,10 @@ __device__ static inline float exp2_ftz(float x) {
 }
 
 /* How many blocks of a wgmma kernel an SM should hold (__launch_bounds__' second argument, which
- * caps ptxas's registers): at D = 128, 3 (168 registers a thread; uncapped, the forward took 186,
- * which leaves room for 2), at D = 64, 4 (128). Used by the forward (not pipelined: the few bytes
- * it spills, the loop bounds, sit outside the MMA and softmax code) and by dK/dV at D = 64 (123
- * registers, no spills; uncapped 144; the one-pass variant would spill 68 bytes and is left
- * out). The mma.sync build is left uncapped: it would spill its accumulators. 0 is "unspecified":
+ * caps ptxas's registers): at D = 128, 3 (at most 168 registers a thread; with Q read from
+ * shared memory the forward takes 159, no spills), at D = 64, 4 (128; the forward takes 122).
+ * Used by the forward (not pipelined) and by dK/dV at D = 64 (128 registers, no spills; uncapped
+ * 144; the one-pass variant would spill 68 bytes and is left out). The mma.sync build is left uncapped: it would spill its accumulators. 0 is "unspecified":
  * ptxas then picks as with no second argument (an explicit 1 made it take more registers). */
 #define WG_MIN_BLOCKS(wg, D) ((wg) && ULY_HAS_WGMMA ? ((D) == 128 ? 3 : (D) == 64 ? 4 : 0) : 0)
 
@@ -332,28 +333,24 @@ __device__ static inline int64_t next_key_tile(const geom &g, const row_span &rs
 }
 
 /* ---- forward ---- */
-/* Q's A fragments loaded again from its shared tile, before each wgmma S = Q K^T in the loop.
- * Loaded once before the loop (as the mma.sync path does), they were live across it in the PTX,
- * but ptxas (CUDA 13.0, sm_90a) gave their registers to P's bf16 fragments inside the loop in the
- * D = 64 forward, so from the second key tile on S was P K^T: the wrong numbers an H200 showed
- * (2026-12-04; seen in the SASS: LDSM into R88-R103 before the loop, F2FP into them within it).
- * Reloading costs KS ldmatrix per tile and leaves nothing live across the back edge. */
-template <int D>
-__device__ static inline void reload_q(uint32_t qa[][4], const uint4 *sQ, int warp) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) ldmatrix_x4(qa[kk], frag_a<D>(sQ, warp * 16, 2 * kk));
-}
-
 /* S = Q K^T for the warpgroup's 64 x 64 tile on wgmma, queued and committed (the caller waits):
- * qa the warp's Q fragments, kt the K tile in the wgmma layout (K-major B, 16 of D an instruction) */
+ * A (Q) and B (K) both from shared memory in the wgmma layout (K-major, 16 of D an instruction),
+ * the first with scale-d 0 (no zeroed accumulators). Q was A from registers, loaded once before
+ * the loop; ptxas (CUDA 13.0, sm_90a) then gave those registers to P's bf16 fragments inside the
+ * loop at D = 64, so from the second key tile on S was P K^T (the wrong numbers an H200 showed,
+ * 2026-12-04; seen in the SASS). Reloading them every tile fixed that at the cost of KS ldmatrix
+ * and their addresses; from shared memory nothing of Q is in registers at all, and the bytes
+ * read are the same as the reload's. */
 template <int KS>
-__device__ static inline void scores_wg(float s[8][4], const uint32_t qa[KS][4], const uint4 *kt) {
-#pragma unroll
-    for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-    const uint32_t dk = wg_desc_lo(kt);
+__device__ static inline void scores_wg(float s[8][4], const uint4 *sQ, const uint4 *kt) {
+    const uint32_t dq = wg_desc_lo(sQ), dk = wg_desc_lo(kt);
     wg_fence();
+    wgmma_64x64_ss<0, 0>(&s[0][0], wg_desc_at(dq, 0), wg_desc_at(dk, 0));
 #pragma unroll
-    for (int kk = 0; kk < KS; kk++) wgmma_64x64<0>(&s[0][0], qa[kk], wg_desc_at(dk, (kk >> 2) * 8192 + (kk & 3) * 32));
+    for (int kk = 1; kk < KS; kk++) {   /* 64-row atoms 8 KiB apart, 32 bytes of D per instruction */
+        const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
+        wgmma_64x64_ss<0, 1>(&s[0][0], wg_desc_at(dq, off), wg_desc_at(dk, off));
+    }
     wg_commit();
 }
 
@@ -531,7 +528,7 @@ __device__ static inline void forward_prologue_wg(uint4 *sQ, uint4 *sK, uint4 *s
                                                   const bf16 *k, const bf16 *v, const geom &g, int64_t h0, int64_t i0,
                                                   int64_t j0, int64_t j1) {
     const int64_t qs = g.H * D, ks = g.Hkv * D;
-    load_query_tile<D, grouped>(sQ, q, g, h0, i0, qs);
+    load_query_tile<D, grouped, true>(sQ, q, g, h0, i0, qs);
     if (j0 >= 0) load_tile_async<D, 64, true>(sK, k, j0, g.Tk, ks);
     cp_async_commit();
     if (PIPE) {
@@ -613,12 +610,9 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         int st1 = TILE_EMPTY;
         int64_t j1 = j0 >= 0 ? next_key_tile(g, rs, j0 + 64, hi, 64, &st1) : -1;
         forward_prologue_wg<D, grouped, true>(sQ, sK, sK2, sV, q, k, v, g, hk * grp, i0, j0, j1);
-        uint32_t qa[KS][4];
-#pragma unroll
-        for (int kk = 0; kk < KS; kk++) ldmatrix_x4(qa[kk], frag_a<D>(sQ, warp * 16, 2 * kk));
         float s[8][4];
         if (j0 >= 0) {   /* S(j0) */
-            scores_wg<KS>(s, qa, sK);
+            scores_wg<KS>(s, sQ, sK);
             wg_wait<0>();
             wg_fence_regs(&s[0][0], 32);
         }
@@ -633,8 +627,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
             fence_proxy_async();
             __syncthreads();
             float sn[8][4];
-            reload_q<D>(qa, sQ, warp);   /* see reload_q */
-            if (j1 >= 0) scores_wg<KS>(sn, qa, k_next);   /* S(j1): the tensor cores run it during this softmax */
+            if (j1 >= 0) scores_wg<KS>(sn, sQ, k_next);   /* S(j1): the tensor cores run it during this softmax */
             online_softmax<D, grouped>(s, o, m, l, g, b, rows, j0, st, tq);
             cp_async_wait<1>();   /* V(j0) */
             fence_proxy_async();
@@ -664,7 +657,6 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
          * one after it (every warp done with V, the next K landed). cp.async groups at a tile's
          * top: [V(this)], then K(next) is committed; V(next) after the second barrier. */
         forward_prologue_wg<D, grouped, false>(sQ, sK, sK2, sV, q, k, v, g, hk * grp, i0, j0, -1);
-        uint32_t qa[KS][4];
         uint4 *k_this = sK, *k_next = sK2;
         while (j0 >= 0) {
             int st_next = TILE_EMPTY;
@@ -672,8 +664,7 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
             if (j_next >= 0) load_tile_async<D, 64, true>(k_next, k, j_next, g.Tk, ks);
             cp_async_commit();
             float s[8][4];
-            reload_q<D>(qa, sQ, warp);   /* see reload_q */
-            scores_wg<KS>(s, qa, k_this);
+            scores_wg<KS>(s, sQ, k_this);
             wg_wait<0>();
             wg_fence_regs(&s[0][0], 32);
             online_softmax<D, grouped>(s, o, m, l, g, b, rows, j0, st, tq);
@@ -1250,8 +1241,9 @@ static void launch_forward(int64_t blocks, float *out, float *lse, const geom &g
  * both ways, where a wgmma kernel must have run its wgmma code (the sm_90a build) and agree with
  * mma.sync within bf16 rounding; a kernel that does not stays on mma.sync, and
  * uly_cuda_wgmma_status(D) says which and why. Seen on an H200 (2026-12-04): D = 128 passed, bit
- * for bit; D = 64's forward was wrong from its second key tile on, a ptxas register reuse that
- * reload_q now avoids (found afterwards in the SASS; the fix not yet run on a GPU). Then the whole
+ * for bit; D = 64's forward was wrong from its second key tile on, a ptxas register reuse of Q's
+ * A fragments (found afterwards in the SASS; Q is now read from shared memory, see scores_wg;
+ * not yet run on a GPU). Then the whole
  * head dim went off; now a failing forward no longer takes dQ and dK/dV off with it. */
 enum { WG_FWD = 0, WG_DQ = 1, WG_DKV = 2 };
 static int wg_state[2][3];   /* by head dim (64, 128) and kernel: 0 not decided, 1 on, -1 off */
