@@ -177,8 +177,6 @@ __device__ static inline void wgmma_64xN(float *d, const uint32_t a[4], uint64_t
 }
 template <int TRANS>
 __device__ static inline void wgmma_64x64(float d[32], const uint32_t a[4], uint64_t desc) { wgmma_64xN<64, TRANS>(d, a, desc); }
-template <int TRANS>
-__device__ static inline void wgmma_64x32(float d[16], const uint32_t a[4], uint64_t desc) { wgmma_64xN<32, TRANS>(d, a, desc); }
 template <int TRANS, int ACC = 1>
 __device__ static inline void wgmma_64x32_ss(float d[16], uint64_t desc_a, uint64_t desc) {
     uly_emu::wgmma_queue_ss(d, 32, desc_a, desc, TRANS, ACC);
@@ -211,15 +209,6 @@ __device__ static inline void wgmma_64x64(float d[32], const uint32_t a[4], uint
                  WG_REGS32 ", "
                  "{%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
                  : WG_ACC32(d)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TRANS));
-}
-template <int TRANS>
-__device__ static inline void wgmma_64x32(float d[16], const uint32_t a[4], uint64_t desc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-                 WG_REGS16 ", "
-                 "{%16, %17, %18, %19}, %20, p, 1, 1, %21;\n}\n"
-                 : WG_ACC16(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TRANS));
 }
 /* the same with A through a descriptor too (64 x 16, K-major, wg_desc_sw128): no A registers;
@@ -255,8 +244,6 @@ __device__ static inline void fence_proxy_async(void) { asm volatile("fence.prox
 #else   /* passes without wgmma: never called (the kernels take the mma.sync path there) */
 template <int TRANS>
 __device__ static inline void wgmma_64x64(float *, const uint32_t *, uint64_t) {}
-template <int TRANS>
-__device__ static inline void wgmma_64x32(float *, const uint32_t *, uint64_t) {}
 template <int TRANS, int ACC = 1>
 __device__ static inline void wgmma_64x32_ss(float *, uint64_t, uint64_t) {}
 template <int TRANS, int ACC = 1>
