@@ -24,7 +24,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'dim', 0, 'override the preset' },
   { 'hidden', 0, 'MLP width (0 = preset/default)' },
   { 'dropout', 0, 'dropout probability' },
-  { 'checkpoint', 0, '1: recompute each block in backward instead of keeping its activations' },
+  { 'checkpoint', 0, '1: recompute each block in backward instead of keeping its activations; 2: all but attention (its output kept)' },
   { 'attention', 'flash', 'flash (memory O(N), windows, documents) | reference (stores N^2 probabilities)' },
   { 'window', 0, 'sliding-window attention: each token sees this many before it (0 = all)' },
   { 'tile', 0, 'compute MLP and loss over slices of this many positions (0 = whole sequence)' },
@@ -110,7 +110,8 @@ local function check_flags(cfg)
                        'eval_batches', 'stop_after', 'ckpt_every', 'threads', 'sp', 'sample', 'top_k' }) do
     int(k, 0)
   end
-  for _, k in ipairs({ 'checkpoint', 'documents', 'overlap', 'zero' }) do one_of(k, cfg[k], { 0, 1 }) end
+  for _, k in ipairs({ 'documents', 'overlap', 'zero' }) do one_of(k, cfg[k], { 0, 1 }) end
+  one_of('checkpoint', cfg.checkpoint, { 0, 1, 2 })
   num('lr', 0, nil, true)
   num('dropout', 0, 1)
   num('beta2', 0, 1, true)
@@ -223,7 +224,7 @@ end
 local function build_model(cfg, vocab)
   local Model = require('models.' .. cfg.model)   -- gpt or llama (check_flags)
   local mc = { preset = cfg.preset, vocab = vocab, seq = cfg.seq, dropout = cfg.dropout,
-               sp = cfg.world > 1 and cfg.sp or nil, checkpoint = cfg.checkpoint ~= 0, attention = cfg.attention,
+               sp = cfg.world > 1 and cfg.sp or nil, checkpoint = ({ false, true, 'except_attention' })[cfg.checkpoint + 1], attention = cfg.attention,
                window = cfg.window > 0 and cfg.window or nil, tile = cfg.tile > 0 and cfg.tile or nil }
   for _, k in ipairs({ 'layers', 'heads', 'kv_heads', 'dim', 'hidden' }) do
     if cfg[k] > 0 then mc[k] = cfg[k] end
@@ -351,9 +352,11 @@ local function main()
     string.format('FMA peak of %d threads, measured', threads)
   local flops_per_token = model:flops_per_token(cfg.seq)
   local mc = model.config
-  say(string.format('model: %s %s, %d layers, %d heads%s, dim %d, %.2f M parameters, %.1f MFLOP/token (6N + 12LCT)',
+  local recompute = mc.checkpoint == 'except_attention' and ', blocks recomputed in backward except attention'
+    or mc.checkpoint and ', blocks recomputed in backward' or ''
+  say(string.format('model: %s %s, %d layers, %d heads%s, dim %d, %.2f M parameters, %.1f MFLOP/token (6N + 12LCT)%s',
                     mc.model, mc.preset, mc.layers, mc.heads, mc.kv_heads and (', ' .. mc.kv_heads .. ' kv') or '',
-                    mc.dim, model:num_parameters() / 1e6, flops_per_token / 1e6))
+                    mc.dim, model:num_parameters() / 1e6, flops_per_token / 1e6, recompute))
   say(string.format('data: %s, %s, vocab %d, %d train / %s, unigram entropy %.3f bits/token',
                     data_path, train_data.kind, train_data.vocab_size, train_data.n_tokens,
                     valid_data and (valid_data.n_tokens .. ' valid tokens') or 'no validation (--eval_batches 0)',

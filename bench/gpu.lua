@@ -8,8 +8,9 @@
 --      chunked cuBLAS path, and bf16 on the fused tensor-core kernels (attention_fused.cu);
 --   2b. decoding: one query against a KV cache, with and without splitting the key band;
 --   3. a training step of a Llama-style model (preset 1b: 1.24 B parameters) at 32k tokens:
---      flash attention, activation checkpointing, tiled loss, bf16 matmuls, AdamW; one more step
---      under uly.cuda.profile prints the GPU time by kernel.
+--      flash attention, activation checkpointing (by default all but attention, whose outputs are
+--      kept: backward runs no attention forward; --step-checkpoint full recomputes it too), tiled
+--      loss, bf16 matmuls, AdamW; one more step under uly.cuda.profile prints the GPU time by kernel.
 -- Never asserts on time. Each timing is the median of --reps runs after a warm-up, bracketed by
 -- uly.synchronize('cuda'). FLOPs: GEMM 2 M N K; causal attention forward 2 N^2 D H (half of the
 -- dense 4 N^2 D H), backward 2.5x forward; the step counts model FLOPs (6 N_params + 12 L C T per
@@ -17,12 +18,14 @@
 --
 -- Run (GPU):        bin/ulysses bench/gpu.lua [--peak TFLOPS] [--reps R] [--attn-max N]
 --                                            [--step-seq T] [--step-preset NAME] [--no-step]
+--                                            [--step-checkpoint except_attention|full]
 -- Run (no GPU):     ULY_CUDA_SIMULATE=1 bin/ulysses bench/gpu.lua --quick   (the code path only)
 local uly = require 'ulysses'
 local ffi = require 'ffi'
 local median = require('bench.util').median
 
-local opts = { peak = 989, reps = 3, attn_max = 16384, step_seq = 32768, step_preset = '1b', step = true, quick = false }
+local opts = { peak = 989, reps = 3, attn_max = 16384, step_seq = 32768, step_preset = '1b', step = true, quick = false,
+               step_checkpoint = 'except_attention' }
 do
   local args, i = arg or {}, 1
   local keys = { ['--peak'] = 'peak', ['--reps'] = 'reps', ['--attn-max'] = 'attn_max', ['--step-seq'] = 'step_seq' }
@@ -30,10 +33,13 @@ do
     local a = args[i]
     if keys[a] then opts[keys[a]] = tonumber(args[i + 1]) or error('bench/gpu.lua: ' .. a .. ' needs a number', 0); i = i + 2
     elseif a == '--step-preset' then opts.step_preset = args[i + 1]; i = i + 2
+    elseif a == '--step-checkpoint' and (args[i + 1] == 'full' or args[i + 1] == 'except_attention') then
+      opts.step_checkpoint = args[i + 1]; i = i + 2
     elseif a == '--no-step' then opts.step = false; i = i + 1
     elseif a == '--quick' then opts.quick = true; i = i + 1
     elseif a == '-h' or a == '--help' then
-      print('usage: bin/ulysses bench/gpu.lua [--peak TFLOPS] [--reps R] [--attn-max N] [--step-seq T] [--step-preset NAME] [--no-step] [--quick]')
+      print('usage: bin/ulysses bench/gpu.lua [--peak TFLOPS] [--reps R] [--attn-max N] [--step-seq T] [--step-preset NAME] [--no-step] '
+            .. '[--step-checkpoint except_attention|full] [--quick]')
       return
     else error('bench/gpu.lua: unknown argument ' .. tostring(a) .. ' (try --help)', 0) end
   end
@@ -227,9 +233,12 @@ end
 if opts.step then
   local Llama = require 'models.llama'
   local preset, T = opts.quick and 'tiny' or opts.step_preset, opts.quick and 64 or opts.step_seq
-  print(('\n== training step: Llama %s, 1 x %d tokens, flash + checkpoint + tiled loss, bf16 matmuls, AdamW'):format(preset, T))
+  local keep = opts.step_checkpoint == 'except_attention'
+  local checkpoint = keep and 'except_attention' or true
+  print(('\n== training step: Llama %s, 1 x %d tokens, flash + checkpoint%s + tiled loss, bf16 matmuls, AdamW'):format(
+        preset, T, keep and ' (except attention)' or ''))
   uly.manual_seed(1)
-  local model = Llama({ preset = preset, seq = T, checkpoint = true, tile = math.min(T, 4096) }):to('cuda')
+  local model = Llama({ preset = preset, seq = T, checkpoint = checkpoint, tile = math.min(T, 4096) }):to('cuda')
   local opt = uly.optim.AdamW(model:parameters(), { lr = 1e-4 })
   local vocab = model.config.vocab
   local x = uly.tensor(uly.no_grad(function()
@@ -278,7 +287,7 @@ if opts.step then
     profile_text = uly.cuda.format_profile(report, opts.quick and 5 or 30)
   end
   -- the step's attention alone, at its shape (B 1, T, heads / K/V heads of dim / heads): each layer
-  -- runs one forward in the forward pass and a forward (recomputed) plus a backward in backward
+  -- runs one forward in the forward pass and a backward (after a recomputed forward unless kept)
   local c = model.config
   local hd = math.floor(c.dim / c.heads)
   local aq = uly.randn(1, T, c.heads, hd, { device = 'cuda' }):requires_grad_()
@@ -288,10 +297,10 @@ if opts.step then
   local a_fwd = time(function() uly.no_grad(uly.flash_attention, aq, ak, av, { causal = true }) end, opts.reps)
   local a_both = time(function() uly.flash_attention(aq, ak, av, { causal = true }):backward(ag) end, opts.reps)
   aq, ak, av, ag = nil, nil, nil, nil
-  local a_step = c.layers * (a_fwd + a_both)
+  local a_step = c.layers * (keep and a_both or a_fwd + a_both)
   local attention_line = ('attention at the step\'s shape (%d heads, %d K/V, D %d): %.1f ms forward, %.1f ms backward a layer;'
-    .. ' %d layers x (forward + recomputed forward + backward) = %.2f s of the step'):format(c.heads, c.kv_heads, hd,
-    a_fwd * 1e3, (a_both - a_fwd) * 1e3, c.layers, a_step)
+    .. ' %d layers x (forward + %sbackward) = %.2f s of the step'):format(c.heads, c.kv_heads, hd,
+    a_fwd * 1e3, (a_both - a_fwd) * 1e3, c.layers, keep and '' or 'recomputed forward + ', a_step)
   uly.matmul_precision('f32')
   local flops = model:flops_per_token(T) * T
   print(('parameters %.3f B, %.1f GFLOP/token (model FLOPs), loss %.3f -> %.3f'):format(model:num_parameters() / 1e9,
@@ -303,7 +312,7 @@ if opts.step then
   print('GPU time by kernel in one step (uly.cuda.profile; events around each launch):\n' .. profile_text)
   -- the memory planner's GPU mode next to what the step took (pool peak; kernels' temporaries)
   local plan = require 'tools.plan'
-  local est = plan.estimate { model = 'llama', preset = preset, seq = T, checkpoint = true, tile = math.min(T, 4096),
+  local est = plan.estimate { model = 'llama', preset = preset, seq = T, checkpoint = checkpoint, tile = math.min(T, 4096),
                               device = 'cuda', precision = 'bf16', device_memory = uly.memory('cuda').limit }
   print(('memory: pool peak %s (planner %s), kernels\' temporaries %s (planner %s)'):format(
     plan.format_bytes(pool_peak), plan.format_bytes(est.total),

@@ -152,12 +152,34 @@ static uly_tensor *new_scratch(const uly_backend *be, int device, const flash_pr
     return uly_new_contiguous(1, &n, ULY_DTYPE_F32, device);
 }
 
-uly_tensor *uly_flash_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale, const uly_attn_mask *mask) {
+/* kept (out, lse) handed back for the same q, k, v and mask: f32, contiguous, on q's device, of the
+ * shapes this call would produce */
+static int check_kept(const uly_tensor *q, const uly_tensor *out, const uly_tensor *lse, const int64_t *lshape) {
+    if (uly_check_tensor(OP, "kept out", out) || uly_check_tensor(OP, "kept lse", lse)) return -1;
+    if (out->dtype != ULY_DTYPE_F32 || !uly_tensor_is_contiguous(out) || !uly_same_shape(out, q) || uly_dev(out) != uly_dev(q))
+        return uly_set_error("%s: the kept output is %s but must be a contiguous f32 %s on q's device (the output of "
+                             "flash_attention_keep on these q, k, v)", OP, uly_desc(out), uly_desc(q));
+    if (lse->dtype != ULY_DTYPE_F32 || !uly_tensor_is_contiguous(lse) || lse->ndim != 3 || lse->shape[0] != lshape[0] ||
+        lse->shape[1] != lshape[1] || lse->shape[2] != lshape[2] || uly_dev(lse) != uly_dev(q))
+        return uly_set_error("%s: the kept log-sum-exp is %s but must be contiguous f32 [%lld, %lld, %lld] (batch, "
+                             "heads, queries) on q's device", OP, uly_desc(lse), (long long)lshape[0],
+                             (long long)lshape[1], (long long)lshape[2]);
+    return 0;
+}
+
+/* the forward, or with kept_out/kept_lse the node alone over an earlier forward's results; the
+ * log-sum-exp is returned through lse_out (a new reference) when asked for */
+static uly_tensor *flash_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale,
+                                   const uly_attn_mask *mask, uly_tensor *kept_out, uly_tensor *kept_lse,
+                                   uly_tensor **lse_out) {
+    if (lse_out) *lse_out = NULL;
     if (check_qkv(q, k, v)) return NULL;
     const uly_attn_mask none = {0, -1, -1, NULL, 0, NULL, NULL};
     const uly_attn_mask *m = mask ? mask : &none;
     const int64_t B = q->shape[0], Tq = q->shape[1], H = q->shape[2], D = q->shape[3], Tk = k->shape[1],
                   Hkv = k->shape[2];
+    int64_t lshape[3] = {B, H, Tq};
+    if (kept_out && check_kept(q, kept_out, kept_lse, lshape)) return NULL;
     if (!(scale > 0)) scale = D ? 1.0 / sqrt((double)D) : 1.0;
     int64_t nbr, nbc;
     int rc;
@@ -165,21 +187,29 @@ uly_tensor *uly_flash_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, dou
     if (rc) return NULL;
     uly_tensor *qc = backend_operand(q, "q"), *kc = qc ? backend_operand(k, "k") : NULL;
     uly_tensor *vc = kc ? backend_operand(v, "v") : NULL;
-    int64_t lshape[3] = {B, H, Tq};
-    uly_tensor *lse = vc ? uly_new_contiguous(3, lshape, ULY_DTYPE_F32, uly_dev(q)) : NULL;
-    uly_tensor *out = lse ? uly_new_contiguous(4, q->shape, ULY_DTYPE_F32, uly_dev(q)) : NULL;
+    uly_tensor *lse = NULL, *out = NULL;
+    if (vc && kept_out) {   /* a view of the kept output: the node attaches to a tensor of its own */
+        uly_tensor_retain(kept_lse);
+        lse = kept_lse;
+        out = uly_new_view(kept_out, kept_out->ndim, kept_out->shape, kept_out->stride, kept_out->offset);
+    } else if (vc) {
+        lse = uly_new_contiguous(3, lshape, ULY_DTYPE_F32, uly_dev(q));
+        out = lse ? uly_new_contiguous(4, q->shape, ULY_DTYPE_F32, uly_dev(q)) : NULL;
+    }
     if (out) {
         int64_t ints[12] = {B, Tq, Tk, H, Hkv, D, m->causal != 0, m->window_left, m->window_right,
                             m->block_layout ? m->block_size : 0, (m->block_layout ? 1 : 0) | (m->q_doc ? 2 : 0),
                             uly_matmul_bf16()};
         flash_problem p = problem(qc, kc, vc, pack, ints, scale);
-        uly_tensor *scratch = new_scratch(uly_be(q), uly_dev(q), &p, 0);
-        if (!scratch || uly_be(q)->flash_attention_forward(uly_f32(out), uly_f32(lse), uly_f32(scratch), &p)) {
-            if (scratch) uly_set_error("%s: out of memory for the per-thread tile scratch", OP);
-            uly_tensor_release(out);
-            out = NULL;
+        if (!kept_out) {
+            uly_tensor *scratch = new_scratch(uly_be(q), uly_dev(q), &p, 0);
+            if (!scratch || uly_be(q)->flash_attention_forward(uly_f32(out), uly_f32(lse), uly_f32(scratch), &p)) {
+                if (scratch) uly_set_error("%s: out of memory for the per-thread tile scratch", OP);
+                uly_tensor_release(out);
+                out = NULL;
+            }
+            uly_tensor_release(scratch);
         }
-        uly_tensor_release(scratch);
         uly_tensor *in[3] = {q, k, v};
         uly_node *n = out ? uly_node_begin(ULY_OP_FLASH_ATTENTION, 3, in) : NULL;
         if (n) {
@@ -199,9 +229,31 @@ uly_tensor *uly_flash_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, dou
             }
         }
     }
+    if (out && lse_out) {
+        *lse_out = lse;
+        lse = NULL;
+    }
     uly_tensor_release(qc); uly_tensor_release(kc); uly_tensor_release(vc);
     uly_tensor_release(lse); uly_tensor_release(pack);
     return out;
+}
+
+uly_tensor *uly_flash_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale, const uly_attn_mask *mask) {
+    return flash_attention(q, k, v, scale, mask, NULL, NULL, NULL);
+}
+
+uly_tensor *uly_flash_attention_keep(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale,
+                                     const uly_attn_mask *mask, uly_tensor **lse) {
+    if (!lse) return uly_set_error_null("%s: flash_attention_keep needs somewhere to return the log-sum-exp", OP);
+    return flash_attention(q, k, v, scale, mask, NULL, NULL, lse);
+}
+
+uly_tensor *uly_flash_attention_kept(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale,
+                                     const uly_attn_mask *mask, uly_tensor *out, uly_tensor *lse) {
+    if (!out || !lse)
+        return uly_set_error_null("%s: flash_attention_kept needs the kept output and log-sum-exp (got %s and %s)", OP,
+                                  out ? "a tensor" : "NULL", lse ? "a tensor" : "NULL");
+    return flash_attention(q, k, v, scale, mask, out, lse, NULL);
 }
 
 int uly_bw_flash_attention(uly_node *n, uly_tensor *g, uly_tensor **gin) {

@@ -259,6 +259,8 @@ describe('device tensors', function()
                             { 'Llama (GQA)', Llama, { preset = 'tiny', kv_heads = 2 } },
                             { 'Llama with activation checkpointing, tiled MLP and loss, a window', Llama,
                               { preset = 'tiny', kv_heads = 2, checkpoint = true, tile = 6, window = 5 } },
+                            { 'GPT checkpointed except attention (backward without its forward)', GPT,
+                              { preset = 'tiny', checkpoint = 'except_attention', window = 9 } },
                             { 'GPT with the reference attention kernel', GPT, { preset = 'tiny', attention = 'reference' } } }) do
       it(case[1] .. ': three training steps match the CPU, loss by loss and parameter by parameter', function()
         local x, y = helpers.token_ids(2, 16, 256), helpers.token_ids(2, 16, 256)
@@ -1020,11 +1022,12 @@ describe('memory planner on the CUDA kernels', function()
     local base = { model = 'llama', preset = 'small', dim = 128, heads = 4, kv_heads = 4, hidden = 256, layers = 2,
                    seq = 256, attention = 'flash', device = 'cuda', kernels = 'cuda' }
     for _, extra in ipairs { { precision = 'bf16' }, { precision = 'f32' },
-                             { precision = 'bf16', checkpoint = true, tile = 64 } } do
+                             { precision = 'bf16', checkpoint = true, tile = 64 },
+                             { precision = 'bf16', checkpoint = 'except_attention', tile = 64 } } do
       local pc = {}
       for k, v in pairs(base) do pc[k] = v end
       for k, v in pairs(extra) do pc[k] = v end
-      local what = ('%s%s'):format(pc.precision, pc.checkpoint and ', checkpoint + tile' or '')
+      local what = ('%s%s'):format(pc.precision, pc.checkpoint and (', checkpoint ' .. tostring(pc.checkpoint) .. ' + tile') or '')
       helpers.reseed(44)
       local peak, est, temporaries = pm.measure(pc)
       local ratio = est.total / peak
@@ -1146,7 +1149,7 @@ describe('bench/gpu.lua', function()
     p:close()
     assert.truthy(out:match('exit=0%s*$'), out)
     local wants = { '== GEMM', '64 x 48 x 32             f32', '64 x 48 x 32             bf16', '== flash attention',
-                    '== decoding', '200      auto', '== training step: Llama tiny', 'tokens/s',
+                    '== decoding', '200      auto', '== training step: Llama tiny', 'checkpoint (except attention)', 'tokens/s',
                     'one step: forward ', 'attention at the step\'s shape' }
     if MODE == 'emu' then   -- and raw cuBLAS ran (no n/a), and the profiled step
       for _, w in ipairs({ 'ulysses CUDA emulator', 'GPU time by kernel in one step', 'wall time on the stream' }) do

@@ -114,6 +114,156 @@ describe('activation checkpointing', function()
   end)
 end)
 
+describe('checkpointing except attention (nn.checkpoint_except_attention)', function()
+  before_each(function() helpers.reseed(43) end)
+
+  -- loss, gradients, and the flash score tiles computed in the forward and in backward
+  local function step(Model, cfg, mode, x, y)
+    uly.manual_seed(3)
+    cfg.checkpoint = mode
+    local m = Model(cfg)
+    uly.flash_attention_reset_tiles()
+    local loss = m:loss(x, y)
+    local fwd = uly.flash_attention_tiles()
+    loss:backward()
+    return { loss = loss:item(), grads = grads(m), fwd = fwd, bwd = uly.flash_attention_tiles() - fwd }
+  end
+
+  it('GPT and Llama train as without checkpointing, bit for bit, and backward runs no attention forward', function()
+    local x, y = ids(2, 192, 256), ids(2, 192, 256)
+    for _, case in ipairs({ { GPT, { preset = 'tiny', layers = 3, dim = 64, heads = 4, seq = 192, dropout = 0.1 } },
+                            { Llama, { preset = 'tiny', layers = 3, dim = 64, heads = 4, kv_heads = 2, seq = 192,
+                                       window = 70, tile = 64 } } }) do
+      local Model, cfg = case[1], case[2]
+      cfg.attention = 'flash'
+      local none, full = step(Model, cfg, false, x, y), step(Model, cfg, true, x, y)
+      local keep = step(Model, cfg, 'except_attention', x, y)
+      assert.are.equal(none.loss, keep.loss)
+      for name, g in pairs(none.grads) do helpers.assert_close(keep.grads[name], g, 0, 0, name) end
+      assert.is_true(none.fwd > 0 and keep.fwd == none.fwd and full.fwd == none.fwd)
+      assert.are.equal(none.fwd, full.bwd)      -- a full checkpoint's replay runs every attention again
+      assert.are.equal(0, keep.bwd, Model.__name .. ': the replay ran attention forward tiles')
+    end
+  end)
+
+  it('keeps one attention output a block more than a full checkpoint, and nothing after backward', function()
+    local cfg = { preset = 'tiny', layers = 4, dim = 64, heads = 4, seq = 256, attention = 'flash' }
+    local x, y = ids(2, 256, 256), ids(2, 256, 256)
+    local held = {}
+    for _, mode in ipairs({ true, 'except_attention' }) do
+      uly.manual_seed(3)
+      cfg.checkpoint = mode
+      local m = Llama(cfg)
+      for _ = 1, 6 do collectgarbage() end
+      local base = uly.memory().allocated
+      local loss = m:loss(x, y)
+      for _ = 1, 6 do collectgarbage() end
+      held[mode] = uly.memory().allocated - base
+      loss:backward()
+      loss = nil
+      for _ = 1, 6 do collectgarbage() end
+      -- the gradients stay; the kept outputs and every replay closure are gone
+      local grad_bytes = 0
+      for _, p in ipairs(m:parameters()) do grad_bytes = grad_bytes + p.grad:numel() * 4 end
+      local after = uly.memory().allocated - base
+      assert.is_true(after < grad_bytes * 1.1 + 2 ^ 16, string.format('%s: %d bytes left, %d in gradients', tostring(mode), after, grad_bytes))
+    end
+    local out_bytes = 2 * 256 * 64 * 4 + 2 * 4 * 256 * 4     -- one block's output and log-sum-exp
+    local extra = held.except_attention - held[true]
+    assert.is_true(extra > 3 * out_bytes and extra < 5 * out_bytes,
+                   string.format('kept %d bytes more than a full checkpoint; 4 blocks x %d expected', extra, out_bytes))
+  end)
+
+  -- an attention inside a segment, its output doubled in place afterwards (allowed without grad)
+  local function segment(q, scale_in_place)
+    local o = uly.flash_attention(q, q, q, { causal = true })
+    if scale_in_place and not uly.is_grad_enabled() then o:copy_(o * 2) end
+    return (o * q):tanh()
+  end
+
+  it('does not use a kept output that was written in place: the replay recomputes it', function()
+    local q = uly.randn(1, 70, 2, 16, { requires_grad = true })
+    local y1 = nn.checkpoint(segment, q, true)
+    y1:sum():backward()
+    local g1 = q.grad:clone()
+    q:zero_grad()
+    uly.flash_attention_reset_tiles()
+    local y2 = nn.checkpoint_except_attention(segment, q, true)
+    local fwd = uly.flash_attention_tiles()
+    y2:sum():backward()
+    helpers.assert_close(y2, y1, 0, 0)
+    helpers.assert_close(q.grad, g1, 0, 0)
+    assert.are.equal(fwd, uly.flash_attention_tiles() - fwd)   -- recomputed
+  end)
+
+  it('does not use a kept output for a call that differs in the replay (another window)', function()
+    local q = uly.randn(1, 80, 2, 16, { requires_grad = true })
+    local window = 100
+    local function f(t) return (uly.flash_attention(t, t, t, { causal = true, window = window }) * t):sum() end
+    local y = nn.checkpoint_except_attention(f, q)
+    window = 7                       -- the replay computes f with this window: its gradient, not a mix
+    y:backward()
+    local g1 = q.grad:clone()
+    q:zero_grad()
+    f(q):backward()
+    helpers.assert_close(g1, q.grad, 0, 0)
+  end)
+
+  it('nests: a segment inside a replayed one, and tiled slices, take back the kept outputs in order', function()
+    local lin = nn.Linear(16, 32)
+    local function attn(t)
+      local qkv = lin(t):view(1, 48, 2, 16)
+      local a = uly.flash_attention(qkv, qkv, qkv, { causal = true })
+      return a:view(1, 48, 32):narrow(3, 1, 16) + t
+    end
+    -- (the nested segment's attention and the last one have the same shapes: taking back in the
+    -- wrong order would hand the last one the nested one's output)
+    local function body(x, inner)
+      local h = nn.chunked(function(t) return (uly.flash_attention(t:view(1, t:size(2), 1, 16), t:view(1, t:size(2), 1, 16),
+                                                                   t:view(1, t:size(2), 1, 16), { causal = true })
+                                              :view(1, t:size(2), 16) * t):tanh() end, x, { dim = 2, size = 16 })
+      h = inner(function(t) return attn(t) end, h)
+      return attn(h)
+    end
+    local x = uly.randn(1, 48, 16, { requires_grad = true })
+    local ref = body(x, function(fn, t) return fn(t) end)
+    ref:sum():backward()
+    local gx, gw = x.grad:clone(), lin.weight.grad:clone()
+    for _, inner in ipairs({ nn.checkpoint, nn.checkpoint_except_attention }) do
+      x:zero_grad(); lin:zero_grad()
+      local y = nn.checkpoint_except_attention(body, x, inner)
+      y:sum():backward()
+      helpers.assert_close(y, ref, 0, 0)
+      helpers.assert_close(x.grad, gx, 0, 0)
+      helpers.assert_close(lin.weight.grad, gw, 0, 0)
+    end
+  end)
+
+  it('uly_flash_attention_kept refuses a kept output or log-sum-exp that does not fit, naming it', function()
+    local C, T = uly.C, require 'ulysses.tensor'
+    local q = uly.randn(1, 8, 2, 4)
+    local m = require('ffi').new('uly_attn_mask')
+    m.window_left, m.window_right = -1, -1
+    local function kept(out, lse)
+      local ok, err = pcall(T.wrap, C.uly_flash_attention_kept(q._h, q._h, q._h, 0, m, out._h, lse._h))
+      assert.is_false(ok)
+      return tostring(err)
+    end
+    local good_out, good_lse = uly.zeros(1, 8, 2, 4), uly.zeros(1, 2, 8)
+    assert.truthy(kept(uly.zeros(1, 8, 2, 5), good_lse):find('the kept output is f32[1, 8, 2, 5]', 1, true))
+    assert.truthy(kept(good_out:transpose(2, 3):contiguous():transpose(2, 3), good_lse):find('kept output', 1, true))
+    assert.truthy(kept(good_out, uly.zeros(1, 8, 2)):find('the kept log-sum-exp is f32[1, 8, 2] but must be contiguous f32 [1, 2, 8]', 1, true))
+    local out = T.wrap(C.uly_flash_attention_kept(q._h, q._h, q._h, 0, m, good_out._h, good_lse._h))
+    assert.are.same({ 1, 8, 2, 4 }, out:shape())
+  end)
+
+  it('Block accepts checkpoint = true, false or except_attention, and says so otherwise', function()
+    local ok, err = pcall(nn.Block, 16, { heads = 2, checkpoint = 'attention' })
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("checkpoint must be true, false or 'except_attention', got attention", 1, true), err)
+  end)
+end)
+
 describe('tiled MLP and loss (nn.chunked)', function()
   before_each(function() helpers.reseed(37) end)
 

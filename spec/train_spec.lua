@@ -95,13 +95,17 @@ describe('train.lua', function()
     helpers.rmtree(b)
   end)
 
+  -- (the resumed run recomputes its blocks except attention in backward: the same numbers)
   it('resumes bit-for-bit: 10 steps + checkpoint + 10 steps equals 20 steps (with dropout)', function()
     local a, b = tmpdir(), tmpdir()
     local common = TINY .. '--steps 20 --dropout 0.1 --eval_every 0 --sample 0 '
     local out, code = run(common .. '--out ' .. a)
     assert.are.equal(0, code, out)
+    assert.falsy(out:find('recomputed', 1, true), out)
+    common = common .. '--checkpoint 2 '
     out, code = run(common .. '--stop_after 10 --out ' .. b)
     assert.are.equal(0, code, out)
+    assert.truthy(out:find('blocks recomputed in backward except attention', 1, true), out)
     assert.is_nil(read_file(b .. '/ckpt/step_000020.h5'))
     out, code = run(common .. '--resume auto --out ' .. b)
     assert.are.equal(0, code, out)
@@ -148,7 +152,7 @@ describe('train.lua', function()
       ['--steps -3'] = '--steps must be an integer >= 1, got -3',
       ['--steps 2.5'] = '--steps must be an integer >= 1, got 2.5',
       ['--schedule linear'] = "--schedule must be cosine | constant, got 'linear'",
-      ['--checkpoint 2'] = "--checkpoint must be 0 | 1, got '2'",
+      ['--checkpoint 3'] = "--checkpoint must be 0 | 1 | 2, got '3'",
       ['--dropout 1'] = '--dropout must be >= 0 and < 1, got 1',
       ['--lr 0'] = '--lr must be > 0, got 0',
       ['--top_k -5'] = '--top_k must be an integer >= 0, got -5',

@@ -34,6 +34,9 @@ describe('Ulysses sequence parallelism #mpi', function()
                            tile = 4 }, 21 }
   cases[#cases + 1] = { 'with activation checkpointing (the replay repeats the exchanges)', GPT,
                          { preset = 'tiny', heads = 4, dim = 32, seq = 16, checkpoint = true }, 14 }
+  cases[#cases + 1] = { 'with checkpointing except attention (its kept outputs between the exchanges), documents', Llama,
+                         { preset = 'tiny', heads = 4, kv_heads = 2, dim = 32, hidden = 48, seq = 32, attention = 'flash',
+                           window = 5, checkpoint = 'except_attention', tile = 4 }, 21, false, true }
   cases[#cases + 1] = { 'a shard whose targets are all ignored (no NaN, the others unchanged)', Llama,
                          { preset = 'tiny', heads = 4, kv_heads = 2, dim = 32, hidden = 48, seq = 16 }, 12, true }
   for _, c in ipairs(cases) do

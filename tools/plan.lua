@@ -3,7 +3,7 @@
 -- attention kind and checkpoint/tile choices, and the longest sequence that fits a budget.
 --
 --   luajit tools/plan.lua --model llama --preset small --seq 65536 --sp 4 --attention flash \
---     --checkpoint 1 --tile 1024 [--budget 20GiB] [--window 4096] [--batch 1] [--dim ..]
+--     --checkpoint 1 (2: except attention) --tile 1024 [--budget 20GiB] [--window 4096] [--batch 1] [--dim ..]
 --     [--device cuda [--precision bf16] [--gpu-memory 139GiB]]   (one GPU per rank)
 --     [--dp 2] [--zero 1] [--overlap 1]   (data parallel x sp ranks; ZeroAdamW's sharded state
 --     over all of them; the gradient reduction during backward, train.lua's default)
@@ -155,6 +155,13 @@ function Sim:leave(outer, keep)
     end
   end
   self.frame = outer
+end
+
+-- a handle held by a Lua table (not a frame) that the table lets go of: garbage from now on
+function Sim:forget(s)
+  s.dead = s.dead + 1
+  self.garbage[#self.garbage + 1] = s
+  recheck(self, s)
 end
 
 -- a full collection: every dead wrapper releases its handle
@@ -441,14 +448,35 @@ end
 
 M.cuda_flash_temporaries = cuda_flash_temporaries
 
+-- in a checkpoint_except_attention segment (lua/ulysses/attention_keep.lua) the forward's output
+-- and lse gain a handle on the segment's tape; the replay's call takes them back (a new view of
+-- the output, no forward, no scratch) and the tape's handles become garbage
 local function attention_flash(self, q, k, v, a)
   local nqt, nkt = math.ceil(a.Tq / 64), math.ceil(a.Tk / 64)
   local kt, qt = a.B * a.Hkv * nkt * a.D * 64, a.B * a.H * nqt * a.D * 64
-  local lse = self:alloc(a.B * a.H * a.Tq * F, 'attention')
-  local out = result(self, a.B * a.Tq * a.H * a.D * F, 'activations')
   local cuda = self.kernels == 'cuda'
-  self:scratch(cuda and F or kt * F, 'attention')
-  if cuda then self:cuda_temporary(cuda_flash_temporaries(a, self.precision, false)) end
+  local lse, out
+  local tape = self.keep_replaying
+  if tape then
+    tape.pos = tape.pos + 1
+    local item = tape.items[tape.pos]
+    tape.items[tape.pos] = nil
+    out = { s = item.out, b = a.B * a.Tq * a.H * a.D * F, contig = true }
+    self:ref(out.s); self:hold(out.s)
+    lse = item.lse
+    self:ref(lse)
+    self:forget(item.out); self:forget(item.lse)
+  else
+    lse = self:alloc(a.B * a.H * a.Tq * F, 'attention')
+    out = result(self, a.B * a.Tq * a.H * a.D * F, 'activations')
+    self:scratch(cuda and F or kt * F, 'attention')
+    if cuda then self:cuda_temporary(cuda_flash_temporaries(a, self.precision, false)) end
+    if self.keep_recording then
+      self:ref(out.s); self:ref(lse)
+      local items = self.keep_recording.items
+      items[#items + 1] = { out = out.s, lse = lse }
+    end
+  end
   local Dp = math.ceil(a.D / 16) * 16
   local dq_groups = 2 * a.B * a.H * nqt * 64 * Dp    -- DQ_GROUPS = 2 partial dQ buffers
   local function rule(sim)
@@ -690,13 +718,18 @@ local function block_body(self, c, blk, x)
 end
 
 -- nn.checkpoint(fn, x): forward without recording (collect if it grew > 1 MiB), the output a
--- view whose backward replays fn on a detached copy of x and backpropagates through the replay
+-- view whose backward replays fn on a detached copy of x and backpropagates through the replay;
+-- nn.checkpoint_except_attention (c.keep_attention): the forward's attentions record onto a tape
+-- that the replay takes them back from
 local function checkpointed(self, c, blk, x)
   local before = self.cur
   local prev = self.grad
   self.grad = false
   local outer = self:enter()
+  local tape = c.keep_attention and { items = {}, pos = 0 } or nil
+  self.keep_recording = tape
   local y = block_body(self, c, blk, x)
+  self.keep_recording = nil
   self:leave(outer, y)
   self.grad = prev
   if self.cur - before > MiB then self:collect() end
@@ -706,16 +739,25 @@ local function checkpointed(self, c, blk, x)
   self:ref(y.s); self:hold(y.s); self:wrapped()
   local function replay(sim, n_, gins)
     local outer2 = sim:enter()
+    local pending_before = #sim.pending
     local leaf = { s = x.s, b = x.b, rg = gins[1] ~= nil, leaf = true, contig = true }
     sim:ref(x.s); sim:hold(x.s); sim:wrapped()
     sim.grad = true
+    sim.keep_replaying = tape
     local y2 = block_body(sim, c, blk, leaf)
+    sim.keep_replaying = nil
     sim.grad = false
     sim:wrapped()                               -- T.wrap(g_handle)
     sim:backward(y2)
     if leaf.grad then sim:hold(leaf.grad); sim:wrapped() end
     sim:leave(outer2)
+    -- the previous replay's tiled segments (below) were swept during this one: garbage now
+    for _, st in ipairs(sim.swept or {}) do sim:forget(st) end
     sim:collect()                               -- nn.checkpoint collects after each replay
+    -- this replay's own tiled segments: their graph is gone, but their closures (and what they
+    -- keep) go only at a sweep, at the next segment's creation: in the next replay
+    sim.swept = {}
+    while #sim.pending > pending_before do sim.swept[#sim.swept + 1] = table.remove(sim.pending) end
   end
   self:record(out, { x }, nil, replay)
   return out
@@ -852,7 +894,8 @@ function M.config(cfg)
   c.overlap = cfg.overlap == true or cfg.overlap == 1
   c.attention = cfg.attention or 'flash'
   one_of('attention', c.attention, 'reference', 'flash')
-  c.checkpoint = cfg.checkpoint == true or cfg.checkpoint == 1
+  c.keep_attention = cfg.checkpoint == 'except_attention' or cfg.checkpoint == 2
+  c.checkpoint = cfg.checkpoint == true or cfg.checkpoint == 1 or c.keep_attention
   c.tile = cfg.tile and cfg.tile > 0 and cfg.tile or nil
   c.threads = cfg.threads or tonumber(os.getenv('OMP_NUM_THREADS') or '') or 2
   -- the device the step runs on, the kernels behind it (the simulation runs the CPU's), its
@@ -972,7 +1015,8 @@ function M.estimate(cfg)
     sim:backward(loss)
     sim:leave(outer)
     for _, s in ipairs(sim.pending) do sim:unref(s) end -- the replay closures, dropped at the next sweep
-    sim.pending = {}
+    for _, s in ipairs(sim.swept or {}) do sim:unref(s) end
+    sim.pending, sim.swept = {}, {}
     sim.phase = 'optimizer'
     if c.zero and c.zero_stage ~= 1 then   -- ZeroAdamW stage 2 frees each grad once copied into its buffer
       for _, p in ipairs(model.params) do
@@ -1041,7 +1085,7 @@ function M.report(est)
   add('%s %s: dim %d, layers %d, heads %d/%d, hidden %d, vocab %d, %d parameters', c.model, c.preset, c.dim,
       c.layers, c.heads, c.kv_heads, c.hidden, c.vocab, est.params)
   add('N = %d, P = %d (%d tokens on this rank), batch %d, attention %s%s, checkpoint %s, tile %s', c.seq_total, c.sp,
-      c.n, c.batch, c.attention, c.window and (' window ' .. c.window) or '', c.checkpoint and 'on' or 'off',
+      c.n, c.batch, c.attention, c.window and (' window ' .. c.window) or '', c.keep_attention and 'except attention' or c.checkpoint and 'on' or 'off',
       c.tile and tostring(c.tile) or 'off')
   if c.distributed or c.zero then
     add('%d ranks (data parallel %d x sequence parallel %d)%s', c.world, c.world / c.sp, c.sp,
@@ -1086,6 +1130,7 @@ local function main(args)
     local v = args[i + 1]
     if v == nil then error('plan: --' .. key .. ' needs a value', 0) end
     if key == 'budget' then budget = parse_bytes(v)
+    elseif key == 'checkpoint' and (v == '2' or v == 'except_attention') then cfg.checkpoint = 'except_attention'
     elseif flags[key] then
       if v ~= '0' and v ~= '1' and v ~= 'true' and v ~= 'false' then
         error(string.format("plan: --%s must be 0 or 1, got '%s'", key, v), 0)

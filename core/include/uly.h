@@ -309,6 +309,13 @@ typedef struct uly_attn_mask {
     const uly_tensor *q_doc, *k_doc;
 } uly_attn_mask;
 uly_tensor *uly_flash_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale, const uly_attn_mask *mask);
+/* the same forward, also returning its per-row log-sum-exp [B, H, Tq] f32 (*lse, a new reference) */
+uly_tensor *uly_flash_attention_keep(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale,
+                                     const uly_attn_mask *mask, uly_tensor **lse);
+/* no forward: the differentiable result over an output and lse kept from flash_attention_keep on
+ * these q, k, v and mask (activation checkpointing's replay without attention's forward) */
+uly_tensor *uly_flash_attention_kept(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale,
+                                     const uly_attn_mask *mask, uly_tensor *out, uly_tensor *lse);
 int64_t uly_flash_attention_tiles(void);        /* score tiles computed by forwards since the reset (work done) */
 void uly_flash_attention_reset_tiles(void);
 

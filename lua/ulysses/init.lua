@@ -13,6 +13,7 @@ local uly = {
 }
 local H, wrap, check, raise = T.handle, T.wrap, T.check, T.raise
 local options = require 'ulysses.options'
+local attention_keep = require 'ulysses.attention_keep'
 local TENSOR_OPTIONS = { 'dtype', 'device', 'requires_grad' }
 local ARANGE_OPTIONS = { 'dtype', 'device' }
 local FROM_PTR_OPTIONS = { 'dtype', 'device', 'requires_grad', 'src_dtype' }
@@ -176,8 +177,11 @@ function uly.flash_attention(q, k, v, opts)
   local qd, kd = opts.q_doc or opts.doc, opts.k_doc or opts.doc
   if qd ~= nil then m.q_doc = H(qd, 'flash_attention q_doc') end
   if kd ~= nil then m.k_doc = H(kd, 'flash_attention k_doc') end
-  return wrap(C.uly_flash_attention(H(q, 'flash_attention q'), H(k, 'flash_attention k'), H(v, 'flash_attention v'),
-                                    opts.scale or 0, m))
+  local qh, kh, vh = H(q, 'flash_attention q'), H(k, 'flash_attention k'), H(v, 'flash_attention v')
+  if attention_keep.recording or attention_keep.replaying then   -- inside nn.checkpoint_except_attention
+    return attention_keep.call(C, T, q, k, v, opts.scale or 0, m)
+  end
+  return wrap(C.uly_flash_attention(qh, kh, vh, opts.scale or 0, m))
 end
 uly.flash_attention_tiles = function() return tonumber(C.uly_flash_attention_tiles()) end
 uly.flash_attention_reset_tiles = function() C.uly_flash_attention_reset_tiles() end

@@ -5,11 +5,16 @@
 -- backward replays fn on the saved inputs with the random generator rewound to where the forward
 -- found it (so dropout draws the same masks), then backpropagates through the replay. Memory per
 -- checkpointed segment: its inputs and output instead of every intermediate.
+-- nn.checkpoint_except_attention(fn, x, ...) is the same but keeps each flash attention's output
+-- and log-sum-exp (lua/ulysses/attention_keep.lua), so the replay runs everything except
+-- attention's forward again: on long sequences attention is most of a block's time, and keeping
+-- its output costs one more tensor of the input's size per segment.
 --
 -- The backward hook is a C callback into Lua (core/custom.c), so the C call that starts a
 -- backward must not come from JIT-compiled code: Tensor:backward is kept interpreted.
 return function(nn, U)
   local ffi = require 'ffi'
+  local attention_keep = require 'ulysses.attention_keep'
 
   local pending = {}       -- id -> replay closure, until the C node is freed
   local next_id = 0
@@ -42,10 +47,11 @@ return function(nn, U)
     return callback
   end
 
-  -- nn.checkpoint(fn, x1, ..., xn): y = fn(x1, ..., xn) (one tensor), recomputed in backward.
-  -- Inputs that are tensors take gradients (at most 4); other arguments are passed through.
-  -- Parameters used inside fn receive their gradients from the replay.
-  function nn.checkpoint(fn, ...)
+  -- checkpoint(name, keep, fn, ...): nn.checkpoint, or with keep nn.checkpoint_except_attention.
+  -- The segment's forward records onto its own tape (keep) or none, and goes on taking from the
+  -- tape being replayed, if any (a segment nested in a replayed one); its replay takes from its
+  -- tape and records onto none.
+  local function checkpoint(name, keep, fn, ...)
     local uly = U()
     local C, T = uly.C, require 'ulysses.tensor'
     local args = { n = select('#', ...), ... }
@@ -54,14 +60,15 @@ return function(nn, U)
     for i = 1, args.n do
       if uly.is_tensor(args[i]) then tensors[#tensors + 1] = args[i]; where[#tensors] = i end
     end
-    if #tensors > 4 then error('nn.checkpoint: at most 4 tensor arguments, got ' .. #tensors, 2) end
+    if #tensors > 4 then error(name .. ': at most 4 tensor arguments, got ' .. #tensors, 3) end
     local rng = uly.rng_state()
     local before = held()
-    local y = uly.no_grad(fn, ...)
+    local tape = keep and attention_keep.new_tape() or nil
+    local y = attention_keep.with(tape, attention_keep.replaying, uly.no_grad, fn, ...)
     -- the segment's temporaries are garbage now: free them before the next segment runs, or the
     -- peak would not go down (LuaJIT's collector does not see their C memory)
     if held() - before > 2 ^ 20 then collectgarbage() end
-    if not uly.is_tensor(y) then error('nn.checkpoint: the function must return one tensor', 2) end
+    if not uly.is_tensor(y) then error(name .. ': the function must return one tensor', 3) end
     sweep(C)
     next_id = next_id + 1
     local id = next_id
@@ -80,7 +87,9 @@ return function(nn, U)
           replay_args[where[k]] = t:detach()
         end
       end
-      local ok, out = pcall(uly.enable_grad, fn, unpack(replay_args, 1, replay_args.n))
+      local ok, out = pcall(attention_keep.with, nil, tape, uly.enable_grad, fn,
+                            unpack(replay_args, 1, replay_args.n))
+      if tape then tape.items = {} end   -- what the replay did not take back (it diverged)
       uly.set_rng_state(now)
       if not ok then error(out, 0) end
       C.uly_tensor_retain(g_handle)
@@ -96,6 +105,17 @@ return function(nn, U)
     local hs = ffi.new('uly_tensor *[?]', math.max(#tensors, 1))
     for k, t in ipairs(tensors) do hs[k - 1] = t._h end
     return T.wrap(C.uly_custom_op(#tensors, hs, y._h, get_callback(C, T), id))
+  end
+
+  -- nn.checkpoint(fn, x1, ..., xn): y = fn(x1, ..., xn) (one tensor), recomputed in backward.
+  -- Inputs that are tensors take gradients (at most 4); other arguments are passed through.
+  -- Parameters used inside fn receive their gradients from the replay.
+  function nn.checkpoint(fn, ...) return checkpoint('nn.checkpoint', false, fn, ...) end
+
+  -- nn.checkpoint_except_attention(fn, x1, ..., xn): the same, but the flash attentions inside fn
+  -- keep their outputs for the replay, which therefore does not run their forward again
+  function nn.checkpoint_except_attention(fn, ...)
+    return checkpoint('nn.checkpoint_except_attention', true, fn, ...)
   end
 
   -- nn.chunked(fn, x, {dim = 2, size = 1024, with = {t1, ...}, reduce = 'cat' | 'sum'}):

@@ -211,7 +211,9 @@ return function(nn, U)
   --   x = x + attn(norm1(x));  x = x + mlp(norm2(x))
   -- opts: heads, kv_heads, norm = 'layernorm' | 'rmsnorm', mlp = 'gelu' | 'swiglu', hidden,
   --   rope, rope_theta, bias, attend, dropout, std, proj_std (residual projections), eps,
-  --   checkpoint (recompute the block in backward instead of keeping its activations),
+  --   checkpoint (true: recompute the block in backward instead of keeping its activations;
+  --   'except_attention': the same, but keep attention's output so backward does not run
+  --   attention's forward again: one more [B, T, C] tensor a block),
   --   tile (compute the MLP over slices of this many positions)
   local Block = Module:extend('Block')
   nn.Block = Block
@@ -234,13 +236,18 @@ return function(nn, U)
       U().no_grad(function() self.mlp.proj.weight:normal_(0, proj_std or 0.02) end)
     end
     self.dropout = opts.dropout or 0
+    if opts.checkpoint ~= nil and type(opts.checkpoint) ~= 'boolean' and opts.checkpoint ~= 'except_attention' then
+      raise("Block: checkpoint must be true, false or 'except_attention', got " .. tostring(opts.checkpoint), 2)
+    end
     self.checkpoint = opts.checkpoint or false
     self.tile = opts.tile                 -- rows per slice of the tiled MLP (nil: untiled)
   end
   -- with checkpoint = true (while training) only x is kept; backward recomputes the block
+  -- ('except_attention': all but attention, whose output is kept too)
   function Block:forward(x, ctx)
     if self.checkpoint and self.training and not (ctx and ctx.cache) then
-      return nn.checkpoint(function(t) return self:forward_body(t, ctx) end, x)
+      local segment = self.checkpoint == 'except_attention' and nn.checkpoint_except_attention or nn.checkpoint
+      return segment(function(t) return self:forward_body(t, ctx) end, x)
     end
     return self:forward_body(x, ctx)
   end
