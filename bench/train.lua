@@ -7,14 +7,17 @@
 -- uly.cpu_peak_flops: ~217 GFLOP/s per thread on an AVX-512 core) and the allocator's peak
 -- memory. With --torch it then runs the PyTorch peer
 -- (../shared/peers/torch_gpt_bench.py, same model, shapes and thread count) and prints the ratio
--- from this one run. It never asserts on time.
+-- from this one run. --checkpoint 0,1,2 times each shape once per activation-checkpointing mode
+-- (0 none, 1 every block recomputed in backward, 2 all but attention; with --tile R the MLP and
+-- loss tiled), side by side from one run. It never asserts on time.
 --
 -- Run:  OPENBLAS_CORETYPE=SkylakeX bin/ulysses bench/train.lua [--shapes 256x32,1024x8,4096x2]
 --         [--model gpt|llama] [--preset small] [--steps 10] [--warmup 3] [--threads 2] [--torch]
+--         [--checkpoint 0[,1,2]] [--tile R]
 local uly = require 'ulysses'
 
 local opts = { shapes = '256x32,1024x8,4096x2', model = 'gpt', preset = 'small', steps = 10, warmup = 3,
-               threads = 2, torch = false, corpus = '' }
+               threads = 2, torch = false, corpus = '', checkpoint = '0', tile = 0 }
 do
   local i = 1
   while i <= #arg do
@@ -24,7 +27,8 @@ do
       opts[k] = type(opts[k]) == 'number' and tonumber(arg[i + 1]) or arg[i + 1]; i = i + 2
     else
       io.stderr:write('usage: bin/ulysses bench/train.lua [--shapes TxB,...] [--model gpt|llama] [--preset P] '
-                      .. '[--steps N] [--warmup N] [--threads N] [--torch] [--corpus FILE]\n')
+                      .. '[--steps N] [--warmup N] [--threads N] [--torch] [--corpus FILE] [--checkpoint 0,1,2] '
+                      .. '[--tile R]\n')
       os.exit(2)
     end
   end
@@ -42,10 +46,18 @@ local function random_tokens(B, T, V)
 end
 
 local peak = uly.cpu_peak_flops(opts.threads)   -- measured: this CPU's f32 FMA peak over the threads
-local function bench_shape(T, B)
+local CHECKPOINT = { ['0'] = false, ['1'] = true, ['2'] = 'except_attention' }
+local modes = {}
+for m in tostring(opts.checkpoint):gmatch('[^,]+') do
+  if CHECKPOINT[m] == nil then io.stderr:write('bad --checkpoint ' .. m .. ' (want 0, 1 or 2)\n') os.exit(2) end
+  modes[#modes + 1] = m
+end
+
+local function bench_shape(T, B, mode)
   uly.manual_seed(0)
   math.randomseed(0)
-  local model = Model { preset = opts.preset, seq = T }
+  local model = Model { preset = opts.preset, seq = T, checkpoint = CHECKPOINT[mode],
+                        tile = opts.tile > 0 and opts.tile or nil }
   local opt = uly.optim.AdamW(model:parameters(), { lr = 3e-4, betas = { 0.9, 0.95 }, weight_decay = 0.1 })
   local V = model.config.vocab
   uly.reset_peak_memory()
@@ -108,19 +120,21 @@ print('command: OPENBLAS_CORETYPE=' .. (os.getenv('OPENBLAS_CORETYPE') or '(unse
 print('FLOPs/token = 6 N_matmul + 12 L C T (attention over the full T x T); MFU vs '
       .. string.format('%.0f GFLOP/s (the f32 FMA peak of %d threads, measured at start)', peak / 1e9, opts.threads))
 print()
-print(string.format('%-11s %10s %9s %9s %9s %10s %9s %6s %10s', 'T x B', 'step ms', 'fwd ms', 'bwd ms', 'opt ms',
-                    'tok/s', 'GFLOP/s', 'MFU', 'peak MiB'))
+print(string.format('%-11s %5s %10s %9s %9s %9s %10s %9s %6s %10s', 'T x B', 'ckpt', 'step ms', 'fwd ms', 'bwd ms',
+                    'opt ms', 'tok/s', 'GFLOP/s', 'MFU', 'peak MiB'))
 local rows = {}
 for shape in opts.shapes:gmatch('[^,]+') do
   local T, B = shape:match('^(%d+)x(%d+)$')
   if not T then io.stderr:write('bad shape ' .. shape .. ' (want TxB)\n') os.exit(2) end
-  local r = bench_shape(tonumber(T), tonumber(B))
-  rows[#rows + 1] = r
-  print(string.format('%-11s %10.1f %9.1f %9.1f %9.1f %10.0f %9.1f %5.1f%% %10.0f', shape, r.step_ms, r.fwd_ms, r.bwd_ms,
-                      r.opt_ms, r.tps, r.gflops, 100 * r.mfu, r.peak_mib))
-  io.stdout:flush()
-  collectgarbage()
-  uly.empty_cache()
+  for _, mode in ipairs(modes) do
+    local r = bench_shape(tonumber(T), tonumber(B), mode)
+    if mode == modes[1] then rows[#rows + 1] = r end   -- the PyTorch comparison: the first mode
+    print(string.format('%-11s %5s %10.1f %9.1f %9.1f %9.1f %10.0f %9.1f %5.1f%% %10.0f', shape, mode, r.step_ms, r.fwd_ms,
+                        r.bwd_ms, r.opt_ms, r.tps, r.gflops, 100 * r.mfu, r.peak_mib))
+    io.stdout:flush()
+    collectgarbage()
+    uly.empty_cache()
+  end
 end
 
 if opts.torch then
