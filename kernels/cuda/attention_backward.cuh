@@ -1,0 +1,388 @@
+/* kernels/cuda/attention_backward.cuh — the fused attention backward: dK/dV (a block per 64 keys,
+ * walking the query tiles that see them) and dQ (a block per 64 query rows, walking key tiles),
+ * each on mma.sync or wgmma; see attention_fused.cu for the design and the host side. */
+#pragma once
+#include "attention_tiles.cuh"
+
+/* ---- backward: dK and dV ---- */
+/* the two products of a backward tile for this warp's 16 rows (rows warp * 16 .. of a1 and a2)
+ * against 32 rows of b1 and b2, contracted over D: s = a1 b1^T, dp = a2 b2^T, each 16 x 32 in
+ * accumulator layout (four n8 tiles) */
+template <int D>
+__device__ static inline void two_products(float s[4][4], float dp[4][4], const uint4 *a1, const uint4 *b1,
+                                           const uint4 *a2, const uint4 *b2, int warp) {
+#pragma unroll
+    for (int n = 0; n < 4; n++)
+        for (int e = 0; e < 4; e++) s[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t x[4], y[4];
+        ldmatrix_x4(x, frag_a<D>(a1, warp * 16, 2 * kk));
+        ldmatrix_x4(y, frag_a<D>(a2, warp * 16, 2 * kk));
+#pragma unroll
+        for (int np = 0; np < 2; np++) {
+            uint32_t bx[4], by[4];
+            ldmatrix_x4(bx, frag_b<D>(b1, np * 16, 2 * kk));
+            mma_two(s[2 * np], s[2 * np + 1], x, bx);
+            ldmatrix_x4(by, frag_b<D>(b2, np * 16, 2 * kk));
+            mma_two(dp[2 * np], dp[2 * np + 1], y, by);
+        }
+    }
+}
+/* the query rows that can see some key of [j0, j1]: the inverse of the causal / window band */
+__device__ static inline void query_span(const geom &g, int64_t j0, int64_t j1, int64_t *i_lo, int64_t *i_hi) {
+    int64_t off = g.Tk - g.Tq, a = 0, z = g.Tq - 1;
+    if (g.causal && j0 - off > a) a = j0 - off;
+    if (g.right >= 0 && j0 - g.right - off > a) a = j0 - g.right - off;
+    if (g.left >= 0 && j1 + g.left - off < z) z = j1 + g.left - off;
+    *i_lo = a;
+    *i_hi = z;
+}
+
+/* the query rows [lo, hi] that see every key of [j0, j0 + 63] (none with keys past the last or
+ * documents): rows see [band lo, band hi], both ends growing with the row, so these are the rows
+ * from the first that sees key j0 + 63 to the last that sees key j0 */
+struct full_rows { int32_t lo, hi; };
+__device__ static inline full_rows full_rows_of_keys(const geom &g, int64_t j0) {
+    int64_t a, z, a1, z1;
+    key_band(g, j0 + 63, &a, &z);
+    key_band(g, j0, &a1, &z1);
+    full_rows f = {(int32_t)a, (int32_t)z1};
+    if (j0 + 63 >= g.Tk || g.q_doc) f.hi = -1;
+    return f;
+}
+
+/* the next QT-query tile, head-major over the query heads sharing the kv head (up to h_end), at or after
+ * (*h, *i0) with a visible pair against keys [j0, j0 + 63]; 0 when none is left. Without a
+ * block-sparse layout every tile of the rows [i_lo, i_hi] (query_span's, not empty) has one, and
+ * it is wholly visible when its rows are within fr (the search took ~100 instructions a tile). */
+template <int QT>
+__device__ static inline int next_query_tile(const geom &g, int h_end, int64_t j0, int i_lo, int i_hi,
+                                             const full_rows &fr, int *h, int *i0, int *st) {
+    if (!g.layout) {
+        if (*i0 > i_hi) { (*h)++; *i0 = i_lo / QT * QT; }
+        if (*h >= h_end) return 0;
+        *st = *i0 >= fr.lo && *i0 + QT - 1 <= fr.hi ? TILE_FULL : TILE_MASKED;
+        return 1;
+    }
+    for (; *h < h_end; (*h)++, *i0 = i_lo / QT * QT)
+        for (; *i0 <= i_hi; *i0 += QT) {
+            *st = tile_state(g, span_of_rows(g, *i0, *i0 + QT - 1), j0, j0 + 63);
+            if (*st != TILE_EMPTY) return 1;
+        }
+    return 0;
+}
+
+/* dynamic shared memory of either backward kernel: two 64-row tiles that stay (dK/dV: K, V;
+ * dQ: Q, dO) and two buffers of two ST-row tiles that stream (Q, dO; K, V: 32 rows, or 64 in the
+ * dK/dV variant with 64-query tiles); the one-pass dK/dV kernel (DQ) adds dS^T as a bf16 tile of
+ * 64 keys x 32 queries */
+template <int D, bool DQ = false, int ST = 32>
+static constexpr size_t backward_smem_bytes() { return (size_t)(2 * 64 + 4 * ST) * (D / 8) * 16 + (DQ ? 64 * 32 * 2 : 0); }
+
+/* the one-pass backward's dQ share of one (64-key, 32-query) tile pair: dq (f32, [B, Tq, H, D]
+ * rows i0.. of head h) += dS K over the block's 64 keys, dS^T read from the keys-major bf16 tile
+ * sdS (64 x 32, dS / scale: the scale is applied here); warp w takes query rows 16 (w & 1).. and half (w >> 1) of D, and adds its
+ * 16 x D/2 into dq with atomics (other blocks add the other keys' shares) */
+template <int D>
+__device__ static inline void dq_share(float *dq, const geom &g, int64_t b, int64_t h, int64_t i0, const uint4 *sdS,
+                                       const uint4 *sK, int warp) {
+    constexpr int NT = D / 16;   /* n8 tiles in half of D */
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    const int q0 = (warp & 1) * 16, c0 = (warp >> 1) * (D / 16);   /* its rows; its first chunk of D */
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {   /* 16 keys at a time */
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, frag_b<32>(sdS, kk * 16, q0 / 8));   /* dS rows q0.., keys kk * 16.. */
+#pragma unroll
+        for (int np = 0; np < NT / 2; np++) {
+            uint32_t bb[4];
+            ldmatrix_x4_trans(bb, frag_a<D>(sK, kk * 16, c0 + 2 * np));
+            mma_two(acc[2 * np], acc[2 * np + 1], a, bb);
+        }
+    }
+    const int lane = threadIdx.x & 31, tq = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int64_t i = i0 + q0 + (lane >> 2) + 8 * r;
+        if (i >= g.Tq) continue;
+        float *dst = dq + ((b * g.Tq + i) * g.H + h) * D + c0 * 8 + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            atomicAdd(dst + n * 8, acc[n][2 * r] * g.scale);   /* sdS holds dS / scale */
+            atomicAdd(dst + n * 8 + 1, acc[n][2 * r + 1] * g.scale);
+        }
+    }
+}
+
+/* the dK/dV kernel's per-query statistics of one QT-query tile, lse at st[0..QT) and delta at
+ * st[QT..2 QT) (zeros past the last query), queued as single-float cp.async copies beside the
+ * tile's Q and dO: read from shared memory in the loop instead of from global memory (each
+ * thread's loads of them there stalled on L2 latency every tile) */
+static constexpr size_t dkv_stats_bytes(int QT) { return 2 * 2 * (size_t)QT * sizeof(float); }   /* two buffers */
+template <int QT>
+__device__ static inline void load_stats_async(float *st, const float *L, const float *dl, int64_t i0, int64_t Tq) {
+    static_assert(2 * QT <= FA_THREADS, "load_stats_async: a thread a value");
+    const int t = threadIdx.x;
+    if (t < 2 * QT) {
+        const int64_t i = i0 + (t & (QT - 1));
+        const bool in = i < Tq;
+        cp_async4(st + t, in ? (t < QT ? L : dl) + i : L, in);
+    }
+}
+
+/* WG: S^T, dP^T, dV += P^T dO and dK += dS^T Q as wgmma (Hopper), every tile in its layout (at
+ * D = 128: 221 registers, no spills, with S^T and dP^T's A (K, V) from shared memory; with A in
+ * registers it spilled ~100 bytes a thread, and the mma.sync kernel uses 255).
+ * DQ (the one-pass backward, D = 32 and 64): dQ too, from the same dS (dq_share, atomics), so
+ * S and dP are computed once instead of once here and once in the dQ kernel; dq_share reads K
+ * through ldmatrix, whose layout is the wgmma one at D = 64 only, so DQ stays on mma.sync at 128 */
+/* QT: queries a tile, 32, or 64 in the wgmma variant at D = 64 (ULY_CUDA_ATTN_DKV=64): S^T and
+ * dP^T as 64 x 64 wgmmas, whose A (K, V: 2 KiB a wgmma from shared memory) then feeds twice the
+ * math of a 64 x 32 one, and half the tiles to walk; 3 blocks per SM instead of 4 (more registers) */
+#define DKV_MIN_BLOCKS(wg, D, DQ, QT) ((QT) == 64 ? ((wg) && ULY_HAS_WGMMA ? 3 : 0) : WG_MIN_BLOCKS((wg) && (D) == 64 && !(DQ), D))
+template <int D, bool WG, bool DQ = false, int QT = 32>
+__global__ static void __launch_bounds__(FA_THREADS, DKV_MIN_BLOCKS(WG, D, DQ, QT))
+fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO,
+                const float *lse, const float *delta, int *ran_wgmma, float *dq) {
+    constexpr int CH = D / 8;
+    constexpr bool W = WG && ULY_HAS_WGMMA && (D == 64 || (D == 128 && !DQ));
+    static_assert(QT == 32 || (QT == 64 && D == 64 && !DQ), "fa_backward_dkv: 64-query tiles only at D 64, two-pass");
+    constexpr int T = W ? QT : 32;   /* this pass's query tile (mma.sync: 32) */
+    constexpr int NT = T / 8;        /* n8 tiles of queries: S^T is 64 x T */
+    ULY_DYNAMIC_SHARED(uint4, smem_raw);
+    uint4 *const smem = W ? align_1024(smem_raw) : smem_raw;
+    if (W && ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
+    /* K, V, then two buffers of Q (T rows) followed by dO (T rows), (DQ: dS^T), then the two
+     * buffers of lse and delta (2 T floats each) */
+    uint4 *const sK = smem, *const sV = smem + 64 * CH;
+    float *const sStats = (float *)(smem + (128 + 4 * QT) * CH + (DQ ? 64 * 32 * 2 / 16 : 0));
+    const int64_t nt = (g.Tk + 63) / 64, tile = (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
+    const int64_t b = bh / g.Hkv, hk = bh % g.Hkv, j0 = tile * 64, G = g.H / g.Hkv;
+    const int64_t qs = g.H * D, ks = g.Hkv * D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
+    const int64_t keys[2] = {j0 + warp * 16 + (lane >> 2), j0 + warp * 16 + (lane >> 2) + 8};
+    const bf16 *const qbase = Q + b * g.Tq * qs, *const obase = dO + b * g.Tq * qs;
+
+    float dka[CH][4], dva[CH][4];
+#pragma unroll
+    for (int n = 0; n < CH; n++)
+        for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.0f;
+    /* pipeline: the next query tile's Q and dO load into the other buffer during this one's math */
+    /* the walk in 32 bits (positions < 2^30, heads fewer): fewer registers live across the loop */
+    int64_t span_lo, span_hi;
+    query_span(g, j0, j0 + 63 < g.Tk ? j0 + 63 : g.Tk - 1, &span_lo, &span_hi);
+    const int i_lo = (int)span_lo, i_hi = (int)span_hi, h_end = (int)(hk * G + G);
+    int h = (int)(hk * G), i0 = i_lo / T * T;
+    int st = TILE_EMPTY, buf = 0;
+    const full_rows fr = full_rows_of_keys(g, j0);
+    int have = i_lo <= i_hi && next_query_tile<T>(g, h_end, j0, i_lo, i_hi, fr, &h, &i0, &st);
+    load_tile_async<D, 64, W>(sK, K + b * g.Tk * ks + hk * D, j0, g.Tk, ks);   /* W: A of S^T, dP^T */
+    load_tile_async<D, 64, W>(sV, V + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
+    const float *const lse_b = lse + b * g.H * g.Tq, *const delta_b = delta + b * g.H * g.Tq;
+    if (have) {
+        load_tile_async<D, T, W>(smem + 128 * CH, qbase + h * D, i0, g.Tq, qs);
+        load_tile_async<D, T, W>(smem + (128 + T) * CH, obase + h * D, i0, g.Tq, qs);
+        load_stats_async<T>(sStats, lse_b + h * g.Tq, delta_b + h * g.Tq, i0, g.Tq);
+    }
+    cp_async_commit();
+    while (have) {
+        int h_next = h, i_next = i0 + T;
+        int st_next = TILE_EMPTY;
+        const int more = next_query_tile<T>(g, h_end, j0, i_lo, i_hi, fr, &h_next, &i_next, &st_next);
+        if (more) {   /* the other buffer: every warp finished with it at the end of the last round */
+            uint4 *const other = smem + (128 + 2 * T * (buf ^ 1)) * CH;
+            load_tile_async<D, T, W>(other, qbase + h_next * D, i_next, g.Tq, qs);
+            load_tile_async<D, T, W>(other + T * CH, obase + h_next * D, i_next, g.Tq, qs);
+            load_stats_async<T>(sStats + 2 * T * (buf ^ 1), lse_b + h_next * g.Tq, delta_b + h_next * g.Tq, i_next, g.Tq);
+        }
+        cp_async_commit();
+        /* this tile's mask (bit 2 n + c of key r: the query in s[n][2 r + c]; all set but on
+         * masked tiles), worked out while the tiles load, applied after the MMAs */
+        uint32_t vis[2] = {~0u, ~0u};
+        if (st == TILE_MASKED)
+#pragma unroll
+            for (int r = 0; r < 2; r++) vis[r] = keys[r] < g.Tk ? visible_bits<NT, false>(g, b, keys[r], i0 + 2 * tq) : 0u;
+        cp_async_wait<1>();   /* this tile's Q and dO (and K, V): all but the newest group */
+        if (W) fence_proxy_async();
+        __syncthreads();
+        const uint4 *const sQ = smem + (128 + 2 * T * buf) * CH, *const sO = sQ + T * CH;
+        const float *const stats = sStats + 2 * T * buf;   /* this tile's lse, then delta */
+        float s[NT][4], dp[NT][4];
+        if constexpr (W) two_products_wg<D, T>(s, dp, sK, sQ, sV, sO);   /* S^T = K Q^T, dP^T = V dO^T */
+        else two_products<D>(s, dp, sK, sQ, sV, sO, warp);
+        if (st == TILE_MASKED) {   /* S^T at -inf where not visible (exp gives 0) */
+            apply_bits<NT>(s, vis[0], 0);
+            apply_bits<NT>(s, vis[1], 1);
+        }
+        /* P^T = exp(S^T scale - lse) as 2^(S^T scale log2e - lse log2e). Only masked tiles hold
+         * queries past the last (stats 0) or queries that see nothing (lse -inf), and there
+         * every pair of theirs is -inf: lse is clamped to -1e30 so that -inf - lse stays -inf
+         * (P = 0; with lse -inf it would be NaN). dS^T / scale = P^T (dP^T - delta): the scale
+         * is applied to dK once at the end (and by dq_share to its dQ) */
+        float nl2[NT][2], dlc[NT][2];
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const int t = n * 8 + 2 * tq + c;
+                nl2[n][c] = -fmaxf(stats[t], -1e30f) * LOG2E_F;
+                dlc[n][c] = stats[T + t];
+            }
+        const float sl2 = g.scale * LOG2E_F;
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float p = exp2_ftz(fmaf(s[n][e], sl2, nl2[n][e & 1]));
+                s[n][e] = p;
+                dp[n][e] = p * (dp[n][e] - dlc[n][e & 1]);
+            }
+        if constexpr (DQ) {   /* dS^T into its bf16 tile (keys-major), then this tile pair's share of dQ */
+            uint4 *const sdS = smem + 256 * CH;
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+                    ((uint32_t *)&sdS[sw_at<32>(warp * 16 + (lane >> 2) + 8 * r, n)])[tq] =
+                        mma_pack_bf16(dp[n][2 * r], dp[n][2 * r + 1]);
+            __syncthreads();
+            dq_share<D>(dq, g, b, h, i0, sdS, sK, warp);
+        }
+        if constexpr (W) {   /* dV += P^T dO, dK += dS^T Q: P^T, dS^T from the accumulators, dO and Q MN-major */
+            uint32_t pa[T / 16][4], da[T / 16][4];
+            acc_to_a_all<T / 16>(pa, s);
+            acc_to_a_all<T / 16>(da, dp);
+            wg_fence();
+            acc_times_tile_wg<D, T / 16, T>(dva, pa, sO);
+            acc_times_tile_wg<D, T / 16, T>(dka, da, sQ);
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_regs(&dva[0][0], 4 * CH);
+            wg_fence_regs(&dka[0][0], 4 * CH);
+        } else {
+            acc_times_tile<D, 2>(dva, s, sO);    /* dV += P^T dO (T = 32) */
+            acc_times_tile<D, 2>(dka, dp, sQ);   /* dK += dS^T Q */
+        }
+        __syncthreads();   /* every warp is done with this buffer before the next round refills it */
+        h = h_next;
+        i0 = i_next;
+        st = st_next;
+        have = more;
+        buf ^= 1;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int64_t j = keys[r];
+        if (j >= g.Tk) continue;
+        int64_t at = ((b * g.Tk + j) * g.Hkv + hk) * D + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < CH; n++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                if (dk) dk[at + n * 8 + c] += dka[n][2 * r + c] * g.scale;   /* dS's scale, left out of the loop */
+                if (dv) dv[at + n * 8 + c] += dva[n][2 * r + c];
+            }
+    }
+}
+
+/* ---- backward: dQ ---- */
+/* WG: S, dP and dQ += dS K as wgmma (Hopper), the K and V tiles in its layout (D = 64, 128) */
+/* KT: keys a tile, 32, or 64 in the wgmma variant at D = 64 (ULY_CUDA_ATTN_DQ=64): S and dP as
+ * 64 x 64 wgmmas, whose A (Q, dO from shared memory) then feeds twice the math, and half the
+ * tiles to walk */
+template <int D, bool WG, int KT = 32>
+__global__ static void __launch_bounds__(FA_THREADS)
+fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO, const float *lse,
+               const float *delta, int *ran_wgmma) {
+    constexpr int CH = D / 8;
+    constexpr bool W = WG && ULY_HAS_WGMMA && (D == 64 || D == 128);
+    static_assert(KT == 32 || (KT == 64 && D == 64), "fa_backward_dq: 64-key tiles only at D 64");
+    constexpr int T = W ? KT : 32;   /* this pass's key tile (mma.sync: 32) */
+    constexpr int NT = T / 8;        /* n8 tiles of keys: S is 64 x T */
+    /* Q, dO (64 rows), then two buffers of K (T rows) followed by V (T rows) */
+    ULY_DYNAMIC_SHARED(uint4, smem_raw);
+    uint4 *const smem = W ? align_1024(smem_raw) : smem_raw;
+    if (W && ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
+    uint4 *const sQ = smem, *const sO = smem + 64 * CH;
+    const int64_t nt = (g.Tq + 63) / 64, tile = nt - 1 - (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
+    const int64_t b = bh / g.H, h = bh % g.H, hk = h / (g.H / g.Hkv), i0 = tile * 64;
+    const int64_t qs = g.H * D, ks = g.Hkv * D;
+    const bf16 *k = K + b * g.Tk * ks + hk * D, *v = V + b * g.Tk * ks + hk * D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
+    const int64_t rows[2] = {i0 + warp * 16 + (lane >> 2), i0 + warp * 16 + (lane >> 2) + 8};
+    /* per row: -lse log2e (-inf for a row with nothing visible or past the last: P = 0), delta */
+    float nl2[2], dl[2];
+    const float sl2 = g.scale * LOG2E_F;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int in = rows[r] < g.Tq;
+        const float L = in ? lse[(b * g.H + h) * g.Tq + rows[r]] : -INFINITY;
+        nl2[r] = L > -INFINITY ? -L * LOG2E_F : -INFINITY;
+        dl[r] = in ? delta[(b * g.H + h) * g.Tq + rows[r]] : 0.0f;
+    }
+    /* pipeline: the next key tile's K and V load into the other buffer during this one's math */
+    int64_t lo, hi;
+    chunk_band(g, i0, i0 + 64 < g.Tq ? i0 + 64 : g.Tq, &lo, &hi);
+    const row_span rs = span_of_rows(g, i0, i0 + 63);
+    int st = TILE_EMPTY, buf = 0;
+    int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / T * T, hi, T, &st) : -1;
+    load_tile_async<D, 64, W>(sQ, Q + b * g.Tq * qs + h * D, i0, g.Tq, qs);   /* W: A of S, dP */
+    load_tile_async<D, 64, W>(sO, dO + b * g.Tq * qs + h * D, i0, g.Tq, qs);
+    if (j0 >= 0) {
+        load_tile_async<D, T, W>(smem + 128 * CH, k, j0, g.Tk, ks);
+        load_tile_async<D, T, W>(smem + (128 + T) * CH, v, j0, g.Tk, ks);
+    }
+    cp_async_commit();
+    float acc[CH][4];
+#pragma unroll
+    for (int n = 0; n < CH; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    while (j0 >= 0) {
+        int st_next = TILE_EMPTY;
+        const int64_t j_next = next_key_tile(g, rs, j0 + T, hi, T, &st_next);
+        if (j_next >= 0) {   /* the other buffer: every warp finished with it at the end of the last round */
+            uint4 *const other = smem + (128 + 2 * T * (buf ^ 1)) * CH;
+            load_tile_async<D, T, W>(other, k, j_next, g.Tk, ks);
+            load_tile_async<D, T, W>(other + T * CH, v, j_next, g.Tk, ks);
+        }
+        cp_async_commit();
+        uint32_t vis[2] = {~0u, ~0u};   /* the tile's mask, while the tiles load (as in dK/dV) */
+        if (st == TILE_MASKED) row_bits<NT, false>(vis, g, b, rows, j0, tq);
+        cp_async_wait<1>();   /* this tile's K and V (and Q, dO): all but the newest group */
+        if (W) fence_proxy_async();
+        __syncthreads();
+        const uint4 *const sK = smem + (128 + 2 * T * buf) * CH, *const sV = sK + T * CH;
+        float s[NT][4], dp[NT][4];
+        if constexpr (W) two_products_wg<D, T>(s, dp, sQ, sK, sO, sV);   /* S = Q K^T, dP = dO V^T */
+        else two_products<D>(s, dp, sQ, sK, sO, sV, warp);
+        if (st == TILE_MASKED) {   /* exp(-inf) = 0 */
+            apply_bits<NT>(s, vis[0], 0);
+            apply_bits<NT>(s, vis[1], 1);
+        }
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)   /* dS / scale = P (dP - delta), P = 2^(S scale log2e - lse log2e) */
+                s[n][e] = exp2_ftz(fmaf(s[n][e], sl2, nl2[e >> 1])) * (dp[n][e] - dl[e >> 1]);
+        if constexpr (W) times_tile_wg_waited<D, T / 16, T>(acc, s, sK);   /* dQ += dS K, K MN-major */
+        else acc_times_tile<D, 2>(acc, s, sK);   /* (T = 32) */
+        __syncthreads();   /* every warp is done with this buffer before the next round refills it */
+        j0 = j_next;
+        st = st_next;
+        buf ^= 1;
+    }
+    wg_fence_regs(&acc[0][0], 4 * CH);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int64_t i = rows[r];
+        if (i >= g.Tq) continue;
+        float *dst = dq + ((b * g.Tq + i) * g.H + h) * D + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < CH; n++) {   /* dS's scale, left out of the loop */
+            dst[n * 8] += acc[n][2 * r] * g.scale;
+            dst[n * 8 + 1] += acc[n][2 * r + 1] * g.scale;
+        }
+    }
+}

@@ -1,0 +1,447 @@
+/* kernels/cuda/attention_forward.cuh — the fused attention forward (mma.sync, wgmma, and the
+ * pipelined wgmma variant) and the merge of split key bands (flash-decoding); see
+ * attention_fused.cu for the design and the host side that launches them. */
+#pragma once
+#include "attention_tiles.cuh"
+
+/* ---- forward ---- */
+/* S = Q K^T for the warpgroup's 64 x 64 tile on wgmma, queued and committed (the caller waits):
+ * A (Q) and B (K) both from shared memory in the wgmma layout (K-major, 16 of D an instruction),
+ * the first with scale-d 0 (no zeroed accumulators). Q was A from registers, loaded once before
+ * the loop; ptxas (CUDA 13.0, sm_90a) then gave those registers to P's bf16 fragments inside the
+ * loop at D = 64, so from the second key tile on S was P K^T (the wrong numbers an H200 showed,
+ * 2026-12-04; seen in the SASS). Reloading them every tile fixed that at the cost of KS ldmatrix
+ * and their addresses; from shared memory nothing of Q is in registers at all, and the bytes
+ * read are the same as the reload's. */
+template <int KS>
+__device__ static inline void scores_wg(float s[8][4], const uint4 *sQ, const uint4 *kt) {
+    const uint32_t dq = wg_desc_lo(sQ), dk = wg_desc_lo(kt);
+    wg_fence();
+    wgmma_64x64_ss<0, 0>(&s[0][0], wg_desc_at(dq, 0), wg_desc_at(dk, 0));
+#pragma unroll
+    for (int kk = 1; kk < KS; kk++) {   /* 64-row atoms 8 KiB apart, 32 bytes of D per instruction */
+        const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
+        wgmma_64x64_ss<0, 1>(&s[0][0], wg_desc_at(dq, off), wg_desc_at(dk, off));
+    }
+    wg_commit();
+}
+
+/* The per-element mask, for TILE_MASKED tiles only (behind one uniform branch, so that the other
+ * tiles' loop stays short). A lane holds 2 NT elements of a fixed index (its query row; in dK/dV
+ * its key) against the columns col0 + 8 n + c (n < NT, c < 2; col0 = the tile's first column +
+ * 2 (lane % 4)): visible_bits says which it may see as bit 2 n + c. The band is an interval of
+ * columns, compared unrolled in 32 bits; the block-sparse layout and documents, rarer, run a
+ * rolled loop. Unrolled per element with 64-bit divisions (the forward at D = 64 was 17,700
+ * instructions, then 5,500 with the mask behind a branch) the warps waited for instruction
+ * fetches half the time (ncu, H200). */
+
+/* the query rows [*lo, *hi] that see key j by the causal / window band (rows past the last out) */
+__device__ static inline void key_band(const geom &g, int64_t j, int64_t *lo, int64_t *hi) {
+    const int64_t jp = j - (g.Tk - g.Tq);   /* the key's position in query numbering */
+    int64_t a = 0, z = g.Tq - 1;
+    if (g.causal && jp > a) a = jp;
+    if (g.right >= 0 && jp - g.right > a) a = jp - g.right;
+    if (g.left >= 0 && jp + g.left < z) z = jp + g.left;
+    *lo = a;
+    *hi = z;
+}
+
+/* bit 2 n + c: whether fixed index `fixed` (ROW: query row i, columns keys; else key j, columns
+ * queries) sees column col0 + 8 n + c; fixed must be in range (i < Tq, j < Tk) */
+template <int NT, bool ROW>
+__device__ static uint32_t visible_bits(const geom &g, int64_t b, int64_t fixed, int64_t col0) {
+    int64_t lo, hi;
+    if (ROW) band(g, fixed, &lo, &hi);
+    else key_band(g, fixed, &lo, &hi);
+    /* relative to col0, clamped into [-1, 8 NT] so that 32 bits hold them */
+    const int span = 8 * NT;
+    const int a = (int)(lo - col0 < -1 ? -1 : lo - col0 > span ? span : lo - col0);
+    const int z = (int)(hi - col0 < -1 ? -1 : hi - col0 > span ? span : hi - col0);
+    uint32_t bits = 0;
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) bits |= (uint32_t)(8 * n + c >= a && 8 * n + c <= z) << (2 * n + c);
+    /* 32-bit divisions (positions and the block size fit): a 64-bit one is a subroutine call,
+     * and a call in the loop around the backward kernels' wgmmas made ptxas serialise every wgmma
+     * of the kernel (C7520; scripts/sass-check.sh fails on it). No branch on the data either (a
+     * column out of the band reads entry 0 instead). */
+    if (g.layout) {
+        const uint32_t bs = (uint32_t)g.bs, row = (uint32_t)(ROW ? fixed : 0), key = (uint32_t)(ROW ? 0 : fixed);
+#pragma unroll 1
+        for (int e = 0; e < 2 * NT; e++) {
+            const bool want = bits >> e & 1;
+            const uint32_t col = (uint32_t)col0 + 8 * (e >> 1) + (e & 1), i = ROW ? row : col, j = ROW ? col : key;
+            const int64_t at = want ? (int64_t)(i / bs) * g.nbc + j / bs : 0;
+            bits &= ~((uint32_t)(g.layout[at] == 0) << e);
+        }
+    }
+    if (g.q_doc) {
+#pragma unroll 1
+        for (int e = 0; e < 2 * NT; e++) {
+            const bool want = bits >> e & 1;
+            const int64_t col = col0 + 8 * (e >> 1) + (e & 1), i = want ? (ROW ? fixed : col) : 0,
+                          j = want ? (ROW ? col : fixed) : 0;
+            bits &= ~((uint32_t)(g.q_doc[b * g.Tq + i] != g.k_doc[b * g.Tk + j]) << e);
+        }
+    }
+    return bits;
+}
+
+/* s[n][2 r + c] at -inf where bit 2 n + c of bits is clear */
+template <int NT>
+__device__ static inline void apply_bits(float s[][4], uint32_t bits, int r) {
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int c = 0; c < 2; c++)
+            if (!(bits >> (2 * n + c) & 1)) s[n][2 * r + c] = -INFINITY;
+}
+
+/* which keys from j0 this lane's two query rows see (visible_bits of each; rows[] the query
+ * indices, past the last, or grouped -1, for none) */
+template <int NT, bool grouped>
+__device__ static inline void row_bits(uint32_t bits[2], const geom &g, int64_t b, const int64_t rows[2], int64_t j0,
+                                       int tq) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int64_t i = rows[r];
+        const bool row_in = grouped ? i >= 0 : i < g.Tq;
+        bits[r] = visible_bits<NT, true>(g, b, row_in ? i : 0, j0 + 2 * tq) & (row_in ? ~0u : 0u);
+    }
+}
+
+/* s (NT n8 tiles of scores for this lane's two query rows, accumulator layout) at -inf where
+ * the (query, key) pair is not visible, keys from j0 */
+template <int NT, bool grouped>
+__device__ static inline void mask_scores(float s[][4], const geom &g, int64_t b, const int64_t rows[2], int64_t j0,
+                                          int tq) {
+    uint32_t bits[2];
+    row_bits<NT, grouped>(bits, g, b, rows, j0, tq);
+    apply_bits<NT>(s, bits[0], 0);
+    apply_bits<NT>(s, bits[1], 1);
+}
+
+/* How far (natural-log units) a row's scores may rise above its running max before the max
+ * moves: 8 log 2, so that exp(s - m) <= 256 (bf16 and the f32 sums hold that easily). Until then
+ * the max stays and O is not rescaled: a rescale is a multiply per O accumulator (64 a thread a
+ * tile at D = 128), and past the first tiles of a row its max rarely grows by that much. The
+ * result is the same up to rounding (O and l carry the same stale max; lse = m + log l). */
+#define RESCALE_SLACK 5.5451774f
+
+/* one key tile's step of the online softmax for this lane's two rows: s (the tile's scores,
+ * accumulator layout) becomes P = exp(s scale - m) with masked pairs at 0 (st: the tile's
+ * state), and when a row of the warp has scores more than RESCALE_SLACK above its max, every
+ * row's max moves to its new one, with its sum l and O rescaled (one branch for the warp) */
+template <int D, bool grouped>
+__device__ static inline void online_softmax(float s[8][4], float o[D / 8][4], float m[2], float l[2], const geom &g,
+                                             int64_t b, const int64_t rows[2], int64_t j0, int st, int tq) {
+    if (st == TILE_MASKED) mask_scores<8, grouped>(s, g, b, rows, j0, tq);
+    float mx[2] = {-INFINITY, -INFINITY};   /* the raw scores' max: scale > 0 keeps the order */
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+    float mt[2];   /* the tile's max per row, scaled; -inf where it sees nothing */
+    bool grow = false;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mt[r] = quad_max(mx[r]) * g.scale;
+        grow |= mt[r] > m[r] + RESCALE_SLACK;   /* a row's first visible scores (m = -inf) too */
+    }
+    if (__any_sync(0xffffffffu, grow)) {
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const float mn = fmaxf(m[r], mt[r]);            /* -inf stays -inf */
+            alpha[r] = mn == -INFINITY ? 1.0f : __expf(m[r] - mn);   /* 0 from -inf: O and l were 0 */
+            m[r] = mn;
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+        }
+    }
+    float nb2[2];   /* -m in log2 units: exp(x scale - m) = 2^(x scale log2e - m log2e) */
+#pragma unroll
+    for (int r = 0; r < 2; r++) nb2[r] = m[r] == -INFINITY ? 0.0f : -m[r] * LOG2E_F;   /* nothing visible yet: P = 0 */
+    const float sl2 = g.scale * LOG2E_F;
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float p = exp2_ftz(fmaf(s[n][e], sl2, nb2[e >> 1]));   /* masked: -inf -> 0 */
+            s[n][e] = p;
+            l[e >> 1] += p;
+        }
+}
+
+/* acc += x t on the warpgroup's tensor cores, waited for (O += P V in the forward, dQ += dS K):
+ * x (16 x 16 KT of this warp's rows, accumulator layout) rounded to A fragments before the
+ * fence, t a ROWS-row tile in the wgmma layout as MN-major B. The wait covers every wgmma in
+ * flight (the pipelined forward's next S too). */
+template <int D, int KT, int ROWS>
+__device__ static inline void times_tile_wg_waited(float acc[D / 8][4], float x[2 * KT][4], const uint4 *t) {
+    uint32_t xa[KT][4];
+    acc_to_a_all<KT>(xa, x);
+    wg_fence();
+    acc_times_tile_wg<D, KT, ROWS>(acc, xa, t);
+    wg_commit();
+    wg_wait<0>();
+    wg_fence_regs(&acc[0][0], 4 * (D / 8));
+}
+
+/* the wgmma forward's first tiles, as cp.async groups: Q with K(j0); with PIPE, K(j1) into K's
+ * second buffer; V(j0). Waits for Q and K(j0), which every thread then sees */
+template <int D, bool grouped, bool PIPE>
+__device__ static inline void forward_prologue_wg(uint4 *sQ, uint4 *sK, uint4 *sK2, uint4 *sV, const bf16 *q,
+                                                  const bf16 *k, const bf16 *v, const geom &g, int64_t h0, int64_t i0,
+                                                  int64_t j0, int64_t j1) {
+    const int64_t qs = g.H * D, ks = g.Hkv * D;
+    load_query_tile<D, grouped, true>(sQ, q, g, h0, i0, qs);
+    if (j0 >= 0) load_tile_async<D, 64, true>(sK, k, j0, g.Tk, ks);
+    cp_async_commit();
+    if (PIPE) {
+        if (j1 >= 0) load_tile_async<D, 64, true>(sK2, k, j1, g.Tk, ks);
+        cp_async_commit();
+    }
+    if (j0 >= 0) load_tile_async<D, 64, true>(sV, v, j0, g.Tk, ks);
+    cp_async_commit();
+    cp_async_wait<PIPE ? 2 : 1>();   /* Q and K(j0) */
+    fence_proxy_async();
+    __syncthreads();
+}
+
+/* Split over keys (decoding: one query tile against a long cache, flash-decoding): with
+ * splits > 1 block `split` walks only its share of the band's key tiles and writes its rows'
+ * partial O (normalised by its own sum) and log-sum-exp to part_o / part_lse, which fa_combine
+ * merges; with splits = 1 it writes out and lse itself. */
+template <int D, bool grouped, bool WG, bool PIPE = false>
+__global__ static void __launch_bounds__(FA_THREADS, WG_MIN_BLOCKS(WG && !PIPE, D))
+fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, int splits, float *part_o,
+           float *part_lse, int *ran_wgmma) {
+    constexpr int CH = D / 8, KS = D / 16;
+    /* WG: S = Q K^T and O += P V on wgmma (Hopper), K and V tiles in its layout in dynamic shared
+     * memory; in a compilation pass without wgmma the same kernel takes the mma.sync path.
+     * PIPE (with WG): the next tile's S = Q K^T is issued before this tile's softmax, so the
+     * tensor cores work while the warps exponentiate (K double-buffered, loaded a tile ahead) */
+    constexpr bool W = WG && ULY_HAS_WGMMA && (D == 64 || D == 128);
+    constexpr bool P2 = W && PIPE;
+    uint4 *sQ, *sK, *sV, *sK2 = NULL;
+    if (W) {
+        ULY_DYNAMIC_SHARED(uint4, dyn);
+        sK = align_1024(dyn);
+        sV = sK + 64 * CH;
+        sQ = sV + 64 * CH;
+        sK2 = sQ + 64 * CH;   /* K's second buffer */
+        if (ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
+    } else {
+        __shared__ uint4 tQ[64 * CH], tK[64 * CH], tV[64 * CH];
+        sQ = tQ; sK = tK; sV = tV;
+    }
+    const int split = (int)(blockIdx.x % (unsigned)splits);
+    const int64_t blk = (int64_t)(blockIdx.x / (unsigned)splits), grp = g.H / g.Hkv;
+    /* a block per 64 query rows of one (batch, head); grouped: per (batch, kv head), its tile
+     * holding every query of the group's heads (Tq * grp <= 64), so K and V are read once */
+    const int64_t nt = grouped ? 1 : (g.Tq + 63) / 64, tile = nt - 1 - blk % nt, bh = blk / nt;
+    const int64_t b = grouped ? bh / g.Hkv : bh / g.H, h = grouped ? -1 : bh % g.H;
+    const int64_t hk = grouped ? bh % g.Hkv : h / grp, i0 = tile * 64;
+    const int64_t qs = g.H * D, ks = g.Hkv * D;
+    const bf16 *q = Q + b * g.Tq * qs + (grouped ? 0 : h * D), *k = K + b * g.Tk * ks + hk * D, *v = V + b * g.Tk * ks + hk * D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
+    /* this lane's two rows (tile rows t0 and t0 + 8) as query indices; past the last query (or,
+     * grouped, -1) when there is no such row */
+    const int64_t t0 = i0 + warp * 16 + (lane >> 2);
+    int64_t rows[2] = {t0, t0 + 8};
+    if (grouped)   /* t < 64 and Tq <= 64: 32-bit division (a 64-bit one is a call, and spills) */
+#pragma unroll
+        for (int r = 0; r < 2; r++) rows[r] = rows[r] < g.Tq * grp ? (int)rows[r] % (int)g.Tq : -1;
+
+    /* pipeline: K of the next tile loads during this tile's softmax and P V, V during its S */
+    int64_t lo, hi;
+    chunk_band(g, i0, i0 + 64 < g.Tq ? i0 + 64 : g.Tq, &lo, &hi);
+    const row_span rs = span_of_rows(g, i0, i0 + 63);
+    if (splits > 1 && lo <= hi) {   /* this split's share of the band's key tiles */
+        const int64_t t0 = lo / 64, tiles = hi / 64 - t0 + 1;
+        const int64_t a = t0 + tiles * split / splits, z = t0 + tiles * (split + 1) / splits;
+        lo = a * 64 > lo ? a * 64 : lo;
+        hi = z * 64 - 1 < hi ? z * 64 - 1 : hi;
+    }
+    int st = TILE_EMPTY;
+    int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / 64 * 64, hi, 64, &st) : -1;
+    float o[CH][4];
+#pragma unroll
+    for (int n = 0; n < CH; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    if constexpr (P2) {
+        /* cp.async groups, oldest first: Q + K(j0); K(j1); V(j0); then each round commits
+         * K(two tiles on) at its start and the next V at its end, so at a round's start the
+         * pending ones are [K(next), V(this), K(after next)] (empty groups keep the count) */
+        int st1 = TILE_EMPTY;
+        int64_t j1 = j0 >= 0 ? next_key_tile(g, rs, j0 + 64, hi, 64, &st1) : -1;
+        forward_prologue_wg<D, grouped, true>(sQ, sK, sK2, sV, q, k, v, g, hk * grp, i0, j0, j1);
+        float s[8][4];
+        if (j0 >= 0) {   /* S(j0) */
+            scores_wg<KS>(s, sQ, sK);
+            wg_wait<0>();
+            wg_fence_regs(&s[0][0], 32);
+        }
+        __syncthreads();   /* every warp is done with K(j0)'s buffer */
+        uint4 *k_this = sK, *k_next = sK2;   /* held K(j0); holds K(j1) */
+        while (j0 >= 0) {
+            int st2 = TILE_EMPTY;
+            const int64_t j2 = j1 >= 0 ? next_key_tile(g, rs, j1 + 64, hi, 64, &st2) : -1;
+            if (j2 >= 0) load_tile_async<D, 64, true>(k_this, k, j2, g.Tk, ks);   /* K two tiles on */
+            cp_async_commit();
+            cp_async_wait<2>();   /* K(j1) */
+            fence_proxy_async();
+            __syncthreads();
+            float sn[8][4];
+            if (j1 >= 0) scores_wg<KS>(sn, sQ, k_next);   /* S(j1): the tensor cores run it during this softmax */
+            online_softmax<D, grouped>(s, o, m, l, g, b, rows, j0, st, tq);
+            cp_async_wait<1>();   /* V(j0) */
+            fence_proxy_async();
+            __syncthreads();
+            times_tile_wg_waited<D, 4, 64>(o, s, sV);   /* O += P V; the wait covers S(j1) too */
+            if (j1 >= 0) {
+                wg_fence_regs(&sn[0][0], 32);
+#pragma unroll
+                for (int n = 0; n < 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) s[n][e] = sn[n][e];
+            }
+            __syncthreads();   /* every warp is done with V(j0) */
+            if (j1 >= 0) load_tile_async<D, 64, true>(sV, v, j1, g.Tk, ks);
+            cp_async_commit();
+            j0 = j1; st = st1;
+            j1 = j2; st1 = st2;
+            uint4 *const t = k_this;
+            k_this = k_next;
+            k_next = t;
+        }
+        cp_async_wait<0>();
+    } else if constexpr (W) {
+        /* K double-buffered: K of the next tile is queued at the top of this one (its buffer was
+         * last read by the S before the previous P V, which every warp finished before the barrier
+         * there), so each tile needs two barriers, not four: one before P V (this V landed) and
+         * one after it (every warp done with V, the next K landed). cp.async groups at a tile's
+         * top: [V(this)], then K(next) is committed; V(next) after the second barrier. */
+        forward_prologue_wg<D, grouped, false>(sQ, sK, sK2, sV, q, k, v, g, hk * grp, i0, j0, -1);
+        uint4 *k_this = sK, *k_next = sK2;
+        while (j0 >= 0) {
+            int st_next = TILE_EMPTY;
+            const int64_t j_next = next_key_tile(g, rs, j0 + 64, hi, 64, &st_next);
+            if (j_next >= 0) load_tile_async<D, 64, true>(k_next, k, j_next, g.Tk, ks);
+            cp_async_commit();
+            float s[8][4];
+            scores_wg<KS>(s, sQ, k_this);
+            wg_wait<0>();
+            wg_fence_regs(&s[0][0], 32);
+            online_softmax<D, grouped>(s, o, m, l, g, b, rows, j0, st, tq);
+            cp_async_wait<1>();   /* this tile's V (the next K may still be in flight) */
+            fence_proxy_async();
+            __syncthreads();
+            times_tile_wg_waited<D, 4, 64>(o, s, sV);   /* O += P V */
+            cp_async_wait<0>();   /* the next K */
+            fence_proxy_async();
+            __syncthreads();      /* every warp is done with V (and with this K), the next K landed */
+            if (j_next >= 0) load_tile_async<D, 64, true>(sV, v, j_next, g.Tk, ks);
+            cp_async_commit();
+            j0 = j_next;
+            st = st_next;
+            uint4 *const t = k_this;
+            k_this = k_next;
+            k_next = t;
+        }
+        cp_async_wait<0>();
+    } else {   /* mma.sync: one K and one V buffer in static shared memory (48 KiB at D = 128) */
+    load_query_tile<D, grouped>(sQ, q, g, hk * grp, i0, qs);
+    if (j0 >= 0) load_tile_async<D, 64>(sK, k, j0, g.Tk, ks);
+    cp_async_commit();
+    if (j0 >= 0) load_tile_async<D, 64>(sV, v, j0, g.Tk, ks);
+    cp_async_commit();
+    cp_async_wait<1>();   /* Q and the first K */
+    __syncthreads();
+    uint32_t qa[KS][4];
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++) ldmatrix_x4(qa[kk], frag_a<D>(sQ, warp * 16, 2 * kk));
+
+    while (j0 >= 0) {
+        float s[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++)
+#pragma unroll
+            for (int np = 0; np < 4; np++) {
+                uint32_t bb[4];
+                ldmatrix_x4(bb, frag_b<D>(sK, np * 16, 2 * kk));
+                mma_two(s[2 * np], s[2 * np + 1], qa[kk], bb);
+            }
+        __syncthreads();   /* every warp is done with K */
+        int st_next = TILE_EMPTY;
+        const int64_t j_next = next_key_tile(g, rs, j0 + 64, hi, 64, &st_next);
+        if (j_next >= 0) load_tile_async<D, 64>(sK, k, j_next, g.Tk, ks);
+        cp_async_commit();
+        online_softmax<D, grouped>(s, o, m, l, g, b, rows, j0, st, tq);
+        cp_async_wait<1>();   /* this tile's V (the next K may still be in flight) */
+        __syncthreads();
+        acc_times_tile<D, 4>(o, s, sV);   /* O += P V */
+        __syncthreads();   /* every warp is done with V */
+        if (j_next >= 0) load_tile_async<D, 64>(sV, v, j_next, g.Tk, ks);
+        cp_async_commit();
+        cp_async_wait<1>();   /* the next K (its V may still be in flight) */
+        __syncthreads();
+        j0 = j_next;
+        st = st_next;
+    }
+    }   /* the mma.sync loop */
+    if (splits > 1) {   /* this split's partial rows, merged by fa_combine */
+        out = part_o + (int64_t)split * g.B * g.Tq * g.H * D;
+        lse = part_lse + (int64_t)split * g.B * g.H * g.Tq;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float sum = quad_sum(l[r]);
+        const int64_t i = rows[r], hr = grouped ? hk * grp + (int)(t0 + 8 * r) / (int)g.Tq : h;   /* its query head */
+        if (grouped ? i < 0 : i >= g.Tq) continue;
+        float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        float *dst = out + ((b * g.Tq + i) * g.H + hr) * D + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < CH; n++) {
+            dst[n * 8] = o[n][2 * r] * inv;
+            dst[n * 8 + 1] = o[n][2 * r + 1] * inv;
+        }
+        if (tq == 0) lse[(b * g.H + hr) * g.Tq + i] = sum > 0.0f ? m[r] + logf(sum) : -INFINITY;
+    }
+}
+
+/* the splits' partial rows merged, in split order (the same bits every run): a thread per
+ * (batch, head, row) and element d of the row; lse = log sum_s exp(lse_s), O = sum_s
+ * exp(lse_s - lse) O_s; a row no split saw gets O = 0 and lse = -inf */
+__global__ static void fa_combine(float *out, float *lse, geom g, int D, int splits, const float *part_o,
+                                  const float *part_lse) {
+    const int64_t rows = g.B * g.H * g.Tq, plane_o = g.B * g.Tq * g.H * D;
+    ULY_CU_FOR(e, rows * D) {
+        const int64_t row = e / D, d = e % D;           /* row = (b * H + h) * Tq + i */
+        const int64_t b = row / (g.H * g.Tq), h = row / g.Tq % g.H, i = row % g.Tq;
+        float mx = -INFINITY;
+        for (int s = 0; s < splits; s++) mx = fmaxf(mx, part_lse[s * rows + row]);
+        const int64_t at = ((b * g.Tq + i) * g.H + h) * D + d;
+        if (mx == -INFINITY) {
+            out[at] = 0.0f;
+            if (d == 0) lse[row] = -INFINITY;
+            continue;
+        }
+        float sum = 0.0f, acc = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            const float w = __expf(part_lse[s * rows + row] - mx);
+            sum += w;
+            acc += w * part_o[s * plane_o + at];
+        }
+        out[at] = acc / sum;
+        if (d == 0) lse[row] = mx + logf(sum);
+    }
+}
