@@ -119,6 +119,9 @@ local function check_flags(cfg)
   one_of('model', cfg.model, { 'gpt', 'llama' })
   one_of('schedule', cfg.schedule, { 'cosine', 'constant' })
   one_of('attention', cfg.attention, { 'flash', 'reference' })
+  if cfg.checkpoint == 2 and cfg.attention ~= 'flash' then
+    usage("--checkpoint 2 keeps flash attention's outputs: it needs --attention flash (or use --checkpoint 1)")
+  end
   one_of('precision', cfg.precision, { 'auto', 'f32', 'bf16' })
   if cfg.device == 'gpu' or cfg.device:match('^cuda:') then
     usage(string.format("--device %s: say 'cuda' (each rank takes the GPU of its local rank)", cfg.device))

@@ -46,6 +46,10 @@ function M.config(name, presets, defaults, cfg, extra)
   if out.dim % out.heads ~= 0 then
     T.raise(string.format('%s: dim %d is not divisible by heads %d', name, out.dim, out.heads))
   end
+  if out.checkpoint == 'except_attention' and out.attention == 'reference' and not out.attend then
+    T.raise(string.format("%s: checkpoint = 'except_attention' keeps flash attention's outputs, and the reference "
+                          .. "kernel has none to keep: use attention = 'flash', or checkpoint = true", name))
+  end
   return out
 end
 

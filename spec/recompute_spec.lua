@@ -261,6 +261,10 @@ describe('checkpointing except attention (nn.checkpoint_except_attention)', func
     local ok, err = pcall(nn.Block, 16, { heads = 2, checkpoint = 'attention' })
     assert.is_false(ok)
     assert.truthy(tostring(err):find("checkpoint must be true, false or 'except_attention', got attention", 1, true), err)
+    -- a model whose attention has no outputs to keep says so instead of recomputing silently
+    ok, err = pcall(GPT, { preset = 'tiny', attention = 'reference', checkpoint = 'except_attention' })
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("the reference kernel has none to keep: use attention = 'flash'", 1, true), err)
   end)
 end)
 

@@ -153,6 +153,7 @@ describe('train.lua', function()
       ['--steps 2.5'] = '--steps must be an integer >= 1, got 2.5',
       ['--schedule linear'] = "--schedule must be cosine | constant, got 'linear'",
       ['--checkpoint 3'] = "--checkpoint must be 0 | 1 | 2, got '3'",
+      ['--checkpoint 2 --attention reference'] = '--checkpoint 2 keeps flash attention\'s outputs: it needs --attention flash',
       ['--dropout 1'] = '--dropout must be >= 0 and < 1, got 1',
       ['--lr 0'] = '--lr must be > 0, got 0',
       ['--top_k -5'] = '--top_k must be an integer >= 0, got -5',
