@@ -822,8 +822,10 @@ describe('fused tensor-core attention (mixed precision)', function()
     for i, c in ipairs(cases) do
       local q, k, v = uly.randn(unpack(c[1])):cuda(), uly.randn(unpack(c[2])):cuda(), uly.randn(unpack(c[2])):cuda()
       local a, b = forward('0', q, k, v, c[3]), forward('1', q, k, v, c[3])
-      -- the pipelined forward: the next tile's S issued before this tile's softmax (K double-buffered)
+      -- the pipelined forward: the next tile's S issued before this tile's softmax (K double-buffered);
+      -- the 128-row forward: two warpgroups sharing K and V (the packed and split case keeps the 64-row one)
       local p = forward('1', q, k, v, c[3], 'pipelined')
+      local r = forward('1', q, k, v, c[3], 'rows128')
       if MODE == 'cuda' then
         -- unforced, each kernel as its head dim's self-check decided: what users run is right
         local u = forward('', q, k, v, c[3])
@@ -832,6 +834,7 @@ describe('fused tensor-core attention (mixed precision)', function()
         if status:match('^on') then
           helpers.assert_close(b, a, 2e-3, 2e-3, 'wgmma vs mma.sync, case ' .. i .. ' (D ' .. D .. ': ' .. status .. ')')
           helpers.assert_close(p, a, 2e-3, 2e-3, 'pipelined wgmma vs mma.sync, case ' .. i)
+          helpers.assert_close(r, a, 2e-3, 2e-3, '128-row wgmma forward vs mma.sync, case ' .. i)
         else
           assert.truthy(status:match('^off') or status:match('^partly on'), status)
           print(('\n(case %d, D %d: wgmma %s)'):format(i, D, status))
@@ -839,6 +842,7 @@ describe('fused tensor-core attention (mixed precision)', function()
       else
         helpers.assert_close(b, a, 0, 0, 'wgmma vs mma.sync, case ' .. i)
         helpers.assert_close(p, a, 0, 0, 'pipelined wgmma vs mma.sync, case ' .. i)
+        helpers.assert_close(r, a, 0, 0, '128-row wgmma forward vs mma.sync, case ' .. i)
       end
     end
     ffi.C.setenv('ULY_CUDA_ATTN_FWD', '', 1)
@@ -915,9 +919,10 @@ describe('fused tensor-core attention (mixed precision)', function()
   -- dS = P (dP - delta), which nearly cancel when P is nearly one-hot, of bf16-rounded terms: dQ
   -- is compared within 5 % (a key let through moves it by far more) and without its component 0
   -- (keys' j times dS, sum(dS) = 0), dK not at all (the specs above check both). The offsets
-  -- Tk - Tq (62, 30, 31, 0) and windows put the band's ends at many places within a 64- and a
-  -- 32-key tile, for the forward's and dQ's key walk and dK/dV's query walk.
-  it('mask edges at many alignments: scores rising and falling along the keys (D = 32, 64)', function()
+  -- Tk - Tq (62, 30, 31, 1, 0) and windows put the band's ends at many places within a 64- and a
+  -- 32-key tile, for the forward's and dQ's key walk and dK/dV's query walk (and at a 64-row
+  -- warpgroup's first and last row against a tile's last and first key, for the 128-row forward).
+  it('mask edges at many alignments: scores rising and falling along the keys (D = 32, 64, 128)', function()
     helpers.reseed(37)
     local function steep(T, H, D, first)   -- [1, T, H, D]: component 0 first(t), the rest small noise
       local pos, keep, n = {}, {}, 0
@@ -939,12 +944,17 @@ describe('fused tensor-core attention (mixed precision)', function()
       { 250, 250, { window = { 140, 3 } } },
       { 200, 200, { causal = true, window = 126 } },
       { 150, 150, { causal = true }, docs = 70 },   -- documents [0, 70) and [70, 150)
+      { 100, 101, { causal = true } },               -- row 63's band ends at key 64, a tile's first
+      { 140, 140, { window = { 1, 0 } } },           -- row 64's starts at key 63, a tile's last
     }
-    -- D, and ULY_CUDA_ATTN_DKV / _DQ: the backward's 64-query dK/dV and 64-key dQ tiles
-    for _, run in ipairs({ { 32, '' }, { 64, '' }, { 64, '64' } }) do
+    -- D, ULY_CUDA_ATTN_DKV / _DQ: the backward's 64-query dK/dV and 64-key dQ tiles, and
+    -- ULY_CUDA_ATTN_FWD=rows128: the forward's 128-row blocks (wgmma only; the band's ends now
+    -- also fall between the two warpgroups' rows)
+    for _, run in ipairs({ { 32, '' }, { 64, '' }, { 64, '64' }, { 64, '', 'rows128' }, { 128, '', 'rows128' } }) do
       local D = run[1]
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', run[2], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_DQ', run[2], 1)
+      ffi.C.setenv('ULY_CUDA_ATTN_FWD', run[3] or '', 1)
       for _, c in ipairs(cases) do
         for _, dir in ipairs({ 1, -1 }) do
           local Tq, Tk, opts = c[1], c[2], c[3]
@@ -968,14 +978,17 @@ describe('fused tensor-core attention (mixed precision)', function()
                 if name ~= 'grad k' then return t end
               end,
               tolerance = function(name) return name == 'grad q' and 0.05 or 1e-2 end })
-          if not ok then ffi.C.setenv('ULY_CUDA_ATTN_DKV', '', 1); ffi.C.setenv('ULY_CUDA_ATTN_DQ', '', 1) end
-          assert(ok, ('D %d%s, Tq %d, Tk %d, %s keys: %s'):format(D, run[2] ~= '' and ' (64-wide backward tiles)' or '', Tq,
-                 Tk, dir > 0 and 'rising' or 'falling', tostring(err)))
+          if not ok then
+            for _, name in ipairs({ 'ULY_CUDA_ATTN_DKV', 'ULY_CUDA_ATTN_DQ', 'ULY_CUDA_ATTN_FWD' }) do ffi.C.setenv(name, '', 1) end
+          end
+          assert(ok, ('D %d%s%s, Tq %d, Tk %d, %s keys: %s'):format(D, run[2] ~= '' and ' (64-wide backward tiles)' or '',
+                 run[3] and ' (128-row forward)' or '', Tq, Tk, dir > 0 and 'rising' or 'falling', tostring(err)))
         end
       end
     end
     ffi.C.setenv('ULY_CUDA_ATTN_DKV', '', 1)
     ffi.C.setenv('ULY_CUDA_ATTN_DQ', '', 1)
+    ffi.C.setenv('ULY_CUDA_ATTN_FWD', '', 1)
   end)
 
   -- ULY_CUDA_ATTN_DKV=64 / ULY_CUDA_ATTN_DQ=64: the backward kernels' wgmma variants with 64-query

@@ -418,6 +418,114 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
     }
 }
 
+/* A warpgroup's view of a key tile the block's walk classified as `st` (for all 128 rows):
+ * FULL stays FULL; a MASKED one may be EMPTY or FULL for the warpgroup's 64 rows rs (the band's
+ * comparisons; with a block-sparse layout it stays MASKED: the per-element mask is right either
+ * way). Inline comparisons only: a call in the loop would serialise the wgmmas (C7520). */
+__device__ static inline int wg_tile_state(const geom &g, const row_span &rs, int st, int64_t j0) {
+    if (st != TILE_MASKED) return st;
+    const int j = (int)j0, j1 = j + 63;   /* positions < 2^30 */
+    if (rs.i0 > rs.i1 || rs.hi1 < j || rs.lo0 > j1) return TILE_EMPTY;
+    return !g.layout && j >= rs.full_lo && j1 <= rs.full_hi ? TILE_FULL : TILE_MASKED;
+}
+
+/* How many 128-row blocks an SM should hold: at D = 64 two (at most 128 registers a thread, as
+ * the one-warpgroup forward's 4 blocks), at D = 128 one (its O alone is 64 registers) */
+#define ROWS128_MIN_BLOCKS(D) (ULY_HAS_WGMMA ? ((D) == 64 ? 2 : 1) : 0)
+
+/* The wgmma forward with 128 query rows a block (ULY_CUDA_ATTN_FWD=rows128): two warpgroups, each
+ * the one-warpgroup kernel's 64 rows (fa_forward's W path, unpipelined), sharing every K and V
+ * tile, so a tile is loaded, and written into shared memory, once per 128 rows instead of once per
+ * 64: half the cp.async traffic per FLOP (at D = 64 about 40 % of a tile's shared-memory bytes).
+ * The block walks the key tiles of its 128 rows' band; a warpgroup skips the math of a tile none of
+ * its rows see (on the causal diagonal, the first warpgroup's last tile) but keeps to the barriers.
+ * Without a band's split over blocks and without GQA packing (decoding keeps fa_forward). In a
+ * compilation pass without wgmma it is empty (the launcher never picks it there). */
+template <int D>
+__global__ static void __launch_bounds__(2 * FA_THREADS, ROWS128_MIN_BLOCKS(D))
+fa_forward_rows128(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, int *ran_wgmma) {
+#if ULY_HAS_WGMMA
+    constexpr int CH = D / 8, KS = D / 16;
+    ULY_DYNAMIC_SHARED(uint4, dyn);
+    uint4 *const sK = align_1024(dyn), *const sV = sK + 64 * CH, *const sQ0 = sV + 64 * CH;
+    uint4 *const sK2 = sQ0 + 128 * CH;   /* K's second buffer; Q is two 64-row tiles, one per warpgroup */
+    if (ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
+    const int64_t blk = blockIdx.x, grp = g.H / g.Hkv;
+    const int64_t nt = (g.Tq + 127) / 128, tile = nt - 1 - blk % nt, bh = blk / nt;   /* longest bands first */
+    const int64_t b = bh / g.H, h = bh % g.H, hk = h / grp, i0 = tile * 128;
+    const int64_t qs = g.H * D, ks = g.Hkv * D;
+    const bf16 *q = Q + b * g.Tq * qs + h * D, *k = K + b * g.Tk * ks + hk * D, *v = V + b * g.Tk * ks + hk * D;
+    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, tq = lane & 3;
+    const int64_t w0 = i0 + 64 * wg;    /* this warpgroup's first row */
+    uint4 *const sQ = sQ0 + wg * 64 * CH;
+    const int64_t t0 = w0 + warp * 16 + (lane >> 2);
+    const int64_t rows[2] = {t0, t0 + 8};
+    int64_t lo, hi;
+    chunk_band(g, i0, i0 + 128 < g.Tq ? i0 + 128 : g.Tq, &lo, &hi);
+    const row_span rs = span_of_rows(g, i0, i0 + 127), rw = span_of_rows(g, w0, w0 + 63);
+    int st = TILE_EMPTY;
+    int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / 64 * 64, hi, 64, &st) : -1;
+    float o[CH][4];
+#pragma unroll
+    for (int n = 0; n < CH; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    /* cp.async groups as fa_forward's W path: [Q + K(j0)], [V(j0)]; then at a tile's top K(next),
+     * after its second barrier V(next) */
+    load_tile_async<D, 64, true, FA_THREADS, true>(sQ, q, w0, g.Tq, qs);   /* each warpgroup its own rows */
+    if (j0 >= 0) load_tile_async<D, 64, true, 2 * FA_THREADS>(sK, k, j0, g.Tk, ks);
+    cp_async_commit();
+    if (j0 >= 0) load_tile_async<D, 64, true, 2 * FA_THREADS>(sV, v, j0, g.Tk, ks);
+    cp_async_commit();
+    cp_async_wait<1>();   /* Q and K(j0) */
+    fence_proxy_async();
+    __syncthreads();
+    uint4 *k_this = sK, *k_next = sK2;
+    while (j0 >= 0) {
+        int st_next = TILE_EMPTY;
+        const int64_t j_next = next_key_tile(g, rs, j0 + 64, hi, 64, &st_next);
+        if (j_next >= 0) load_tile_async<D, 64, true, 2 * FA_THREADS>(k_next, k, j_next, g.Tk, ks);
+        cp_async_commit();
+        const int mine = wg_tile_state(g, rw, st, j0);   /* the same for the whole warpgroup */
+        float s[8][4];
+        if (mine != TILE_EMPTY) {
+            scores_wg<KS>(s, sQ, k_this);
+            wg_wait<0>();
+            wg_fence_regs(&s[0][0], 32);
+            online_softmax<D, false>(s, o, m, l, g, b, rows, j0, mine, tq);
+        }
+        cp_async_wait<1>();   /* this tile's V (the next K may still be in flight) */
+        fence_proxy_async();
+        __syncthreads();
+        if (mine != TILE_EMPTY) times_tile_wg_waited<D, 4, 64>(o, s, sV);   /* O += P V */
+        cp_async_wait<0>();   /* the next K */
+        fence_proxy_async();
+        __syncthreads();      /* both warpgroups are done with V (and with this K), the next K landed */
+        if (j_next >= 0) load_tile_async<D, 64, true, 2 * FA_THREADS>(sV, v, j_next, g.Tk, ks);
+        cp_async_commit();
+        j0 = j_next;
+        st = st_next;
+        uint4 *const t = k_this;
+        k_this = k_next;
+        k_next = t;
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const float sum = quad_sum(l[r]);
+        const int64_t i = rows[r];
+        if (i >= g.Tq) continue;
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        float *dst = out + ((b * g.Tq + i) * g.H + h) * D + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < CH; n++) {
+            dst[n * 8] = o[n][2 * r] * inv;
+            dst[n * 8 + 1] = o[n][2 * r + 1] * inv;
+        }
+        if (tq == 0) lse[(b * g.H + h) * g.Tq + i] = sum > 0.0f ? m[r] + logf(sum) : -INFINITY;
+    }
+#endif
+}
+
 /* the splits' partial rows merged, in split order (the same bits every run): a thread per
  * (batch, head, row) and element d of the row; lse = log sum_s exp(lse_s), O = sum_s
  * exp(lse_s - lse) O_s; a row no split saw gets O = 0 and lse = -inf */

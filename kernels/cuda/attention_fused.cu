@@ -98,11 +98,57 @@ static int forward_grouped(const geom &g) {
     return g.H > g.Hkv && g.Tq * (g.H / g.Hkv) <= 64;
 }
 
+/* ULY_CUDA_ATTN_FWD=rows128: the wgmma forward with 128 query rows a block (fa_forward_rows128,
+ * two warpgroups sharing K and V), where one would run unpipelined without key splits or GQA
+ * packing; only where its wgmma build loads (compute capability 9.0, or the emulator): elsewhere
+ * its kernel is empty. bench/gpu.lua times it beside the default. */
+static int forward_rows128(void) {
+    const char *env = getenv("ULY_CUDA_ATTN_FWD");
+    if (!env || strcmp(env, "rows128")) return 0;
+#ifdef ULY_CUDA_EMU
+    return 1;
+#else
+    static int cc9 = -1;
+    if (cc9 < 0) {
+        int dev = 0, major = 0, minor = 0;
+        cc9 = cudaGetDevice(&dev) == cudaSuccess &&
+              cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+              cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess && major == 9 &&
+              minor == 0;
+        cudaGetLastError();
+    }
+    return cc9;
+#endif
+}
+
+template <int D>
+static void launch_forward_rows128(float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
+                                   int *ran) {
+    const size_t smem = 5 * 64 * (D / 8) * 16 + 1024;   /* V, two K tiles, 128 rows of Q, + 1 KiB to align them */
+    static bool raised;
+    if (!raised) {
+        cudaError_t e = cudaFuncSetAttribute(fa_forward_rows128<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) { uly_cu_fail("fused flash attention forward (wgmma, 128 rows): shared memory", e); return; }
+        raised = true;
+    }
+    char name[64] = "";   /* for the profiler */
+    if (uly_cu_prof_on) snprintf(name, sizeof name, "attention forward D %d wgmma (128 rows)", D);
+    const int64_t blocks = (g.Tq + 127) / 128 * g.B * g.H;
+    ULY_LAUNCH_SMEM_AS(name, fa_forward_rows128<D>, blocks, 2 * FA_THREADS, smem, uly_cu_stream)(out, lse, g, q, k, v,
+                                                                                                 ran);
+}
+
 /* one forward kernel launch: grouped or not, wgmma or mma.sync (the wgmma kernel's tiles live
  * in dynamic shared memory: Q, V, two K tiles + 1 KiB to align them) */
 template <int D, bool grouped, bool WG, bool PIPE = false>
 static void launch_forward(int64_t blocks, float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k,
                            const bf16 *v, int splits, float *part, float *part_lse, int *ran) {
+    if constexpr (WG && !grouped && !PIPE && (D == 64 || D == 128)) {
+        if (splits == 1 && forward_rows128()) {
+            launch_forward_rows128<D>(out, lse, g, q, k, v, ran);
+            return;
+        }
+    }
     if (WG) {
         const size_t smem = 4 * 64 * (D / 8) * 16 + 1024;   /* Q, V and two K tiles, + 1 KiB to align them */
         static bool raised;
@@ -354,7 +400,8 @@ extern "C" const char *uly_cuda_wgmma_status(int D) {
 }
 
 /* ULY_CUDA_ATTN_FWD=pipelined: the wgmma forward issues the next tile's S before this tile's
- * softmax (fa_forward's PIPE); unset: one tile at a time. bench/gpu.lua times both. */
+ * softmax (fa_forward's PIPE); rows128: see forward_rows128; unset: one tile at a time, 64 rows a
+ * block. bench/gpu.lua times them. */
 static int forward_pipelined(void) {
     const char *env = getenv("ULY_CUDA_ATTN_FWD");
     return env && !strcmp(env, "pipelined");

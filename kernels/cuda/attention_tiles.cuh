@@ -25,16 +25,19 @@ __device__ static inline int sw128_at(int r, int c) { return (c >> 3) * ROWS * 8
 
 /* rows [r0, r0 + ROWS) of a bf16 matrix with `stride`-element rows into a swizzled shared tile
  * (rows at or past `nrows` are zeros; WG: the wgmma layout), queued as cp.async copies: the
- * caller commits the group and waits for it */
-template <int D, int ROWS, bool WG = false>
+ * caller commits the group and waits for it. THREADS threads share the copies: the block's
+ * first THREADS, or (OWN_WG) the calling thread's warpgroup alone */
+template <int D, int ROWS, bool WG = false, int THREADS = FA_THREADS, bool OWN_WG = false>
 __device__ static inline void load_tile_async(uint4 *s, const bf16 *src, int64_t r0, int64_t nrows, int64_t stride) {
     /* a thread copies chunk c of rows r, r + RP, ...: one address each side computed, then
      * constant steps (RP is a multiple of the swizzle's 8 rows, so row r + k RP's chunk c sits
      * k RP rows after row r's), and the rows left compared in 32 bits (the loop as e / CH, e % CH
      * per copy was ~170 integer instructions a tile in the hot loops) */
-    constexpr int CH = D / 8, RP = FA_THREADS / CH, STEP = RP * (WG ? 8 : CH);
-    static_assert(FA_THREADS % CH == 0 && ROWS % RP == 0 && RP % 8 == 0, "load_tile_async: tile shape");
-    const int c = threadIdx.x % CH, r = threadIdx.x / CH;
+    constexpr int CH = D / 8, RP = THREADS / CH, STEP = RP * (WG ? 8 : CH);
+    static_assert(THREADS % CH == 0 && ROWS % RP == 0 && RP % 8 == 0 && (!OWN_WG || THREADS == 128),
+                  "load_tile_async: tile shape");
+    const unsigned tid = OWN_WG ? threadIdx.x & 127u : threadIdx.x;
+    const int c = tid % CH, r = tid / CH;
     uint4 *d = s + (WG ? sw128_at<ROWS>(r, c) : sw_at<D>(r, c));
     const int64_t step = RP * stride;
     if (r0 + ROWS <= nrows) {
