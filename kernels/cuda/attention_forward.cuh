@@ -214,6 +214,66 @@ __device__ static inline void forward_prologue_wg(uint4 *sQ, uint4 *sK, uint4 *s
     __syncthreads();
 }
 
+/* a forward's end: this lane's two rows of O divided by their sums, and their log-sum-exp (-inf,
+ * with O = 0, for a row that saw no key); rows past the last (grouped: -1) are skipped;
+ * head_of(r): row r's query head. Every lane takes part in the sums' shuffles. */
+template <int D, bool grouped, typename HeadOf>
+__device__ static inline void store_forward_rows(float *out, float *lse, const geom &g, int64_t b, const int64_t rows[2],
+                                                 float o[D / 8][4], const float m[2], const float l[2], int tq,
+                                                 HeadOf head_of) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float sum = quad_sum(l[r]);
+        const int64_t i = rows[r], hr = head_of(r);
+        if (grouped ? i < 0 : i >= g.Tq) continue;
+        float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        float *dst = out + ((b * g.Tq + i) * g.H + hr) * D + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            dst[n * 8] = o[n][2 * r] * inv;
+            dst[n * 8 + 1] = o[n][2 * r + 1] * inv;
+        }
+        if (tq == 0) lse[(b * g.H + hr) * g.Tq + i] = sum > 0.0f ? m[r] + logf(sum) : -INFINITY;
+    }
+}
+
+/* a wgmma forward's tile up to P: S = Q K^T (kt: this tile's K), waited for, then the online
+ * softmax step (st: the tile's state for these rows) */
+template <int D, bool grouped>
+__device__ static inline void scores_softmax_wg(float s[8][4], const uint4 *sQ, const uint4 *kt, float o[D / 8][4],
+                                                float m[2], float l[2], const geom &g, int64_t b, const int64_t rows[2],
+                                                int64_t j0, int st, int tq) {
+    scores_wg<D / 16>(s, sQ, kt);
+    wg_wait<0>();
+    wg_fence_regs(&s[0][0], 32);
+    online_softmax<D, grouped>(s, o, m, l, g, b, rows, j0, st, tq);
+}
+
+/* this tile's V has landed for every thread (the next K may still be in flight) */
+__device__ static inline void this_v_landed() {
+    cp_async_wait<1>();
+    fence_proxy_async();
+    __syncthreads();
+}
+
+/* the end of a wgmma forward's tile (K double-buffered): wait for the next K, a barrier (every
+ * warp is done with V and this K, and the next K landed for all), the next V queued by the THREADS
+ * threads, and on to the next tile: j0, st become j_next's, the K buffers swap */
+template <int D, int THREADS>
+__device__ static inline void next_tile_wg(uint4 *sV, const bf16 *v, int64_t Tk, int64_t ks, int64_t j_next, int st_next,
+                                           int64_t &j0, int &st, uint4 *&k_this, uint4 *&k_next) {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (j_next >= 0) load_tile_async<D, 64, true, THREADS>(sV, v, j_next, Tk, ks);
+    cp_async_commit();
+    j0 = j_next;
+    st = st_next;
+    uint4 *const t = k_this;
+    k_this = k_next;
+    k_next = t;
+}
+
 /* Split over keys (decoding: one query tile against a long cache, flash-decoding): with
  * splits > 1 block `split` walks only its share of the band's key tiles and writes its rows'
  * partial O (normalised by its own sum) and log-sum-exp to part_o / part_lse, which fa_combine
@@ -336,24 +396,10 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
             if (j_next >= 0) load_tile_async<D, 64, true>(k_next, k, j_next, g.Tk, ks);
             cp_async_commit();
             float s[8][4];
-            scores_wg<KS>(s, sQ, k_this);
-            wg_wait<0>();
-            wg_fence_regs(&s[0][0], 32);
-            online_softmax<D, grouped>(s, o, m, l, g, b, rows, j0, st, tq);
-            cp_async_wait<1>();   /* this tile's V (the next K may still be in flight) */
-            fence_proxy_async();
-            __syncthreads();
+            scores_softmax_wg<D, grouped>(s, sQ, k_this, o, m, l, g, b, rows, j0, st, tq);
+            this_v_landed();
             times_tile_wg_waited<D, 4, 64>(o, s, sV);   /* O += P V */
-            cp_async_wait<0>();   /* the next K */
-            fence_proxy_async();
-            __syncthreads();      /* every warp is done with V (and with this K), the next K landed */
-            if (j_next >= 0) load_tile_async<D, 64, true>(sV, v, j_next, g.Tk, ks);
-            cp_async_commit();
-            j0 = j_next;
-            st = st_next;
-            uint4 *const t = k_this;
-            k_this = k_next;
-            k_next = t;
+            next_tile_wg<D, FA_THREADS>(sV, v, g.Tk, ks, j_next, st_next, j0, st, k_this, k_next);
         }
         cp_async_wait<0>();
     } else {   /* mma.sync: one K and one V buffer in static shared memory (48 KiB at D = 128) */
@@ -402,20 +448,9 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
         out = part_o + (int64_t)split * g.B * g.Tq * g.H * D;
         lse = part_lse + (int64_t)split * g.B * g.H * g.Tq;
     }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float sum = quad_sum(l[r]);
-        const int64_t i = rows[r], hr = grouped ? hk * grp + (int)(t0 + 8 * r) / (int)g.Tq : h;   /* its query head */
-        if (grouped ? i < 0 : i >= g.Tq) continue;
-        float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        float *dst = out + ((b * g.Tq + i) * g.H + hr) * D + 2 * tq;
-#pragma unroll
-        for (int n = 0; n < CH; n++) {
-            dst[n * 8] = o[n][2 * r] * inv;
-            dst[n * 8 + 1] = o[n][2 * r + 1] * inv;
-        }
-        if (tq == 0) lse[(b * g.H + hr) * g.Tq + i] = sum > 0.0f ? m[r] + logf(sum) : -INFINITY;
-    }
+    store_forward_rows<D, grouped>(out, lse, g, b, rows, o, m, l, tq, [&](int r) {   /* row r's query head */
+        return grouped ? hk * grp + (int)(t0 + 8 * r) / (int)g.Tq : h;
+    });
 }
 
 /* A warpgroup's view of a key tile the block's walk classified as `st` (for all 128 rows):
@@ -487,42 +522,13 @@ fa_forward_rows128(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K,
         cp_async_commit();
         const int mine = wg_tile_state(g, rw, st, j0);   /* the same for the whole warpgroup */
         float s[8][4];
-        if (mine != TILE_EMPTY) {
-            scores_wg<KS>(s, sQ, k_this);
-            wg_wait<0>();
-            wg_fence_regs(&s[0][0], 32);
-            online_softmax<D, false>(s, o, m, l, g, b, rows, j0, mine, tq);
-        }
-        cp_async_wait<1>();   /* this tile's V (the next K may still be in flight) */
-        fence_proxy_async();
-        __syncthreads();
+        if (mine != TILE_EMPTY) scores_softmax_wg<D, false>(s, sQ, k_this, o, m, l, g, b, rows, j0, mine, tq);
+        this_v_landed();
         if (mine != TILE_EMPTY) times_tile_wg_waited<D, 4, 64>(o, s, sV);   /* O += P V */
-        cp_async_wait<0>();   /* the next K */
-        fence_proxy_async();
-        __syncthreads();      /* both warpgroups are done with V (and with this K), the next K landed */
-        if (j_next >= 0) load_tile_async<D, 64, true, 2 * FA_THREADS>(sV, v, j_next, g.Tk, ks);
-        cp_async_commit();
-        j0 = j_next;
-        st = st_next;
-        uint4 *const t = k_this;
-        k_this = k_next;
-        k_next = t;
+        next_tile_wg<D, 2 * FA_THREADS>(sV, v, g.Tk, ks, j_next, st_next, j0, st, k_this, k_next);
     }
     cp_async_wait<0>();
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const float sum = quad_sum(l[r]);
-        const int64_t i = rows[r];
-        if (i >= g.Tq) continue;
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        float *dst = out + ((b * g.Tq + i) * g.H + h) * D + 2 * tq;
-#pragma unroll
-        for (int n = 0; n < CH; n++) {
-            dst[n * 8] = o[n][2 * r] * inv;
-            dst[n * 8 + 1] = o[n][2 * r + 1] * inv;
-        }
-        if (tq == 0) lse[(b * g.H + h) * g.Tq + i] = sum > 0.0f ? m[r] + logf(sum) : -INFINITY;
-    }
+    store_forward_rows<D, false>(out, lse, g, b, rows, o, m, l, tq, [&](int) { return h; });
 #endif
 }
 
