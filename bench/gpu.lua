@@ -134,17 +134,19 @@ end
 -- D <= 64), ULY_CUDA_ATTN_FWD ('pipelined': the wgmma forward issues the next tile's S before
 -- this softmax; 'rows128': 128 query rows a block, two warpgroups sharing K and V),
 -- ULY_CUDA_ATTN_DKV ('64': the dK/dV kernel's 64-query tiles, D 64) and
--- ULY_CUDA_ATTN_DQ ('64': the dQ kernel's 64-key tiles, D 64)
+-- ULY_CUDA_ATTN_DQ ('64': the dQ kernel's 64-key tiles, D 64; 'rows128': 128 query rows a block,
+-- two warpgroups sharing K and V)
 local all_paths = { { 'f32 chunked', 'f32', 'chunked', '', '', '', '', '' },
                     { 'bf16 chunked', 'bf16', 'chunked', '', '', '', '', '' },
                     { 'bf16 fused', 'bf16', 'fused', '', '', '', '', '' },
                     { 'fused 1-pass', 'bf16', 'fused', '', 'onepass', '', '', '' },
                     { 'fused pipe+1p', 'bf16', 'fused', '', 'onepass', 'pipelined', '', '' },
                     { 'fused mma.sync', 'bf16', 'fused', '0', '', '', '', '' },
-                    { 'fused rows128', 'bf16', 'fused', '', '', 'rows128', '', '' } }
+                    { 'fused rows128', 'bf16', 'fused', '', '', 'rows128', '', 'rows128' } }
 local fused_paths = { all_paths[3], all_paths[4], all_paths[5], all_paths[6], all_paths[7],   -- the D 64 table's, and:
                       { 'fused dkv64', 'bf16', 'fused', '', '', '', '64', '' }, { 'fused dq64', 'bf16', 'fused', '', '', '', '', '64' },
-                      { 'fused bwd64', 'bf16', 'fused', '', '', '', '64', '64' } }
+                      { 'fused bwd64', 'bf16', 'fused', '', '', '', '64', '64' },
+                      { 'fused 128+dkv64', 'bf16', 'fused', '', '', 'rows128', '64', 'rows128' } }
 
 -- causal forward + backward at B 1, H heads of D, N from 4096 (quick: 128) doubling up to n_max,
 -- every path against cuDNN's fused kernel on the same shape

@@ -23,7 +23,7 @@ stalls=(--metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.
 profile() { # profile NAME KERNEL-REGEX ENV... -- ARGS...
   local name=$1 kernels=$2; shift 2
   local envs=()
-  while [ "$1" != -- ]; do envs+=("$1"); shift; done   # (variants: the 64-wide backward, 128-row forward)
+  while [ "$1" != -- ]; do envs+=("$1"); shift; done   # (variants: 64-query dK/dV, 128-row forward and dQ)
   shift
   local extra rc
   for extra in with without; do
@@ -41,7 +41,7 @@ profile() { # profile NAME KERNEL-REGEX ENV... -- ARGS...
 {
   profile attention-64 'fa_' -- attention 64
   profile attention-128 'fa_' -- attention 128
-  profile attention-64-wide 'fa_' ULY_CUDA_ATTN_DKV=64 ULY_CUDA_ATTN_DQ=64 ULY_CUDA_ATTN_FWD=rows128 -- attention 64   # 64-wide backward, 128-row forward
+  profile attention-64-wide 'fa_' ULY_CUDA_ATTN_DKV=64 ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_FWD=rows128 -- attention 64   # 64-query dK/dV, 128-row forward and dQ
   profile gemm-f32 '.' -- gemm f32
   profile gemm-bf16 '.' -- gemm bf16
 } | tee "$out/profile-summary.txt"

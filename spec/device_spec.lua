@@ -948,12 +948,12 @@ describe('fused tensor-core attention (mixed precision)', function()
       { 140, 140, { window = { 1, 0 } } },           -- row 64's starts at key 63, a tile's last
     }
     -- D, ULY_CUDA_ATTN_DKV / _DQ: the backward's 64-query dK/dV and 64-key dQ tiles, and
-    -- ULY_CUDA_ATTN_FWD=rows128: the forward's 128-row blocks (wgmma only; the band's ends now
-    -- also fall between the two warpgroups' rows)
+    -- ULY_CUDA_ATTN_FWD / _DQ = rows128: the forward's and dQ's 128-row blocks (wgmma only; the
+    -- band's ends now also fall between the two warpgroups' rows)
     for _, run in ipairs({ { 32, '' }, { 64, '' }, { 64, '64' }, { 64, '', 'rows128' }, { 128, '', 'rows128' } }) do
       local D = run[1]
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', run[2], 1)
-      ffi.C.setenv('ULY_CUDA_ATTN_DQ', run[2], 1)
+      ffi.C.setenv('ULY_CUDA_ATTN_DQ', run[3] or run[2], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_FWD', run[3] or '', 1)
       for _, c in ipairs(cases) do
         for _, dir in ipairs({ 1, -1 }) do
@@ -982,7 +982,7 @@ describe('fused tensor-core attention (mixed precision)', function()
             for _, name in ipairs({ 'ULY_CUDA_ATTN_DKV', 'ULY_CUDA_ATTN_DQ', 'ULY_CUDA_ATTN_FWD' }) do ffi.C.setenv(name, '', 1) end
           end
           assert(ok, ('D %d%s%s, Tq %d, Tk %d, %s keys: %s'):format(D, run[2] ~= '' and ' (64-wide backward tiles)' or '',
-                 run[3] and ' (128-row forward)' or '', Tq, Tk, dir > 0 and 'rising' or 'falling', tostring(err)))
+                 run[3] and ' (128-row forward and dQ)' or '', Tq, Tk, dir > 0 and 'rising' or 'falling', tostring(err)))
         end
       end
     end
@@ -993,7 +993,8 @@ describe('fused tensor-core attention (mixed precision)', function()
 
   -- ULY_CUDA_ATTN_DKV=64 / ULY_CUDA_ATTN_DQ=64: the backward kernels' wgmma variants with 64-query
   -- dK/dV tiles and 64-key dQ tiles (D = 64): their own walks (tile classification at 64),
-  -- buffers, stats and 64 x 64 products; each alone and both
+  -- buffers, stats and 64 x 64 products; each alone and both; and dQ's 128-row blocks
+  -- (ULY_CUDA_ATTN_DQ=rows128: two warpgroups sharing K and V)
   it('the backward with 64-wide tiles gives the CPU\'s gradients (D = 64: GQA, masks, documents)', function()
     if not REAL then return end   -- the simulation has no fused kernels
     helpers.reseed(38)
@@ -1011,7 +1012,7 @@ describe('fused tensor-core attention (mixed precision)', function()
       against_cpu(function(q, k, v, a, b) return uly.flash_attention(q, k, v, { causal = true, q_doc = a, k_doc = b }) end,
         { uly.randn(1, 130, 2, 64), uly.randn(1, 130, 1, 64), uly.randn(1, 130, 1, 64), d, d }, { fused_only = true })
     end
-    for _, env in ipairs({ { '64', '' }, { '', '64' }, { '64', '64' } }) do
+    for _, env in ipairs({ { '64', '' }, { '', '64' }, { '64', '64' }, { '64', 'rows128' } }) do
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', env[1], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_DQ', env[2], 1)
       local ok, err = pcall(cases)

@@ -292,26 +292,35 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
 /* WG: S, dP and dQ += dS K as wgmma (Hopper), the K and V tiles in its layout (D = 64, 128) */
 /* KT: keys a tile, 32, or 64 in the wgmma variant at D = 64 (ULY_CUDA_ATTN_DQ=64): S and dP as
  * 64 x 64 wgmmas, whose A (Q, dO from shared memory) then feeds twice the math, and half the
- * tiles to walk */
-template <int D, bool WG, int KT = 32>
-__global__ static void __launch_bounds__(FA_THREADS)
+ * tiles to walk. WGS = 2 (wgmma only, ULY_CUDA_ATTN_DQ=rows128): 128 query rows a block, two
+ * warpgroups of 64 each with its own Q and dO, sharing every K and V tile the block loads (half
+ * the tile loads per FLOP, as the forward's fa_forward_rows128); a warpgroup skips the math of a
+ * tile none of its rows see, keeping to the barriers. */
+template <int D, bool WG, int KT = 32, int WGS = 1>
+__global__ static void __launch_bounds__(WGS * FA_THREADS, WGS == 2 ? ROWS128_MIN_BLOCKS(D) : 0)
 fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO, const float *lse,
                const float *delta, int *ran_wgmma) {
     constexpr int CH = D / 8;
     constexpr bool W = WG && ULY_HAS_WGMMA && (D == 64 || D == 128);
     static_assert(KT == 32 || (KT == 64 && D == 64), "fa_backward_dq: 64-key tiles only at D 64");
+    static_assert(WGS == 1 || (WGS == 2 && WG), "fa_backward_dq: two warpgroups only on wgmma");
+    if constexpr (WGS == 2 && !W) return;   /* never launched in a pass without wgmma */
     constexpr int T = W ? KT : 32;   /* this pass's key tile (mma.sync: 32) */
     constexpr int NT = T / 8;        /* n8 tiles of keys: S is 64 x T */
-    /* Q, dO (64 rows), then two buffers of K (T rows) followed by V (T rows) */
+    constexpr int ROWS = 64 * WGS;   /* the block's query rows */
+    /* per warpgroup Q, dO (64 rows), then two buffers of K (T rows) followed by V (T rows) */
     ULY_DYNAMIC_SHARED(uint4, smem_raw);
     uint4 *const smem = W ? align_1024(smem_raw) : smem_raw;
     if (W && ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
-    uint4 *const sQ = smem, *const sO = smem + 64 * CH;
-    const int64_t nt = (g.Tq + 63) / 64, tile = nt - 1 - (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
-    const int64_t b = bh / g.H, h = bh % g.H, hk = h / (g.H / g.Hkv), i0 = tile * 64;
+    const int wg = WGS == 2 ? (int)(threadIdx.x >> 7) : 0;
+    uint4 *const sQ = smem + wg * 128 * CH, *const sO = sQ + 64 * CH;
+    constexpr int KV = 2 * ROWS;   /* the K / V buffers' first row in shared memory */
+    const int64_t nt = (g.Tq + ROWS - 1) / ROWS, tile = nt - 1 - (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
+    const int64_t b = bh / g.H, h = bh % g.H, hk = h / (g.H / g.Hkv), ib = tile * ROWS, i0 = ib + 64 * wg;
     const int64_t qs = g.H * D, ks = g.Hkv * D;
     const bf16 *k = K + b * g.Tk * ks + hk * D, *v = V + b * g.Tk * ks + hk * D;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
+    const int warp = WGS == 2 ? (int)(threadIdx.x >> 5) & 3 : (int)(threadIdx.x >> 5), lane = threadIdx.x & 31,
+              tq = lane & 3;
     const int64_t rows[2] = {i0 + warp * 16 + (lane >> 2), i0 + warp * 16 + (lane >> 2) + 8};
     /* per row: -lse log2e (-inf for a row with nothing visible or past the last: P = 0), delta */
     float nl2[2], dl[2];
@@ -325,15 +334,16 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
     }
     /* pipeline: the next key tile's K and V load into the other buffer during this one's math */
     int64_t lo, hi;
-    chunk_band(g, i0, i0 + 64 < g.Tq ? i0 + 64 : g.Tq, &lo, &hi);
-    const row_span rs = span_of_rows(g, i0, i0 + 63);
+    chunk_band(g, ib, ib + ROWS < g.Tq ? ib + ROWS : g.Tq, &lo, &hi);
+    const row_span rs = span_of_rows(g, ib, ib + ROWS - 1), rw = WGS == 2 ? span_of_rows(g, i0, i0 + 63) : rs;
     int st = TILE_EMPTY, buf = 0;
     int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / T * T, hi, T, &st) : -1;
-    load_tile_async<D, 64, W>(sQ, Q + b * g.Tq * qs + h * D, i0, g.Tq, qs);   /* W: A of S, dP */
-    load_tile_async<D, 64, W>(sO, dO + b * g.Tq * qs + h * D, i0, g.Tq, qs);
+    /* W: A of S, dP; each warpgroup its own rows */
+    load_tile_async<D, 64, W, FA_THREADS, WGS == 2>(sQ, Q + b * g.Tq * qs + h * D, i0, g.Tq, qs);
+    load_tile_async<D, 64, W, FA_THREADS, WGS == 2>(sO, dO + b * g.Tq * qs + h * D, i0, g.Tq, qs);
     if (j0 >= 0) {
-        load_tile_async<D, T, W>(smem + 128 * CH, k, j0, g.Tk, ks);
-        load_tile_async<D, T, W>(smem + (128 + T) * CH, v, j0, g.Tk, ks);
+        load_tile_async<D, T, W, WGS * FA_THREADS>(smem + KV * CH, k, j0, g.Tk, ks);
+        load_tile_async<D, T, W, WGS * FA_THREADS>(smem + (KV + T) * CH, v, j0, g.Tk, ks);
     }
     cp_async_commit();
     float acc[CH][4];
@@ -343,21 +353,29 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
         int st_next = TILE_EMPTY;
         const int64_t j_next = next_key_tile(g, rs, j0 + T, hi, T, &st_next);
         if (j_next >= 0) {   /* the other buffer: every warp finished with it at the end of the last round */
-            uint4 *const other = smem + (128 + 2 * T * (buf ^ 1)) * CH;
-            load_tile_async<D, T, W>(other, k, j_next, g.Tk, ks);
-            load_tile_async<D, T, W>(other + T * CH, v, j_next, g.Tk, ks);
+            uint4 *const other = smem + (KV + 2 * T * (buf ^ 1)) * CH;
+            load_tile_async<D, T, W, WGS * FA_THREADS>(other, k, j_next, g.Tk, ks);
+            load_tile_async<D, T, W, WGS * FA_THREADS>(other + T * CH, v, j_next, g.Tk, ks);
         }
         cp_async_commit();
+        const int mine = WGS == 2 ? wg_tile_state<T>(g, rw, st, j0) : st;   /* this warpgroup's rows' view */
         uint32_t vis[2] = {~0u, ~0u};   /* the tile's mask, while the tiles load (as in dK/dV) */
-        if (st == TILE_MASKED) row_bits<NT, false>(vis, g, b, rows, j0, tq);
+        if (mine == TILE_MASKED) row_bits<NT, false>(vis, g, b, rows, j0, tq);
         cp_async_wait<1>();   /* this tile's K and V (and Q, dO): all but the newest group */
         if (W) fence_proxy_async();
         __syncthreads();
-        const uint4 *const sK = smem + (128 + 2 * T * buf) * CH, *const sV = sK + T * CH;
+        const uint4 *const sK = smem + (KV + 2 * T * buf) * CH, *const sV = sK + T * CH;
+        if (WGS == 2 && mine == TILE_EMPTY) {   /* none of this warpgroup's rows sees the tile */
+            __syncthreads();
+            j0 = j_next;
+            st = st_next;
+            buf ^= 1;
+            continue;
+        }
         float s[NT][4], dp[NT][4];
         if constexpr (W) two_products_wg<D, T>(s, dp, sQ, sK, sO, sV);   /* S = Q K^T, dP = dO V^T */
         else two_products<D>(s, dp, sQ, sK, sO, sV, warp);
-        if (st == TILE_MASKED) {   /* exp(-inf) = 0 */
+        if (mine == TILE_MASKED) {   /* exp(-inf) = 0 */
             apply_bits<NT>(s, vis[0], 0);
             apply_bits<NT>(s, vis[1], 1);
         }

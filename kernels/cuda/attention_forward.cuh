@@ -453,21 +453,6 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
     });
 }
 
-/* A warpgroup's view of a key tile the block's walk classified as `st` (for all 128 rows):
- * FULL stays FULL; a MASKED one may be EMPTY or FULL for the warpgroup's 64 rows rs (the band's
- * comparisons; with a block-sparse layout it stays MASKED: the per-element mask is right either
- * way). Inline comparisons only: a call in the loop would serialise the wgmmas (C7520). */
-__device__ static inline int wg_tile_state(const geom &g, const row_span &rs, int st, int64_t j0) {
-    if (st != TILE_MASKED) return st;
-    const int j = (int)j0, j1 = j + 63;   /* positions < 2^30 */
-    if (rs.i0 > rs.i1 || rs.hi1 < j || rs.lo0 > j1) return TILE_EMPTY;
-    return !g.layout && j >= rs.full_lo && j1 <= rs.full_hi ? TILE_FULL : TILE_MASKED;
-}
-
-/* How many 128-row blocks an SM should hold: at D = 64 two (at most 128 registers a thread, as
- * the one-warpgroup forward's 4 blocks), at D = 128 one (its O alone is 64 registers) */
-#define ROWS128_MIN_BLOCKS(D) (ULY_HAS_WGMMA ? ((D) == 64 ? 2 : 1) : 0)
-
 /* The wgmma forward with 128 query rows a block (ULY_CUDA_ATTN_FWD=rows128): two warpgroups, each
  * the one-warpgroup kernel's 64 rows (fa_forward's W path, unpipelined), sharing every K and V
  * tile, so a tile is loaded, and written into shared memory, once per 128 rows instead of once per
@@ -520,7 +505,7 @@ fa_forward_rows128(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K,
         const int64_t j_next = next_key_tile(g, rs, j0 + 64, hi, 64, &st_next);
         if (j_next >= 0) load_tile_async<D, 64, true, 2 * FA_THREADS>(k_next, k, j_next, g.Tk, ks);
         cp_async_commit();
-        const int mine = wg_tile_state(g, rw, st, j0);   /* the same for the whole warpgroup */
+        const int mine = wg_tile_state<64>(g, rw, st, j0);   /* the same for the whole warpgroup */
         float s[8][4];
         if (mine != TILE_EMPTY) scores_softmax_wg<D, false>(s, sQ, k_this, o, m, l, g, b, rows, j0, mine, tq);
         this_v_landed();

@@ -98,13 +98,9 @@ static int forward_grouped(const geom &g) {
     return g.H > g.Hkv && g.Tq * (g.H / g.Hkv) <= 64;
 }
 
-/* ULY_CUDA_ATTN_FWD=rows128: the wgmma forward with 128 query rows a block (fa_forward_rows128,
- * two warpgroups sharing K and V), where one would run unpipelined without key splits or GQA
- * packing; only where its wgmma build loads (compute capability 9.0, or the emulator): elsewhere
- * its kernel is empty. bench/gpu.lua times it beside the default. */
-static int forward_rows128(void) {
-    const char *env = getenv("ULY_CUDA_ATTN_FWD");
-    if (!env || strcmp(env, "rows128")) return 0;
+/* whether the two-warpgroup kernels' wgmma build is what runs here (compute capability 9.0, or the
+ * emulator): in the other passes their kernels are empty */
+static int two_warpgroup_build_loads(void) {
 #ifdef ULY_CUDA_EMU
     return 1;
 #else
@@ -119,6 +115,13 @@ static int forward_rows128(void) {
     }
     return cc9;
 #endif
+}
+/* ULY_CUDA_ATTN_FWD=rows128: the wgmma forward with 128 query rows a block (fa_forward_rows128,
+ * two warpgroups sharing K and V), where one would run unpipelined without key splits or GQA
+ * packing. bench/gpu.lua times it beside the default. */
+static int forward_rows128(void) {
+    const char *env = getenv("ULY_CUDA_ATTN_FWD");
+    return env && !strcmp(env, "rows128") && two_warpgroup_build_loads();
 }
 
 template <int D>
@@ -187,28 +190,44 @@ static int wg_state[2][3];   /* by head dim (64, 128) and kernel: 0 not decided,
 static char wg_why[2][400] = {"not decided yet (decided at the first fused attention with D = 64)",
                               "not decided yet (decided at the first fused attention with D = 128)"};
 
-/* ULY_CUDA_ATTN_DQ=64: the dQ kernel's wgmma variant with 64-key tiles at D = 64 (see
- * fa_backward_dq; bench/gpu.lua times it beside the default 32) */
+/* ULY_CUDA_ATTN_DQ=64: the dQ kernel's wgmma variant with 64-key tiles at D = 64; rows128: its
+ * two-warpgroup variant, 128 query rows a block sharing each K and V tile (64-key tiles at D 64,
+ * 32 at D 128), where its build loads (see fa_backward_dq; bench/gpu.lua times them beside the
+ * default 32-key tiles of 64 rows) */
 static int dq_key_tile(int D) {
     const char *env = getenv("ULY_CUDA_ATTN_DQ");
-    return D == 64 && env && !strcmp(env, "64") ? 64 : 32;
+    return D == 64 && env && (!strcmp(env, "64") || !strcmp(env, "rows128")) ? 64 : 32;
+}
+static int dq_rows128(void) {
+    const char *env = getenv("ULY_CUDA_ATTN_DQ");
+    return env && !strcmp(env, "rows128") && two_warpgroup_build_loads();
 }
 
-template <int D, bool WG, int KT>
+template <int D, bool WG, int KT, int WGS = 1>
 static void launch_dq_kt(int64_t blocks, float *dq, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                          const bf16 *dout, const float *lse, const float *delta, int *ran) {
-    const size_t smem = backward_smem_bytes<D, false, KT>() + (WG ? 1024 : 0);   /* WG: room to align the tiles */
-    cudaError_t e = cudaFuncSetAttribute(fa_backward_dq<D, WG, KT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    /* WG: room to align the tiles; WGS = 2: each warpgroup's Q and dO */
+    const size_t smem = backward_smem_bytes<D, false, KT>() + (WGS - 1) * 2 * 64 * (D / 8) * 16 + (WG ? 1024 : 0);
+    cudaError_t e = cudaFuncSetAttribute(fa_backward_dq<D, WG, KT, WGS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)smem);
     if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dQ): shared memory", e); return; }
     char name[64] = "";   /* for the profiler */
     if (uly_cu_prof_on)
-        snprintf(name, sizeof name, "attention backward dQ D %d%s%s", D, WG ? " wgmma" : "", KT == 64 ? " (64-key tiles)" : "");
-    ULY_LAUNCH_SMEM_AS(name, (fa_backward_dq<D, WG, KT>), blocks, FA_THREADS, smem, uly_cu_stream)(dq, g, q, k, v, dout,
-                                                                                                  lse, delta, ran);
+        snprintf(name, sizeof name, "attention backward dQ D %d%s%s%s", D, WG ? " wgmma" : "", KT == 64 ? " (64-key tiles)" : "",
+                 WGS == 2 ? " (128 rows)" : "");
+    if (WGS == 2) blocks = (g.Tq + 127) / 128 * g.B * g.H;
+    ULY_LAUNCH_SMEM_AS(name, (fa_backward_dq<D, WG, KT, WGS>), blocks, WGS * FA_THREADS, smem, uly_cu_stream)(
+        dq, g, q, k, v, dout, lse, delta, ran);
 }
 template <int D, bool WG>
 static void launch_dq(int64_t blocks, float *dq, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                       const bf16 *dout, const float *lse, const float *delta, int *ran) {
+    if constexpr (WG && (D == 64 || D == 128)) {
+        if (dq_rows128()) {
+            launch_dq_kt<D, WG, D == 64 ? 64 : 32, 2>(blocks, dq, g, q, k, v, dout, lse, delta, ran);
+            return;
+        }
+    }
     if constexpr (WG && D == 64) {
         if (dq_key_tile(D) == 64) {
             launch_dq_kt<D, WG, 64>(blocks, dq, g, q, k, v, dout, lse, delta, ran);

@@ -298,3 +298,20 @@ __device__ static inline int64_t next_key_tile(const geom &g, const row_span &rs
     }
     return -1;
 }
+
+/* A warpgroup's view of a T-key tile that a 128-row block's walk classified as `st` (for all its
+ * rows): FULL stays FULL; a MASKED one may be EMPTY or FULL for the warpgroup's 64 rows rs (the
+ * band's comparisons; with a block-sparse layout it stays MASKED: the per-element mask is right
+ * either way). Inline comparisons only: a call in the loop would serialise the wgmmas (C7520). */
+template <int T>
+__device__ static inline int wg_tile_state(const geom &g, const row_span &rs, int st, int64_t j0) {
+    if (st != TILE_MASKED) return st;
+    const int j = (int)j0, j1 = j + T - 1;   /* positions < 2^30 */
+    if (rs.i0 > rs.i1 || rs.hi1 < j || rs.lo0 > j1) return TILE_EMPTY;
+    return !g.layout && j >= rs.full_lo && j1 <= rs.full_hi ? TILE_FULL : TILE_MASKED;
+}
+
+/* How many 128-row blocks (two warpgroups: fa_forward_rows128, fa_backward_dq's WGS = 2) an SM
+ * should hold: at D = 64 two (at most 128 registers a thread, as the one-warpgroup forward's 4
+ * blocks), at D = 128 one (its O alone is 64 registers) */
+#define ROWS128_MIN_BLOCKS(D) (ULY_HAS_WGMMA ? ((D) == 64 ? 2 : 1) : 0)
