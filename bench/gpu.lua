@@ -10,7 +10,8 @@
 --   3. a training step of a Llama-style model (preset 1b: 1.24 B parameters) at 32k tokens:
 --      flash attention, activation checkpointing (by default all but attention, whose outputs are
 --      kept: backward runs no attention forward; --step-checkpoint full recomputes it too), tiled
---      loss, bf16 matmuls, AdamW; one more step under uly.cuda.profile prints the GPU time by kernel.
+--      loss, bf16 matmuls, AdamW; one more step under uly.cuda.profile prints the GPU time by kernel,
+--      and one more with the untimed attention variants (128-row forward and dQ, 64-query dK/dV).
 -- Never asserts on time. Each timing is the median of --reps runs after a warm-up, bracketed by
 -- uly.synchronize('cuda'). FLOPs: GEMM 2 M N K; causal attention forward 2 N^2 D H (half of the
 -- dense 4 N^2 D H), backward 2.5x forward; the step counts model FLOPs (6 N_params + 12 L C T per
@@ -301,6 +302,16 @@ if opts.step then
   local a_fwd = time(function() uly.no_grad(uly.flash_attention, aq, ak, av, { causal = true }) end, opts.reps)
   local a_both = time(function() uly.flash_attention(aq, ak, av, { causal = true }):backward(ag) end, opts.reps)
   aq, ak, av, ag = nil, nil, nil, nil
+  -- the same step with the attention variants not yet timed on a GPU (bench tables above): 128-row
+  -- forward and dQ, 64-query dK/dV; the defaults should follow whichever is faster
+  local variants = { ULY_CUDA_ATTN_FWD = 'rows128', ULY_CUDA_ATTN_DQ = 'rows128', ULY_CUDA_ATTN_DKV = '64' }
+  for name, value in pairs(variants) do ffi.C.setenv(name, value, 1) end
+  local variant_s = time(function()
+    opt:zero_grad()
+    model:loss(x, x):backward()
+    opt:step()
+  end, 1)
+  for name in pairs(variants) do ffi.C.setenv(name, '', 1) end
   local a_step = c.layers * (keep and a_both or a_fwd + a_both)
   local attention_line = ('attention at the step\'s shape (%d heads, %d K/V, D %d): %.1f ms forward, %.1f ms backward a layer;'
     .. ' %d layers x (forward + %sbackward) = %.2f s of the step'):format(c.heads, c.kv_heads, hd,
@@ -312,6 +323,8 @@ if opts.step then
   print(('step %.2f s, %.0f tokens/s, %.1f TFLOP/s, MFU %.1f%%, peak device memory %.1f GiB'):format(step_s, T / step_s,
         tf(flops, step_s), 100 * flops / step_s / peak, pool_peak / 2^30))
   print('one step: ' .. table.concat(phases, ', '))
+  print(('step with ULY_CUDA_ATTN_FWD=rows128 ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=64: %.2f s, MFU %.1f%%'
+         .. ' (%.2fx the default step)'):format(variant_s, 100 * flops / variant_s / peak, step_s / variant_s))
   print(attention_line)
   print('GPU time by kernel in one step (uly.cuda.profile; events around each launch):\n' .. profile_text)
   -- the memory planner's GPU mode next to what the step took (pool peak; kernels' temporaries)

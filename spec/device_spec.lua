@@ -1164,7 +1164,7 @@ describe('bench/gpu.lua', function()
     assert.truthy(out:match('exit=0%s*$'), out)
     local wants = { '== GEMM', '64 x 48 x 32             f32', '64 x 48 x 32             bf16', '== flash attention',
                     '== decoding', '200      auto', '== training step: Llama tiny', 'checkpoint (except attention)', 'tokens/s',
-                    'one step: forward ', 'attention at the step\'s shape' }
+                    'one step: forward ', 'step with ULY_CUDA_ATTN_FWD=rows128', 'attention at the step\'s shape' }
     if MODE == 'emu' then   -- and raw cuBLAS ran (no n/a), and the profiled step
       for _, w in ipairs({ 'ulysses CUDA emulator', 'GPU time by kernel in one step', 'wall time on the stream' }) do
         wants[#wants + 1] = w
