@@ -79,7 +79,7 @@ local function new_sim(c, gc_next)
   local by = {}
   for _, p in ipairs(M.PARTS) do by[p] = 0 end
   return setmetatable({ cur = 0, peak = 0, by = by, at_peak = {}, gc_next = gc_next or GC_MIN_GROWTH,
-                        garbage = {}, frame = {}, grad = true, pending = {}, seq = 0, untracked = 0, phase = 'setup',
+                        garbage = {}, frame = {}, grad = true, pending = {}, swept = {}, seq = 0, untracked = 0, phase = 'setup',
                         peak_phase = 'setup', device = c.device, device_memory = c.device_memory,
                         kernels = c.kernels, precision = c.precision }, Sim)
 end
@@ -752,7 +752,7 @@ local function checkpointed(self, c, blk, x)
     if leaf.grad then sim:hold(leaf.grad); sim:wrapped() end
     sim:leave(outer2)
     -- the previous replay's tiled segments (below) were swept during this one: garbage now
-    for _, st in ipairs(sim.swept or {}) do sim:forget(st) end
+    for _, st in ipairs(sim.swept) do sim:forget(st) end
     sim:collect()                               -- nn.checkpoint collects after each replay
     -- this replay's own tiled segments: their graph is gone, but their closures (and what they
     -- keep) go only at a sweep, at the next segment's creation: in the next replay
@@ -1015,7 +1015,7 @@ function M.estimate(cfg)
     sim:backward(loss)
     sim:leave(outer)
     for _, s in ipairs(sim.pending) do sim:unref(s) end -- the replay closures, dropped at the next sweep
-    for _, s in ipairs(sim.swept or {}) do sim:unref(s) end
+    for _, s in ipairs(sim.swept) do sim:unref(s) end
     sim.pending, sim.swept = {}, {}
     sim.phase = 'optimizer'
     if c.zero and c.zero_stage ~= 1 then   -- ZeroAdamW stage 2 frees each grad once copied into its buffer
