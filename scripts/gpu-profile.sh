@@ -41,7 +41,7 @@ profile() { # profile NAME KERNEL-REGEX ENV... -- ARGS...
 {
   profile attention-64 'fa_' -- attention 64
   profile attention-128 'fa_' -- attention 128
-  profile attention-64-wide 'fa_' ULY_CUDA_ATTN_DKV=64 ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_FWD=rows128 -- attention 64   # 64-query dK/dV, 128-row forward and dQ
+  profile attention-64-rows128 'fa_' ULY_CUDA_ATTN_DKV=rows128 ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_FWD=rows128 -- attention 64   # 128-row forward and dQ, 128-key dK/dV
   profile gemm-f32 '.' -- gemm f32
   profile gemm-bf16 '.' -- gemm bf16
 } | tee "$out/profile-summary.txt"

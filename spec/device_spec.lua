@@ -800,9 +800,13 @@ describe('fused tensor-core attention (mixed precision)', function()
     if not REAL then return end   -- the simulation has no fused kernels
     use_device()
     uly.matmul_precision('bf16')
-    local function forward(wg, q, k, v, opts, fwd)   -- the output and the gradients of sum(out * out)
+    -- the output and the gradients of sum(out * out); fwd 'rows128': the 128-row forward and dQ and
+    -- the 128-key dK/dV
+    local function forward(wg, q, k, v, opts, fwd)
       ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', wg, 1)
       ffi.C.setenv('ULY_CUDA_ATTN_FWD', fwd or '', 1)
+      ffi.C.setenv('ULY_CUDA_ATTN_DQ', fwd == 'rows128' and fwd or '', 1)
+      ffi.C.setenv('ULY_CUDA_ATTN_DKV', fwd == 'rows128' and fwd or '', 1)
       local qq, kk, vv = q:detach():requires_grad_(), k:detach():requires_grad_(), v:detach():requires_grad_()
       local o = uly.flash_attention(qq, kk, vv, opts)
       ;(o * o):sum():backward()
@@ -823,7 +827,8 @@ describe('fused tensor-core attention (mixed precision)', function()
       local q, k, v = uly.randn(unpack(c[1])):cuda(), uly.randn(unpack(c[2])):cuda(), uly.randn(unpack(c[2])):cuda()
       local a, b = forward('0', q, k, v, c[3]), forward('1', q, k, v, c[3])
       -- the pipelined forward: the next tile's S issued before this tile's softmax (K double-buffered);
-      -- the 128-row forward: two warpgroups sharing K and V (the packed and split case keeps the 64-row one)
+      -- the 128-row forward: two warpgroups sharing K and V (the packed and split case keeps the 64-row one),
+      -- with the 128-row dQ and the 128-key dK/dV
       local p = forward('1', q, k, v, c[3], 'pipelined')
       local r = forward('1', q, k, v, c[3], 'rows128')
       if MODE == 'cuda' then
@@ -834,7 +839,7 @@ describe('fused tensor-core attention (mixed precision)', function()
         if status:match('^on') then
           helpers.assert_close(b, a, 2e-3, 2e-3, 'wgmma vs mma.sync, case ' .. i .. ' (D ' .. D .. ': ' .. status .. ')')
           helpers.assert_close(p, a, 2e-3, 2e-3, 'pipelined wgmma vs mma.sync, case ' .. i)
-          helpers.assert_close(r, a, 2e-3, 2e-3, '128-row wgmma forward vs mma.sync, case ' .. i)
+          helpers.assert_close(r, a, 2e-3, 2e-3, '128-row wgmma forward and backward vs mma.sync, case ' .. i)
         else
           assert.truthy(status:match('^off') or status:match('^partly on'), status)
           print(('\n(case %d, D %d: wgmma %s)'):format(i, D, status))
@@ -842,10 +847,12 @@ describe('fused tensor-core attention (mixed precision)', function()
       else
         helpers.assert_close(b, a, 0, 0, 'wgmma vs mma.sync, case ' .. i)
         helpers.assert_close(p, a, 0, 0, 'pipelined wgmma vs mma.sync, case ' .. i)
-        helpers.assert_close(r, a, 0, 0, '128-row wgmma forward vs mma.sync, case ' .. i)
+        helpers.assert_close(r, a, 0, 0, '128-row wgmma forward and backward vs mma.sync, case ' .. i)
       end
     end
     ffi.C.setenv('ULY_CUDA_ATTN_FWD', '', 1)
+    ffi.C.setenv('ULY_CUDA_ATTN_DQ', '', 1)
+    ffi.C.setenv('ULY_CUDA_ATTN_DKV', '', 1)
     ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', os.getenv('ULY_TEST_WGMMA') or '', 1)
     uly.matmul_precision('f32')
     release_device()
@@ -947,14 +954,16 @@ describe('fused tensor-core attention (mixed precision)', function()
       { 100, 101, { causal = true } },               -- row 63's band ends at key 64, a tile's first
       { 140, 140, { window = { 1, 0 } } },           -- row 64's starts at key 63, a tile's last
     }
-    -- D, ULY_CUDA_ATTN_DKV / _DQ: the backward's 64-query dK/dV and 64-key dQ tiles, and
-    -- ULY_CUDA_ATTN_FWD / _DQ = rows128: the forward's and dQ's 128-row blocks (wgmma only; the
-    -- band's ends now also fall between the two warpgroups' rows)
-    for _, run in ipairs({ { 32, '' }, { 64, '' }, { 64, '64' }, { 64, '', 'rows128' }, { 128, '', 'rows128' } }) do
+    -- D, then ULY_CUDA_ATTN_DKV, _DQ, _FWD: the backward's 64-query dK/dV and 64-key dQ tiles, and
+    -- rows128: the forward's and dQ's 128-row blocks and dK/dV's 128-key ones (wgmma only; the
+    -- band's ends now also fall between the two warpgroups' rows, or keys)
+    for _, run in ipairs({ { 32, '', '', '' }, { 64, '', '', '' }, { 64, '64', '64', '' },
+                           { 64, 'rows128', 'rows128', 'rows128' }, { 128, '', 'rows128', 'rows128' },
+                           { 128, 'rows128', '', '' } }) do
       local D = run[1]
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', run[2], 1)
-      ffi.C.setenv('ULY_CUDA_ATTN_DQ', run[3] or run[2], 1)
-      ffi.C.setenv('ULY_CUDA_ATTN_FWD', run[3] or '', 1)
+      ffi.C.setenv('ULY_CUDA_ATTN_DQ', run[3], 1)
+      ffi.C.setenv('ULY_CUDA_ATTN_FWD', run[4], 1)
       for _, c in ipairs(cases) do
         for _, dir in ipairs({ 1, -1 }) do
           local Tq, Tk, opts = c[1], c[2], c[3]
@@ -981,8 +990,8 @@ describe('fused tensor-core attention (mixed precision)', function()
           if not ok then
             for _, name in ipairs({ 'ULY_CUDA_ATTN_DKV', 'ULY_CUDA_ATTN_DQ', 'ULY_CUDA_ATTN_FWD' }) do ffi.C.setenv(name, '', 1) end
           end
-          assert(ok, ('D %d%s%s, Tq %d, Tk %d, %s keys: %s'):format(D, run[2] ~= '' and ' (64-wide backward tiles)' or '',
-                 run[3] and ' (128-row forward and dQ)' or '', Tq, Tk, dir > 0 and 'rising' or 'falling', tostring(err)))
+          assert(ok, ('D %d (ULY_CUDA_ATTN_DKV=%s DQ=%s FWD=%s), Tq %d, Tk %d, %s keys: %s'):format(D, run[2], run[3], run[4],
+                 Tq, Tk, dir > 0 and 'rising' or 'falling', tostring(err)))
         end
       end
     end
@@ -993,8 +1002,9 @@ describe('fused tensor-core attention (mixed precision)', function()
 
   -- ULY_CUDA_ATTN_DKV=64 / ULY_CUDA_ATTN_DQ=64: the backward kernels' wgmma variants with 64-query
   -- dK/dV tiles and 64-key dQ tiles (D = 64): their own walks (tile classification at 64),
-  -- buffers, stats and 64 x 64 products; each alone and both; and dQ's 128-row blocks
-  -- (ULY_CUDA_ATTN_DQ=rows128: two warpgroups sharing K and V)
+  -- buffers, stats and 64 x 64 products; each alone and both; dQ's 128-row blocks
+  -- (ULY_CUDA_ATTN_DQ=rows128: two warpgroups sharing K and V) and dK/dV's 128-key ones
+  -- (ULY_CUDA_ATTN_DKV=rows128: two warpgroups sharing Q and dO)
   it('the backward with 64-wide tiles gives the CPU\'s gradients (D = 64: GQA, masks, documents)', function()
     if not REAL then return end   -- the simulation has no fused kernels
     helpers.reseed(38)
@@ -1012,7 +1022,7 @@ describe('fused tensor-core attention (mixed precision)', function()
       against_cpu(function(q, k, v, a, b) return uly.flash_attention(q, k, v, { causal = true, q_doc = a, k_doc = b }) end,
         { uly.randn(1, 130, 2, 64), uly.randn(1, 130, 1, 64), uly.randn(1, 130, 1, 64), d, d }, { fused_only = true })
     end
-    for _, env in ipairs({ { '64', '' }, { '', '64' }, { '64', '64' }, { '64', 'rows128' } }) do
+    for _, env in ipairs({ { '64', '' }, { '', '64' }, { '64', '64' }, { '64', 'rows128' }, { 'rows128', '' } }) do
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', env[1], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_DQ', env[2], 1)
       local ok, err = pcall(cases)
@@ -1164,7 +1174,8 @@ describe('bench/gpu.lua', function()
     assert.truthy(out:match('exit=0%s*$'), out)
     local wants = { '== GEMM', '64 x 48 x 32             f32', '64 x 48 x 32             bf16', '== flash attention',
                     '== decoding', '200      auto', '== training step: Llama tiny', 'checkpoint (except attention)', 'tokens/s',
-                    'one step: forward ', 'step with ULY_CUDA_ATTN_FWD=rows128', 'attention at the step\'s shape' }
+                    'one step: forward ', 'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=64: ',
+                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', 'attention at the step\'s shape' }
     if MODE == 'emu' then   -- and raw cuBLAS ran (no n/a), and the profiled step
       for _, w in ipairs({ 'ulysses CUDA emulator', 'GPU time by kernel in one step', 'wall time on the stream' }) do
         wants[#wants + 1] = w

@@ -1,6 +1,7 @@
 /* kernels/cuda/attention_backward.cuh — the fused attention backward: dK/dV (a block per 64 keys,
- * walking the query tiles that see them) and dQ (a block per 64 query rows, walking key tiles),
- * each on mma.sync or wgmma; see attention_fused.cu for the design and the host side. */
+ * or 128 as two warpgroups, walking the query tiles that see them) and dQ (a block per 64 query
+ * rows, or 128, walking key tiles), each on mma.sync or wgmma; see attention_fused.cu for the
+ * design and the host side. */
 #pragma once
 #include "attention_tiles.cuh"
 
@@ -39,24 +40,51 @@ __device__ static inline void query_span(const geom &g, int64_t j0, int64_t j1, 
     *i_hi = z;
 }
 
-/* the query rows [lo, hi] that see every key of [j0, j0 + 63] (none with keys past the last or
+/* the query rows [lo, hi] that see every key of [j0, j0 + KEYS) (none with keys past the last or
  * documents): rows see [band lo, band hi], both ends growing with the row, so these are the rows
- * from the first that sees key j0 + 63 to the last that sees key j0 */
+ * from the first that sees key j0 + KEYS - 1 to the last that sees key j0 */
 struct full_rows { int32_t lo, hi; };
+template <int KEYS = 64>
 __device__ static inline full_rows full_rows_of_keys(const geom &g, int64_t j0) {
     int64_t a, z, a1, z1;
-    key_band(g, j0 + 63, &a, &z);
+    key_band(g, j0 + KEYS - 1, &a, &z);
     key_band(g, j0, &a1, &z1);
     full_rows f = {(int32_t)a, (int32_t)z1};
-    if (j0 + 63 >= g.Tk || g.q_doc) f.hi = -1;
+    if (j0 + KEYS - 1 >= g.Tk || g.q_doc) f.hi = -1;
     return f;
 }
 
+/* the query rows a warpgroup's 64 keys [j0, j0 + 63] are seen by (query_span's, [lo, hi]; empty
+ * when its keys are all past the last) and those seeing all of them (full_rows_of_keys'): what
+ * wg_query_tile_state compares a query tile with */
+struct key_rows { int32_t lo, hi; full_rows full; };
+__device__ static inline key_rows rows_of_keys(const geom &g, int64_t j0) {
+    key_rows k = {1, 0, {0, -1}};
+    if (j0 >= g.Tk) return k;
+    int64_t lo, hi;
+    query_span(g, j0, j0 + 63 < g.Tk ? j0 + 63 : g.Tk - 1, &lo, &hi);
+    k.lo = (int32_t)lo;
+    k.hi = (int32_t)hi;
+    k.full = full_rows_of_keys<64>(g, j0);
+    return k;
+}
+/* A warpgroup's view of a QT-query tile at i0 that a 128-key block's walk classified as `st` (for
+ * all its keys): FULL stays FULL; a MASKED one may be EMPTY or FULL for the warpgroup's 64 keys
+ * (the band's comparisons; with a block-sparse layout a visible one stays MASKED: the
+ * per-element mask is right either way). Inline comparisons only (a call in the loop would
+ * serialise the wgmmas, C7520). */
+template <int QT>
+__device__ static inline int wg_query_tile_state(const geom &g, const key_rows &kr, int st, int i0) {
+    if (st != TILE_MASKED) return st;
+    if (kr.lo > kr.hi || i0 + QT - 1 < kr.lo || i0 > kr.hi) return TILE_EMPTY;
+    return !g.layout && i0 >= kr.full.lo && i0 + QT - 1 <= kr.full.hi ? TILE_FULL : TILE_MASKED;
+}
+
 /* the next QT-query tile, head-major over the query heads sharing the kv head (up to h_end), at or after
- * (*h, *i0) with a visible pair against keys [j0, j0 + 63]; 0 when none is left. Without a
+ * (*h, *i0) with a visible pair against keys [j0, j0 + KEYS); 0 when none is left. Without a
  * block-sparse layout every tile of the rows [i_lo, i_hi] (query_span's, not empty) has one, and
  * it is wholly visible when its rows are within fr (the search took ~100 instructions a tile). */
-template <int QT>
+template <int QT, int KEYS = 64>
 __device__ static inline int next_query_tile(const geom &g, int h_end, int64_t j0, int i_lo, int i_hi,
                                              const full_rows &fr, int *h, int *i0, int *st) {
     if (!g.layout) {
@@ -67,7 +95,7 @@ __device__ static inline int next_query_tile(const geom &g, int h_end, int64_t j
     }
     for (; *h < h_end; (*h)++, *i0 = i_lo / QT * QT)
         for (; *i0 <= i_hi; *i0 += QT) {
-            *st = tile_state(g, span_of_rows(g, *i0, *i0 + QT - 1), j0, j0 + 63);
+            *st = tile_state(g, span_of_rows(g, *i0, *i0 + QT - 1), j0, j0 + KEYS - 1);
             if (*st != TILE_EMPTY) return 1;
         }
     return 0;
@@ -142,27 +170,37 @@ __device__ static inline void load_stats_async(float *st, const float *L, const 
 /* QT: queries a tile, 32, or 64 in the wgmma variant at D = 64 (ULY_CUDA_ATTN_DKV=64): S^T and
  * dP^T as 64 x 64 wgmmas, whose A (K, V: 2 KiB a wgmma from shared memory) then feeds twice the
  * math of a 64 x 32 one, and half the tiles to walk; 3 blocks per SM instead of 4 (more registers) */
+/* WGS = 2 (wgmma only, ULY_CUDA_ATTN_DKV=rows128): 128 keys a block, two warpgroups of 64 each
+ * with its own K and V, sharing every Q and dO tile (and its lse and delta) the block loads: half
+ * the tile loads per FLOP, as the 128-row forward and dQ; a warpgroup skips the math of a query
+ * tile none of its keys is seen by, keeping to the barriers. */
 #define DKV_MIN_BLOCKS(wg, D, DQ, QT) ((QT) == 64 ? ((wg) && ULY_HAS_WGMMA ? 3 : 0) : WG_MIN_BLOCKS((wg) && (D) == 64 && !(DQ), D))
-template <int D, bool WG, bool DQ = false, int QT = 32>
-__global__ static void __launch_bounds__(FA_THREADS, DKV_MIN_BLOCKS(WG, D, DQ, QT))
+template <int D, bool WG, bool DQ = false, int QT = 32, int WGS = 1>
+__global__ static void __launch_bounds__(WGS * FA_THREADS, WGS == 2 ? ROWS128_MIN_BLOCKS(D) : DKV_MIN_BLOCKS(WG, D, DQ, QT))
 fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO,
                 const float *lse, const float *delta, int *ran_wgmma, float *dq) {
     constexpr int CH = D / 8;
     constexpr bool W = WG && ULY_HAS_WGMMA && (D == 64 || (D == 128 && !DQ));
     static_assert(QT == 32 || (QT == 64 && D == 64 && !DQ), "fa_backward_dkv: 64-query tiles only at D 64, two-pass");
+    static_assert(WGS == 1 || (WGS == 2 && WG && !DQ), "fa_backward_dkv: two warpgroups only on wgmma, two-pass");
+    if constexpr (WGS == 2 && !W) return;   /* never launched in a pass without wgmma */
     constexpr int T = W ? QT : 32;   /* this pass's query tile (mma.sync: 32) */
     constexpr int NT = T / 8;        /* n8 tiles of queries: S^T is 64 x T */
+    constexpr int KEYS = 64 * WGS;   /* the block's keys */
+    constexpr int QO = 2 * KEYS;     /* the Q / dO buffers' first row in shared memory */
     ULY_DYNAMIC_SHARED(uint4, smem_raw);
     uint4 *const smem = W ? align_1024(smem_raw) : smem_raw;
     if (W && ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
-    /* K, V, then two buffers of Q (T rows) followed by dO (T rows), (DQ: dS^T), then the two
-     * buffers of lse and delta (2 T floats each) */
-    uint4 *const sK = smem, *const sV = smem + 64 * CH;
-    float *const sStats = (float *)(smem + (128 + 4 * QT) * CH + (DQ ? 64 * 32 * 2 / 16 : 0));
-    const int64_t nt = (g.Tk + 63) / 64, tile = (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
-    const int64_t b = bh / g.Hkv, hk = bh % g.Hkv, j0 = tile * 64, G = g.H / g.Hkv;
+    /* per warpgroup K, V (64 rows), then two buffers of Q (T rows) followed by dO (T rows), (DQ:
+     * dS^T), then the two buffers of lse and delta (2 T floats each) */
+    const int wg = WGS == 2 ? (int)(threadIdx.x >> 7) : 0;
+    uint4 *const sK = smem + wg * 128 * CH, *const sV = sK + 64 * CH;
+    float *const sStats = (float *)(smem + (QO + 4 * QT) * CH + (DQ ? 64 * 32 * 2 / 16 : 0));
+    const int64_t nt = (g.Tk + KEYS - 1) / KEYS, tile = (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
+    const int64_t b = bh / g.Hkv, hk = bh % g.Hkv, jb = tile * KEYS, j0 = jb + 64 * wg, G = g.H / g.Hkv;
     const int64_t qs = g.H * D, ks = g.Hkv * D;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
+    const int warp = WGS == 2 ? (int)(threadIdx.x >> 5) & 3 : (int)(threadIdx.x >> 5), lane = threadIdx.x & 31,
+              tq = lane & 3;
     const int64_t keys[2] = {j0 + warp * 16 + (lane >> 2), j0 + warp * 16 + (lane >> 2) + 8};
     const bf16 *const qbase = Q + b * g.Tq * qs, *const obase = dO + b * g.Tq * qs;
 
@@ -173,47 +211,59 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
     /* pipeline: the next query tile's Q and dO load into the other buffer during this one's math */
     /* the walk in 32 bits (positions < 2^30, heads fewer): fewer registers live across the loop */
     int64_t span_lo, span_hi;
-    query_span(g, j0, j0 + 63 < g.Tk ? j0 + 63 : g.Tk - 1, &span_lo, &span_hi);
+    query_span(g, jb, jb + KEYS - 1 < g.Tk ? jb + KEYS - 1 : g.Tk - 1, &span_lo, &span_hi);
     const int i_lo = (int)span_lo, i_hi = (int)span_hi, h_end = (int)(hk * G + G);
     int h = (int)(hk * G), i0 = i_lo / T * T;
     int st = TILE_EMPTY, buf = 0;
-    const full_rows fr = full_rows_of_keys(g, j0);
-    int have = i_lo <= i_hi && next_query_tile<T>(g, h_end, j0, i_lo, i_hi, fr, &h, &i0, &st);
-    load_tile_async<D, 64, W>(sK, K + b * g.Tk * ks + hk * D, j0, g.Tk, ks);   /* W: A of S^T, dP^T */
-    load_tile_async<D, 64, W>(sV, V + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
+    const full_rows fr = full_rows_of_keys<KEYS>(g, jb);
+    const key_rows kr = WGS == 2 ? rows_of_keys(g, j0) : key_rows{};   /* this warpgroup's keys' rows */
+    int have = i_lo <= i_hi && next_query_tile<T, KEYS>(g, h_end, jb, i_lo, i_hi, fr, &h, &i0, &st);
+    /* W: A of S^T, dP^T; each warpgroup its own keys */
+    load_tile_async<D, 64, W, FA_THREADS, WGS == 2>(sK, K + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
+    load_tile_async<D, 64, W, FA_THREADS, WGS == 2>(sV, V + b * g.Tk * ks + hk * D, j0, g.Tk, ks);
     const float *const lse_b = lse + b * g.H * g.Tq, *const delta_b = delta + b * g.H * g.Tq;
     if (have) {
-        load_tile_async<D, T, W>(smem + 128 * CH, qbase + h * D, i0, g.Tq, qs);
-        load_tile_async<D, T, W>(smem + (128 + T) * CH, obase + h * D, i0, g.Tq, qs);
+        load_tile_async<D, T, W, WGS * FA_THREADS>(smem + QO * CH, qbase + h * D, i0, g.Tq, qs);
+        load_tile_async<D, T, W, WGS * FA_THREADS>(smem + (QO + T) * CH, obase + h * D, i0, g.Tq, qs);
         load_stats_async<T>(sStats, lse_b + h * g.Tq, delta_b + h * g.Tq, i0, g.Tq);
     }
     cp_async_commit();
     while (have) {
         int h_next = h, i_next = i0 + T;
         int st_next = TILE_EMPTY;
-        const int more = next_query_tile<T>(g, h_end, j0, i_lo, i_hi, fr, &h_next, &i_next, &st_next);
+        const int more = next_query_tile<T, KEYS>(g, h_end, jb, i_lo, i_hi, fr, &h_next, &i_next, &st_next);
         if (more) {   /* the other buffer: every warp finished with it at the end of the last round */
-            uint4 *const other = smem + (128 + 2 * T * (buf ^ 1)) * CH;
-            load_tile_async<D, T, W>(other, qbase + h_next * D, i_next, g.Tq, qs);
-            load_tile_async<D, T, W>(other + T * CH, obase + h_next * D, i_next, g.Tq, qs);
+            uint4 *const other = smem + (QO + 2 * T * (buf ^ 1)) * CH;
+            load_tile_async<D, T, W, WGS * FA_THREADS>(other, qbase + h_next * D, i_next, g.Tq, qs);
+            load_tile_async<D, T, W, WGS * FA_THREADS>(other + T * CH, obase + h_next * D, i_next, g.Tq, qs);
             load_stats_async<T>(sStats + 2 * T * (buf ^ 1), lse_b + h_next * g.Tq, delta_b + h_next * g.Tq, i_next, g.Tq);
         }
         cp_async_commit();
         /* this tile's mask (bit 2 n + c of key r: the query in s[n][2 r + c]; all set but on
          * masked tiles), worked out while the tiles load, applied after the MMAs */
+        const int mine = WGS == 2 ? wg_query_tile_state<T>(g, kr, st, i0) : st;   /* this warpgroup's keys' view */
         uint32_t vis[2] = {~0u, ~0u};
-        if (st == TILE_MASKED)
+        if (mine == TILE_MASKED)
 #pragma unroll
             for (int r = 0; r < 2; r++) vis[r] = keys[r] < g.Tk ? visible_bits<NT, false>(g, b, keys[r], i0 + 2 * tq) : 0u;
         cp_async_wait<1>();   /* this tile's Q and dO (and K, V): all but the newest group */
         if (W) fence_proxy_async();
         __syncthreads();
-        const uint4 *const sQ = smem + (128 + 2 * T * buf) * CH, *const sO = sQ + T * CH;
+        if (WGS == 2 && mine == TILE_EMPTY) {   /* none of this warpgroup's keys is seen by the tile */
+            __syncthreads();
+            h = h_next;
+            i0 = i_next;
+            st = st_next;
+            have = more;
+            buf ^= 1;
+            continue;
+        }
+        const uint4 *const sQ = smem + (QO + 2 * T * buf) * CH, *const sO = sQ + T * CH;
         const float *const stats = sStats + 2 * T * buf;   /* this tile's lse, then delta */
         float s[NT][4], dp[NT][4];
         if constexpr (W) two_products_wg<D, T>(s, dp, sK, sQ, sV, sO);   /* S^T = K Q^T, dP^T = V dO^T */
         else two_products<D>(s, dp, sK, sQ, sV, sO, warp);
-        if (st == TILE_MASKED) {   /* S^T at -inf where not visible (exp gives 0) */
+        if (mine == TILE_MASKED) {   /* S^T at -inf where not visible (exp gives 0) */
             apply_bits<NT>(s, vis[0], 0);
             apply_bits<NT>(s, vis[1], 1);
         }

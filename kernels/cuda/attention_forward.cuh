@@ -465,7 +465,7 @@ template <int D>
 __global__ static void __launch_bounds__(2 * FA_THREADS, ROWS128_MIN_BLOCKS(D))
 fa_forward_rows128(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, int *ran_wgmma) {
 #if ULY_HAS_WGMMA
-    constexpr int CH = D / 8, KS = D / 16;
+    constexpr int CH = D / 8;
     ULY_DYNAMIC_SHARED(uint4, dyn);
     uint4 *const sK = align_1024(dyn), *const sV = sK + 64 * CH, *const sQ0 = sV + 64 * CH;
     uint4 *const sK2 = sQ0 + 128 * CH;   /* K's second buffer; Q is two 64-row tiles, one per warpgroup */

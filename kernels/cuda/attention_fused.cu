@@ -32,7 +32,10 @@
  * K-major from shared memory, dQ += dS K with K MN-major), and so does dK/dV (S^T, dP^T with K,
  * V as A and Q, dO as B, K-major; dV, dK with Q, dO MN-major).
  * Enabled by a self-check at the first forward (every kernel both ways on a small problem);
- * ULY_CUDA_ATTN_WGMMA=0 / 1 forces it off / on.
+ * ULY_CUDA_ATTN_WGMMA=0 / 1 forces it off / on. Untimed wgmma variants, off by default:
+ * ULY_CUDA_ATTN_FWD=rows128 / ULY_CUDA_ATTN_DQ=rows128 (128 query rows a block, two warpgroups
+ * sharing each K and V tile) and ULY_CUDA_ATTN_DKV=rows128 (128 keys a block, two warpgroups
+ * sharing each Q and dO tile); 64-wide backward tiles (ULY_CUDA_ATTN_DKV=64, ULY_CUDA_ATTN_DQ=64).
  * What ptxas needs to keep a kernel's wgmmas back to back (scripts/sass-check.sh fails when it
  * does not: its C7520 note, each wgmma then waits for the one before): no call in the loop around
  * them (a 64-bit division is one: the mask's layout lookups divide in 32 bits), and A fragments
@@ -237,29 +240,45 @@ static void launch_dq(int64_t blocks, float *dq, const geom &g, const bf16 *q, c
     launch_dq_kt<D, WG, 32>(blocks, dq, g, q, k, v, dout, lse, delta, ran);
 }
 
-/* ULY_CUDA_ATTN_DKV=64: the dK/dV kernel's wgmma variant with 64-query tiles at D = 64 (see
- * fa_backward_dkv; bench/gpu.lua times it beside the default 32) */
+/* ULY_CUDA_ATTN_DKV=64: the dK/dV kernel's wgmma variant with 64-query tiles at D = 64; rows128:
+ * its two-warpgroup variant, 128 keys a block sharing each Q and dO tile (32-query tiles), where
+ * its build loads (see fa_backward_dkv; bench/gpu.lua times them beside the default 32-query tiles
+ * of 64 keys) */
 static int dkv_query_tile(int D) {
     const char *env = getenv("ULY_CUDA_ATTN_DKV");
     return D == 64 && env && !strcmp(env, "64") ? 64 : 32;
 }
+static int dkv_rows128(void) {
+    const char *env = getenv("ULY_CUDA_ATTN_DKV");
+    return env && !strcmp(env, "rows128") && two_warpgroup_build_loads();
+}
 
-template <int D, bool WG, bool DQ = false, int QT = 32>
+template <int D, bool WG, bool DQ = false, int QT = 32, int WGS = 1>
 static void launch_dkv_qt(int64_t blocks, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k,
                           const bf16 *v, const bf16 *dout, const float *lse, const float *delta, int *ran, float *dq) {
-    const size_t smem = backward_smem_bytes<D, DQ, QT>() + dkv_stats_bytes(QT) + (WG ? 1024 : 0);   /* WG: room to align */
-    cudaError_t e = cudaFuncSetAttribute(fa_backward_dkv<D, WG, DQ, QT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    /* WG: room to align the tiles; WGS = 2: each warpgroup's K and V */
+    const size_t smem = backward_smem_bytes<D, DQ, QT>() + (WGS - 1) * 2 * 64 * (D / 8) * 16 + dkv_stats_bytes(QT) +
+                        (WG ? 1024 : 0);
+    cudaError_t e = cudaFuncSetAttribute(fa_backward_dkv<D, WG, DQ, QT, WGS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)smem);
     if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dK, dV): shared memory", e); return; }
-    char name[80] = "";   /* for the profiler */
+    char name[96] = "";   /* for the profiler */
     if (uly_cu_prof_on)
-        snprintf(name, sizeof name, "attention backward dK dV%s D %d%s%s", DQ ? " dQ (one pass)" : "", D, WG ? " wgmma" : "",
-                 QT == 64 ? " (64-query tiles)" : "");
-    ULY_LAUNCH_SMEM_AS(name, (fa_backward_dkv<D, WG, DQ, QT>), blocks, FA_THREADS, smem, uly_cu_stream)(
+        snprintf(name, sizeof name, "attention backward dK dV%s D %d%s%s%s", DQ ? " dQ (one pass)" : "", D, WG ? " wgmma" : "",
+                 QT == 64 ? " (64-query tiles)" : "", WGS == 2 ? " (128 keys)" : "");
+    if (WGS == 2) blocks = (g.Tk + 127) / 128 * g.B * g.Hkv;
+    ULY_LAUNCH_SMEM_AS(name, (fa_backward_dkv<D, WG, DQ, QT, WGS>), blocks, WGS * FA_THREADS, smem, uly_cu_stream)(
         dk, dv, g, q, k, v, dout, lse, delta, ran, dq);
 }
 template <int D, bool WG, bool DQ = false>
 static void launch_dkv(int64_t blocks, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                        const bf16 *dout, const float *lse, const float *delta, int *ran, float *dq = NULL) {
+    if constexpr (WG && !DQ && (D == 64 || D == 128)) {
+        if (dkv_rows128()) {
+            launch_dkv_qt<D, WG, DQ, 32, 2>(blocks, dk, dv, g, q, k, v, dout, lse, delta, ran, dq);
+            return;
+        }
+    }
     if constexpr (WG && !DQ && D == 64) {
         if (dkv_query_tile(D) == 64) {
             launch_dkv_qt<D, WG, DQ, 64>(blocks, dk, dv, g, q, k, v, dout, lse, delta, ran, dq);
