@@ -258,7 +258,8 @@ describe('tools/plan.lua on the command line', function()
     for args, want in pairs({
       ['--seq 0'] = "plan: --seq must be an integer >= 1, got '0'",
       ['--window -3'] = "plan: --window must be an integer >= 0, got '-3'",
-      ['--checkpoint yes'] = "plan: --checkpoint must be 0 or 1, got 'yes'",
+      ['--checkpoint yes'] = "plan: --checkpoint must be 0, 1 or 2 (2: 'except_attention'), got 'yes'",
+      ['--zero 2'] = "plan: --zero must be 0 or 1, got '2'",
       ['--heads 5 --kv_heads 2'] = 'plan: dim 256 is not divisible by heads 5',
       ['--heads 8 --kv_heads 3'] = 'plan: heads 8 is not a multiple of kv_heads 3',
       ['--sqe 4'] = 'plan: unknown option --sqe',

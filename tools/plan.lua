@@ -1133,7 +1133,8 @@ local function main(args)
     elseif key == 'checkpoint' and (v == '2' or v == 'except_attention') then cfg.checkpoint = 'except_attention'
     elseif flags[key] then
       if v ~= '0' and v ~= '1' and v ~= 'true' and v ~= 'false' then
-        error(string.format("plan: --%s must be 0 or 1, got '%s'", key, v), 0)
+        local choices = key == 'checkpoint' and "0, 1 or 2 (2: 'except_attention')" or '0 or 1'
+        error(string.format("plan: --%s must be %s, got '%s'", key, choices, v), 0)
       end
       cfg[key] = v == '1' or v == 'true'
     elseif key == 'model' or key == 'preset' or key == 'attention' or key == 'device' or key == 'kernels'

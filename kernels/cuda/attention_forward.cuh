@@ -5,6 +5,15 @@
 #include "attention_tiles.cuh"
 
 /* ---- forward ---- */
+/* a warp's rows before their first key tile: O = 0, running max -inf and sum 0 (its two rows) */
+template <int CH>
+__device__ static inline void start_online_softmax(float o[CH][4], float m[2], float l[2]) {
+#pragma unroll
+    for (int n = 0; n < CH; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.0f;
+}
+
 /* S = Q K^T for the warpgroup's 64 x 64 tile on wgmma, queued and committed (the caller waits):
  * A (Q) and B (K) both from shared memory in the wgmma layout (K-major, 16 of D an instruction),
  * the first with scale-d 0 (no zeroed accumulators). Q was A from registers, loaded once before
@@ -331,10 +340,8 @@ fa_forward(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K, const b
     }
     int st = TILE_EMPTY;
     int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / 64 * 64, hi, 64, &st) : -1;
-    float o[CH][4];
-#pragma unroll
-    for (int n = 0; n < CH; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[CH][4], m[2], l[2];
+    start_online_softmax<CH>(o, m, l);
     if constexpr (P2) {
         /* cp.async groups, oldest first: Q + K(j0); K(j1); V(j0); then each round commits
          * K(two tiles on) at its start and the next V at its end, so at a round's start the
@@ -485,10 +492,8 @@ fa_forward_rows128(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K,
     const row_span rs = span_of_rows(g, i0, i0 + 127), rw = span_of_rows(g, w0, w0 + 63);
     int st = TILE_EMPTY;
     int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / 64 * 64, hi, 64, &st) : -1;
-    float o[CH][4];
-#pragma unroll
-    for (int n = 0; n < CH; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[CH][4], m[2], l[2];
+    start_online_softmax<CH>(o, m, l);
     /* cp.async groups as fa_forward's W path: [Q + K(j0)], [V(j0)]; then at a tile's top K(next),
      * after its second barrier V(next) */
     load_tile_async<D, 64, true, FA_THREADS, true>(sQ, q, w0, g.Tq, qs);   /* each warpgroup its own rows */
