@@ -150,6 +150,16 @@ local fused_paths = { all_paths[3], all_paths[4], all_paths[5], all_paths[6], al
                       { 'fused bwd64', 'bf16', 'fused', '', '', '', '64', '64' },
                       { 'fused 128+dkv64', 'bf16', 'fused', '', '', 'rows128', '64', 'rows128' } }
 
+-- which fused path ran forward + backward fastest at N, against the default ('bf16 fused', the
+-- first): what decides whether a variant becomes the default
+local function fastest_line(n, times)
+  if #times == 0 then return '' end
+  local best = times[1]
+  for _, t in ipairs(times) do if t[2] < best[2] then best = t end end
+  return ('N %d: fastest fused forward + backward \'%s\', %.2fx the default \'%s\''):format(n, best[1],
+    times[1][2] / best[2], times[1][1])
+end
+
 -- causal forward + backward at B 1, H heads of D, N from 4096 (quick: 128) doubling up to n_max,
 -- every path against cuDNN's fused kernel on the same shape
 local function attention_table(H, D, paths, n_max)
@@ -174,6 +184,7 @@ local function attention_table(H, D, paths, n_max)
     else
       peer_note = 'cuDNN column: ' .. tostring(why)
     end
+    local fused_times = {}   -- forward + backward seconds of each fused path at this N
     for _, path in ipairs(paths) do
       uly.matmul_precision(path[2])
       ffi.C.setenv('ULY_CUDA_ATTN', path[3], 1)
@@ -190,7 +201,9 @@ local function attention_table(H, D, paths, n_max)
       print(('%-8d %-14s %10.2f %10.2f %10.1f %10.1f %6.1f%% %14s %10s'):format(n, path[1], fwd * 1e3, (both - fwd) * 1e3,
         tf(f_flops, fwd), tf(3.5 * f_flops, both), 100 * 3.5 * f_flops / both / peak, c_col,
         peer and ('%.2f'):format(peer.both / both) or ''))
+      if path[3] == 'fused' then fused_times[#fused_times + 1] = { path[1], both } end
     end
+    print(fastest_line(n, fused_times))
     uly.matmul_precision('f32')
     ffi.C.setenv('ULY_CUDA_ATTN', 'fused', 1)
     ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', '', 1)

@@ -1175,6 +1175,7 @@ describe('bench/gpu.lua', function()
     local wants = { '== GEMM', '64 x 48 x 32             f32', '64 x 48 x 32             bf16', '== flash attention',
                     '== decoding', '200      auto', '== training step: Llama tiny', 'checkpoint (except attention)', 'tokens/s',
                     'one step: forward ', 'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=64: ',
+                    "N 128: fastest fused forward + backward '", "x the default 'bf16 fused'",
                     'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', 'attention at the step\'s shape' }
     if MODE == 'emu' then   -- and raw cuBLAS ran (no n/a), and the profiled step
       for _, w in ipairs({ 'ulysses CUDA emulator', 'GPU time by kernel in one step', 'wall time on the stream' }) do
