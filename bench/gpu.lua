@@ -133,7 +133,8 @@ end
 -- 32/64/128), ULY_CUDA_ATTN_WGMMA for its kernels ('': decided by its self-check, wgmma on Hopper;
 -- '0': the mma.sync kernels), ULY_CUDA_ATTN_BWD ('onepass': dQ with atomics from the dK/dV kernel,
 -- D <= 64), ULY_CUDA_ATTN_FWD ('pipelined': the wgmma forward issues the next tile's S before
--- this softmax; 'rows128': 128 query rows a block, two warpgroups sharing K and V),
+-- this softmax; 'rows128': 128 query rows a block, two warpgroups sharing K and V; 'tma': its
+-- tiles loaded by TMA, waited for on mbarriers),
 -- ULY_CUDA_ATTN_DKV ('64': the dK/dV kernel's 64-query tiles, D 64; 'rows128': 128 keys a block,
 -- two warpgroups sharing Q and dO) and
 -- ULY_CUDA_ATTN_DQ ('64': the dQ kernel's 64-key tiles, D 64; 'rows128': 128 query rows a block,
@@ -144,8 +145,9 @@ local all_paths = { { 'f32 chunked', 'f32', 'chunked', '', '', '', '', '' },
                     { 'fused 1-pass', 'bf16', 'fused', '', 'onepass', '', '', '' },
                     { 'fused pipe+1p', 'bf16', 'fused', '', 'onepass', 'pipelined', '', '' },
                     { 'fused mma.sync', 'bf16', 'fused', '0', '', '', '', '' },
-                    { 'fused rows128', 'bf16', 'fused', '', '', 'rows128', 'rows128', 'rows128' } }
-local fused_paths = { all_paths[3], all_paths[4], all_paths[5], all_paths[6], all_paths[7],   -- the D 64 table's, and:
+                    { 'fused rows128', 'bf16', 'fused', '', '', 'rows128', 'rows128', 'rows128' },
+                    { 'fused tma', 'bf16', 'fused', '', '', 'tma', '', '' } }
+local fused_paths = { all_paths[3], all_paths[4], all_paths[5], all_paths[6], all_paths[7], all_paths[8],   -- the D 64 table's, and:
                       { 'fused dkv64', 'bf16', 'fused', '', '', '', '64', '' }, { 'fused dq64', 'bf16', 'fused', '', '', '', '', '64' },
                       { 'fused bwd64', 'bf16', 'fused', '', '', '', '64', '64' },
                       { 'fused 128+dkv64', 'bf16', 'fused', '', '', 'rows128', '64', 'rows128' } }
@@ -317,21 +319,23 @@ if opts.step then
   local a_both = time(function() uly.flash_attention(aq, ak, av, { causal = true }):backward(ag) end, opts.reps)
   aq, ak, av, ag = nil, nil, nil, nil
   -- the same step with the attention variants not yet timed on a GPU (bench tables above): 128-row
-  -- forward and dQ with 64-query dK/dV, and with 128-key dK/dV; the defaults should follow
-  -- whichever is faster
+  -- forward and dQ with 64-query dK/dV, and with 128-key dK/dV; the TMA forward; the defaults
+  -- should follow whichever is faster
   local variant_lines = {}
-  for _, dkv in ipairs({ '64', 'rows128' }) do
-    local variants = { ULY_CUDA_ATTN_FWD = 'rows128', ULY_CUDA_ATTN_DQ = 'rows128', ULY_CUDA_ATTN_DKV = dkv }
-    for name, value in pairs(variants) do ffi.C.setenv(name, value, 1) end
+  for _, env in ipairs({ { 'rows128', 'rows128', '64' }, { 'rows128', 'rows128', 'rows128' }, { 'tma', '', '' } }) do
+    local names, set = { 'ULY_CUDA_ATTN_FWD', 'ULY_CUDA_ATTN_DQ', 'ULY_CUDA_ATTN_DKV' }, {}
+    for i, name in ipairs(names) do
+      ffi.C.setenv(name, env[i], 1)
+      if env[i] ~= '' then set[#set + 1] = name .. '=' .. env[i] end
+    end
     local variant_s = time(function()
       opt:zero_grad()
       model:loss(x, x):backward()
       opt:step()
     end, 1)
-    for name in pairs(variants) do ffi.C.setenv(name, '', 1) end
-    variant_lines[#variant_lines + 1] = ('step with ULY_CUDA_ATTN_FWD=rows128 ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=%s:'
-      .. ' %.2f s, MFU %.1f%%'):format(dkv, variant_s, 100 * model:flops_per_token(T) * T / variant_s / peak)
-      .. (' (%.2fx the default step)'):format(step_s / variant_s)
+    for _, name in ipairs(names) do ffi.C.setenv(name, '', 1) end
+    variant_lines[#variant_lines + 1] = ('step with %s: %.2f s, MFU %.1f%% (%.2fx the default step)'):format(
+      table.concat(set, ' '), variant_s, 100 * model:flops_per_token(T) * T / variant_s / peak, step_s / variant_s)
   end
   local a_step = c.layers * (keep and a_both or a_fwd + a_both)
   local attention_line = ('attention at the step\'s shape (%d heads, %d K/V, D %d): %.1f ms forward, %.1f ms backward a layer;'

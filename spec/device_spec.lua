@@ -831,6 +831,8 @@ describe('fused tensor-core attention (mixed precision)', function()
       -- with the 128-row dQ and the 128-key dK/dV
       local p = forward('1', q, k, v, c[3], 'pipelined')
       local r = forward('1', q, k, v, c[3], 'rows128')
+      -- the forward with TMA loads and mbarriers (the packed and split case keeps cp.async)
+      local t = forward('1', q, k, v, c[3], 'tma')
       if MODE == 'cuda' then
         -- unforced, each kernel as its head dim's self-check decided: what users run is right
         local u = forward('', q, k, v, c[3])
@@ -840,6 +842,7 @@ describe('fused tensor-core attention (mixed precision)', function()
           helpers.assert_close(b, a, 2e-3, 2e-3, 'wgmma vs mma.sync, case ' .. i .. ' (D ' .. D .. ': ' .. status .. ')')
           helpers.assert_close(p, a, 2e-3, 2e-3, 'pipelined wgmma vs mma.sync, case ' .. i)
           helpers.assert_close(r, a, 2e-3, 2e-3, '128-row wgmma forward and backward vs mma.sync, case ' .. i)
+          helpers.assert_close(t, a, 2e-3, 2e-3, 'TMA wgmma forward vs mma.sync, case ' .. i)
         else
           assert.truthy(status:match('^off') or status:match('^partly on'), status)
           print(('\n(case %d, D %d: wgmma %s)'):format(i, D, status))
@@ -848,6 +851,7 @@ describe('fused tensor-core attention (mixed precision)', function()
         helpers.assert_close(b, a, 0, 0, 'wgmma vs mma.sync, case ' .. i)
         helpers.assert_close(p, a, 0, 0, 'pipelined wgmma vs mma.sync, case ' .. i)
         helpers.assert_close(r, a, 0, 0, '128-row wgmma forward and backward vs mma.sync, case ' .. i)
+        helpers.assert_close(t, a, 0, 0, 'TMA wgmma forward vs mma.sync, case ' .. i)
       end
     end
     ffi.C.setenv('ULY_CUDA_ATTN_FWD', '', 1)
@@ -956,10 +960,11 @@ describe('fused tensor-core attention (mixed precision)', function()
     }
     -- D, then ULY_CUDA_ATTN_DKV, _DQ, _FWD: the backward's 64-query dK/dV and 64-key dQ tiles, and
     -- rows128: the forward's and dQ's 128-row blocks and dK/dV's 128-key ones (wgmma only; the
-    -- band's ends now also fall between the two warpgroups' rows, or keys)
+    -- band's ends now also fall between the two warpgroups' rows, or keys); tma: the forward's
+    -- tiles by TMA (the last tile's rows past the end zeros from the tensor map's bounds)
     for _, run in ipairs({ { 32, '', '', '' }, { 64, '', '', '' }, { 64, '64', '64', '' },
                            { 64, 'rows128', 'rows128', 'rows128' }, { 128, '', 'rows128', 'rows128' },
-                           { 128, 'rows128', '', '' } }) do
+                           { 128, 'rows128', '', '' }, { 64, '', '', 'tma' } }) do
       local D = run[1]
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', run[2], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_DQ', run[3], 1)
@@ -1176,7 +1181,8 @@ describe('bench/gpu.lua', function()
                     '== decoding', '200      auto', '== training step: Llama tiny', 'checkpoint (except attention)', 'tokens/s',
                     'one step: forward ', 'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=64: ',
                     "N 128: fastest fused forward + backward '", "x the default 'bf16 fused'",
-                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', 'attention at the step\'s shape' }
+                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', 'step with ULY_CUDA_ATTN_FWD=tma: ',
+                    'attention at the step\'s shape' }
     if MODE == 'emu' then   -- and raw cuBLAS ran (no n/a), and the profiled step
       for _, w in ipairs({ 'ulysses CUDA emulator', 'GPU time by kernel in one step', 'wall time on the stream' }) do
         wants[#wants + 1] = w

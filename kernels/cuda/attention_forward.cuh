@@ -3,6 +3,7 @@
  * attention_fused.cu for the design and the host side that launches them. */
 #pragma once
 #include "attention_tiles.cuh"
+#include "tma.cuh"
 
 /* ---- forward ---- */
 /* a warp's rows before their first key tile: O = 0, running max -inf and sum 0 (its two rows) */
@@ -518,6 +519,88 @@ fa_forward_rows128(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K,
         next_tile_wg<D, 2 * FA_THREADS>(sV, v, g.Tk, ks, j_next, st_next, j0, st, k_this, k_next);
     }
     cp_async_wait<0>();
+    store_forward_rows<D, false>(out, lse, g, b, rows, o, m, l, tq, [&](int) { return h; });
+#endif
+}
+
+/* The wgmma forward with its tiles loaded by TMA (ULY_CUDA_ATTN_FWD=tma): fa_forward's W path (64
+ * rows, one warpgroup, K double-buffered), but thread 0 issues each tile's load as D / 64 TMA
+ * boxes (64 rows x 128 bytes of one head) and the warps wait on an mbarrier per buffer, where they
+ * queued ~D / 2 cp.async copies each and waited for their groups: one barrier a tile instead of
+ * two, no load instructions in the loop but thread 0's, no fence between the loads and wgmma
+ * (both are the async proxy). Maps: Q, K, V as [B, T, heads, D] bf16 (tile_map in
+ * attention_fused.cu). Without key splits or GQA packing; empty in a pass without wgmma. */
+template <int D>
+__global__ static void __launch_bounds__(FA_THREADS, WG_MIN_BLOCKS(true, D))
+fa_forward_tma(float *out, float *lse, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
+               const __grid_constant__ CUtensorMap mv, int *ran_wgmma) {
+#if ULY_HAS_WGMMA
+    constexpr int CH = D / 8;
+    constexpr unsigned TILE = 64 * D * 2;   /* bytes of a 64-row tile */
+    ULY_DYNAMIC_SHARED(uint4, dyn);
+    uint4 *const sK = align_1024(dyn), *const sV = sK + 64 * CH, *const sQ = sV + 64 * CH, *const sK2 = sQ + 64 * CH;
+    uint64_t *const bar = (uint64_t *)(sK2 + 64 * CH);   /* K's two buffers' (the first's also Q's), V's */
+    if (ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
+    const int64_t blk = blockIdx.x, grp = g.H / g.Hkv;
+    const int64_t nt = (g.Tq + 63) / 64, tile = nt - 1 - blk % nt, bh = blk / nt;   /* longest bands first */
+    const int64_t b = bh / g.H, h = bh % g.H, hk = h / grp, i0 = tile * 64;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
+    const int64_t t0 = i0 + warp * 16 + (lane >> 2);
+    const int64_t rows[2] = {t0, t0 + 8};
+    int64_t lo, hi;
+    chunk_band(g, i0, i0 + 64 < g.Tq ? i0 + 64 : g.Tq, &lo, &hi);
+    const row_span rs = span_of_rows(g, i0, i0 + 63);
+    int st = TILE_EMPTY;
+    int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / 64 * 64, hi, 64, &st) : -1;
+    float o[CH][4], m[2], l[2];
+    start_online_softmax<CH>(o, m, l);
+    const bool issuer = threadIdx.x == 0;
+    /* rows r0.. of head hd through map mp into the tile s, counted on barrier br: D / 64 boxes side
+     * by side (sw128_at's atom columns, 64 rows x 128 bytes = 8 KiB apart) */
+    auto load = [&](uint4 *s, const CUtensorMap *mp, int64_t hd, int64_t r0, uint64_t *br) {
+#pragma unroll
+        for (int a = 0; a < D / 64; a++) tma_load_4d(s + a * 64 * 8, mp, 64 * a, (int)hd, (int)r0, (int)b, br);
+    };
+    if (issuer) {
+        for (int i = 0; i < 3; i++) mbar_init(&bar[i], 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (issuer && j0 >= 0) {
+        mbar_expect_tx(&bar[0], 2 * TILE);
+        load(sQ, &mq, h, i0, &bar[0]);
+        load(sK, &mk, hk, j0, &bar[0]);
+        mbar_expect_tx(&bar[2], TILE);
+        load(sV, &mv, hk, j0, &bar[2]);
+    }
+    uint4 *k_this = sK, *k_next = sK2;
+    unsigned kb = 0, phases = 0;   /* this tile's K buffer; bit i: the parity bar[i]'s next wait is for */
+    while (j0 >= 0) {
+        int st_next = TILE_EMPTY;
+        const int64_t j_next = next_key_tile(g, rs, j0 + 64, hi, 64, &st_next);
+        if (issuer && j_next >= 0) {   /* its buffer: every warp's S of the last tile was done by its barrier */
+            mbar_expect_tx(&bar[kb ^ 1], TILE);
+            load(k_next, &mk, hk, j_next, &bar[kb ^ 1]);
+        }
+        mbar_wait(&bar[kb], (phases >> kb) & 1);   /* this K (the first time with Q) */
+        phases ^= 1u << kb;
+        float s[8][4];
+        scores_softmax_wg<D, false>(s, sQ, k_this, o, m, l, g, b, rows, j0, st, tq);
+        mbar_wait(&bar[2], (phases >> 2) & 1);   /* this V */
+        phases ^= 4u;
+        times_tile_wg_waited<D, 4, 64>(o, s, sV);   /* O += P V */
+        __syncthreads();   /* every warp is done with V and this K */
+        if (issuer && j_next >= 0) {
+            mbar_expect_tx(&bar[2], TILE);
+            load(sV, &mv, hk, j_next, &bar[2]);
+        }
+        j0 = j_next;
+        st = st_next;
+        kb ^= 1;
+        uint4 *const t = k_this;
+        k_this = k_next;
+        k_next = t;
+    }
     store_forward_rows<D, false>(out, lse, g, b, rows, o, m, l, tq, [&](int) { return h; });
 #endif
 }

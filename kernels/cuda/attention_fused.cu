@@ -35,7 +35,8 @@
  * ULY_CUDA_ATTN_WGMMA=0 / 1 forces it off / on. Untimed wgmma variants, off by default:
  * ULY_CUDA_ATTN_FWD=rows128 / ULY_CUDA_ATTN_DQ=rows128 (128 query rows a block, two warpgroups
  * sharing each K and V tile) and ULY_CUDA_ATTN_DKV=rows128 (128 keys a block, two warpgroups
- * sharing each Q and dO tile); 64-wide backward tiles (ULY_CUDA_ATTN_DKV=64, ULY_CUDA_ATTN_DQ=64).
+ * sharing each Q and dO tile); ULY_CUDA_ATTN_FWD=tma (the forward's tiles by TMA, waited for on
+ * mbarriers); 64-wide backward tiles (ULY_CUDA_ATTN_DKV=64, ULY_CUDA_ATTN_DQ=64).
  * What ptxas needs to keep a kernel's wgmmas back to back (scripts/sass-check.sh fails when it
  * does not: its C7520 note, each wgmma then waits for the one before): no call in the loop around
  * them (a 64-bit division is one: the mask's layout lookups divide in 32 bits), and A fragments
@@ -44,9 +45,13 @@
  * pieces in attention_tiles.cuh), included here once; this file is the host side: which kernel
  * runs (head dim, GQA grouping, split key bands, tile widths), their launches, and the wgmma
  * self-check. */
+#include <cuda.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#ifndef ULY_CUDA_EMU
+#include <cudaTypedefs.h>   /* PFN_cuTensorMapEncodeTiled_v12000 */
+#endif
 #include "attention_tiles.cuh"      /* shared tile layouts, loads, fragments, tile classification */
 #include "attention_forward.cuh"    /* fa_forward, fa_combine */
 #include "attention_backward.cuh"   /* fa_backward_dkv, fa_backward_dq */
@@ -144,6 +149,61 @@ static void launch_forward_rows128(float *out, float *lse, const geom &g, const 
                                                                                                  ran);
 }
 
+/* the driver's tensor-map encoder (TMA), found once through the runtime (libcuda is not linked);
+ * NULL where the driver has none */
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
+    static int tried;
+    static PFN_cuTensorMapEncodeTiled_v12000 fn;
+    if (!tried) {
+        tried = 1;
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found) == cudaSuccess &&
+            found == cudaDriverEntryPointSuccess)
+            fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
+        cudaGetLastError();
+    }
+    return fn;
+}
+/* ULY_CUDA_ATTN_FWD=tma: the wgmma forward with TMA loads (fa_forward_tma), where one would run
+ * unpipelined without key splits or GQA packing. bench/gpu.lua times it beside the default. */
+static int forward_tma(void) {
+    const char *env = getenv("ULY_CUDA_ATTN_FWD");
+    return env && !strcmp(env, "tma") && two_warpgroup_build_loads() && tensor_map_encoder();
+}
+/* the map of a [B, T, heads, D] bf16 tensor in boxes of 64 rows x 64 elements of one head, landing
+ * 128-byte swizzled; -1 when the driver refuses it (e.g. a base not 16-byte aligned) */
+static int tile_map(CUtensorMap *m, const bf16 *base, int64_t B, int64_t T, int64_t heads, int D) {
+    const cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)heads, (cuuint64_t)T, (cuuint64_t)B};
+    const cuuint64_t strides[3] = {(cuuint64_t)D * 2, (cuuint64_t)(heads * D * 2), (cuuint64_t)(T * heads * D * 2)};
+    const cuuint32_t box[4] = {64, 1, 64, 1}, unit[4] = {1, 1, 1, 1};
+    return tensor_map_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, (void *)base, dims, strides, box, unit,
+                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS
+               ? 0
+               : -1;
+}
+/* 0 when launched; -1 when a map could not be made (the caller launches the cp.async kernel) */
+template <int D>
+static int launch_forward_tma(float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
+                              int *ran) {
+    CUtensorMap mq, mk, mv;
+    if (tile_map(&mq, q, g.B, g.Tq, g.H, D) || tile_map(&mk, k, g.B, g.Tk, g.Hkv, D) || tile_map(&mv, v, g.B, g.Tk, g.Hkv, D))
+        return -1;
+    const size_t smem = 4 * 64 * (D / 8) * 16 + 1024 + 3 * 8;   /* Q, V, two K tiles, + 1 KiB to align them, 3 mbarriers */
+    static bool raised;
+    if (!raised) {
+        cudaError_t e = cudaFuncSetAttribute(fa_forward_tma<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) { uly_cu_fail("fused flash attention forward (wgmma, TMA): shared memory", e); return 0; }
+        raised = true;
+    }
+    char name[64] = "";   /* for the profiler */
+    if (uly_cu_prof_on) snprintf(name, sizeof name, "attention forward D %d wgmma (TMA)", D);
+    const int64_t blocks = (g.Tq + 63) / 64 * g.B * g.H;
+    ULY_LAUNCH_SMEM_AS(name, fa_forward_tma<D>, blocks, FA_THREADS, smem, uly_cu_stream)(out, lse, g, mq, mk, mv, ran);
+    return 0;
+}
+
 /* one forward kernel launch: grouped or not, wgmma or mma.sync (the wgmma kernel's tiles live
  * in dynamic shared memory: Q, V, two K tiles + 1 KiB to align them) */
 template <int D, bool grouped, bool WG, bool PIPE = false>
@@ -154,6 +214,7 @@ static void launch_forward(int64_t blocks, float *out, float *lse, const geom &g
             launch_forward_rows128<D>(out, lse, g, q, k, v, ran);
             return;
         }
+        if (splits == 1 && forward_tma() && launch_forward_tma<D>(out, lse, g, q, k, v, ran) == 0) return;
     }
     if (WG) {
         const size_t smem = 4 * 64 * (D / 8) * 16 + 1024;   /* Q, V and two K tiles, + 1 KiB to align them */

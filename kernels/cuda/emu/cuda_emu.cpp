@@ -15,6 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <ucontext.h>
+#include <map>
 #include <vector>
 
 dim3 threadIdx, blockIdx, blockDim, gridDim;
@@ -32,7 +33,7 @@ __asm__(".text\n.globl uly_emu_swap\n.type uly_emu_swap,@function\nuly_emu_swap:
 
 namespace uly_emu {
 namespace {
-enum { NONE = 0, BLOCK = 1, WARP = 2 };
+enum { NONE = 0, BLOCK = 1, WARP = 2, SPIN = 3 };   /* SPIN: an mbarrier wait, retried each round */
 const size_t STACK = 64 << 10;
 
 /* a cp.async copy not yet done: it happens at the cp.async.wait_group that covers its group */
@@ -67,7 +68,13 @@ struct fiber {
     unsigned commits;                 /* groups committed so far */
     std::vector<wgmma_op> wgmmas;     /* queued, not yet waited for */
     unsigned wg_commits;
+    int stalled;                      /* this run only retried a spin that failed again */
 };
+
+/* an mbarrier: arrivals still expected in this phase, bytes still expected, phases completed */
+struct mbar_state { unsigned count, pending; int64_t tx; unsigned phase; };
+/* a TMA load not yet landed (it lands at the first wait on its barrier) */
+struct tma_op { void *dst, *bar; unsigned char map[128]; int c[4]; };
 
 struct block_state {
     std::vector<fiber> fibers;
@@ -85,6 +92,8 @@ struct block_state {
     std::vector<uint64_t> slots;   /* one value per lane for shuffles */
     std::vector<unsigned char> gathered;   /* 64 bytes per lane for warp_gather */
     int eager_copies;                      /* cp.async done at issue (ULY_EMU_ASYNC=eager) */
+    std::map<uintptr_t, mbar_state> mbars;   /* the block's mbarriers, by shared-memory address */
+    std::vector<tma_op> tma;                 /* its TMA loads in flight */
 } B;
 
 /* from the running fiber back to the scheduler */
@@ -141,13 +150,14 @@ int run_fiber(unsigned t) {
     fiber &f = B.fibers[t];
     if (f.done || f.wait) return 0;
     B.cur = t;
+    f.stalled = 0;
     threadIdx.x = t; threadIdx.y = threadIdx.z = 0;
 #ifdef FAST_SWITCH
     uly_emu_swap(&B.sched_sp, f.sp);
 #else
     swapcontext(&B.sched, &f.ctx);
 #endif
-    return 1;
+    return !f.stalled;   /* a run that only found its mbarrier phase still open again made no progress */
 }
 } // namespace
 
@@ -192,6 +202,8 @@ void run_grid(unsigned blocks, unsigned threads, size_t dynamic_smem, const std:
         if (dynamic_smem) memset(dyn_smem, 0xff, dynamic_smem);
         B.n = threads;
         B.alive = threads;
+        B.mbars.clear();
+        B.tma.clear();
         B.block_gen = B.block_waiting = 0;
         for (unsigned w = 0; w < warps; w++) {
             B.warp_waiting[w] = 0;
@@ -228,6 +240,7 @@ void run_grid(unsigned blocks, unsigned threads, size_t dynamic_smem, const std:
         }
         while (B.alive) {
             int ran = 0;
+            for (auto &f : B.fibers) if (f.wait == SPIN) f.wait = NONE;   /* spinning threads try again */
             if (reverse) {
                 /* one warp at a time, last first, each as far as it goes before a __syncthreads */
                 for (unsigned wi = 0; wi < warps; wi++) {
@@ -246,14 +259,135 @@ void run_grid(unsigned blocks, unsigned threads, size_t dynamic_smem, const std:
             }
             if (!release() && !ran && B.alive) {
                 fprintf(stderr, "cuda emulator: deadlock in block %u: %u live threads wait at barriers that not all "
-                                "of them reach (a __syncthreads or shuffle inside divergent code)\n", b, B.alive);
+                                "of them reach (a __syncthreads or shuffle inside divergent code), or on an mbarrier "
+                                "phase that nothing completes\n", b, B.alive);
                 abort();
             }
+        }
+        if (!B.tma.empty()) {
+            fprintf(stderr, "cuda emulator: block %u ended with %zu TMA loads no thread waited for\n", b, B.tma.size());
+            abort();
         }
     }
 }
 
 void sync_block() { wait_at(BLOCK); }
+
+/* ---- TMA: the emulator's tensor maps, mbarriers, tiled loads ---- */
+namespace {
+/* what cuTensorMapEncodeTiled keeps in a CUtensorMap's 128 opaque bytes here */
+struct tensor_map {
+    const unsigned char *base;
+    uint64_t dims[4], strides[4];   /* strides in bytes; strides[0] = the element size */
+    uint32_t box[4];
+    int swizzle128, rank;
+};
+static_assert(sizeof(tensor_map) <= 128, "tensor_map fits a CUtensorMap");
+
+mbar_state &mbar_of(void *bar) {
+    auto it = B.mbars.find((uintptr_t)bar);
+    if (it == B.mbars.end()) {
+        fprintf(stderr, "cuda emulator: an mbarrier used before mbarrier.init\n");
+        abort();
+    }
+    return it->second;
+}
+
+/* a phase completes when its arrivals and its bytes are all in */
+void mbar_complete(mbar_state &m) {
+    if (m.pending == 0 && m.tx == 0) {
+        m.phase++;
+        m.pending = m.count;
+    }
+}
+
+/* the load's box into shared memory: element (i0, i1, i2, i3) of the box at line ((i3 b2 + i2) b1
+ * + i1) of b0 elements, its 16-byte chunks swizzled by the line (128-byte swizzle); zeros for
+ * coordinates outside the tensor */
+void land(const tma_op &op) {
+    tensor_map m;
+    memcpy(&m, op.map, sizeof m);
+    const uint64_t es = m.strides[0], line = m.box[0] * es;
+    unsigned char *dst = (unsigned char *)op.dst;
+    uint64_t n = 0;
+    for (uint32_t i3 = 0; i3 < m.box[3]; i3++)
+        for (uint32_t i2 = 0; i2 < m.box[2]; i2++)
+            for (uint32_t i1 = 0; i1 < m.box[1]; i1++, n++)
+                for (uint32_t i0 = 0; i0 < m.box[0]; i0++) {
+                    const int64_t c[4] = {(int64_t)op.c[0] + i0, (int64_t)op.c[1] + i1, (int64_t)op.c[2] + i2,
+                                          (int64_t)op.c[3] + i3};
+                    bool in = true;
+                    uint64_t at = 0;
+                    for (int d = 0; d < 4; d++) {
+                        in = in && c[d] >= 0 && (uint64_t)c[d] < m.dims[d];
+                        at += (uint64_t)(c[d] < 0 ? 0 : c[d]) * m.strides[d];
+                    }
+                    uint64_t byte = i0 * es, chunk = byte / 16;
+                    if (m.swizzle128) chunk ^= n & 7;
+                    unsigned char *to = dst + n * line + chunk * 16 + byte % 16;
+                    if (in) memcpy(to, m.base + at, es);
+                    else memset(to, 0, es);
+                }
+}
+} // namespace
+
+void mbar_init(void *bar, unsigned count) {
+    if ((uintptr_t)bar % 8) { fprintf(stderr, "cuda emulator: an mbarrier not 8-byte aligned\n"); abort(); }
+    B.mbars[(uintptr_t)bar] = mbar_state{count, count, 0, 0};
+}
+void mbar_expect_tx(void *bar, unsigned bytes) {
+    mbar_state &m = mbar_of(bar);
+    if (m.pending == 0) { fprintf(stderr, "cuda emulator: more arrivals on an mbarrier than its count\n"); abort(); }
+    m.tx += bytes;
+    m.pending--;
+    mbar_complete(m);
+}
+void tma_load_4d(void *dst, const void *map, int c0, int c1, int c2, int c3, void *bar) {
+    tensor_map m;
+    memcpy(&m, map, sizeof m);
+    const unsigned char *d = (const unsigned char *)dst;
+    if (!dyn_smem || d < dyn_smem || d >= dyn_smem + dyn_smem_bytes || (m.swizzle128 && (d - dyn_smem) % 1024)) {
+        fprintf(stderr, "cuda emulator: a TMA load's destination outside dynamic shared memory or, with the "
+                        "128-byte swizzle, not 1024-byte aligned\n");
+        abort();
+    }
+    mbar_of(bar);
+    tma_op op;
+    op.dst = dst;
+    op.bar = bar;
+    memcpy(op.map, map, sizeof op.map);
+    op.c[0] = c0; op.c[1] = c1; op.c[2] = c2; op.c[3] = c3;
+    const int64_t bytes = (int64_t)m.box[0] * m.box[1] * m.box[2] * m.box[3] * (int64_t)m.strides[0];
+    if (B.eager_copies) {   /* ULY_EMU_ASYNC=eager: landed at once */
+        land(op);
+        mbar_state &mb = mbar_of(bar);
+        mb.tx -= bytes;
+        mbar_complete(mb);
+        return;
+    }
+    B.tma.push_back(op);
+}
+void mbar_wait(void *bar, unsigned parity) {
+    fiber &f = B.fibers[B.cur];
+    for (int tries = 0;; tries++) {
+        /* the loads on this barrier land now */
+        std::vector<tma_op> left;
+        for (const tma_op &op : B.tma) {
+            if (op.bar != bar) { left.push_back(op); continue; }
+            land(op);
+            tensor_map m;
+            memcpy(&m, op.map, sizeof m);
+            mbar_state &mb = mbar_of(bar);
+            mb.tx -= (int64_t)m.box[0] * m.box[1] * m.box[2] * m.box[3] * (int64_t)m.strides[0];
+            mbar_complete(mb);
+        }
+        B.tma.swap(left);
+        if ((mbar_of(bar).phase & 1) != (parity & 1)) return;   /* the phase of this parity has completed */
+        if (tries) f.stalled = 1;
+        f.wait = SPIN;
+        to_scheduler(f);
+    }
+}
 
 /* cp.async: queued per thread, done when a wait covers its group (late, as the GPU may be: a
  * read of the tile before the wait sees the old bytes) */
@@ -444,6 +578,42 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int dev) {
 }
 /* 132 multiprocessors; compute capability ULY_EMU_CC (default 8.0: the kernels' mma.sync paths;
  * 9.0 sends the fused attention forward through its wgmma self-check) */
+/* cuTensorMapEncodeTiled as the emulator keeps it (uly_emu's tensor_map in the opaque bytes), with
+ * the driver's checks that matter here: rank 1 to 4 (5 on a GPU), 16-byte aligned base and
+ * strides, boxes of 1 to 256, and with the 128-byte swizzle an inner box of at most 128 bytes */
+static CUresult emu_encode_tiled(CUtensorMap *map, CUtensorMapDataType type, cuuint32_t rank, void *base,
+                                 const cuuint64_t *dims, const cuuint64_t *strides, const cuuint32_t *box,
+                                 const cuuint32_t *element_strides, CUtensorMapInterleave interleave,
+                                 CUtensorMapSwizzle swizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill) {
+    uly_emu::tensor_map m;
+    if (!map || type != CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 || rank < 1 || rank > 4 || ((uintptr_t)base & 15) ||
+        interleave != CU_TENSOR_MAP_INTERLEAVE_NONE || (swizzle != CU_TENSOR_MAP_SWIZZLE_NONE && swizzle != CU_TENSOR_MAP_SWIZZLE_128B))
+        return CUDA_ERROR_INVALID_VALUE;
+    memset(&m, 0, sizeof m);
+    m.base = (const unsigned char *)base;
+    m.rank = (int)rank;
+    m.swizzle128 = swizzle == CU_TENSOR_MAP_SWIZZLE_128B;
+    m.strides[0] = 2;
+    for (cuuint32_t d = 0; d < 4; d++) {
+        m.dims[d] = d < rank ? dims[d] : 1;
+        m.box[d] = d < rank ? box[d] : 1;
+        if (d > 0) m.strides[d] = d < rank ? strides[d - 1] : 0;
+        if (m.box[d] < 1 || m.box[d] > 256 || (d < rank && element_strides[d] != 1) || (d > 0 && d < rank && strides[d - 1] % 16))
+            return CUDA_ERROR_INVALID_VALUE;
+    }
+    if ((m.box[0] * 2) % 16 || (m.swizzle128 && m.box[0] * 2 > 128)) return CUDA_ERROR_INVALID_VALUE;
+    memset(map, 0, sizeof *map);
+    memcpy(map, &m, sizeof m);
+    return CUDA_SUCCESS;
+}
+cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsigned, unsigned long long,
+                                             cudaDriverEntryPointQueryResult *status) {
+    const bool found = symbol && !strcmp(symbol, "cuTensorMapEncodeTiled");
+    *fn = found ? (void *)emu_encode_tiled : NULL;
+    if (status) *status = found ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
+    return cudaSuccess;
+}
+
 cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev) {
     if (dev != 0) return fail(cudaErrorInvalidValue);
     const char *cc = getenv("ULY_EMU_CC");

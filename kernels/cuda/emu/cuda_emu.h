@@ -14,6 +14,9 @@
  *    warps still read shows); ULY_EMU_ORDER=reverse runs one warp at a time, last first, each up
  *    to its next __syncthreads, so a missing barrier between warps shows (scripts/test.sh runs
  *    the specs both ways);
+ *  - TMA loads land at the first mbarrier wait on their barrier (or at issue, eager), in the
+ *    128-byte swizzle, zeros outside the tensor; an mbarrier wait yields until its phase
+ *    completes (kernels/cuda/tma.cuh; a wait nothing can complete is reported as a deadlock);
  *  - cuBLAS and cuBLASLt GEMMs are plain loops (f32 accumulation; bf16 inputs read exactly),
  *    queued on their stream (cublaslt_emu.cpp: descriptors and layouts as given, one algorithm);
  *  - one device, "ulysses CUDA emulator", with the memory limit ULY_EMU_MEMORY (default 4 GiB).
@@ -73,6 +76,16 @@ void wgmma_queue(float *d, int n, const float *a16x16, uint64_t desc, int trans)
 void wgmma_queue_ss(float *d, int n, uint64_t desc_a, uint64_t desc_b, int trans_b, int accumulate);
 void wgmma_commit();
 void wgmma_wait(unsigned in_flight);
+/* TMA (kernels/cuda/tma.cuh): mbarriers in shared memory (their state kept here by address, new
+ * each block) and tiled loads of a tensor map's box into shared memory (128-byte swizzle, zeros
+ * outside the tensor). A load lands at the first wait on its barrier, not before (a read that
+ * skips the wait sees the old bytes), or with ULY_EMU_ASYNC=eager at issue. mbar_wait spins:
+ * the thread yields until the phase of that parity completes; a block whose live threads all
+ * spin or wait with nothing left to run is a deadlock. */
+void mbar_init(void *bar, unsigned count);
+void mbar_expect_tx(void *bar, unsigned bytes);   /* one arrival, and bytes the loads will bring */
+void tma_load_4d(void *dst, const void *map, int c0, int c1, int c2, int c3, void *bar);
+void mbar_wait(void *bar, unsigned parity);
 
 /* streams (kernels/cuda/emu/streams.cpp): work queued on a stream runs at once, or with
  * ULY_EMU_STREAMS=lazy only when something waits for it (a stream or event synchronize, a
@@ -216,6 +229,28 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e);
 cudaError_t cudaEventQuery(cudaEvent_t e);
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b);
 cudaError_t cudaEventDestroy(cudaEvent_t e);
+
+/* ---- the driver's tensor maps (TMA), as cuda.h declares them; the emulator's encoder keeps the
+ * arguments in the opaque bytes (cuda_emu.cpp), reached through cudaGetDriverEntryPointByVersion ---- */
+#define __grid_constant__
+typedef uint32_t cuuint32_t;
+typedef uint64_t cuuint64_t;
+typedef enum { CUDA_SUCCESS = 0, CUDA_ERROR_INVALID_VALUE = 1 } CUresult;
+typedef struct alignas(64) CUtensorMap_st { cuuint64_t opaque[16]; } CUtensorMap;
+typedef enum { CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9 } CUtensorMapDataType;
+typedef enum { CU_TENSOR_MAP_INTERLEAVE_NONE = 0 } CUtensorMapInterleave;
+typedef enum { CU_TENSOR_MAP_SWIZZLE_NONE = 0, CU_TENSOR_MAP_SWIZZLE_128B = 3 } CUtensorMapSwizzle;
+typedef enum { CU_TENSOR_MAP_L2_PROMOTION_NONE = 0, CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3 } CUtensorMapL2promotion;
+typedef enum { CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0 } CUtensorMapFloatOOBfill;
+typedef CUresult (*PFN_cuTensorMapEncodeTiled_v12000)(CUtensorMap *map, CUtensorMapDataType type, cuuint32_t rank,
+                                                      void *base, const cuuint64_t *dims, const cuuint64_t *strides,
+                                                      const cuuint32_t *box, const cuuint32_t *element_strides,
+                                                      CUtensorMapInterleave interleave, CUtensorMapSwizzle swizzle,
+                                                      CUtensorMapL2promotion l2, CUtensorMapFloatOOBfill fill);
+enum cudaDriverEntryPointQueryResult { cudaDriverEntryPointSuccess = 0, cudaDriverEntryPointSymbolNotFound = 1 };
+#define cudaEnableDefault 0
+cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsigned version, unsigned long long flags,
+                                             cudaDriverEntryPointQueryResult *status);
 
 /* ---- cuBLAS (column-major GEMMs) ---- */
 typedef enum { CUBLAS_STATUS_SUCCESS = 0, CUBLAS_STATUS_NOT_INITIALIZED = 1, CUBLAS_STATUS_ALLOC_FAILED = 3,
