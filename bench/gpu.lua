@@ -134,7 +134,8 @@ end
 -- '0': the mma.sync kernels), ULY_CUDA_ATTN_BWD ('onepass': dQ with atomics from the dK/dV kernel,
 -- D <= 64), ULY_CUDA_ATTN_FWD ('pipelined': the wgmma forward issues the next tile's S before
 -- this softmax; 'rows128': 128 query rows a block, two warpgroups sharing K and V; 'tma': its
--- tiles loaded by TMA, waited for on mbarriers),
+-- tiles loaded by TMA, waited for on mbarriers; 'ws': warp-specialised, a TMA producer warp and
+-- two consumer warpgroups),
 -- ULY_CUDA_ATTN_DKV ('64': the dK/dV kernel's 64-query tiles, D 64; 'rows128': 128 keys a block,
 -- two warpgroups sharing Q and dO) and
 -- ULY_CUDA_ATTN_DQ ('64': the dQ kernel's 64-key tiles, D 64; 'rows128': 128 query rows a block,
@@ -146,8 +147,9 @@ local all_paths = { { 'f32 chunked', 'f32', 'chunked', '', '', '', '', '' },
                     { 'fused pipe+1p', 'bf16', 'fused', '', 'onepass', 'pipelined', '', '' },
                     { 'fused mma.sync', 'bf16', 'fused', '0', '', '', '', '' },
                     { 'fused rows128', 'bf16', 'fused', '', '', 'rows128', 'rows128', 'rows128' },
-                    { 'fused tma', 'bf16', 'fused', '', '', 'tma', '', '' } }
-local fused_paths = { all_paths[3], all_paths[4], all_paths[5], all_paths[6], all_paths[7], all_paths[8],   -- the D 64 table's, and:
+                    { 'fused tma', 'bf16', 'fused', '', '', 'tma', '', '' },
+                    { 'fused ws', 'bf16', 'fused', '', '', 'ws', '', '' } }
+local fused_paths = { all_paths[3], all_paths[4], all_paths[5], all_paths[6], all_paths[7], all_paths[8], all_paths[9],   -- the D 64 table's, and:
                       { 'fused dkv64', 'bf16', 'fused', '', '', '', '64', '' }, { 'fused dq64', 'bf16', 'fused', '', '', '', '', '64' },
                       { 'fused bwd64', 'bf16', 'fused', '', '', '', '64', '64' },
                       { 'fused 128+dkv64', 'bf16', 'fused', '', '', 'rows128', '64', 'rows128' } }

@@ -831,8 +831,10 @@ describe('fused tensor-core attention (mixed precision)', function()
       -- with the 128-row dQ and the 128-key dK/dV
       local p = forward('1', q, k, v, c[3], 'pipelined')
       local r = forward('1', q, k, v, c[3], 'rows128')
-      -- the forward with TMA loads and mbarriers (the packed and split case keeps cp.async)
+      -- the forward with TMA loads and mbarriers, and warp-specialised (a TMA producer warp, two
+      -- consumer warpgroups; the packed and split case keeps cp.async)
       local t = forward('1', q, k, v, c[3], 'tma')
+      local w = forward('1', q, k, v, c[3], 'ws')
       if MODE == 'cuda' then
         -- unforced, each kernel as its head dim's self-check decided: what users run is right
         local u = forward('', q, k, v, c[3])
@@ -843,6 +845,7 @@ describe('fused tensor-core attention (mixed precision)', function()
           helpers.assert_close(p, a, 2e-3, 2e-3, 'pipelined wgmma vs mma.sync, case ' .. i)
           helpers.assert_close(r, a, 2e-3, 2e-3, '128-row wgmma forward and backward vs mma.sync, case ' .. i)
           helpers.assert_close(t, a, 2e-3, 2e-3, 'TMA wgmma forward vs mma.sync, case ' .. i)
+          helpers.assert_close(w, a, 2e-3, 2e-3, 'warp-specialised wgmma forward vs mma.sync, case ' .. i)
         else
           assert.truthy(status:match('^off') or status:match('^partly on'), status)
           print(('\n(case %d, D %d: wgmma %s)'):format(i, D, status))
@@ -852,6 +855,7 @@ describe('fused tensor-core attention (mixed precision)', function()
         helpers.assert_close(p, a, 0, 0, 'pipelined wgmma vs mma.sync, case ' .. i)
         helpers.assert_close(r, a, 0, 0, '128-row wgmma forward and backward vs mma.sync, case ' .. i)
         helpers.assert_close(t, a, 0, 0, 'TMA wgmma forward vs mma.sync, case ' .. i)
+        helpers.assert_close(w, a, 0, 0, 'warp-specialised wgmma forward vs mma.sync, case ' .. i)
       end
     end
     ffi.C.setenv('ULY_CUDA_ATTN_FWD', '', 1)
@@ -961,10 +965,11 @@ describe('fused tensor-core attention (mixed precision)', function()
     -- D, then ULY_CUDA_ATTN_DKV, _DQ, _FWD: the backward's 64-query dK/dV and 64-key dQ tiles, and
     -- rows128: the forward's and dQ's 128-row blocks and dK/dV's 128-key ones (wgmma only; the
     -- band's ends now also fall between the two warpgroups' rows, or keys); tma: the forward's
-    -- tiles by TMA (the last tile's rows past the end zeros from the tensor map's bounds)
+    -- tiles by TMA (the last tile's rows past the end zeros from the tensor map's bounds); ws: its
+    -- warp-specialised variant (128 rows; a consumer skipping a tile still gives its stage back)
     for _, run in ipairs({ { 32, '', '', '' }, { 64, '', '', '' }, { 64, '64', '64', '' },
                            { 64, 'rows128', 'rows128', 'rows128' }, { 128, '', 'rows128', 'rows128' },
-                           { 128, 'rows128', '', '' }, { 64, '', '', 'tma' } }) do
+                           { 128, 'rows128', '', '' }, { 64, '', '', 'tma' }, { 64, '', '', 'ws' } }) do
       local D = run[1]
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', run[2], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_DQ', run[3], 1)

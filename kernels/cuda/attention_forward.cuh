@@ -523,6 +523,16 @@ fa_forward_rows128(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K,
 #endif
 }
 
+/* rows r0.. (64) of head hd of batch b through map mp into the wgmma tile s, counted on barrier
+ * br: D / 64 boxes side by side (sw128_at's atom columns, 64 rows x 128 bytes = 8 KiB apart) */
+#if ULY_HAS_WGMMA
+template <int D>
+__device__ static inline void tma_tile(uint4 *s, const CUtensorMap *mp, int64_t hd, int64_t r0, int64_t b, uint64_t *br) {
+#pragma unroll
+    for (int a = 0; a < D / 64; a++) tma_load_4d(s + a * 64 * 8, mp, 64 * a, (int)hd, (int)r0, (int)b, br);
+}
+#endif
+
 /* The wgmma forward with its tiles loaded by TMA (ULY_CUDA_ATTN_FWD=tma): fa_forward's W path (64
  * rows, one warpgroup, K double-buffered), but thread 0 issues each tile's load as D / 64 TMA
  * boxes (64 rows x 128 bytes of one head) and the warps wait on an mbarrier per buffer, where they
@@ -555,12 +565,7 @@ fa_forward_tma(float *out, float *lse, geom g, const __grid_constant__ CUtensorM
     float o[CH][4], m[2], l[2];
     start_online_softmax<CH>(o, m, l);
     const bool issuer = threadIdx.x == 0;
-    /* rows r0.. of head hd through map mp into the tile s, counted on barrier br: D / 64 boxes side
-     * by side (sw128_at's atom columns, 64 rows x 128 bytes = 8 KiB apart) */
-    auto load = [&](uint4 *s, const CUtensorMap *mp, int64_t hd, int64_t r0, uint64_t *br) {
-#pragma unroll
-        for (int a = 0; a < D / 64; a++) tma_load_4d(s + a * 64 * 8, mp, 64 * a, (int)hd, (int)r0, (int)b, br);
-    };
+    auto load = [&](uint4 *s, const CUtensorMap *mp, int64_t hd, int64_t r0, uint64_t *br) { tma_tile<D>(s, mp, hd, r0, b, br); };
     if (issuer) {
         for (int i = 0; i < 3; i++) mbar_init(&bar[i], 1);
         mbar_init_fence();
@@ -600,6 +605,96 @@ fa_forward_tma(float *out, float *lse, geom g, const __grid_constant__ CUtensorM
         uint4 *const t = k_this;
         k_this = k_next;
         k_next = t;
+    }
+    store_forward_rows<D, false>(out, lse, g, b, rows, o, m, l, tq, [&](int) { return h; });
+#endif
+}
+
+/* FlashAttention-3's division of labour (ULY_CUDA_ATTN_FWD=ws): 128 query rows a block, two
+ * consumer warpgroups of 64 rows doing the math (S, online softmax, P V on wgmma, as the 128-row
+ * forward) and one producer warp whose first thread streams K and V by TMA through a ring of
+ * WS_STAGES buffers: full[s] completes when stage s's tiles have landed, empty[s] when all 256
+ * consumer threads are done with it. No block barrier in the loop: the producer runs up to
+ * WS_STAGES tiles ahead, and a consumer warpgroup waits only for the data. Both consumers walk the
+ * block's tiles, skipping the math of one none of their rows see (still waiting for it and giving
+ * it back). Without key splits or GQA packing; empty in a pass without wgmma. */
+#define WS_STAGES 2
+#define WS_THREADS (2 * FA_THREADS + 32)
+#define WS_MIN_BLOCKS(D) (ULY_HAS_WGMMA ? 1 : 0)   /* 2 at D 64 would cap registers at 96 and spill */
+template <int D>
+__global__ static void __launch_bounds__(WS_THREADS, WS_MIN_BLOCKS(D))
+fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
+              const __grid_constant__ CUtensorMap mv, int *ran_wgmma) {
+#if ULY_HAS_WGMMA
+    constexpr int CH = D / 8;
+    constexpr unsigned TILE = 64 * D * 2;   /* bytes of a 64-row tile */
+    ULY_DYNAMIC_SHARED(uint4, dyn);
+    /* Q as two 64-row tiles, then per stage K and V (64 rows each), then the mbarriers */
+    uint4 *const sQ0 = align_1024(dyn), *const sKV = sQ0 + 128 * CH;
+    uint64_t *const full = (uint64_t *)(sKV + WS_STAGES * 128 * CH), *const empty = full + WS_STAGES,
+                    *const qbar = empty + WS_STAGES;
+    if (ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
+    const int64_t blk = blockIdx.x, grp = g.H / g.Hkv;
+    const int64_t nt = (g.Tq + 127) / 128, tile = nt - 1 - blk % nt, bh = blk / nt;   /* longest bands first */
+    const int64_t b = bh / g.H, h = bh % g.H, hk = h / grp, i0 = tile * 128;
+    int64_t lo, hi;
+    chunk_band(g, i0, i0 + 128 < g.Tq ? i0 + 128 : g.Tq, &lo, &hi);
+    const row_span rs = span_of_rows(g, i0, i0 + 127);
+    int st = TILE_EMPTY;
+    int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / 64 * 64, hi, 64, &st) : -1;
+    const int wg = threadIdx.x >> 7;   /* 0, 1: the consumers; 2: the producer warp */
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < WS_STAGES; i++) {
+            mbar_init(&full[i], 1);
+            mbar_init(&empty[i], 2 * FA_THREADS);
+        }
+        mbar_init(qbar, 1);
+        mbar_init_fence();
+    }
+    __syncthreads();   /* the last block-wide barrier */
+    if (wg == 2) {
+        if (threadIdx.x == 2 * FA_THREADS && j0 >= 0) {
+            mbar_expect_tx(qbar, 2 * TILE);
+            tma_tile<D>(sQ0, &mq, h, i0, b, qbar);
+            tma_tile<D>(sQ0 + 64 * CH, &mq, h, i0 + 64, b, qbar);
+            unsigned phases = 0;   /* bit i: the parity empty[i]'s next wait is for */
+            for (int n = 0; j0 >= 0; n++) {
+                const int at = n % WS_STAGES;
+                if (n >= WS_STAGES) {   /* both consumers gave the stage back */
+                    mbar_wait(&empty[at], (phases >> at) & 1);
+                    phases ^= 1u << at;
+                }
+                uint4 *const kv = sKV + at * 128 * CH;
+                mbar_expect_tx(&full[at], 2 * TILE);
+                tma_tile<D>(kv, &mk, hk, j0, b, &full[at]);
+                tma_tile<D>(kv + 64 * CH, &mv, hk, j0, b, &full[at]);
+                j0 = next_key_tile(g, rs, j0 + 64, hi, 64, &st);
+            }
+        }
+        return;
+    }
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, tq = lane & 3;
+    const int64_t w0 = i0 + 64 * wg, t0 = w0 + warp * 16 + (lane >> 2);   /* this warpgroup's first row */
+    const int64_t rows[2] = {t0, t0 + 8};
+    const row_span rw = span_of_rows(g, w0, w0 + 63);
+    const uint4 *const sQ = sQ0 + wg * 64 * CH;
+    float o[CH][4], m[2], l[2];
+    start_online_softmax<CH>(o, m, l);
+    if (j0 >= 0) mbar_wait(qbar, 0);
+    unsigned phases = 0;   /* bit i: the parity full[i]'s next wait is for */
+    for (int n = 0; j0 >= 0; n++) {
+        const int at = n % WS_STAGES;
+        const uint4 *const kv = sKV + at * 128 * CH;
+        mbar_wait(&full[at], (phases >> at) & 1);
+        phases ^= 1u << at;
+        const int mine = wg_tile_state<64>(g, rw, st, j0);   /* the same for the whole warpgroup */
+        if (mine != TILE_EMPTY) {
+            float s[8][4];
+            scores_softmax_wg<D, false>(s, sQ, kv, o, m, l, g, b, rows, j0, mine, tq);
+            times_tile_wg_waited<D, 4, 64>(o, s, kv + 64 * CH);   /* O += P V */
+        }
+        mbar_arrive(&empty[at]);   /* this thread is done with the stage: its wgmmas were waited for */
+        j0 = next_key_tile(g, rs, j0 + 64, hi, 64, &st);
     }
     store_forward_rows<D, false>(out, lse, g, b, rows, o, m, l, tq, [&](int) { return h; });
 #endif

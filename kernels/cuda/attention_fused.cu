@@ -36,7 +36,8 @@
  * ULY_CUDA_ATTN_FWD=rows128 / ULY_CUDA_ATTN_DQ=rows128 (128 query rows a block, two warpgroups
  * sharing each K and V tile) and ULY_CUDA_ATTN_DKV=rows128 (128 keys a block, two warpgroups
  * sharing each Q and dO tile); ULY_CUDA_ATTN_FWD=tma (the forward's tiles by TMA, waited for on
- * mbarriers); 64-wide backward tiles (ULY_CUDA_ATTN_DKV=64, ULY_CUDA_ATTN_DQ=64).
+ * mbarriers) and ws (warp-specialised: a TMA producer warp, two consumer warpgroups); 64-wide
+ * backward tiles (ULY_CUDA_ATTN_DKV=64, ULY_CUDA_ATTN_DQ=64).
  * What ptxas needs to keep a kernel's wgmmas back to back (scripts/sass-check.sh fails when it
  * does not: its C7520 note, each wgmma then waits for the one before): no call in the loop around
  * them (a 64-bit division is one: the mask's layout lookups divide in 32 bits), and A fragments
@@ -165,11 +166,13 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
     }
     return fn;
 }
-/* ULY_CUDA_ATTN_FWD=tma: the wgmma forward with TMA loads (fa_forward_tma), where one would run
- * unpipelined without key splits or GQA packing. bench/gpu.lua times it beside the default. */
+/* ULY_CUDA_ATTN_FWD=tma: the wgmma forward with TMA loads (fa_forward_tma); ws: warp-specialised
+ * (fa_forward_ws: a TMA producer warp, two consumer warpgroups); where one would run unpipelined
+ * without key splits or GQA packing. bench/gpu.lua times them beside the default. 0: neither. */
 static int forward_tma(void) {
     const char *env = getenv("ULY_CUDA_ATTN_FWD");
-    return env && !strcmp(env, "tma") && two_warpgroup_build_loads() && tensor_map_encoder();
+    if (!env || !two_warpgroup_build_loads() || !tensor_map_encoder()) return 0;
+    return !strcmp(env, "tma") ? 1 : !strcmp(env, "ws") ? 2 : 0;
 }
 /* the map of a [B, T, heads, D] bf16 tensor in boxes of 64 rows x 64 elements of one head, landing
  * 128-byte swizzled; -1 when the driver refuses it (e.g. a base not 16-byte aligned) */
@@ -183,24 +186,29 @@ static int tile_map(CUtensorMap *m, const bf16 *base, int64_t B, int64_t T, int6
                ? 0
                : -1;
 }
-/* 0 when launched; -1 when a map could not be made (the caller launches the cp.async kernel) */
+/* which (1: fa_forward_tma, 2: fa_forward_ws); 0 when launched, -1 when a map could not be made
+ * (the caller launches the cp.async kernel) */
 template <int D>
-static int launch_forward_tma(float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
-                              int *ran) {
+static int launch_forward_tma(int which, float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k,
+                              const bf16 *v, int *ran) {
     CUtensorMap mq, mk, mv;
     if (tile_map(&mq, q, g.B, g.Tq, g.H, D) || tile_map(&mk, k, g.B, g.Tk, g.Hkv, D) || tile_map(&mv, v, g.B, g.Tk, g.Hkv, D))
         return -1;
-    const size_t smem = 4 * 64 * (D / 8) * 16 + 1024 + 3 * 8;   /* Q, V, two K tiles, + 1 KiB to align them, 3 mbarriers */
-    static bool raised;
-    if (!raised) {
-        cudaError_t e = cudaFuncSetAttribute(fa_forward_tma<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    auto kernel = which == 2 ? fa_forward_ws<D> : fa_forward_tma<D>;
+    /* + 1 KiB to align the tiles, and the mbarriers; tma: Q, V, two K tiles; ws: 128 rows of Q, K and V a stage */
+    const size_t tile = 64 * (D / 8) * 16, smem = which == 2 ? (2 + 2 * WS_STAGES) * tile + 1024 + (2 * WS_STAGES + 1) * 8
+                                                            : 4 * tile + 1024 + 3 * 8;
+    static bool raised[2];
+    if (!raised[which - 1]) {
+        cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (e != cudaSuccess) { uly_cu_fail("fused flash attention forward (wgmma, TMA): shared memory", e); return 0; }
-        raised = true;
+        raised[which - 1] = true;
     }
     char name[64] = "";   /* for the profiler */
-    if (uly_cu_prof_on) snprintf(name, sizeof name, "attention forward D %d wgmma (TMA)", D);
-    const int64_t blocks = (g.Tq + 63) / 64 * g.B * g.H;
-    ULY_LAUNCH_SMEM_AS(name, fa_forward_tma<D>, blocks, FA_THREADS, smem, uly_cu_stream)(out, lse, g, mq, mk, mv, ran);
+    if (uly_cu_prof_on) snprintf(name, sizeof name, "attention forward D %d wgmma (TMA%s)", D, which == 2 ? ", warp-specialised" : "");
+    const int64_t blocks = which == 2 ? (g.Tq + 127) / 128 * g.B * g.H : (g.Tq + 63) / 64 * g.B * g.H;
+    ULY_LAUNCH_SMEM_AS(name, kernel, blocks, which == 2 ? WS_THREADS : FA_THREADS, smem, uly_cu_stream)(out, lse, g, mq, mk,
+                                                                                                     mv, ran);
     return 0;
 }
 
@@ -214,7 +222,8 @@ static void launch_forward(int64_t blocks, float *out, float *lse, const geom &g
             launch_forward_rows128<D>(out, lse, g, q, k, v, ran);
             return;
         }
-        if (splits == 1 && forward_tma() && launch_forward_tma<D>(out, lse, g, q, k, v, ran) == 0) return;
+        const int tma = splits == 1 ? forward_tma() : 0;
+        if (tma && launch_forward_tma<D>(tma, out, lse, g, q, k, v, ran) == 0) return;
     }
     if (WG) {
         const size_t smem = 4 * 64 * (D / 8) * 16 + 1024;   /* Q, V and two K tiles, + 1 KiB to align them */
