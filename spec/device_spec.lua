@@ -583,6 +583,71 @@ end)
 -- reference is the CPU's f32 kernel on the same bf16-rounded q, k, v (what the fused kernels add
 -- is P, dO and dS rounded to bf16: within 1 % of the largest value, where a wrong fragment or
 -- tile gives O(1))
+-- The output and the gradients of sum(out * out) through the fused kernels: wg '1' forces wgmma,
+-- '0' mma.sync, '' leaves each kernel to its head dim's self-check; fwd names a forward variant
+-- (ULY_CUDA_ATTN_FWD; 'rows128' also sets the 128-row dQ and the 128-key dK/dV).
+local function fused_outputs(wg, q, k, v, opts, fwd)
+  ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', wg, 1)
+  ffi.C.setenv('ULY_CUDA_ATTN_FWD', fwd or '', 1)
+  ffi.C.setenv('ULY_CUDA_ATTN_DQ', fwd == 'rows128' and fwd or '', 1)
+  ffi.C.setenv('ULY_CUDA_ATTN_DKV', fwd == 'rows128' and fwd or '', 1)
+  local qq, kk, vv = q:detach():requires_grad_(), k:detach():requires_grad_(), v:detach():requires_grad_()
+  local o = uly.flash_attention(qq, kk, vv, opts)
+  ;(o * o):sum():backward()
+  uly.synchronize('cuda')
+  local parts = { o:detach() }
+  for _, x in ipairs({ qq, kk, vv }) do parts[#parts + 1] = x.grad end
+  for i, x in ipairs(parts) do parts[i] = x:cpu():view(-1) end
+  return uly.cat(parts, 1)
+end
+
+-- Hopper's wgmma in the fused kernels (kernels/cuda/mma.cuh; on the emulator its deferred model, B read
+-- through the 128-byte-swizzled descriptor at the wait) and the forward variants built on it
+-- (variants: { ULY_CUDA_ATTN_FWD value, label }): the mma.sync forward's bits on the emulator (the
+-- same sums in the same order), for D = 64 and 128, grouped and not, masked and split. On a GPU:
+-- within bf16 rounding wherever the self-check turned wgmma on for that head dim (what runs
+-- unforced must be right); where it disagrees, the self-check must have said off (an H200 at
+-- D = 64, 2026-12-04)
+local function check_wgmma_variants(variants)
+  use_device()
+  uly.matmul_precision('bf16')
+  helpers.reseed(40)
+  local cases = {
+    { { 1, 130, 4, 64 }, { 1, 130, 2, 64 }, { causal = true } },
+    { { 2, 70, 2, 128 }, { 2, 150, 1, 128 }, { window = { 60, 9 } } },
+    { { 1, 3, 8, 64 }, { 1, 260, 2, 64 }, { causal = true } },      -- packed group, split keys
+    { { 1, 64, 1, 128 }, { 1, 64, 1, 128 }, {} },
+  }
+  for i, c in ipairs(cases) do
+    local q, k, v = uly.randn(unpack(c[1])):cuda(), uly.randn(unpack(c[2])):cuda(), uly.randn(unpack(c[2])):cuda()
+    local a = fused_outputs('0', q, k, v, c[3])
+    local got = { { 'wgmma', fused_outputs('1', q, k, v, c[3]) } }
+    for _, var in ipairs(variants) do got[#got + 1] = { var[2], fused_outputs('1', q, k, v, c[3], var[1]) } end
+    local status, D = MODE == 'cuda' and uly.cuda.wgmma_status(c[1][4]), c[1][4]
+    if MODE == 'cuda' then
+      -- unforced, each kernel as its head dim's self-check decided: what users run is right
+      local u = fused_outputs('', q, k, v, c[3])
+      helpers.assert_close(u, a, 2e-3, 2e-3, 'unforced vs mma.sync, case ' .. i .. ' (D ' .. D .. ': ' .. status .. ')')
+      if not status:match('^on') then
+        assert.truthy(status:match('^off') or status:match('^partly on'), status)
+        print(('\n(case %d, D %d: wgmma %s)'):format(i, D, status))
+      end
+    end
+    for _, g in ipairs(got) do
+      if MODE ~= 'cuda' then helpers.assert_close(g[2], a, 0, 0, g[1] .. ' vs mma.sync, case ' .. i)
+      elseif status:match('^on') then
+        helpers.assert_close(g[2], a, 2e-3, 2e-3, g[1] .. ' vs mma.sync, case ' .. i .. ' (D ' .. D .. ': ' .. status .. ')')
+      end
+    end
+  end
+  ffi.C.setenv('ULY_CUDA_ATTN_FWD', '', 1)
+  ffi.C.setenv('ULY_CUDA_ATTN_DQ', '', 1)
+  ffi.C.setenv('ULY_CUDA_ATTN_DKV', '', 1)
+  ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', os.getenv('ULY_TEST_WGMMA') or '', 1)
+  uly.matmul_precision('f32')
+  release_device()
+end
+
 describe('fused tensor-core attention (mixed precision)', function()
   local function rounded(t) return t:bf16():float() end
   local function set_path(path) ffi.C.setenv('ULY_CUDA_ATTN', path, 1) end
@@ -790,80 +855,14 @@ describe('fused tensor-core attention (mixed precision)', function()
     release_device()
   end)
 
-  -- Hopper's wgmma in the fused kernels (kernels/cuda/mma.cuh; on the emulator its deferred model, B read
-  -- through the 128-byte-swizzled descriptor at the wait): the mma.sync forward's bits on the
-  -- emulator (the same sums in the same order), for D = 64 and 128, grouped and not, masked and
-  -- split. On a GPU: within bf16 rounding wherever the self-check turned wgmma on for that head
-  -- dim (what runs unforced must be right); where it disagrees, the self-check must have said off
-  -- (an H200 at D = 64, 2026-12-04)
+  -- wgmma and its variants against mma.sync (check_wgmma_variants, above); the TMA forwards are
+  -- checked last in this file (a fault there leaves a GPU's context unusable for what follows)
   it('the wgmma forward, dQ and dK/dV give the mma.sync kernels\' numbers (D = 64, 128; packed, split, masked)', function()
     if not REAL then return end   -- the simulation has no fused kernels
-    use_device()
-    uly.matmul_precision('bf16')
-    -- the output and the gradients of sum(out * out); fwd 'rows128': the 128-row forward and dQ and
-    -- the 128-key dK/dV
-    local function forward(wg, q, k, v, opts, fwd)
-      ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', wg, 1)
-      ffi.C.setenv('ULY_CUDA_ATTN_FWD', fwd or '', 1)
-      ffi.C.setenv('ULY_CUDA_ATTN_DQ', fwd == 'rows128' and fwd or '', 1)
-      ffi.C.setenv('ULY_CUDA_ATTN_DKV', fwd == 'rows128' and fwd or '', 1)
-      local qq, kk, vv = q:detach():requires_grad_(), k:detach():requires_grad_(), v:detach():requires_grad_()
-      local o = uly.flash_attention(qq, kk, vv, opts)
-      ;(o * o):sum():backward()
-      uly.synchronize('cuda')
-      local parts = { o:detach() }
-      for _, x in ipairs({ qq, kk, vv }) do parts[#parts + 1] = x.grad end
-      for i, x in ipairs(parts) do parts[i] = x:cpu():view(-1) end
-      return uly.cat(parts, 1)
-    end
-    helpers.reseed(40)
-    local cases = {
-      { { 1, 130, 4, 64 }, { 1, 130, 2, 64 }, { causal = true } },
-      { { 2, 70, 2, 128 }, { 2, 150, 1, 128 }, { window = { 60, 9 } } },
-      { { 1, 3, 8, 64 }, { 1, 260, 2, 64 }, { causal = true } },      -- packed group, split keys
-      { { 1, 64, 1, 128 }, { 1, 64, 1, 128 }, {} },
-    }
-    for i, c in ipairs(cases) do
-      local q, k, v = uly.randn(unpack(c[1])):cuda(), uly.randn(unpack(c[2])):cuda(), uly.randn(unpack(c[2])):cuda()
-      local a, b = forward('0', q, k, v, c[3]), forward('1', q, k, v, c[3])
-      -- the pipelined forward: the next tile's S issued before this tile's softmax (K double-buffered);
-      -- the 128-row forward: two warpgroups sharing K and V (the packed and split case keeps the 64-row one),
-      -- with the 128-row dQ and the 128-key dK/dV
-      local p = forward('1', q, k, v, c[3], 'pipelined')
-      local r = forward('1', q, k, v, c[3], 'rows128')
-      -- the forward with TMA loads and mbarriers, and warp-specialised (a TMA producer warp, two
-      -- consumer warpgroups; the packed and split case keeps cp.async)
-      local t = forward('1', q, k, v, c[3], 'tma')
-      local w = forward('1', q, k, v, c[3], 'ws')
-      if MODE == 'cuda' then
-        -- unforced, each kernel as its head dim's self-check decided: what users run is right
-        local u = forward('', q, k, v, c[3])
-        local status, D = uly.cuda.wgmma_status(c[1][4]), c[1][4]
-        helpers.assert_close(u, a, 2e-3, 2e-3, 'unforced vs mma.sync, case ' .. i .. ' (D ' .. D .. ': ' .. status .. ')')
-        if status:match('^on') then
-          helpers.assert_close(b, a, 2e-3, 2e-3, 'wgmma vs mma.sync, case ' .. i .. ' (D ' .. D .. ': ' .. status .. ')')
-          helpers.assert_close(p, a, 2e-3, 2e-3, 'pipelined wgmma vs mma.sync, case ' .. i)
-          helpers.assert_close(r, a, 2e-3, 2e-3, '128-row wgmma forward and backward vs mma.sync, case ' .. i)
-          helpers.assert_close(t, a, 2e-3, 2e-3, 'TMA wgmma forward vs mma.sync, case ' .. i)
-          helpers.assert_close(w, a, 2e-3, 2e-3, 'warp-specialised wgmma forward vs mma.sync, case ' .. i)
-        else
-          assert.truthy(status:match('^off') or status:match('^partly on'), status)
-          print(('\n(case %d, D %d: wgmma %s)'):format(i, D, status))
-        end
-      else
-        helpers.assert_close(b, a, 0, 0, 'wgmma vs mma.sync, case ' .. i)
-        helpers.assert_close(p, a, 0, 0, 'pipelined wgmma vs mma.sync, case ' .. i)
-        helpers.assert_close(r, a, 0, 0, '128-row wgmma forward and backward vs mma.sync, case ' .. i)
-        helpers.assert_close(t, a, 0, 0, 'TMA wgmma forward vs mma.sync, case ' .. i)
-        helpers.assert_close(w, a, 0, 0, 'warp-specialised wgmma forward vs mma.sync, case ' .. i)
-      end
-    end
-    ffi.C.setenv('ULY_CUDA_ATTN_FWD', '', 1)
-    ffi.C.setenv('ULY_CUDA_ATTN_DQ', '', 1)
-    ffi.C.setenv('ULY_CUDA_ATTN_DKV', '', 1)
-    ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', os.getenv('ULY_TEST_WGMMA') or '', 1)
-    uly.matmul_precision('f32')
-    release_device()
+    -- the pipelined forward: the next tile's S issued before this tile's softmax (K double-buffered);
+    -- the 128-row forward: two warpgroups sharing K and V (the packed and split case keeps the 64-row one),
+    -- with the 128-row dQ and the 128-key dK/dV
+    check_wgmma_variants({ { 'pipelined', 'pipelined wgmma' }, { 'rows128', '128-row wgmma forward and backward' } })
   end)
 
   -- without ULY_CUDA_ATTN_WGMMA the forward decides at its first call: off below compute
@@ -964,12 +963,14 @@ describe('fused tensor-core attention (mixed precision)', function()
     }
     -- D, then ULY_CUDA_ATTN_DKV, _DQ, _FWD: the backward's 64-query dK/dV and 64-key dQ tiles, and
     -- rows128: the forward's and dQ's 128-row blocks and dK/dV's 128-key ones (wgmma only; the
-    -- band's ends now also fall between the two warpgroups' rows, or keys); tma: the forward's
-    -- tiles by TMA (the last tile's rows past the end zeros from the tensor map's bounds); ws: its
-    -- warp-specialised variant (128 rows; a consumer skipping a tile still gives its stage back)
+    -- band's ends now also fall between the two warpgroups' rows, or keys); tma / ws: the forward's
+    -- tiles by TMA (the last tile's rows past the end zeros from the tensor map's bounds), and
+    -- warp-specialised (a consumer skipping a tile still gives its stage back); on the emulator
+    -- only (on a GPU they are checked at the end of this file, where a fault harms nothing after)
     for _, run in ipairs({ { 32, '', '', '' }, { 64, '', '', '' }, { 64, '64', '64', '' },
                            { 64, 'rows128', 'rows128', 'rows128' }, { 128, '', 'rows128', 'rows128' },
-                           { 128, 'rows128', '', '' }, { 64, '', '', 'tma' }, { 64, '', '', 'ws' } }) do
+                           { 128, 'rows128', '', '' }, MODE == 'emu' and { 64, '', '', 'tma' } or nil,
+                           MODE == 'emu' and { 64, '', '', 'ws' } or nil }) do
       local D = run[1]
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', run[2], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_DQ', run[3], 1)
@@ -1186,7 +1187,7 @@ describe('bench/gpu.lua', function()
                     '== decoding', '200      auto', '== training step: Llama tiny', 'checkpoint (except attention)', 'tokens/s',
                     'one step: forward ', 'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=64: ',
                     "N 128: fastest fused forward + backward '", "x the default 'bf16 fused'",
-                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', 'step with ULY_CUDA_ATTN_FWD=tma: ',
+                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', '== the TMA forwards', 'fused tma', 'fused ws',
                     'attention at the step\'s shape' }
     if MODE == 'emu' then   -- and raw cuBLAS ran (no n/a), and the profiled step
       for _, w in ipairs({ 'ulysses CUDA emulator', 'GPU time by kernel in one step', 'wall time on the stream' }) do
@@ -1352,5 +1353,16 @@ describe('the NCCL watchdog under mpirun', function()
                    .. 'exited or there was a network error%) with device collectives in flight %(the last queued: '
                    .. 'all%-reduce of 1024 bf16', out)
     assert.is_nil(out:find('timed out', 1, true), out)
+  end)
+end)
+
+-- Last in this file: on a GPU a fault in these kernels (an mbarrier wait that traps) leaves the
+-- context unusable, and every later spec would fail with it.
+describe('fused attention forwards on TMA (mixed precision)', function()
+  -- the forward with TMA loads and mbarriers, and warp-specialised (a TMA producer warp, two
+  -- consumer warpgroups); the packed and split case keeps cp.async
+  it('give the mma.sync kernels\' numbers (D = 64, 128; packed, split, masked)', function()
+    if not REAL then return end   -- the simulation has no fused kernels
+    check_wgmma_variants({ { 'tma', 'TMA wgmma forward' }, { 'ws', 'warp-specialised wgmma forward' } })
   end)
 end)
