@@ -583,6 +583,11 @@ end)
 -- reference is the CPU's f32 kernel on the same bf16-rounded q, k, v (what the fused kernels add
 -- is P, dO and dS rounded to bf16: within 1 % of the largest value, where a wrong fragment or
 -- tile gives O(1))
+-- the fused kernels' variants back to their defaults
+local function clear_attention_variants()
+  for _, name in ipairs({ 'ULY_CUDA_ATTN_FWD', 'ULY_CUDA_ATTN_DQ', 'ULY_CUDA_ATTN_DKV' }) do ffi.C.setenv(name, '', 1) end
+end
+
 -- The output and the gradients of sum(out * out) through the fused kernels: wg '1' forces wgmma,
 -- '0' mma.sync, '' leaves each kernel to its head dim's self-check; fwd names a forward variant
 -- (ULY_CUDA_ATTN_FWD; 'rows128' also sets the 128-row dQ and the 128-key dK/dV).
@@ -640,9 +645,7 @@ local function check_wgmma_variants(variants)
       end
     end
   end
-  ffi.C.setenv('ULY_CUDA_ATTN_FWD', '', 1)
-  ffi.C.setenv('ULY_CUDA_ATTN_DQ', '', 1)
-  ffi.C.setenv('ULY_CUDA_ATTN_DKV', '', 1)
+  clear_attention_variants()
   ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', os.getenv('ULY_TEST_WGMMA') or '', 1)
   uly.matmul_precision('f32')
   release_device()
@@ -999,16 +1002,14 @@ describe('fused tensor-core attention (mixed precision)', function()
               end,
               tolerance = function(name) return name == 'grad q' and 0.05 or 1e-2 end })
           if not ok then
-            for _, name in ipairs({ 'ULY_CUDA_ATTN_DKV', 'ULY_CUDA_ATTN_DQ', 'ULY_CUDA_ATTN_FWD' }) do ffi.C.setenv(name, '', 1) end
+            clear_attention_variants()
           end
           assert(ok, ('D %d (ULY_CUDA_ATTN_DKV=%s DQ=%s FWD=%s), Tq %d, Tk %d, %s keys: %s'):format(D, run[2], run[3], run[4],
                  Tq, Tk, dir > 0 and 'rising' or 'falling', tostring(err)))
         end
       end
     end
-    ffi.C.setenv('ULY_CUDA_ATTN_DKV', '', 1)
-    ffi.C.setenv('ULY_CUDA_ATTN_DQ', '', 1)
-    ffi.C.setenv('ULY_CUDA_ATTN_FWD', '', 1)
+    clear_attention_variants()
   end)
 
   -- ULY_CUDA_ATTN_DKV=64 / ULY_CUDA_ATTN_DQ=64: the backward kernels' wgmma variants with 64-query
@@ -1037,8 +1038,7 @@ describe('fused tensor-core attention (mixed precision)', function()
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', env[1], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_DQ', env[2], 1)
       local ok, err = pcall(cases)
-      ffi.C.setenv('ULY_CUDA_ATTN_DKV', '', 1)
-      ffi.C.setenv('ULY_CUDA_ATTN_DQ', '', 1)
+      clear_attention_variants()
       assert(ok, ('ULY_CUDA_ATTN_DKV=%s ULY_CUDA_ATTN_DQ=%s: %s'):format(env[1], env[2], tostring(err)))
     end
   end)
