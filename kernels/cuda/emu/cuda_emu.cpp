@@ -301,9 +301,9 @@ void mbar_complete(mbar_state &m) {
     }
 }
 
-/* the load's box into shared memory: element (i0, i1, i2, i3) of the box at line ((i3 b2 + i2) b1
- * + i1) of b0 elements, its 16-byte chunks swizzled by the line (128-byte swizzle); zeros for
- * coordinates outside the tensor */
+/* the load's box into shared memory, its bytes counted on its barrier: element (i0, i1, i2, i3)
+ * of the box at line ((i3 b2 + i2) b1 + i1) of b0 elements, its 16-byte chunks swizzled by the
+ * line (128-byte swizzle); zeros for coordinates outside the tensor */
 void land(const tma_op &op) {
     tensor_map m;
     memcpy(&m, op.map, sizeof m);
@@ -328,6 +328,9 @@ void land(const tma_op &op) {
                     if (in) memcpy(to, m.base + at, es);
                     else memset(to, 0, es);
                 }
+    mbar_state &mb = mbar_of(op.bar);
+    mb.tx -= (int64_t)(n * line);   /* every box byte counts, in the tensor or not */
+    mbar_complete(mb);
 }
 } // namespace
 
@@ -357,15 +360,8 @@ void tma_load_4d(void *dst, const void *map, int c0, int c1, int c2, int c3, voi
     op.bar = bar;
     memcpy(op.map, map, sizeof op.map);
     op.c[0] = c0; op.c[1] = c1; op.c[2] = c2; op.c[3] = c3;
-    const int64_t bytes = (int64_t)m.box[0] * m.box[1] * m.box[2] * m.box[3] * (int64_t)m.strides[0];
-    if (B.eager_copies) {   /* ULY_EMU_ASYNC=eager: landed at once */
-        land(op);
-        mbar_state &mb = mbar_of(bar);
-        mb.tx -= bytes;
-        mbar_complete(mb);
-        return;
-    }
-    B.tma.push_back(op);
+    if (B.eager_copies) land(op);   /* ULY_EMU_ASYNC=eager: landed at once */
+    else B.tma.push_back(op);
 }
 void mbar_wait(void *bar, unsigned parity) {
     fiber &f = B.fibers[B.cur];
@@ -373,13 +369,8 @@ void mbar_wait(void *bar, unsigned parity) {
         /* the loads on this barrier land now */
         std::vector<tma_op> left;
         for (const tma_op &op : B.tma) {
-            if (op.bar != bar) { left.push_back(op); continue; }
-            land(op);
-            tensor_map m;
-            memcpy(&m, op.map, sizeof m);
-            mbar_state &mb = mbar_of(bar);
-            mb.tx -= (int64_t)m.box[0] * m.box[1] * m.box[2] * m.box[3] * (int64_t)m.strides[0];
-            mbar_complete(mb);
+            if (op.bar != bar) left.push_back(op);
+            else land(op);
         }
         B.tma.swap(left);
         if ((mbar_of(bar).phase & 1) != (parity & 1)) return;   /* the phase of this parity has completed */
