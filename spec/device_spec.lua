@@ -590,12 +590,13 @@ end
 
 -- The output and the gradients of sum(out * out) through the fused kernels: wg '1' forces wgmma,
 -- '0' mma.sync, '' leaves each kernel to its head dim's self-check; fwd names a forward variant
--- (ULY_CUDA_ATTN_FWD; 'rows128' also sets the 128-row dQ and the 128-key dK/dV).
-local function fused_outputs(wg, q, k, v, opts, fwd)
+-- (ULY_CUDA_ATTN_FWD; 'rows128' also sets the 128-row dQ and the 128-key dK/dV), dkv a dK/dV one
+-- (ULY_CUDA_ATTN_DKV, when not set by fwd).
+local function fused_outputs(wg, q, k, v, opts, fwd, dkv)
   ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', wg, 1)
   ffi.C.setenv('ULY_CUDA_ATTN_FWD', fwd or '', 1)
   ffi.C.setenv('ULY_CUDA_ATTN_DQ', fwd == 'rows128' and fwd or '', 1)
-  ffi.C.setenv('ULY_CUDA_ATTN_DKV', fwd == 'rows128' and fwd or '', 1)
+  ffi.C.setenv('ULY_CUDA_ATTN_DKV', fwd == 'rows128' and fwd or dkv or '', 1)
   local qq, kk, vv = q:detach():requires_grad_(), k:detach():requires_grad_(), v:detach():requires_grad_()
   local o = uly.flash_attention(qq, kk, vv, opts)
   ;(o * o):sum():backward()
@@ -608,7 +609,7 @@ end
 
 -- Hopper's wgmma in the fused kernels (kernels/cuda/mma.cuh; on the emulator its deferred model, B read
 -- through the 128-byte-swizzled descriptor at the wait) and the forward variants built on it
--- (variants: { ULY_CUDA_ATTN_FWD value, label }): the mma.sync forward's bits on the emulator (the
+-- (variants: { ULY_CUDA_ATTN_FWD value, label[, ULY_CUDA_ATTN_DKV value] }): the mma.sync kernels' bits on the emulator (the
 -- same sums in the same order), for D = 64 and 128, grouped and not, masked and split. On a GPU:
 -- within bf16 rounding wherever the self-check turned wgmma on for that head dim (what runs
 -- unforced must be right); where it disagrees, the self-check must have said off (an H200 at
@@ -627,7 +628,7 @@ local function check_wgmma_variants(variants)
     local q, k, v = uly.randn(unpack(c[1])):cuda(), uly.randn(unpack(c[2])):cuda(), uly.randn(unpack(c[2])):cuda()
     local a = fused_outputs('0', q, k, v, c[3])
     local got = { { 'wgmma', fused_outputs('1', q, k, v, c[3]) } }
-    for _, var in ipairs(variants) do got[#got + 1] = { var[2], fused_outputs('1', q, k, v, c[3], var[1]) } end
+    for _, var in ipairs(variants) do got[#got + 1] = { var[2], fused_outputs('1', q, k, v, c[3], var[1], var[3]) } end
     local status, D = MODE == 'cuda' and uly.cuda.wgmma_status(c[1][4]), c[1][4]
     if MODE == 'cuda' then
       -- unforced, each kernel as its head dim's self-check decided: what users run is right
@@ -651,90 +652,110 @@ local function check_wgmma_variants(variants)
   release_device()
 end
 
-describe('fused tensor-core attention (mixed precision)', function()
-  local function rounded(t) return t:bf16():float() end
-  local function set_path(path) ffi.C.setenv('ULY_CUDA_ATTN', path, 1) end
-  after_each(function() set_path('fused'); ffi.C.setenv('ULY_CUDA_ATTN_BWD', '', 1); uly.matmul_precision('f32') end)
+-- the fused kernels against the CPU's f32 kernel (used by the describes below)
+local function rounded(t) return t:bf16():float() end
+local function set_path(path) ffi.C.setenv('ULY_CUDA_ATTN', path, 1) end
 
-  -- fn(q, k, v) -> attention output; returns the output and the gradients of sum(out * w)
-  local function run(device, precision, fn, inputs, w)
-    uly.matmul_precision(precision)
-    local leaves = {}
-    for i, x in ipairs(inputs) do
-      leaves[i] = x:detach():to(device)
-      if x:dtype() == 'f32' then leaves[i]:requires_grad_() end
-    end
-    local out = fn(unpack(leaves))
-    ;(out * w:to(device)):sum():backward()
-    uly.matmul_precision('f32')
-    local got = { out:detach():cpu() }
-    for i, x in ipairs(leaves) do if x:dtype() == 'f32' then got[i + 1] = x.grad:cpu() end end
-    return got
+-- fn(q, k, v) -> attention output; returns the output and the gradients of sum(out * w)
+local function run(device, precision, fn, inputs, w)
+  uly.matmul_precision(precision)
+  local leaves = {}
+  for i, x in ipairs(inputs) do
+    leaves[i] = x:detach():to(device)
+    if x:dtype() == 'f32' then leaves[i]:requires_grad_() end
   end
+  local out = fn(unpack(leaves))
+  ;(out * w:to(device)):sum():backward()
+  uly.matmul_precision('f32')
+  local got = { out:detach():cpu() }
+  for i, x in ipairs(leaves) do if x:dtype() == 'f32' then got[i + 1] = x.grad:cpu() end end
+  return got
+end
 
-  -- opts.fused_only: only the fused path against the CPU (no one-pass, chunked or rerun), each
-  -- result through opts.part(name, tensor) when given (nil: not compared), within
-  -- opts.tolerance(name) (relative, and of the largest value) when given, else 1e-2
-  local function against_cpu(fn, inputs, opts)
-    opts = opts or {}
-    use_device()
-    for i, x in ipairs(inputs) do if x:dtype() == 'f32' then inputs[i] = rounded(x) end end
-    local w = uly.randn(unpack(fn(unpack(inputs)):shape()))
-    local want = run('cpu', 'f32', fn, inputs, w)
-    set_path('fused')
-    local fused = run('cuda', 'bf16', fn, inputs, w)
-    if opts.fused_only then
-      local names = { 'output', 'grad q', 'grad k', 'grad v' }
-      local part = opts.part or function(_, t) return t end
-      for i = 1, #want do
-        local name = names[i] or tostring(i)
-        local got, expect = part(name, fused[i]), part(name, want[i])
-        if expect then
-          local vals, n = helpers.values(expect)
-          local big = 0
-          for e = 0, n - 1 do big = math.max(big, math.abs(vals[e])) end
-          local tol = opts.tolerance and opts.tolerance(name) or 1e-2
-          helpers.assert_close(got, expect, tol, tol * big, 'fused ' .. name)
-        end
-      end
-      release_device()
-      return
-    end
-    local again = run('cuda', 'bf16', fn, inputs, w)
-    for i = 1, #fused do   -- no atomics: the same bits run to run
-      local a, n = helpers.values(fused[i])
-      local b = helpers.values(again[i])
-      for e = 0, n - 1 do assert(a[e] == b[e] or (a[e] ~= a[e] and b[e] ~= b[e]), 'fused attention is not deterministic') end
-    end
-    -- the one-pass backward (D 32, 64): dQ from the dK/dV kernel's dS, added with atomics
-    ffi.C.setenv('ULY_CUDA_ATTN_BWD', 'onepass', 1)
-    local onepass = run('cuda', 'bf16', fn, inputs, w)
-    ffi.C.setenv('ULY_CUDA_ATTN_BWD', '', 1)
-    set_path('chunked')
-    local chunked = run('cuda', 'bf16', fn, inputs, w)
+-- opts.fused_only: only the fused path against the CPU (no one-pass, chunked or rerun), each
+-- result through opts.part(name, tensor) when given (nil: not compared), within
+-- opts.tolerance(name) (relative, and of the largest value) when given, else 1e-2
+local function against_cpu(fn, inputs, opts)
+  opts = opts or {}
+  use_device()
+  for i, x in ipairs(inputs) do if x:dtype() == 'f32' then inputs[i] = rounded(x) end end
+  local w = uly.randn(unpack(fn(unpack(inputs)):shape()))
+  local want = run('cpu', 'f32', fn, inputs, w)
+  set_path('fused')
+  local fused = run('cuda', 'bf16', fn, inputs, w)
+  if opts.fused_only then
     local names = { 'output', 'grad q', 'grad k', 'grad v' }
-    for i = 1, #want do   -- absolute slack: 1 % of the largest value (dO in bf16 against an f32 delta)
-      local vals, n = helpers.values(want[i])
-      local big = 0
-      for e = 0, n - 1 do big = math.max(big, math.abs(vals[e])) end
-      helpers.assert_close(fused[i], want[i], 1e-2, 1e-2 * big, 'fused ' .. (names[i] or i))
-      helpers.assert_close(onepass[i], want[i], 1e-2, 1e-2 * big, 'one-pass ' .. (names[i] or i))
-      helpers.assert_close(chunked[i], want[i], 1e-2, 1e-2 * big, 'chunked ' .. (names[i] or i))
-    end
-    if #inputs == 3 then   -- the output, dK and dV are the two-pass kernels' own numbers
-      for _, i in ipairs({ 1, 3, 4 }) do
-        helpers.assert_close(onepass[i], fused[i], 0, MODE == 'cuda' and 1e-6 or 0, 'one-pass vs two-pass ' .. names[i])
+    local part = opts.part or function(_, t) return t end
+    for i = 1, #want do
+      local name = names[i] or tostring(i)
+      local got, expect = part(name, fused[i]), part(name, want[i])
+      if expect then
+        local vals, n = helpers.values(expect)
+        local big = 0
+        for e = 0, n - 1 do big = math.max(big, math.abs(vals[e])) end
+        local tol = opts.tolerance and opts.tolerance(name) or 1e-2
+        helpers.assert_close(got, expect, tol, tol * big, 'fused ' .. name)
       end
-    end
-    if REAL then   -- two different kernels ran: the bits differ somewhere
-      local a, n = helpers.values(fused[1])
-      local b = helpers.values(chunked[1])
-      local differ = false
-      for e = 0, n - 1 do differ = differ or a[e] ~= b[e] end
-      assert.is_true(differ, 'the fused and the chunked path gave the same bits')
     end
     release_device()
+    return
   end
+  local again = run('cuda', 'bf16', fn, inputs, w)
+  for i = 1, #fused do   -- no atomics: the same bits run to run
+    local a, n = helpers.values(fused[i])
+    local b = helpers.values(again[i])
+    for e = 0, n - 1 do assert(a[e] == b[e] or (a[e] ~= a[e] and b[e] ~= b[e]), 'fused attention is not deterministic') end
+  end
+  -- the one-pass backward (D 32, 64): dQ from the dK/dV kernel's dS, added with atomics
+  ffi.C.setenv('ULY_CUDA_ATTN_BWD', 'onepass', 1)
+  local onepass = run('cuda', 'bf16', fn, inputs, w)
+  ffi.C.setenv('ULY_CUDA_ATTN_BWD', '', 1)
+  set_path('chunked')
+  local chunked = run('cuda', 'bf16', fn, inputs, w)
+  local names = { 'output', 'grad q', 'grad k', 'grad v' }
+  for i = 1, #want do   -- absolute slack: 1 % of the largest value (dO in bf16 against an f32 delta)
+    local vals, n = helpers.values(want[i])
+    local big = 0
+    for e = 0, n - 1 do big = math.max(big, math.abs(vals[e])) end
+    helpers.assert_close(fused[i], want[i], 1e-2, 1e-2 * big, 'fused ' .. (names[i] or i))
+    helpers.assert_close(onepass[i], want[i], 1e-2, 1e-2 * big, 'one-pass ' .. (names[i] or i))
+    helpers.assert_close(chunked[i], want[i], 1e-2, 1e-2 * big, 'chunked ' .. (names[i] or i))
+  end
+  if #inputs == 3 then   -- the output, dK and dV are the two-pass kernels' own numbers
+    for _, i in ipairs({ 1, 3, 4 }) do
+      helpers.assert_close(onepass[i], fused[i], 0, MODE == 'cuda' and 1e-6 or 0, 'one-pass vs two-pass ' .. names[i])
+    end
+  end
+  if REAL then   -- two different kernels ran: the bits differ somewhere
+    local a, n = helpers.values(fused[1])
+    local b = helpers.values(chunked[1])
+    local differ = false
+    for e = 0, n - 1 do differ = differ or a[e] ~= b[e] end
+    assert.is_true(differ, 'the fused and the chunked path gave the same bits')
+  end
+  release_device()
+end
+
+-- the backward's cases at D = 64 against the CPU: GQA, a window, block-sparse, documents (the
+-- 64-wide tiles' spec, and the warp-specialised dK/dV's at the end of this file)
+local function wide_backward_cases()
+  helpers.reseed(38)
+  local lay = uly.attention_layouts.from_function(5, 5, function(r, c) return c == 0 or c == r or (r + c) % 3 == 0 end)
+  local docs = {}
+  for t = 1, 130 do docs[t] = t <= 45 and 0 or (t <= 100 and 1 or 2) end
+  local d = uly.tensor(docs, { dtype = 'i32' }):view(1, 130)
+  against_cpu(function(q, k, v) return uly.flash_attention(q, k, v, { causal = true }) end,
+    { uly.randn(2, 150, 4, 64), uly.randn(2, 150, 2, 64), uly.randn(2, 150, 2, 64) }, { fused_only = true })
+  against_cpu(function(q, k, v) return uly.flash_attention(q, k, v, { window = { 70, 9 } }) end,
+    { uly.randn(1, 97, 2, 64), uly.randn(1, 160, 1, 64), uly.randn(1, 160, 1, 64) }, { fused_only = true })
+  against_cpu(function(q, k, v) return uly.flash_attention(q, k, v, { block_layout = lay, block_size = 32, causal = true }) end,
+    { uly.randn(1, 150, 2, 64), uly.randn(1, 150, 2, 64), uly.randn(1, 150, 2, 64) }, { fused_only = true })
+  against_cpu(function(q, k, v, a, b) return uly.flash_attention(q, k, v, { causal = true, q_doc = a, k_doc = b }) end,
+    { uly.randn(1, 130, 2, 64), uly.randn(1, 130, 1, 64), uly.randn(1, 130, 1, 64), d, d }, { fused_only = true })
+end
+
+describe('fused tensor-core attention (mixed precision)', function()
+  after_each(function() set_path('fused'); ffi.C.setenv('ULY_CUDA_ATTN_BWD', '', 1); uly.matmul_precision('f32') end)
 
   it('causal, GQA, sequences that end inside a tile (D = 64)', function()
     helpers.reseed(31)
@@ -968,12 +989,13 @@ describe('fused tensor-core attention (mixed precision)', function()
     -- rows128: the forward's and dQ's 128-row blocks and dK/dV's 128-key ones (wgmma only; the
     -- band's ends now also fall between the two warpgroups' rows, or keys); tma / ws: the forward's
     -- tiles by TMA (the last tile's rows past the end zeros from the tensor map's bounds), and
-    -- warp-specialised (a consumer skipping a tile still gives its stage back); on the emulator
+    -- warp-specialised (a consumer skipping a tile still gives its stage back), with the
+    -- warp-specialised dK/dV (DKV ws: 64-query tiles at D 64, 32 at 128); on the emulator
     -- only (on a GPU they are checked at the end of this file, where a fault harms nothing after)
     for _, run in ipairs({ { 32, '', '', '' }, { 64, '', '', '' }, { 64, '64', '64', '' },
                            { 64, 'rows128', 'rows128', 'rows128' }, { 128, '', 'rows128', 'rows128' },
                            { 128, 'rows128', '', '' }, MODE == 'emu' and { 64, '', '', 'tma' } or nil,
-                           MODE == 'emu' and { 64, '', '', 'ws' } or nil }) do
+                           MODE == 'emu' and { 64, 'ws', '', 'ws' } or nil, MODE == 'emu' and { 128, 'ws', '', '' } or nil }) do
       local D = run[1]
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', run[2], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_DQ', run[3], 1)
@@ -1019,25 +1041,10 @@ describe('fused tensor-core attention (mixed precision)', function()
   -- (ULY_CUDA_ATTN_DKV=rows128: two warpgroups sharing Q and dO)
   it('the backward with 64-wide tiles gives the CPU\'s gradients (D = 64: GQA, masks, documents)', function()
     if not REAL then return end   -- the simulation has no fused kernels
-    helpers.reseed(38)
-    local lay = uly.attention_layouts.from_function(5, 5, function(r, c) return c == 0 or c == r or (r + c) % 3 == 0 end)
-    local docs = {}
-    for t = 1, 130 do docs[t] = t <= 45 and 0 or (t <= 100 and 1 or 2) end
-    local d = uly.tensor(docs, { dtype = 'i32' }):view(1, 130)
-    local function cases()
-      against_cpu(function(q, k, v) return uly.flash_attention(q, k, v, { causal = true }) end,
-        { uly.randn(2, 150, 4, 64), uly.randn(2, 150, 2, 64), uly.randn(2, 150, 2, 64) }, { fused_only = true })
-      against_cpu(function(q, k, v) return uly.flash_attention(q, k, v, { window = { 70, 9 } }) end,
-        { uly.randn(1, 97, 2, 64), uly.randn(1, 160, 1, 64), uly.randn(1, 160, 1, 64) }, { fused_only = true })
-      against_cpu(function(q, k, v) return uly.flash_attention(q, k, v, { block_layout = lay, block_size = 32, causal = true }) end,
-        { uly.randn(1, 150, 2, 64), uly.randn(1, 150, 2, 64), uly.randn(1, 150, 2, 64) }, { fused_only = true })
-      against_cpu(function(q, k, v, a, b) return uly.flash_attention(q, k, v, { causal = true, q_doc = a, k_doc = b }) end,
-        { uly.randn(1, 130, 2, 64), uly.randn(1, 130, 1, 64), uly.randn(1, 130, 1, 64), d, d }, { fused_only = true })
-    end
     for _, env in ipairs({ { '64', '' }, { '', '64' }, { '64', '64' }, { '64', 'rows128' }, { 'rows128', '' } }) do
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', env[1], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_DQ', env[2], 1)
-      local ok, err = pcall(cases)
+      local ok, err = pcall(wide_backward_cases)
       clear_attention_variants()
       assert(ok, ('ULY_CUDA_ATTN_DKV=%s ULY_CUDA_ATTN_DQ=%s: %s'):format(env[1], env[2], tostring(err)))
     end
@@ -1358,11 +1365,22 @@ end)
 
 -- Last in this file: on a GPU a fault in these kernels (an mbarrier wait that traps) leaves the
 -- context unusable, and every later spec would fail with it.
-describe('fused attention forwards on TMA (mixed precision)', function()
+describe('fused attention on TMA (mixed precision)', function()
   -- the forward with TMA loads and mbarriers, and warp-specialised (a TMA producer warp, two
   -- consumer warpgroups); the packed and split case keeps cp.async
   it('give the mma.sync kernels\' numbers (D = 64, 128; packed, split, masked)', function()
     if not REAL then return end   -- the simulation has no fused kernels
-    check_wgmma_variants({ { 'tma', 'TMA wgmma forward' }, { 'ws', 'warp-specialised wgmma forward' } })
+    check_wgmma_variants({ { 'tma', 'TMA wgmma forward' }, { 'ws', 'warp-specialised wgmma forward and dK/dV', 'ws' } })
+  end)
+
+  -- the warp-specialised dK/dV (ULY_CUDA_ATTN_DKV=ws: 128 keys a block, Q, dO and the statistics
+  -- by TMA) with GQA, a window, a block-sparse layout and documents; the masks' edges at D = 64
+  -- and 128 in the mask-edge spec (emulator)
+  it('the warp-specialised dK/dV gives the CPU\'s gradients (D = 64: GQA, masks, documents)', function()
+    if not REAL then return end   -- the simulation has no fused kernels
+    ffi.C.setenv('ULY_CUDA_ATTN_DKV', 'ws', 1)
+    local ok, err = pcall(wide_backward_cases)
+    clear_attention_variants()
+    assert(ok, 'ULY_CUDA_ATTN_DKV=ws: ' .. tostring(err))
   end)
 end)

@@ -4,6 +4,7 @@
  * design and the host side. */
 #pragma once
 #include "attention_tiles.cuh"
+#include "tma.cuh"
 
 /* ---- backward: dK and dV ---- */
 /* the two products of a backward tile for this warp's 16 rows (rows warp * 16 .. of a1 and a2)
@@ -161,6 +162,71 @@ __device__ static inline void load_stats_async(float *st, const float *L, const 
     }
 }
 
+/* P^T and dS^T / scale of a tile in place of S^T (s) and dP^T (dp), 64 keys x T queries, this
+ * thread's query t = 8 n + 2 tq + c at column (n, c); lse at stats[t], delta at stats[T + t].
+ * P^T = exp(S^T scale - lse) as 2^(S^T scale log2e - lse log2e) (sl2 = scale log2e). Only masked
+ * tiles hold queries past the last (stats 0, or another head's) or queries that see nothing (lse
+ * -inf), and there every pair of theirs is -inf: lse is clamped to -1e30 so that -inf - lse stays
+ * -inf (P = 0; with lse -inf it would be NaN). dS^T / scale = P^T (dP^T - delta): the scale is
+ * applied to dK once at the end (and by dq_share to its dQ) */
+template <int NT, int T>
+__device__ static inline void probs_and_dscores(float s[NT][4], float dp[NT][4], const float *stats, float sl2, int tq) {
+    float nl2[NT][2], dlc[NT][2];
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const int t = n * 8 + 2 * tq + c;
+            nl2[n][c] = -fmaxf(stats[t], -1e30f) * LOG2E_F;
+            dlc[n][c] = stats[T + t];
+        }
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float p = exp2_ftz(fmaf(s[n][e], sl2, nl2[n][e & 1]));
+            s[n][e] = p;
+            dp[n][e] = p * (dp[n][e] - dlc[n][e & 1]);
+        }
+}
+
+/* dV += P^T dO and dK += dS^T Q as wgmma, P^T and dS^T (s, dp: 64 keys x T queries) from the
+ * accumulators as A, dO and Q (T-row tiles) MN-major B; waited for */
+template <int D, int T>
+__device__ static inline void dkv_accumulate_wg(float dva[D / 8][4], float dka[D / 8][4], float s[T / 8][4],
+                                                float dp[T / 8][4], const uint4 *sO, const uint4 *sQ) {
+    uint32_t pa[T / 16][4], da[T / 16][4];
+    acc_to_a_all<T / 16>(pa, s);
+    acc_to_a_all<T / 16>(da, dp);
+    wg_fence();
+    acc_times_tile_wg<D, T / 16, T>(dva, pa, sO);
+    acc_times_tile_wg<D, T / 16, T>(dka, da, sQ);
+    wg_commit();
+    wg_wait<0>();
+    wg_fence_regs(&dva[0][0], 4 * (D / 8));
+    wg_fence_regs(&dka[0][0], 4 * (D / 8));
+}
+
+/* a dK/dV block's sums added into dk and dv ([B, Tk, Hkv, D] f32) at this thread's two keys
+ * (none past the last), dK times the scale left out of its loop */
+template <int D>
+__device__ static inline void add_dkv_rows(float *dk, float *dv, const geom &g, int64_t b, int64_t hk, const int64_t keys[2],
+                                           const float dka[D / 8][4], const float dva[D / 8][4], int tq) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int64_t j = keys[r];
+        if (j >= g.Tk) continue;
+        int64_t at = ((b * g.Tk + j) * g.Hkv + hk) * D + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                if (dk) dk[at + n * 8 + c] += dka[n][2 * r + c] * g.scale;
+                if (dv) dv[at + n * 8 + c] += dva[n][2 * r + c];
+            }
+    }
+}
+
 /* WG: S^T, dP^T, dV += P^T dO and dK += dS^T Q as wgmma (Hopper), every tile in its layout (at
  * D = 128: 221 registers, no spills, with S^T and dP^T's A (K, V) from shared memory; with A in
  * registers it spilled ~100 bytes a thread, and the mma.sync kernel uses 255).
@@ -267,29 +333,7 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
             apply_bits<NT>(s, vis[0], 0);
             apply_bits<NT>(s, vis[1], 1);
         }
-        /* P^T = exp(S^T scale - lse) as 2^(S^T scale log2e - lse log2e). Only masked tiles hold
-         * queries past the last (stats 0) or queries that see nothing (lse -inf), and there
-         * every pair of theirs is -inf: lse is clamped to -1e30 so that -inf - lse stays -inf
-         * (P = 0; with lse -inf it would be NaN). dS^T / scale = P^T (dP^T - delta): the scale
-         * is applied to dK once at the end (and by dq_share to its dQ) */
-        float nl2[NT][2], dlc[NT][2];
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-#pragma unroll
-            for (int c = 0; c < 2; c++) {
-                const int t = n * 8 + 2 * tq + c;
-                nl2[n][c] = -fmaxf(stats[t], -1e30f) * LOG2E_F;
-                dlc[n][c] = stats[T + t];
-            }
-        const float sl2 = g.scale * LOG2E_F;
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float p = exp2_ftz(fmaf(s[n][e], sl2, nl2[n][e & 1]));
-                s[n][e] = p;
-                dp[n][e] = p * (dp[n][e] - dlc[n][e & 1]);
-            }
+        probs_and_dscores<NT, T>(s, dp, stats, g.scale * LOG2E_F, tq);
         if constexpr (DQ) {   /* dS^T into its bf16 tile (keys-major), then this tile pair's share of dQ */
             uint4 *const sdS = smem + 256 * CH;
 #pragma unroll
@@ -301,17 +345,8 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
             __syncthreads();
             dq_share<D>(dq, g, b, h, i0, sdS, sK, warp);
         }
-        if constexpr (W) {   /* dV += P^T dO, dK += dS^T Q: P^T, dS^T from the accumulators, dO and Q MN-major */
-            uint32_t pa[T / 16][4], da[T / 16][4];
-            acc_to_a_all<T / 16>(pa, s);
-            acc_to_a_all<T / 16>(da, dp);
-            wg_fence();
-            acc_times_tile_wg<D, T / 16, T>(dva, pa, sO);
-            acc_times_tile_wg<D, T / 16, T>(dka, da, sQ);
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_regs(&dva[0][0], 4 * CH);
-            wg_fence_regs(&dka[0][0], 4 * CH);
+        if constexpr (W) {
+            dkv_accumulate_wg<D, T>(dva, dka, s, dp, sO, sQ);
         } else {
             acc_times_tile<D, 2>(dva, s, sO);    /* dV += P^T dO (T = 32) */
             acc_times_tile<D, 2>(dka, dp, sQ);   /* dK += dS^T Q */
@@ -323,19 +358,156 @@ fa_backward_dkv(float *dk, float *dv, geom g, const bf16 *Q, const bf16 *K, cons
         have = more;
         buf ^= 1;
     }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        int64_t j = keys[r];
-        if (j >= g.Tk) continue;
-        int64_t at = ((b * g.Tk + j) * g.Hkv + hk) * D + 2 * tq;
-#pragma unroll
-        for (int n = 0; n < CH; n++)
-#pragma unroll
-            for (int c = 0; c < 2; c++) {
-                if (dk) dk[at + n * 8 + c] += dka[n][2 * r + c] * g.scale;   /* dS's scale, left out of the loop */
-                if (dv) dv[at + n * 8 + c] += dva[n][2 * r + c];
-            }
+    add_dkv_rows<D>(dk, dv, g, b, hk, keys, dka, dva, tq);
+}
+
+/* a 128-key block's walk over the T-query tiles that see its keys, head-major over the query
+ * heads of its kv head hk (next_query_tile's): the tile at (h, i0), its state st; have = 0 when
+ * none is left */
+template <int T>
+struct query_walk {
+    int i_lo, i_hi, h_end, h, i0, st, have;
+    full_rows fr;
+    __device__ void next(const geom &g, int64_t jb) {
+        i0 += T;
+        have = next_query_tile<T, 128>(g, h_end, jb, i_lo, i_hi, fr, &h, &i0, &st);
     }
+};
+template <int T>
+__device__ static inline query_walk<T> start_query_walk(const geom &g, int64_t hk, int64_t jb) {
+    query_walk<T> w;
+    int64_t lo, hi;
+    query_span(g, jb, jb + 127 < g.Tk ? jb + 127 : g.Tk - 1, &lo, &hi);
+    const int G = g.H / g.Hkv;
+    w.i_lo = (int)lo;
+    w.i_hi = (int)hi;
+    w.h_end = (int)hk * G + G;
+    w.h = (int)hk * G;
+    w.i0 = w.i_lo / T * T;
+    w.st = TILE_EMPTY;
+    w.fr = full_rows_of_keys<128>(g, jb);
+    w.have = w.i_lo <= w.i_hi && next_query_tile<T, 128>(g, w.h_end, jb, w.i_lo, w.i_hi, w.fr, &w.h, &w.i0, &w.st);
+    return w;
+}
+
+/* Warp-specialised dK/dV on TMA (ULY_CUDA_ATTN_DKV=ws), FlashAttention-3's division of labour in
+ * the backward: 128 keys a block as WGS = 2's two consumer warpgroups (each its own 64 keys' K
+ * and V, dK and dV in registers), and a producer warpgroup whose first thread streams each query
+ * tile's Q, dO, lse and delta by TMA through a ring of WS_STAGES stages: full[s] completes when
+ * stage s has landed, empty[s] when all 256 consumer threads are done with it (as fa_forward_ws).
+ * No block barrier and no load instruction in the consumers' loop. DKV_WS_QT queries a tile: 64 at
+ * D 64, 32 at D 128 (its registers). lse and delta come through flat maps over [B H Tq] (1-d: no
+ * alignment asked of Tq), so a tile's rows past its head's last query read the next head's
+ * statistics: only masked pairs meet them (P = 0, and dP^T = 0 from Q and dO's zero rows there).
+ * Without the one-pass dQ; empty in a pass without wgmma. */
+#define DKV_WS_QT(D) ((D) == 64 ? 64 : 32)
+/* The producer is a whole warpgroup (one thread issuing) so that setmaxnreg can move registers:
+ * ptxas gives each thread of a 288- or 384-thread block 168 (at D 128 the consumers need ~200 and
+ * spilled 320 bytes at 168); the producer shrinks to DKV_WS_REGS_P, the consumers grow to
+ * DKV_WS_REGS_C (168 x 3 = P + 2 C: the block's registers stay what it launched with). Each side
+ * starts its walk after the resize: values live across it had ptxas keep the consumers at 168
+ * (and spill; at 24 the producer spilled too) */
+#define DKV_WS_THREADS (3 * FA_THREADS)
+#define DKV_WS_REGS_P 40
+#define DKV_WS_REGS_C 232
+template <int D>
+__global__ static void __launch_bounds__(DKV_WS_THREADS, WS_MIN_BLOCKS(D))
+fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
+                   const __grid_constant__ CUtensorMap mv, const __grid_constant__ CUtensorMap mo,
+                   const __grid_constant__ CUtensorMap ml, const __grid_constant__ CUtensorMap md, int *ran_wgmma) {
+#if ULY_HAS_WGMMA
+    constexpr int CH = D / 8, T = DKV_WS_QT(D), NT = T / 8;
+    constexpr unsigned KTILE = 64 * D * 2, QTILE = T * D * 2, STATS = T * 4;   /* bytes */
+    ULY_DYNAMIC_SHARED(uint4, dyn);
+    /* K and V of warpgroup 0, then of 1 (64 rows each); per stage Q and dO (T rows each); per
+     * stage lse and delta (T floats each); the mbarriers */
+    uint4 *const sKV = align_1024(dyn), *const sQO = sKV + 4 * 64 * CH;
+    float *const sStats = (float *)(sQO + WS_STAGES * 2 * T * CH);
+    uint64_t *const full = (uint64_t *)(sStats + WS_STAGES * 2 * T), *const empty = full + WS_STAGES,
+                    *const kvbar = empty + WS_STAGES;
+    if (ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
+    const int64_t nt = (g.Tk + 127) / 128, tile = (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
+    const int64_t b = bh / g.Hkv, hk = bh % g.Hkv, jb = tile * 128;
+    const int wg = threadIdx.x >> 7;   /* 0, 1: the consumers; 2: the producer */
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < WS_STAGES; i++) {
+            mbar_init(&full[i], 1);
+            mbar_init(&empty[i], 2 * FA_THREADS);
+        }
+        mbar_init(kvbar, 1);
+        mbar_init_fence();
+    }
+    __syncthreads();   /* the last block-wide barrier */
+    if (wg == 2) {
+        regs_shrink_to<DKV_WS_REGS_P>();
+        query_walk<T> w = start_query_walk<T>(g, hk, jb);
+        if (threadIdx.x == 2 * FA_THREADS && w.have) {
+            mbar_expect_tx(kvbar, 4 * KTILE);
+            for (int c = 0; c < 2; c++) {   /* each consumer's K and V */
+                tma_tile<D>(sKV + c * 128 * CH, &mk, hk, jb + 64 * c, b, kvbar);
+                tma_tile<D>(sKV + c * 128 * CH + 64 * CH, &mv, hk, jb + 64 * c, b, kvbar);
+            }
+            unsigned phases = 0;   /* bit i: the parity empty[i]'s next wait is for */
+            for (int n = 0; w.have; n++) {
+                const int at = n % WS_STAGES;
+                if (n >= WS_STAGES) {   /* both consumers gave the stage back */
+                    mbar_wait(&empty[at], (phases >> at) & 1);
+                    phases ^= 1u << at;
+                }
+                uint4 *const qo = sQO + at * 2 * T * CH;
+                float *const stats = sStats + at * 2 * T;
+                const int row = (int)((b * g.H + w.h) * g.Tq + w.i0);   /* the flat maps' coordinate */
+                mbar_expect_tx(&full[at], 2 * QTILE + 2 * STATS);
+                tma_tile<D, T>(qo, &mq, w.h, w.i0, b, &full[at]);
+                tma_tile<D, T>(qo + T * CH, &mo, w.h, w.i0, b, &full[at]);
+                tma_load_1d(stats, &ml, row, &full[at]);
+                tma_load_1d(stats + T, &md, row, &full[at]);
+                w.next(g, jb);
+            }
+        }
+        return;
+    }
+    regs_grow_to<DKV_WS_REGS_C>();
+    query_walk<T> w = start_query_walk<T>(g, hk, jb);
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, tq = lane & 3;
+    const int64_t j0 = jb + 64 * wg;   /* this warpgroup's first key */
+    const int64_t keys[2] = {j0 + warp * 16 + (lane >> 2), j0 + warp * 16 + (lane >> 2) + 8};
+    const key_rows kr = rows_of_keys(g, j0);
+    const uint4 *const sK = sKV + wg * 128 * CH, *const sV = sK + 64 * CH;
+    float dka[CH][4], dva[CH][4];
+#pragma unroll
+    for (int n = 0; n < CH; n++)
+        for (int e = 0; e < 4; e++) dka[n][e] = dva[n][e] = 0.0f;
+    if (w.have) mbar_wait(kvbar, 0);
+    unsigned phases = 0;   /* bit i: the parity full[i]'s next wait is for */
+    const float sl2 = g.scale * LOG2E_F;
+    for (int n = 0; w.have; n++) {
+        const int at = n % WS_STAGES;
+        /* this warpgroup's view of the tile, and its mask (bit 2 n + c of key r: the query in
+         * s[n][2 r + c]), while the stage lands */
+        const int mine = wg_query_tile_state<T>(g, kr, w.st, w.i0);
+        uint32_t vis[2] = {~0u, ~0u};
+        if (mine == TILE_MASKED)
+#pragma unroll
+            for (int r = 0; r < 2; r++) vis[r] = keys[r] < g.Tk ? visible_bits<NT, false>(g, b, keys[r], w.i0 + 2 * tq) : 0u;
+        mbar_wait(&full[at], (phases >> at) & 1);
+        phases ^= 1u << at;
+        if (mine != TILE_EMPTY) {
+            const uint4 *const sQ = sQO + at * 2 * T * CH, *const sO = sQ + T * CH;
+            float s[NT][4], dp[NT][4];
+            two_products_wg<D, T>(s, dp, sK, sQ, sV, sO);   /* S^T = K Q^T, dP^T = V dO^T */
+            if (mine == TILE_MASKED) {   /* S^T at -inf where not visible (exp gives 0) */
+                apply_bits<NT>(s, vis[0], 0);
+                apply_bits<NT>(s, vis[1], 1);
+            }
+            probs_and_dscores<NT, T>(s, dp, sStats + at * 2 * T, sl2, tq);
+            dkv_accumulate_wg<D, T>(dva, dka, s, dp, sO, sQ);
+        }
+        mbar_arrive(&empty[at]);   /* this thread is done with the stage: its wgmmas were waited for */
+        w.next(g, jb);
+    }
+    add_dkv_rows<D>(dk, dv, g, b, hk, keys, dka, dva, tq);
+#endif
 }
 
 /* ---- backward: dQ ---- */

@@ -523,16 +523,6 @@ fa_forward_rows128(float *out, float *lse, geom g, const bf16 *Q, const bf16 *K,
 #endif
 }
 
-/* rows r0.. (64) of head hd of batch b through map mp into the wgmma tile s, counted on barrier
- * br: D / 64 boxes side by side (sw128_at's atom columns, 64 rows x 128 bytes = 8 KiB apart) */
-#if ULY_HAS_WGMMA
-template <int D>
-__device__ static inline void tma_tile(uint4 *s, const CUtensorMap *mp, int64_t hd, int64_t r0, int64_t b, uint64_t *br) {
-#pragma unroll
-    for (int a = 0; a < D / 64; a++) tma_load_4d(s + a * 64 * 8, mp, 64 * a, (int)hd, (int)r0, (int)b, br);
-}
-#endif
-
 /* The wgmma forward with its tiles loaded by TMA (ULY_CUDA_ATTN_FWD=tma): fa_forward's W path (64
  * rows, one warpgroup, K double-buffered), but thread 0 issues each tile's load as D / 64 TMA
  * boxes (64 rows x 128 bytes of one head) and the warps wait on an mbarrier per buffer, where they
@@ -618,9 +608,6 @@ fa_forward_tma(float *out, float *lse, geom g, const __grid_constant__ CUtensorM
  * WS_STAGES tiles ahead, and a consumer warpgroup waits only for the data. Both consumers walk the
  * block's tiles, skipping the math of one none of their rows see (still waiting for it and giving
  * it back). Without key splits or GQA packing; empty in a pass without wgmma. */
-#define WS_STAGES 2
-#define WS_THREADS (2 * FA_THREADS + 32)
-#define WS_MIN_BLOCKS(D) (ULY_HAS_WGMMA ? 1 : 0)   /* 2 at D 64 would cap registers at 96 and spill */
 template <int D>
 __global__ static void __launch_bounds__(WS_THREADS, WS_MIN_BLOCKS(D))
 fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,

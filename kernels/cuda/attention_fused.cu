@@ -174,14 +174,27 @@ static int forward_tma(void) {
     if (!env || !two_warpgroup_build_loads() || !tensor_map_encoder()) return 0;
     return !strcmp(env, "tma") ? 1 : !strcmp(env, "ws") ? 2 : 0;
 }
-/* the map of a [B, T, heads, D] bf16 tensor in boxes of 64 rows x 64 elements of one head, landing
- * 128-byte swizzled; -1 when the driver refuses it (e.g. a base not 16-byte aligned) */
-static int tile_map(CUtensorMap *m, const bf16 *base, int64_t B, int64_t T, int64_t heads, int D) {
+/* the map of a [B, T, heads, D] bf16 tensor in boxes of `rows` rows (64 unless said) x 64 elements
+ * of one head, landing 128-byte swizzled; -1 when the driver refuses it (e.g. a base not 16-byte
+ * aligned) */
+static int tile_map(CUtensorMap *m, const bf16 *base, int64_t B, int64_t T, int64_t heads, int D, int rows = 64) {
     const cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)heads, (cuuint64_t)T, (cuuint64_t)B};
     const cuuint64_t strides[3] = {(cuuint64_t)D * 2, (cuuint64_t)(heads * D * 2), (cuuint64_t)(T * heads * D * 2)};
-    const cuuint32_t box[4] = {64, 1, 64, 1}, unit[4] = {1, 1, 1, 1};
+    const cuuint32_t box[4] = {64, 1, (cuuint32_t)rows, 1}, unit[4] = {1, 1, 1, 1};
     return tensor_map_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, (void *)base, dims, strides, box, unit,
                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS
+               ? 0
+               : -1;
+}
+/* the map of n f32 values (one flat row: per-query statistics, [B, H, Tq]) in boxes of `box`,
+ * unswizzled; -1 when the driver refuses it, or n is past TMA's 32-bit coordinates */
+static int flat_map(CUtensorMap *m, const float *base, int64_t n, int box) {
+    const cuuint64_t dims[1] = {(cuuint64_t)n};
+    const cuuint32_t boxes[1] = {(cuuint32_t)box}, unit[1] = {1};
+    if (n >= ((int64_t)1 << 31)) return -1;
+    return tensor_map_encoder()(m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, (void *)base, dims, NULL, boxes, unit,
+                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS
                ? 0
                : -1;
@@ -340,10 +353,43 @@ static void launch_dkv_qt(int64_t blocks, float *dk, float *dv, const geom &g, c
     ULY_LAUNCH_SMEM_AS(name, (fa_backward_dkv<D, WG, DQ, QT, WGS>), blocks, WGS * FA_THREADS, smem, uly_cu_stream)(
         dk, dv, g, q, k, v, dout, lse, delta, ran, dq);
 }
+/* ULY_CUDA_ATTN_DKV=ws: the warp-specialised dK/dV on TMA (fa_backward_dkv_ws), where its build
+ * loads and the driver makes tensor maps */
+static int dkv_ws(void) {
+    const char *env = getenv("ULY_CUDA_ATTN_DKV");
+    return env && !strcmp(env, "ws") && two_warpgroup_build_loads() && tensor_map_encoder();
+}
+/* 0 when launched, -1 when a map could not be made (the caller launches the cp.async kernel) */
+template <int D>
+static int launch_dkv_ws(float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
+                         const bf16 *dout, const float *lse, const float *delta, int *ran) {
+    constexpr int T = DKV_WS_QT(D);
+    CUtensorMap mq, mk, mv, mo, ml, md;
+    if (tile_map(&mq, q, g.B, g.Tq, g.H, D, T) || tile_map(&mo, dout, g.B, g.Tq, g.H, D, T) ||
+        tile_map(&mk, k, g.B, g.Tk, g.Hkv, D) || tile_map(&mv, v, g.B, g.Tk, g.Hkv, D) ||
+        flat_map(&ml, lse, g.B * g.H * g.Tq, T) || flat_map(&md, delta, g.B * g.H * g.Tq, T))
+        return -1;
+    /* + 1 KiB to align the tiles: both warpgroups' K and V, per stage Q, dO, lse and delta, the mbarriers */
+    const size_t smem = 1024 + 4 * 64 * (D / 8) * 16 + WS_STAGES * (2 * T * (D / 8) * 16 + 2 * T * 4) + (2 * WS_STAGES + 1) * 8;
+    static bool raised;
+    if (!raised) {
+        cudaError_t e = cudaFuncSetAttribute(fa_backward_dkv_ws<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dK, dV; warp-specialised): shared memory", e); return 0; }
+        raised = true;
+    }
+    char name[80] = "";   /* for the profiler */
+    if (uly_cu_prof_on) snprintf(name, sizeof name, "attention backward dK dV D %d wgmma (128 keys, TMA, warp-specialised)", D);
+    const int64_t blocks = (g.Tk + 127) / 128 * g.B * g.Hkv;
+    ULY_LAUNCH_SMEM_AS(name, fa_backward_dkv_ws<D>, blocks, DKV_WS_THREADS, smem, uly_cu_stream)(dk, dv, g, mq, mk, mv, mo, ml,
+                                                                                           md, ran);
+    return 0;
+}
+
 template <int D, bool WG, bool DQ = false>
 static void launch_dkv(int64_t blocks, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                        const bf16 *dout, const float *lse, const float *delta, int *ran, float *dq = NULL) {
     if constexpr (WG && !DQ && (D == 64 || D == 128)) {
+        if (dkv_ws() && launch_dkv_ws<D>(dk, dv, g, q, k, v, dout, lse, delta, ran) == 0) return;
         if (dkv_rows128()) {
             launch_dkv_qt<D, WG, DQ, 32, 2>(blocks, dk, dv, g, q, k, v, dout, lse, delta, ran, dq);
             return;

@@ -10,6 +10,12 @@
 
 #define FA_THREADS 128   /* 4 warps */
 typedef __nv_bfloat16 bf16;
+/* the warp-specialised kernels (fa_forward_ws, fa_backward_dkv_ws): two consumer warpgroups and a
+ * producer warp, a ring of WS_STAGES stages between them; one block an SM (two at D 64 would cap
+ * registers at 96 and spill) */
+#define WS_STAGES 2
+#define WS_THREADS (2 * FA_THREADS + 32)
+#define WS_MIN_BLOCKS(D) (ULY_HAS_WGMMA ? 1 : 0)
 
 /* chunk c (16 bytes, 8 bf16) of row r of a shared tile of D-element rows */
 template <int D>

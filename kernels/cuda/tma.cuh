@@ -1,10 +1,11 @@
 /* kernels/cuda/tma.cuh — Hopper's tensor memory accelerator (sm_90a, and the emulator): mbarriers
- * in shared memory and 4-d tiled loads of a tensor map's box into shared memory. One thread issues
+ * in shared memory and 4-d (tiles) and 1-d (rows of statistics) tiled loads of a tensor map's box
+ * into shared memory. One thread issues
  * a tile's load (mbar_expect_tx: one arrival and the bytes to come, then tma_load_4d), every
  * thread that reads the tile waits on the barrier's phase (mbar_wait with the phase's parity, 0
  * first, flipping with each use); mbar_arrive is a plain arrival (a buffer given back). The box
  * lands in the 128-byte swizzle that wgmma reads (chunk c of 128-byte line r at chunk c ^ (r % 8),
- * the destination 1024-byte aligned), with zeros where the box leaves the tensor; its bytes count
+ * the destination 1024-byte aligned; unswizzled, 128), with zeros where the box leaves the tensor; its bytes count
  * in full either way. No cp.async, no per-thread address arithmetic: the loads leave the warps'
  * instruction stream. */
 #pragma once
@@ -19,8 +20,15 @@ __device__ static inline void mbar_expect_tx(uint64_t *bar, unsigned bytes) { ul
 __device__ static inline void mbar_wait(uint64_t *bar, unsigned parity) { uly_emu::mbar_wait(bar, parity); }
 __device__ static inline void mbar_arrive(uint64_t *bar) { uly_emu::mbar_expect_tx(bar, 0); }
 __device__ static inline void tma_load_4d(void *dst, const CUtensorMap *map, int c0, int c1, int c2, int c3, uint64_t *bar) {
-    uly_emu::tma_load_4d(dst, map, c0, c1, c2, c3, bar);
+    uly_emu::tma_load(dst, map, 4, c0, c1, c2, c3, bar);
 }
+__device__ static inline void tma_load_1d(void *dst, const CUtensorMap *map, int c0, uint64_t *bar) {
+    uly_emu::tma_load(dst, map, 1, c0, 0, 0, 0, bar);
+}
+template <int N>
+__device__ static inline void regs_shrink_to(void) {}
+template <int N>
+__device__ static inline void regs_grow_to(void) {}
 #elif ULY_HAS_WGMMA
 __device__ static inline uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ static inline void mbar_init(uint64_t *bar, unsigned count) {
@@ -57,5 +65,28 @@ __device__ static inline void tma_load_4d(void *dst, const CUtensorMap *map, int
     asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
                  ::"r"(smem_u32(dst)), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
                  : "memory");
+}
+/* setmaxnreg: a warpgroup (all its threads) gives registers back to the block's pool, or takes
+ * them (waiting until the pool has them): a producer warpgroup that only issues loads shrinks, the
+ * consumers grow past the launch's even share (which ptxas then allocates them) */
+template <int N>
+__device__ static inline void regs_shrink_to(void) { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ static inline void regs_grow_to(void) { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+__device__ static inline void tma_load_1d(void *dst, const CUtensorMap *map, int c0, uint64_t *bar) {
+    asm volatile("cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2}], [%3];\n"
+                 ::"r"(smem_u32(dst)), "l"((uint64_t)map), "r"(c0), "r"(smem_u32(bar))
+                 : "memory");
+}
+#endif
+
+/* rows r0.. (ROWS) of head hd of batch b through map mp (boxes of ROWS rows x 64 elements) into
+ * the wgmma tile s, counted on barrier br: D / 64 boxes side by side (sw128_at's atom columns,
+ * ROWS rows x 128 bytes apart) */
+#if ULY_HAS_WGMMA
+template <int D, int ROWS = 64>
+__device__ static inline void tma_tile(uint4 *s, const CUtensorMap *mp, int64_t hd, int64_t r0, int64_t b, uint64_t *br) {
+#pragma unroll
+    for (int a = 0; a < D / 64; a++) tma_load_4d(s + a * ROWS * 8, mp, 64 * a, (int)hd, (int)r0, (int)b, br);
 }
 #endif

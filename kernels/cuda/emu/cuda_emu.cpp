@@ -345,13 +345,17 @@ void mbar_expect_tx(void *bar, unsigned bytes) {
     m.pending--;
     mbar_complete(m);
 }
-void tma_load_4d(void *dst, const void *map, int c0, int c1, int c2, int c3, void *bar) {
+void tma_load(void *dst, const void *map, int rank, int c0, int c1, int c2, int c3, void *bar) {
     tensor_map m;
     memcpy(&m, map, sizeof m);
     const unsigned char *d = (const unsigned char *)dst;
-    if (!dyn_smem || d < dyn_smem || d >= dyn_smem + dyn_smem_bytes || (m.swizzle128 && (d - dyn_smem) % 1024)) {
-        fprintf(stderr, "cuda emulator: a TMA load's destination outside dynamic shared memory or, with the "
-                        "128-byte swizzle, not 1024-byte aligned\n");
+    if (!dyn_smem || d < dyn_smem || d >= dyn_smem + dyn_smem_bytes || (d - dyn_smem) % (m.swizzle128 ? 1024 : 128)) {
+        fprintf(stderr, "cuda emulator: a TMA load's destination outside dynamic shared memory or not aligned (1024 "
+                        "bytes with the 128-byte swizzle, else 128)\n");
+        abort();
+    }
+    if (rank != m.rank) {
+        fprintf(stderr, "cuda emulator: a %d-d TMA load of a rank-%d tensor map\n", rank, m.rank);
         abort();
     }
     mbar_of(bar);
@@ -569,22 +573,23 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int dev) {
 }
 /* 132 multiprocessors; compute capability ULY_EMU_CC (default 8.0: the kernels' mma.sync paths;
  * 9.0 sends the fused attention forward through its wgmma self-check) */
-/* cuTensorMapEncodeTiled as the emulator keeps it (uly_emu's tensor_map in the opaque bytes), with
- * the driver's checks that matter here: rank 1 to 4 (5 on a GPU), 16-byte aligned base and
+/* cuTensorMapEncodeTiled as the emulator keeps it (uly_emu's tensor_map in the opaque bytes), bf16
+ * or f32, with the driver's checks that matter here: rank 1 to 4 (5 on a GPU), 16-byte aligned base and
  * strides, boxes of 1 to 256, and with the 128-byte swizzle an inner box of at most 128 bytes */
 static CUresult emu_encode_tiled(CUtensorMap *map, CUtensorMapDataType type, cuuint32_t rank, void *base,
                                  const cuuint64_t *dims, const cuuint64_t *strides, const cuuint32_t *box,
                                  const cuuint32_t *element_strides, CUtensorMapInterleave interleave,
                                  CUtensorMapSwizzle swizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill) {
     uly_emu::tensor_map m;
-    if (!map || type != CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 || rank < 1 || rank > 4 || ((uintptr_t)base & 15) ||
+    const unsigned es = type == CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 ? 2 : type == CU_TENSOR_MAP_DATA_TYPE_FLOAT32 ? 4 : 0;
+    if (!map || !es || rank < 1 || rank > 4 || ((uintptr_t)base & 15) ||
         interleave != CU_TENSOR_MAP_INTERLEAVE_NONE || (swizzle != CU_TENSOR_MAP_SWIZZLE_NONE && swizzle != CU_TENSOR_MAP_SWIZZLE_128B))
         return CUDA_ERROR_INVALID_VALUE;
     memset(&m, 0, sizeof m);
     m.base = (const unsigned char *)base;
     m.rank = (int)rank;
     m.swizzle128 = swizzle == CU_TENSOR_MAP_SWIZZLE_128B;
-    m.strides[0] = 2;
+    m.strides[0] = es;
     for (cuuint32_t d = 0; d < 4; d++) {
         m.dims[d] = d < rank ? dims[d] : 1;
         m.box[d] = d < rank ? box[d] : 1;
@@ -592,7 +597,7 @@ static CUresult emu_encode_tiled(CUtensorMap *map, CUtensorMapDataType type, cuu
         if (m.box[d] < 1 || m.box[d] > 256 || (d < rank && element_strides[d] != 1) || (d > 0 && d < rank && strides[d - 1] % 16))
             return CUDA_ERROR_INVALID_VALUE;
     }
-    if ((m.box[0] * 2) % 16 || (m.swizzle128 && m.box[0] * 2 > 128)) return CUDA_ERROR_INVALID_VALUE;
+    if ((m.box[0] * es) % 16 || (m.swizzle128 && m.box[0] * es > 128)) return CUDA_ERROR_INVALID_VALUE;
     memset(map, 0, sizeof *map);
     memcpy(map, &m, sizeof m);
     return CUDA_SUCCESS;

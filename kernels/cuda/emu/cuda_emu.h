@@ -84,7 +84,9 @@ void wgmma_wait(unsigned in_flight);
  * spin or wait with nothing left to run is a deadlock. */
 void mbar_init(void *bar, unsigned count);
 void mbar_expect_tx(void *bar, unsigned bytes);   /* one arrival, and bytes the loads will bring */
-void tma_load_4d(void *dst, const void *map, int c0, int c1, int c2, int c3, void *bar);
+/* a box of a rank-`rank` map (the instruction's dimensions must be the map's), coordinates past
+ * the rank 0 */
+void tma_load(void *dst, const void *map, int rank, int c0, int c1, int c2, int c3, void *bar);
 void mbar_wait(void *bar, unsigned parity);
 
 /* streams (kernels/cuda/emu/streams.cpp): work queued on a stream runs at once, or with
@@ -237,7 +239,7 @@ typedef uint32_t cuuint32_t;
 typedef uint64_t cuuint64_t;
 typedef enum { CUDA_SUCCESS = 0, CUDA_ERROR_INVALID_VALUE = 1 } CUresult;
 typedef struct alignas(64) CUtensorMap_st { cuuint64_t opaque[16]; } CUtensorMap;
-typedef enum { CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9 } CUtensorMapDataType;
+typedef enum { CU_TENSOR_MAP_DATA_TYPE_FLOAT32 = 7, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9 } CUtensorMapDataType;
 typedef enum { CU_TENSOR_MAP_INTERLEAVE_NONE = 0 } CUtensorMapInterleave;
 typedef enum { CU_TENSOR_MAP_SWIZZLE_NONE = 0, CU_TENSOR_MAP_SWIZZLE_128B = 3 } CUtensorMapSwizzle;
 typedef enum { CU_TENSOR_MAP_L2_PROMOTION_NONE = 0, CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3 } CUtensorMapL2promotion;
