@@ -137,7 +137,7 @@ end
 -- tiles loaded by TMA, waited for on mbarriers; 'ws': warp-specialised, a TMA producer warp and
 -- two consumer warpgroups),
 -- ULY_CUDA_ATTN_DKV ('64': the dK/dV kernel's 64-query tiles, D 64; 'rows128': 128 keys a block,
--- two warpgroups sharing Q and dO) and
+-- two warpgroups sharing Q and dO; 'ws': those two warpgroups fed by a TMA producer warpgroup) and
 -- ULY_CUDA_ATTN_DQ ('64': the dQ kernel's 64-key tiles, D 64; 'rows128': 128 query rows a block,
 -- two warpgroups sharing K and V)
 local all_paths = { { 'f32 chunked', 'f32', 'chunked', '', '', '', '', '' },
@@ -321,7 +321,7 @@ if opts.step then
   aq, ak, av, ag = nil, nil, nil, nil
   -- the same step with the attention variants not yet timed on a GPU (bench tables above): 128-row
   -- forward and dQ with 64-query dK/dV, and with 128-key dK/dV; the defaults should follow
-  -- whichever is faster (the TMA forwards: section 4)
+  -- whichever is faster (the TMA kernels: section 4)
   local variant_lines = {}
   for _, env in ipairs({ { 'rows128', 'rows128', '64' }, { 'rows128', 'rows128', 'rows128' } }) do
     local names, set = { 'ULY_CUDA_ATTN_FWD', 'ULY_CUDA_ATTN_DQ', 'ULY_CUDA_ATTN_DKV' }, {}
@@ -361,16 +361,20 @@ if opts.step then
     temporaries and plan.format_bytes(temporaries) or 'n/a', plan.format_bytes(est.untracked)))
 end
 
----------------------------------------------------------------- 4. the TMA forwards
+---------------------------------------------------------------- 4. the TMA kernels
 -- Last: a fault in these kernels on a GPU (an mbarrier wait that never completes traps) leaves
 -- the context unusable for anything after it. The default fused kernels beside the forward with
--- TMA loads (ULY_CUDA_ATTN_FWD=tma) and the warp-specialised one (ws), at the two head dims.
+-- TMA loads (ULY_CUDA_ATTN_FWD=tma), the warp-specialised forward (ws), it with the
+-- warp-specialised dK/dV (ULY_CUDA_ATTN_DKV=ws), and that dK/dV after the 128-row forward and dQ,
+-- at the two head dims (D 64 at the 1b preset's 32 heads).
 do
   local tma_paths = { all_paths[3], { 'fused tma', 'bf16', 'fused', '', '', 'tma', '', '' },
-                      { 'fused ws', 'bf16', 'fused', '', '', 'ws', '', '' } }
-  print('\n== the TMA forwards (last: a fault in them ends the run)')
+                      { 'fused ws', 'bf16', 'fused', '', '', 'ws', '', '' },
+                      { 'fused ws+dkvws', 'bf16', 'fused', '', '', 'ws', 'ws', '' },
+                      { 'fused 128+dkvws', 'bf16', 'fused', '', '', 'rows128', 'ws', 'rows128' } }
+  print('\n== the TMA kernels (last: a fault in them ends the run)')
   for _, hd in ipairs({ { opts.quick and 2 or 16, opts.quick and 64 or 128 }, { opts.quick and 2 or 32, 64 } }) do
     local ok, err = pcall(attention_table, hd[1], hd[2], tma_paths, opts.attn_max, true)
-    if not ok then print(('TMA forwards at D %d: %s'):format(hd[2], tostring(err))) break end
+    if not ok then print(('TMA kernels at D %d: %s'):format(hd[2], tostring(err))) break end
   end
 end

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/gpu-profile.sh — ncu on the kernels that set our GPU speed, for a device session after
 # scripts/gpu-check.sh (it needs the build-gpu/ libraries that check built or took from
-# .gpu-prebuilt): the fused attention's forward, dK/dV and dQ kernels at D 64 and 128 (N 4096),
+# .gpu-prebuilt): the fused attention's forward, dK/dV and dQ kernels at D 64 and 128 (N 4096; at
+# D 64 also the 128-row / 128-key variants, the TMA forward and the warp-specialised kernels),
 # and every kernel of one f32 and one bf16 4096^3 matmul, each the second of two runs
 # (scripts/gpu-profile.lua opens a profiler range around it: --profile-from-start off, so warm-up,
 # cuBLASLt's heuristic and the wgmma self-check stay out). Writes the ncu reports and a summary
@@ -43,6 +44,7 @@ profile() { # profile NAME KERNEL-REGEX ENV... -- ARGS...
   profile attention-128 'fa_' -- attention 128
   profile attention-64-rows128 'fa_' ULY_CUDA_ATTN_DKV=rows128 ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_FWD=rows128 -- attention 64   # 128-row forward and dQ, 128-key dK/dV
   profile attention-64-tma 'fa_forward_tma' ULY_CUDA_ATTN_FWD=tma -- attention 64   # the forward with TMA loads
+  profile attention-64-ws '_ws' ULY_CUDA_ATTN_FWD=ws ULY_CUDA_ATTN_DKV=ws -- attention 64   # the warp-specialised forward and dK/dV
   profile gemm-f32 '.' -- gemm f32
   profile gemm-bf16 '.' -- gemm bf16
 } | tee "$out/profile-summary.txt"

@@ -879,7 +879,7 @@ describe('fused tensor-core attention (mixed precision)', function()
     release_device()
   end)
 
-  -- wgmma and its variants against mma.sync (check_wgmma_variants, above); the TMA forwards are
+  -- wgmma and its variants against mma.sync (check_wgmma_variants, above); the TMA kernels are
   -- checked last in this file (a fault there leaves a GPU's context unusable for what follows)
   it('the wgmma forward, dQ and dK/dV give the mma.sync kernels\' numbers (D = 64, 128; packed, split, masked)', function()
     if not REAL then return end   -- the simulation has no fused kernels
@@ -1194,7 +1194,7 @@ describe('bench/gpu.lua', function()
                     '== decoding', '200      auto', '== training step: Llama tiny', 'checkpoint (except attention)', 'tokens/s',
                     'one step: forward ', 'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=64: ',
                     "N 128: fastest fused forward + backward '", "x the default 'bf16 fused'",
-                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', '== the TMA forwards', 'fused tma', 'fused ws',
+                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', '== the TMA kernels', 'fused tma', 'fused ws', 'fused ws+dkvws', 'fused 128+dkvws',
                     'attention at the step\'s shape' }
     if MODE == 'emu' then   -- and raw cuBLAS ran (no n/a), and the profiled step
       for _, w in ipairs({ 'ulysses CUDA emulator', 'GPU time by kernel in one step', 'wall time on the stream' }) do
