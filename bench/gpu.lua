@@ -139,7 +139,7 @@ end
 -- ULY_CUDA_ATTN_DKV ('64': the dK/dV kernel's 64-query tiles, D 64; 'rows128': 128 keys a block,
 -- two warpgroups sharing Q and dO; 'ws': those two warpgroups fed by a TMA producer warpgroup) and
 -- ULY_CUDA_ATTN_DQ ('64': the dQ kernel's 64-key tiles, D 64; 'rows128': 128 query rows a block,
--- two warpgroups sharing K and V)
+-- two warpgroups sharing K and V; 'ws': those fed by a TMA producer warpgroup)
 local all_paths = { { 'f32 chunked', 'f32', 'chunked', '', '', '', '', '' },
                     { 'bf16 chunked', 'bf16', 'chunked', '', '', '', '', '' },
                     { 'bf16 fused', 'bf16', 'fused', '', '', '', '', '' },
@@ -252,6 +252,9 @@ do
 end
 
 ---------------------------------------------------------------- 3. training step
+-- variant_step(fwd, dq, dkv): one step with those attention variants, as a line (section 4 times
+-- the TMA kernels' step with it, last)
+local variant_step
 if opts.step then
   local Llama = require 'models.llama'
   local preset, T = opts.quick and 'tiny' or opts.step_preset, opts.quick and 64 or opts.step_seq
@@ -322,22 +325,24 @@ if opts.step then
   -- the same step with the attention variants not yet timed on a GPU (bench tables above): 128-row
   -- forward and dQ with 64-query dK/dV, and with 128-key dK/dV; the defaults should follow
   -- whichever is faster (the TMA kernels: section 4)
-  local variant_lines = {}
-  for _, env in ipairs({ { 'rows128', 'rows128', '64' }, { 'rows128', 'rows128', 'rows128' } }) do
-    local names, set = { 'ULY_CUDA_ATTN_FWD', 'ULY_CUDA_ATTN_DQ', 'ULY_CUDA_ATTN_DKV' }, {}
+  variant_step = function(...)
+    local env, names, set = { ... }, { 'ULY_CUDA_ATTN_FWD', 'ULY_CUDA_ATTN_DQ', 'ULY_CUDA_ATTN_DKV' }, {}
     for i, name in ipairs(names) do
       ffi.C.setenv(name, env[i], 1)
       if env[i] ~= '' then set[#set + 1] = name .. '=' .. env[i] end
     end
+    uly.matmul_precision('bf16')
     local variant_s = time(function()
       opt:zero_grad()
       model:loss(x, x):backward()
       opt:step()
     end, 1)
+    uly.matmul_precision('f32')
     for _, name in ipairs(names) do ffi.C.setenv(name, '', 1) end
-    variant_lines[#variant_lines + 1] = ('step with %s: %.2f s, MFU %.1f%% (%.2fx the default step)'):format(
+    return ('step with %s: %.2f s, MFU %.1f%% (%.2fx the default step)'):format(
       table.concat(set, ' '), variant_s, 100 * model:flops_per_token(T) * T / variant_s / peak, step_s / variant_s)
   end
+  local variant_lines = { variant_step('rows128', 'rows128', '64'), variant_step('rows128', 'rows128', 'rows128') }
   local a_step = c.layers * (keep and a_both or a_fwd + a_both)
   local attention_line = ('attention at the step\'s shape (%d heads, %d K/V, D %d): %.1f ms forward, %.1f ms backward a layer;'
     .. ' %d layers x (forward + %sbackward) = %.2f s of the step'):format(c.heads, c.kv_heads, hd,
@@ -365,16 +370,21 @@ end
 -- Last: a fault in these kernels on a GPU (an mbarrier wait that never completes traps) leaves
 -- the context unusable for anything after it. The default fused kernels beside the forward with
 -- TMA loads (ULY_CUDA_ATTN_FWD=tma), the warp-specialised forward (ws), it with the
--- warp-specialised dK/dV (ULY_CUDA_ATTN_DKV=ws), and that dK/dV after the 128-row forward and dQ,
--- at the two head dims (D 64 at the 1b preset's 32 heads).
+-- warp-specialised dK/dV (ULY_CUDA_ATTN_DKV=ws) and dQ too (ULY_CUDA_ATTN_DQ=ws), and that dK/dV
+-- after the 128-row forward and dQ, at the two head dims (D 64 at the 1b preset's 32 heads).
 do
   local tma_paths = { all_paths[3], { 'fused tma', 'bf16', 'fused', '', '', 'tma', '', '' },
                       { 'fused ws', 'bf16', 'fused', '', '', 'ws', '', '' },
                       { 'fused ws+dkvws', 'bf16', 'fused', '', '', 'ws', 'ws', '' },
+                      { 'fused all ws', 'bf16', 'fused', '', '', 'ws', 'ws', 'ws' },
                       { 'fused 128+dkvws', 'bf16', 'fused', '', '', 'rows128', 'ws', 'rows128' } }
   print('\n== the TMA kernels (last: a fault in them ends the run)')
   for _, hd in ipairs({ { opts.quick and 2 or 16, opts.quick and 64 or 128 }, { opts.quick and 2 or 32, 64 } }) do
     local ok, err = pcall(attention_table, hd[1], hd[2], tma_paths, opts.attn_max, true)
     if not ok then print(('TMA kernels at D %d: %s'):format(hd[2], tostring(err))) break end
+  end
+  if variant_step then   -- the training step of section 3 on the warp-specialised kernels
+    local ok, line = pcall(variant_step, 'ws', 'ws', 'ws')
+    print(ok and line or ('step on the warp-specialised kernels: ' .. tostring(line)))
   end
 end

@@ -44,7 +44,7 @@ profile() { # profile NAME KERNEL-REGEX ENV... -- ARGS...
   profile attention-128 'fa_' -- attention 128
   profile attention-64-rows128 'fa_' ULY_CUDA_ATTN_DKV=rows128 ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_FWD=rows128 -- attention 64   # 128-row forward and dQ, 128-key dK/dV
   profile attention-64-tma 'fa_forward_tma' ULY_CUDA_ATTN_FWD=tma -- attention 64   # the forward with TMA loads
-  profile attention-64-ws '_ws' ULY_CUDA_ATTN_FWD=ws ULY_CUDA_ATTN_DKV=ws -- attention 64   # the warp-specialised forward and dK/dV
+  profile attention-64-ws '_ws' ULY_CUDA_ATTN_FWD=ws ULY_CUDA_ATTN_DKV=ws ULY_CUDA_ATTN_DQ=ws -- attention 64   # the warp-specialised kernels
   profile gemm-f32 '.' -- gemm f32
   profile gemm-bf16 '.' -- gemm bf16
 } | tee "$out/profile-summary.txt"

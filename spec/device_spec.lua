@@ -590,12 +590,12 @@ end
 
 -- The output and the gradients of sum(out * out) through the fused kernels: wg '1' forces wgmma,
 -- '0' mma.sync, '' leaves each kernel to its head dim's self-check; fwd names a forward variant
--- (ULY_CUDA_ATTN_FWD; 'rows128' also sets the 128-row dQ and the 128-key dK/dV), dkv a dK/dV one
--- (ULY_CUDA_ATTN_DKV, when not set by fwd).
-local function fused_outputs(wg, q, k, v, opts, fwd, dkv)
+-- (ULY_CUDA_ATTN_FWD; 'rows128' also sets the 128-row dQ and the 128-key dK/dV), dkv and dq
+-- the backward kernels' (ULY_CUDA_ATTN_DKV, ULY_CUDA_ATTN_DQ, when not set by fwd).
+local function fused_outputs(wg, q, k, v, opts, fwd, dkv, dq)
   ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', wg, 1)
   ffi.C.setenv('ULY_CUDA_ATTN_FWD', fwd or '', 1)
-  ffi.C.setenv('ULY_CUDA_ATTN_DQ', fwd == 'rows128' and fwd or '', 1)
+  ffi.C.setenv('ULY_CUDA_ATTN_DQ', fwd == 'rows128' and fwd or dq or '', 1)
   ffi.C.setenv('ULY_CUDA_ATTN_DKV', fwd == 'rows128' and fwd or dkv or '', 1)
   local qq, kk, vv = q:detach():requires_grad_(), k:detach():requires_grad_(), v:detach():requires_grad_()
   local o = uly.flash_attention(qq, kk, vv, opts)
@@ -609,7 +609,8 @@ end
 
 -- Hopper's wgmma in the fused kernels (kernels/cuda/mma.cuh; on the emulator its deferred model, B read
 -- through the 128-byte-swizzled descriptor at the wait) and the forward variants built on it
--- (variants: { ULY_CUDA_ATTN_FWD value, label[, ULY_CUDA_ATTN_DKV value] }): the mma.sync kernels' bits on the emulator (the
+-- (variants: { ULY_CUDA_ATTN_FWD value, label[, ULY_CUDA_ATTN_DKV value, ULY_CUDA_ATTN_DQ value] }):
+-- the mma.sync kernels' bits on the emulator (the
 -- same sums in the same order), for D = 64 and 128, grouped and not, masked and split. On a GPU:
 -- within bf16 rounding wherever the self-check turned wgmma on for that head dim (what runs
 -- unforced must be right); where it disagrees, the self-check must have said off (an H200 at
@@ -628,7 +629,7 @@ local function check_wgmma_variants(variants)
     local q, k, v = uly.randn(unpack(c[1])):cuda(), uly.randn(unpack(c[2])):cuda(), uly.randn(unpack(c[2])):cuda()
     local a = fused_outputs('0', q, k, v, c[3])
     local got = { { 'wgmma', fused_outputs('1', q, k, v, c[3]) } }
-    for _, var in ipairs(variants) do got[#got + 1] = { var[2], fused_outputs('1', q, k, v, c[3], var[1], var[3]) } end
+    for _, var in ipairs(variants) do got[#got + 1] = { var[2], fused_outputs('1', q, k, v, c[3], var[1], var[3], var[4]) } end
     local status, D = MODE == 'cuda' and uly.cuda.wgmma_status(c[1][4]), c[1][4]
     if MODE == 'cuda' then
       -- unforced, each kernel as its head dim's self-check decided: what users run is right
@@ -990,12 +991,13 @@ describe('fused tensor-core attention (mixed precision)', function()
     -- band's ends now also fall between the two warpgroups' rows, or keys); tma / ws: the forward's
     -- tiles by TMA (the last tile's rows past the end zeros from the tensor map's bounds), and
     -- warp-specialised (a consumer skipping a tile still gives its stage back), with the
-    -- warp-specialised dK/dV (DKV ws: 64-query tiles at D 64, 32 at 128); on the emulator
+    -- warp-specialised dK/dV (DKV ws: 64-query tiles at D 64, 32 at 128) and dQ (DQ ws: 128
+    -- rows, 64-key tiles); on the emulator
     -- only (on a GPU they are checked at the end of this file, where a fault harms nothing after)
     for _, run in ipairs({ { 32, '', '', '' }, { 64, '', '', '' }, { 64, '64', '64', '' },
                            { 64, 'rows128', 'rows128', 'rows128' }, { 128, '', 'rows128', 'rows128' },
                            { 128, 'rows128', '', '' }, MODE == 'emu' and { 64, '', '', 'tma' } or nil,
-                           MODE == 'emu' and { 64, 'ws', '', 'ws' } or nil, MODE == 'emu' and { 128, 'ws', '', '' } or nil }) do
+                           MODE == 'emu' and { 64, 'ws', 'ws', 'ws' } or nil, MODE == 'emu' and { 128, 'ws', 'ws', '' } or nil }) do
       local D = run[1]
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', run[2], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_DQ', run[3], 1)
@@ -1194,7 +1196,8 @@ describe('bench/gpu.lua', function()
                     '== decoding', '200      auto', '== training step: Llama tiny', 'checkpoint (except attention)', 'tokens/s',
                     'one step: forward ', 'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=64: ',
                     "N 128: fastest fused forward + backward '", "x the default 'bf16 fused'",
-                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', '== the TMA kernels', 'fused tma', 'fused ws', 'fused ws+dkvws', 'fused 128+dkvws',
+                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', '== the TMA kernels', 'fused tma', 'fused ws', 'fused ws+dkvws', 'fused all ws', 'fused 128+dkvws',
+                    'step with ULY_CUDA_ATTN_FWD=ws ULY_CUDA_ATTN_DQ=ws ULY_CUDA_ATTN_DKV=ws: ',
                     'attention at the step\'s shape' }
     if MODE == 'emu' then   -- and raw cuBLAS ran (no n/a), and the profiled step
       for _, w in ipairs({ 'ulysses CUDA emulator', 'GPU time by kernel in one step', 'wall time on the stream' }) do
@@ -1370,17 +1373,20 @@ describe('fused attention on TMA (mixed precision)', function()
   -- consumer warpgroups); the packed and split case keeps cp.async
   it('give the mma.sync kernels\' numbers (D = 64, 128; packed, split, masked)', function()
     if not REAL then return end   -- the simulation has no fused kernels
-    check_wgmma_variants({ { 'tma', 'TMA wgmma forward' }, { 'ws', 'warp-specialised wgmma forward and dK/dV', 'ws' } })
+    check_wgmma_variants({ { 'tma', 'TMA wgmma forward' },
+                           { 'ws', 'warp-specialised wgmma forward, dK/dV and dQ', 'ws', 'ws' } })
   end)
 
-  -- the warp-specialised dK/dV (ULY_CUDA_ATTN_DKV=ws: 128 keys a block, Q, dO and the statistics
-  -- by TMA) with GQA, a window, a block-sparse layout and documents; the masks' edges at D = 64
-  -- and 128 in the mask-edge spec (emulator)
-  it('the warp-specialised dK/dV gives the CPU\'s gradients (D = 64: GQA, masks, documents)', function()
+  -- the warp-specialised backward (ULY_CUDA_ATTN_DKV=ws: 128 keys a block, Q, dO and the
+  -- statistics by TMA; ULY_CUDA_ATTN_DQ=ws: 128 rows a block, K and V by TMA) with GQA, a window,
+  -- a block-sparse layout and documents; the masks' edges at D = 64 and 128 in the mask-edge
+  -- spec (emulator)
+  it('the warp-specialised backward gives the CPU\'s gradients (D = 64: GQA, masks, documents)', function()
     if not REAL then return end   -- the simulation has no fused kernels
     ffi.C.setenv('ULY_CUDA_ATTN_DKV', 'ws', 1)
+    ffi.C.setenv('ULY_CUDA_ATTN_DQ', 'ws', 1)
     local ok, err = pcall(wide_backward_cases)
     clear_attention_variants()
-    assert(ok, 'ULY_CUDA_ATTN_DKV=ws: ' .. tostring(err))
+    assert(ok, 'ULY_CUDA_ATTN_DKV=ws ULY_CUDA_ATTN_DQ=ws: ' .. tostring(err))
   end)
 end)

@@ -511,6 +511,44 @@ fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtenso
 }
 
 /* ---- backward: dQ ---- */
+/* this thread's two query rows' -lse log2e (-inf for a row with nothing visible or past the last:
+ * P = 0) and delta, of head h */
+__device__ static inline void dq_row_stats(float nl2[2], float dl[2], const geom &g, int64_t b, int64_t h,
+                                           const int64_t rows[2], const float *lse, const float *delta) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int in = rows[r] < g.Tq;
+        const float L = in ? lse[(b * g.H + h) * g.Tq + rows[r]] : -INFINITY;
+        nl2[r] = L > -INFINITY ? -L * LOG2E_F : -INFINITY;
+        dl[r] = in ? delta[(b * g.H + h) * g.Tq + rows[r]] : 0.0f;
+    }
+}
+/* dS / scale = P (dP - delta) in place of S, P = 2^(S scale log2e - lse log2e) (sl2 = scale log2e) */
+template <int NT>
+__device__ static inline void dscores_of_rows(float s[NT][4], const float dp[NT][4], const float nl2[2], const float dl[2],
+                                              float sl2) {
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) s[n][e] = exp2_ftz(fmaf(s[n][e], sl2, nl2[e >> 1])) * (dp[n][e] - dl[e >> 1]);
+}
+/* a dQ block's sums added into dq ([B, Tq, H, D] f32) at this thread's two rows of head h (none
+ * past the last), times dS's scale left out of the loop */
+template <int D>
+__device__ static inline void add_dq_rows(float *dq, const geom &g, int64_t b, int64_t h, const int64_t rows[2],
+                                          const float acc[D / 8][4], int tq) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int64_t i = rows[r];
+        if (i >= g.Tq) continue;
+        float *dst = dq + ((b * g.Tq + i) * g.H + h) * D + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            dst[n * 8] += acc[n][2 * r] * g.scale;
+            dst[n * 8 + 1] += acc[n][2 * r + 1] * g.scale;
+        }
+    }
+}
 /* WG: S, dP and dQ += dS K as wgmma (Hopper), the K and V tiles in its layout (D = 64, 128) */
 /* KT: keys a tile, 32, or 64 in the wgmma variant at D = 64 (ULY_CUDA_ATTN_DQ=64): S and dP as
  * 64 x 64 wgmmas, whose A (Q, dO from shared memory) then feeds twice the math, and half the
@@ -544,16 +582,9 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
     const int warp = WGS == 2 ? (int)(threadIdx.x >> 5) & 3 : (int)(threadIdx.x >> 5), lane = threadIdx.x & 31,
               tq = lane & 3;
     const int64_t rows[2] = {i0 + warp * 16 + (lane >> 2), i0 + warp * 16 + (lane >> 2) + 8};
-    /* per row: -lse log2e (-inf for a row with nothing visible or past the last: P = 0), delta */
     float nl2[2], dl[2];
     const float sl2 = g.scale * LOG2E_F;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int in = rows[r] < g.Tq;
-        const float L = in ? lse[(b * g.H + h) * g.Tq + rows[r]] : -INFINITY;
-        nl2[r] = L > -INFINITY ? -L * LOG2E_F : -INFINITY;
-        dl[r] = in ? delta[(b * g.H + h) * g.Tq + rows[r]] : 0.0f;
-    }
+    dq_row_stats(nl2, dl, g, b, h, rows, lse, delta);
     /* pipeline: the next key tile's K and V load into the other buffer during this one's math */
     int64_t lo, hi;
     chunk_band(g, ib, ib + ROWS < g.Tq ? ib + ROWS : g.Tq, &lo, &hi);
@@ -601,11 +632,7 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
             apply_bits<NT>(s, vis[0], 0);
             apply_bits<NT>(s, vis[1], 1);
         }
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)   /* dS / scale = P (dP - delta), P = 2^(S scale log2e - lse log2e) */
-                s[n][e] = exp2_ftz(fmaf(s[n][e], sl2, nl2[e >> 1])) * (dp[n][e] - dl[e >> 1]);
+        dscores_of_rows<NT>(s, dp, nl2, dl, sl2);
         if constexpr (W) times_tile_wg_waited<D, T / 16, T>(acc, s, sK);   /* dQ += dS K, K MN-major */
         else acc_times_tile<D, 2>(acc, s, sK);   /* (T = 32) */
         __syncthreads();   /* every warp is done with this buffer before the next round refills it */
@@ -614,15 +641,99 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
         buf ^= 1;
     }
     wg_fence_regs(&acc[0][0], 4 * CH);
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        int64_t i = rows[r];
-        if (i >= g.Tq) continue;
-        float *dst = dq + ((b * g.Tq + i) * g.H + h) * D + 2 * tq;
-#pragma unroll
-        for (int n = 0; n < CH; n++) {   /* dS's scale, left out of the loop */
-            dst[n * 8] += acc[n][2 * r] * g.scale;
-            dst[n * 8 + 1] += acc[n][2 * r + 1] * g.scale;
+    add_dq_rows<D>(dq, g, b, h, rows, acc, tq);
+}
+
+/* Warp-specialised dQ on TMA (ULY_CUDA_ATTN_DQ=ws): 128 query rows a block as two consumer
+ * warpgroups (each its own 64 rows' Q and dO, by TMA once, and dQ in registers), and a producer
+ * warpgroup whose first thread streams the 64-key K and V tiles those rows see through the
+ * WS_STAGES ring (produce_kv_tiles, as the warp-specialised forward). setmaxnreg as
+ * fa_backward_dkv_ws (each side works out its walk after the resize). Empty in a pass without
+ * wgmma. */
+template <int D>
+__global__ static void __launch_bounds__(DKV_WS_THREADS, WS_MIN_BLOCKS(D))
+fa_backward_dq_ws(float *dq, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
+                  const __grid_constant__ CUtensorMap mv, const __grid_constant__ CUtensorMap mo, const float *lse,
+                  const float *delta, int *ran_wgmma) {
+#if ULY_HAS_WGMMA
+    constexpr int CH = D / 8, NT = 8;   /* key tiles of 64: S is 64 x 64 a warpgroup */
+    constexpr unsigned TILE = 64 * D * 2;   /* bytes of a 64-row tile */
+    ULY_DYNAMIC_SHARED(uint4, dyn);
+    /* Q then dO of warpgroup 0, then of 1 (64 rows each); per stage K and V (64 rows each); the
+     * mbarriers */
+    uint4 *const sQO = align_1024(dyn), *const sKV = sQO + 4 * 64 * CH;
+    uint64_t *const full = (uint64_t *)(sKV + WS_STAGES * 128 * CH), *const empty = full + WS_STAGES,
+                    *const qbar = empty + WS_STAGES;
+    if (ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
+    const int64_t nt = (g.Tq + 127) / 128, tile = nt - 1 - (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
+    const int64_t b = bh / g.H, h = bh % g.H, hk = h / (g.H / g.Hkv), ib = tile * 128;   /* longest bands first */
+    const int wg = threadIdx.x >> 7;   /* 0, 1: the consumers; 2: the producer */
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < WS_STAGES; i++) {
+            mbar_init(&full[i], 1);
+            mbar_init(&empty[i], 2 * FA_THREADS);
         }
+        mbar_init(qbar, 1);
+        mbar_init_fence();
     }
+    __syncthreads();   /* the last block-wide barrier */
+    if (wg == 2) {
+        regs_shrink_to<DKV_WS_REGS_P>();
+        int64_t lo, hi;
+        chunk_band(g, ib, ib + 128 < g.Tq ? ib + 128 : g.Tq, &lo, &hi);
+        const row_span rs = span_of_rows(g, ib, ib + 127);
+        int st;
+        const int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / 64 * 64, hi, 64, &st) : -1;
+        if (threadIdx.x == 2 * FA_THREADS && j0 >= 0) {
+            mbar_expect_tx(qbar, 4 * TILE);
+            for (int c = 0; c < 2; c++) {   /* each consumer's Q and dO */
+                tma_tile<D>(sQO + c * 128 * CH, &mq, h, ib + 64 * c, b, qbar);
+                tma_tile<D>(sQO + c * 128 * CH + 64 * CH, &mo, h, ib + 64 * c, b, qbar);
+            }
+            produce_kv_tiles<D>(sKV, full, empty, &mk, &mv, g, rs, j0, hi, hk, b);
+        }
+        return;
+    }
+    regs_grow_to<DKV_WS_REGS_C>();
+    int64_t lo, hi;
+    chunk_band(g, ib, ib + 128 < g.Tq ? ib + 128 : g.Tq, &lo, &hi);
+    const row_span rs = span_of_rows(g, ib, ib + 127);
+    int st = TILE_EMPTY;
+    int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / 64 * 64, hi, 64, &st) : -1;
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, tq = lane & 3;
+    const int64_t i0 = ib + 64 * wg;   /* this warpgroup's first row */
+    const int64_t rows[2] = {i0 + warp * 16 + (lane >> 2), i0 + warp * 16 + (lane >> 2) + 8};
+    const row_span rw = span_of_rows(g, i0, i0 + 63);
+    const uint4 *const sQ = sQO + wg * 128 * CH, *const sO = sQ + 64 * CH;
+    float nl2[2], dl[2];
+    const float sl2 = g.scale * LOG2E_F;
+    dq_row_stats(nl2, dl, g, b, h, rows, lse, delta);
+    float acc[CH][4];
+#pragma unroll
+    for (int n = 0; n < CH; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    if (j0 >= 0) mbar_wait(qbar, 0);
+    unsigned phases = 0;   /* bit i: the parity full[i]'s next wait is for */
+    for (int n = 0; j0 >= 0; n++) {
+        const int at = n % WS_STAGES;
+        const int mine = wg_tile_state<64>(g, rw, st, j0);   /* this warpgroup's rows' view */
+        uint32_t vis[2] = {~0u, ~0u};   /* the tile's mask, while the stage lands */
+        if (mine == TILE_MASKED) row_bits<NT, false>(vis, g, b, rows, j0, tq);
+        mbar_wait(&full[at], (phases >> at) & 1);
+        phases ^= 1u << at;
+        if (mine != TILE_EMPTY) {
+            const uint4 *const sK = sKV + at * 128 * CH, *const sV = sK + 64 * CH;
+            float s[NT][4], dp[NT][4];
+            two_products_wg<D, 64>(s, dp, sQ, sK, sO, sV);   /* S = Q K^T, dP = dO V^T */
+            if (mine == TILE_MASKED) {   /* exp(-inf) = 0 */
+                apply_bits<NT>(s, vis[0], 0);
+                apply_bits<NT>(s, vis[1], 1);
+            }
+            dscores_of_rows<NT>(s, dp, nl2, dl, sl2);
+            times_tile_wg_waited<D, 4, 64>(acc, s, sK);   /* dQ += dS K, K MN-major */
+        }
+        mbar_arrive(&empty[at]);   /* this thread is done with the stage: its wgmmas were waited for */
+        j0 = next_key_tile(g, rs, j0 + 64, hi, 64, &st);
+    }
+    add_dq_rows<D>(dq, g, b, h, rows, acc, tq);
+#endif
 }

@@ -600,6 +600,34 @@ fa_forward_tma(float *out, float *lse, geom g, const __grid_constant__ CUtensorM
 #endif
 }
 
+/* a warp-specialised kernel's producer (one thread) over the key tiles of the rows rs from j0 (up
+ * to key hi; next_key_tile's walk, 64 keys a tile): each tile's K and V (64 rows each, by TMA)
+ * into stage n % WS_STAGES of sKV, counted on full[stage], after waiting for empty[stage] (both
+ * consumer warpgroups gave it back) from the second round of the ring on */
+#if ULY_HAS_WGMMA
+template <int D>
+__device__ static inline void produce_kv_tiles(uint4 *sKV, uint64_t *full, uint64_t *empty, const CUtensorMap *mk,
+                                               const CUtensorMap *mv, const geom &g, const row_span &rs, int64_t j0,
+                                               int64_t hi, int64_t hk, int64_t b) {
+    constexpr int CH = D / 8;
+    constexpr unsigned TILE = 64 * D * 2;   /* bytes of a 64-row tile */
+    unsigned phases = 0;                    /* bit i: the parity empty[i]'s next wait is for */
+    int st;
+    for (int n = 0; j0 >= 0; n++) {
+        const int at = n % WS_STAGES;
+        if (n >= WS_STAGES) {   /* both consumers gave the stage back */
+            mbar_wait(&empty[at], (phases >> at) & 1);
+            phases ^= 1u << at;
+        }
+        uint4 *const kv = sKV + at * 128 * CH;
+        mbar_expect_tx(&full[at], 2 * TILE);
+        tma_tile<D>(kv, mk, hk, j0, b, &full[at]);
+        tma_tile<D>(kv + 64 * CH, mv, hk, j0, b, &full[at]);
+        j0 = next_key_tile(g, rs, j0 + 64, hi, 64, &st);
+    }
+}
+#endif
+
 /* FlashAttention-3's division of labour (ULY_CUDA_ATTN_FWD=ws): 128 query rows a block, two
  * consumer warpgroups of 64 rows doing the math (S, online softmax, P V on wgmma, as the 128-row
  * forward) and one producer warp whose first thread streams K and V by TMA through a ring of
@@ -644,19 +672,7 @@ fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMa
             mbar_expect_tx(qbar, 2 * TILE);
             tma_tile<D>(sQ0, &mq, h, i0, b, qbar);
             tma_tile<D>(sQ0 + 64 * CH, &mq, h, i0 + 64, b, qbar);
-            unsigned phases = 0;   /* bit i: the parity empty[i]'s next wait is for */
-            for (int n = 0; j0 >= 0; n++) {
-                const int at = n % WS_STAGES;
-                if (n >= WS_STAGES) {   /* both consumers gave the stage back */
-                    mbar_wait(&empty[at], (phases >> at) & 1);
-                    phases ^= 1u << at;
-                }
-                uint4 *const kv = sKV + at * 128 * CH;
-                mbar_expect_tx(&full[at], 2 * TILE);
-                tma_tile<D>(kv, &mk, hk, j0, b, &full[at]);
-                tma_tile<D>(kv + 64 * CH, &mv, hk, j0, b, &full[at]);
-                j0 = next_key_tile(g, rs, j0 + 64, hi, 64, &st);
-            }
+            produce_kv_tiles<D>(sKV, full, empty, &mk, &mv, g, rs, j0, hi, hk, b);
         }
         return;
     }

@@ -305,10 +305,40 @@ static void launch_dq_kt(int64_t blocks, float *dq, const geom &g, const bf16 *q
     ULY_LAUNCH_SMEM_AS(name, (fa_backward_dq<D, WG, KT, WGS>), blocks, WGS * FA_THREADS, smem, uly_cu_stream)(
         dq, g, q, k, v, dout, lse, delta, ran);
 }
+/* ULY_CUDA_ATTN_DQ=ws: the warp-specialised dQ on TMA (fa_backward_dq_ws), where its build loads
+ * and the driver makes tensor maps */
+static int dq_ws(void) {
+    const char *env = getenv("ULY_CUDA_ATTN_DQ");
+    return env && !strcmp(env, "ws") && two_warpgroup_build_loads() && tensor_map_encoder();
+}
+/* 0 when launched, -1 when a map could not be made (the caller launches the cp.async kernel) */
+template <int D>
+static int launch_dq_ws(float *dq, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *dout,
+                        const float *lse, const float *delta, int *ran) {
+    CUtensorMap mq, mk, mv, mo;
+    if (tile_map(&mq, q, g.B, g.Tq, g.H, D) || tile_map(&mo, dout, g.B, g.Tq, g.H, D) || tile_map(&mk, k, g.B, g.Tk, g.Hkv, D) ||
+        tile_map(&mv, v, g.B, g.Tk, g.Hkv, D))
+        return -1;
+    /* + 1 KiB to align the tiles: both warpgroups' Q and dO, per stage K and V, the mbarriers */
+    const size_t tile = 64 * (D / 8) * 16, smem = 1024 + (4 + 2 * WS_STAGES) * tile + (2 * WS_STAGES + 1) * 8;
+    static bool raised;
+    if (!raised) {
+        cudaError_t e = cudaFuncSetAttribute(fa_backward_dq_ws<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dQ; warp-specialised): shared memory", e); return 0; }
+        raised = true;
+    }
+    char name[80] = "";   /* for the profiler */
+    if (uly_cu_prof_on) snprintf(name, sizeof name, "attention backward dQ D %d wgmma (128 rows, TMA, warp-specialised)", D);
+    const int64_t blocks = (g.Tq + 127) / 128 * g.B * g.H;
+    ULY_LAUNCH_SMEM_AS(name, fa_backward_dq_ws<D>, blocks, DKV_WS_THREADS, smem, uly_cu_stream)(dq, g, mq, mk, mv, mo, lse,
+                                                                                              delta, ran);
+    return 0;
+}
 template <int D, bool WG>
 static void launch_dq(int64_t blocks, float *dq, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                       const bf16 *dout, const float *lse, const float *delta, int *ran) {
     if constexpr (WG && (D == 64 || D == 128)) {
+        if (dq_ws() && launch_dq_ws<D>(dq, g, q, k, v, dout, lse, delta, ran) == 0) return;
         if (dq_rows128()) {
             launch_dq_kt<D, WG, D == 64 ? 64 : 32, 2>(blocks, dq, g, q, k, v, dout, lse, delta, ran);
             return;
