@@ -36,14 +36,18 @@ awk '
   END { for (i = 1; i <= n; i++) print order[i], regs[order[i]], spill[order[i]] }
 ' "$tmp/ptxas.txt" | sort -u >"$tmp/kernels.txt"
 awk '
+  function hex(x,  i, n) { x = tolower(x); sub(/^0x/, "", x); n = 0
+                           for (i = 1; i <= length(x); i++) n = n * 16 + index("0123456789abcdef", substr(x, i, 1)) - 1
+                           return n }
   /Function : / { f = $3 }
   f != "" && /^ +\/\*[0-9a-f]+\*\/ / { count[f]++
       if ($0 ~ /HGMMA/) { hg[f]++; if (prev[f] == "depbar") waited[f]++; prev[f] = "hgmma" }
       else if ($0 ~ /WARPGROUP.DEPBAR/) { if (prev[f] == "hgmma") prev[f] = "depbar" }
-      if ($0 ~ /USETMAXREG/) grow[f] = 1
+      if ($0 ~ /USETMAXREG/) { grow[f] = 1; v = $0; sub(/.*, */, "", v); sub(/.*CTAPOOL */, "", v); sub(/ *;.*/, "", v)
+                               if ($0 ~ /ALLOC/ && $0 !~ /DEALLOC/) alloc[f] = hex(v); else dealloc[f] = hex(v) }
       t = $0
       while (match(t, /[^A-Z_]R[0-9]+/)) { r = substr(t, RSTART + 2, RLENGTH - 2) + 0; if (r > hi[f]) hi[f] = r; t = substr(t, RSTART + RLENGTH) } }
-  END { for (k in count) print k, count[k], hg[k] + 0, waited[k] + 0, grow[k] ? hi[k] + 1 : 0 }
+  END { for (k in count) print k, count[k], hg[k] + 0, waited[k] + 0, grow[k] ? hi[k] + 1 : 0, alloc[k] + 0, dealloc[k] + 0 }
 ' "$tmp/af.sass" >"$tmp/sass.txt"
 
 bad=0
@@ -58,7 +62,16 @@ while read -r mangled regs spill; do
     set -- $line
     instr=$2
     [ "$3" -gt 0 ] && wg="$3 ($4)"
-    [ "$5" -gt 0 ] && regs="$regs>$5"
+    if [ "$5" -gt 0 ]; then
+      # one producer warpgroup shrinks to $7, two consumers grow to $6: more than the three
+      # warpgroups launched with and the consumers' setmaxnreg waits forever on a GPU
+      if [ $(($7 + 2 * $6)) -gt $((3 * regs)) ]; then
+        echo "sass-check: $(echo "$mangled" | demangle | sed 's/(.*//'): setmaxnreg asks $7 + 2 x $6 registers a" \
+          "thread, the launch gives 3 x $regs (the consumers would wait forever)"
+        bad=1
+      fi
+      regs="$regs>$5"
+    fi
   fi
   name=$(echo "$mangled" | demangle | sed 's/(.*//')
   [ $quiet -eq 0 ] && printf '%-8s %-8s %-8s %-22s %s\n' "$regs" "${spill:-0/0}" "$instr" "$wg" "$name"

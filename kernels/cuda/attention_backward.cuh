@@ -410,6 +410,8 @@ __device__ static inline query_walk<T> start_query_walk(const geom &g, int64_t h
 #define DKV_WS_THREADS (3 * FA_THREADS)
 #define DKV_WS_REGS_P 40
 #define DKV_WS_REGS_C 232
+static_assert(DKV_WS_REGS_P + 2 * DKV_WS_REGS_C <= 3 * (65536 / DKV_WS_THREADS / 8 * 8),
+              "setmaxnreg: the consumers would wait forever for registers the block does not have");
 template <int D>
 __global__ static void __launch_bounds__(DKV_WS_THREADS, WS_MIN_BLOCKS(D))
 fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
