@@ -2,6 +2,7 @@
  * autograd nodes, the allocator and error helpers. Never included by kernels or Lua. */
 #ifndef ULY_INTERNAL_H
 #define ULY_INTERNAL_H
+#include <math.h>
 #include <stdint.h>
 #include <stdarg.h>
 #include "uly.h"
@@ -63,6 +64,11 @@ static inline double uly_load(const char *p, int dtype) {
     default: return *(const double *)p;
     }
 }
+/* a value on its way to Lua: every NaN as the one quiet NaN. LuaJIT keeps its other types inside
+ * the NaN space, so a NaN with all its high bits set (f32 0xFFFFFFFF, e.g. from uninitialised
+ * device memory) would read there as nil, not as a number */
+static inline double uly_lua_number(double v) { return v != v ? (double)NAN : v; }
+
 static inline void uly_store(char *p, int dtype, double v) {
     switch (dtype) {
     case ULY_DTYPE_F32: *(float *)p = (float)v; break;

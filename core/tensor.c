@@ -306,7 +306,8 @@ static void to_flat_run(char *a, char *b, int64_t n, int64_t sa, int64_t sb, voi
     (void)b; (void)sb;
     flat_ctx *c = vctx;
     int64_t es = uly_dtype_size(c->flat_dtype);
-    for (int64_t i = 0; i < n; i++) uly_store(c->flat_out + (c->pos + i) * es, c->flat_dtype, uly_load(a + i * sa, c->t_dtype));
+    for (int64_t i = 0; i < n; i++)
+        uly_store(c->flat_out + (c->pos + i) * es, c->flat_dtype, uly_lua_number(uly_load(a + i * sa, c->t_dtype)));
     c->pos += n;
 }
 
@@ -356,6 +357,10 @@ int uly_tensor_copy_to(const uly_tensor *t, void *dst, int dst_dtype, int64_t nu
     }
     if (uly_tensor_is_contiguous(t) && dst_dtype == t->dtype) {
         memcpy(dst, uly_ptr(t), (size_t)uly_tensor_nbytes(t));
+        if (dst_dtype == ULY_DTYPE_F32)   /* NaNs as Lua reads them (uly_lua_number) */
+            for (int64_t i = 0; i < numel; i++) { float *x = (float *)dst + i; if (*x != *x) *x = NAN; }
+        if (dst_dtype == ULY_DTYPE_F64)
+            for (int64_t i = 0; i < numel; i++) { double *x = (double *)dst + i; if (*x != *x) *x = NAN; }
         return 0;
     }
     int64_t bs[ULY_MAX_DIMS];
@@ -427,7 +432,7 @@ int uly_tensor_get_item(const uly_tensor *t, const int64_t *index, double *value
     if (uly_be(t)->copy(one, (const char *)t->storage->data + o * es, es, ULY_COPY_D2H) ||
         uly_device_check("get_item", uly_dev(t)))
         return -1;
-    *value = uly_load(one, t->dtype);
+    *value = uly_lua_number(uly_load(one, t->dtype));
     return 0;
 }
 

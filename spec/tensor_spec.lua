@@ -395,6 +395,30 @@ describe('printing', function()
     assert.truthy(s0:find('2.5', 1, true) and s0:find('f32[]', 1, true), s0)
   end)
 
+  -- LuaJIT keeps its other types inside the NaN space: a NaN with its high bits set (f32
+  -- 0xFFFFFFFF, as uninitialised device memory may hold) read raw would be nil in Lua
+  it('shows a NaN of any bit pattern as nan, and reads it as a number', function()
+    local ffi = require 'ffi'
+    local bits = ffi.new('uint32_t[4]', { 0xFFFFFFFF, 0x7FC00000, 0xFFC00001, 0x3F800000 })
+    local t = uly.empty(4)
+    assert(C.uly_tensor_copy_from(t._h, bits, 0, 4) == 0)
+    local s = tostring(t)
+    assert.truthy(s:find('[nan, nan, nan,  1.]', 1, true), s)
+    local x = t:narrow(1, 1, 1):view():item()
+    assert.equal('number', type(x))
+    assert.is_true(x ~= x)
+    for _, dtype in ipairs({ 4, 0 }) do   -- f64 and f32 buffers (strided and contiguous copies)
+      local out = ffi.new(dtype == 4 and 'double[4]' or 'float[4]')
+      assert(C.uly_tensor_copy_to(t._h, out, dtype, 4) == 0)
+      for i = 0, 2 do
+        local v = out[i]
+        assert.equal('number', type(v))
+        assert.is_true(v ~= v)
+      end
+      assert.equal(1, out[3])
+    end
+  end)
+
   it("abbreviates with '...' above 1000 elements", function()
     local small = tostring(uly.zeros(1000))
     assert.falsy(small:find('...', 1, true))
