@@ -890,6 +890,33 @@ describe('fused tensor-core attention (mixed precision)', function()
     check_wgmma_variants({ { 'pipelined', 'pipelined wgmma' }, { 'rows128', '128-row wgmma forward and backward' } })
   end)
 
+  -- a variant variable with a value no kernel knows runs the default kernels and says so, once a
+  -- variable and value (bench/gpu.lua labels its rows by these: a typo must not time the default
+  -- under a variant's name)
+  it('names an unknown attention variant on stderr once, and runs the default kernels', function()
+    if not REAL then return end   -- the simulation has no fused kernels
+    local code = "local uly = require 'ulysses'; assert(uly.cuda.ensure()); uly.matmul_precision('bf16'); "
+      .. "uly.manual_seed(3); local q = uly.randn(1, 70, 2, 64):cuda(); local s = 0; "
+      .. "for i = 1, 3 do local x = q:detach():requires_grad_(); local o = uly.flash_attention(x, x, x, { causal = true }); "
+      .. "(o * o):sum():backward(); s = s + x.grad:sum():item() end; print(('sum %.6g'):format(s))"
+    local function run(env)
+      local p = assert(io.popen(table.concat({ 'env', env, 'ULY_CUDA_LIB=' .. helpers.shq(os.getenv('ULY_CUDA_LIB') or ''),
+        "LUA_PATH='lua/?.lua;lua/?/init.lua;;'", 'luajit -e', helpers.shq(code), '2>&1' }, ' ')))
+      local out = p:read('*a')
+      p:close()
+      return out
+    end
+    local plain = run('-u ULY_CUDA_ATTN_DKV -u ULY_CUDA_ATTN_FWD')
+    local odd = run('ULY_CUDA_ATTN_DKV=wss ULY_CUDA_ATTN_FWD=fast')
+    local _, n = odd:gsub('ulysses: ULY_CUDA_ATTN_DKV=wss: unknown %(known: 64, rows128, ws%); running the default kernels', '')
+    assert.equal(1, n, odd)
+    _, n = odd:gsub('ulysses: ULY_CUDA_ATTN_FWD=fast: unknown %(known: pipelined, rows128, tma, ws%)', '')
+    assert.equal(1, n, odd)
+    assert.truthy(plain:match('sum [-%d.e+]+'), plain)
+    assert.equal(plain:match('sum [-%d.e+]+'), odd:match('sum [-%d.e+]+'))   -- the default kernels' numbers
+    assert.falsy(plain:find('ulysses:', 1, true), plain)
+  end)
+
   -- without ULY_CUDA_ATTN_WGMMA the forward decides at its first call: off below compute
   -- capability 9.0; at 9.0 after its self-check (both kernels on a small problem) passes
   it('decides on wgmma at the first forward of each head dim: a self-check on compute capability 9.0', function()

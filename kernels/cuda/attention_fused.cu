@@ -72,6 +72,53 @@ static int launched(const char *name) {
     return -1;
 }
 
+/* ---- the kernels' variants (bench/gpu.lua times them against the defaults) ----
+ * ULY_CUDA_ATTN_FWD: pipelined, rows128, tma, ws; ULY_CUDA_ATTN_DQ: 64, rows128, ws;
+ * ULY_CUDA_ATTN_DKV: 64, rows128, ws; ULY_CUDA_ATTN_BWD: onepass, twopass (the default). Unset or
+ * empty: the default kernels. An unknown value, or a variant this GPU or driver cannot run (the
+ * two-warpgroup kernels need compute capability 9.0, the TMA ones also the driver's tensor-map
+ * encoder), runs the default and says so on stderr, once per variable and value: a benchmark
+ * labelled with a variant must not quietly time the default. (Shapes a variant does not cover,
+ * e.g. a forward with key splits, run the default without a word: that is by design.) */
+enum { V_FWD, V_DQ, V_DKV, V_BWD };
+static const char *const variant_vars[] = {"ULY_CUDA_ATTN_FWD", "ULY_CUDA_ATTN_DQ", "ULY_CUDA_ATTN_DKV", "ULY_CUDA_ATTN_BWD"};
+static const char *const variant_names[][5] = {
+    {"pipelined", "rows128", "tma", "ws", NULL}, {"64", "rows128", "ws", NULL}, {"64", "rows128", "ws", NULL}, {"onepass", "twopass", NULL}};
+static void variant_note(int v, const char *value, const char *why) {
+    static char said[4][32];   /* the value last reported, per variable */
+    if (!strncmp(said[v], value, sizeof said[v] - 1)) return;
+    snprintf(said[v], sizeof said[v], "%s", value);
+    fprintf(stderr, "ulysses: %s=%s: %s; running the default kernels\n", variant_vars[v], value, why);
+}
+/* the value of variable v: one of its names, or "" (unset, empty, or unknown: reported) */
+static const char *variant(int v) {
+    const char *env = getenv(variant_vars[v]);
+    if (!env || !*env) return "";
+    char known[64] = "";
+    for (const char *const *k = variant_names[v]; *k; k++) {
+        if (!strcmp(env, *k)) return *k;
+        snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", known[0] ? ", " : "", *k);
+    }
+    char why[96];
+    snprintf(why, sizeof why, "unknown (known: %s)", known);
+    variant_note(v, env, why);
+    return "";
+}
+/* whether variant `name` of v is asked for and can run here (ok; else `why_not` is reported) */
+static int variant_runs(int v, const char *name, int ok, const char *why_not) {
+    if (strcmp(variant(v), name)) return 0;
+    if (!ok) variant_note(v, name, why_not);
+    return ok;
+}
+/* every variable's value checked at each fused attention call (unknown ones reported), also where
+ * the kernel that reads it does not run */
+static void check_variants(void) {
+    for (int v = V_FWD; v <= V_BWD; v++) variant(v);
+}
+#define NOT_SM90 "needs compute capability 9.0 (wgmma)"
+#define NO_TMA "needs compute capability 9.0 and the driver's tensor-map encoder (TMA)"
+#define MAP_REFUSED "the driver refused a tensor map of these operands (TMA)"
+
 /* How many key splits a forward of `blocks` blocks gets: for one query tile (decoding, short
  * prompts) against at least 4 key tiles, enough to give every multiprocessor about two blocks,
  * each at least 2 key tiles; ULY_CUDA_ATTN_SPLITS=n forces n (tests). Longer queries fill the GPU
@@ -128,10 +175,7 @@ static int two_warpgroup_build_loads(void) {
 /* ULY_CUDA_ATTN_FWD=rows128: the wgmma forward with 128 query rows a block (fa_forward_rows128,
  * two warpgroups sharing K and V), where one would run unpipelined without key splits or GQA
  * packing. bench/gpu.lua times it beside the default. */
-static int forward_rows128(void) {
-    const char *env = getenv("ULY_CUDA_ATTN_FWD");
-    return env && !strcmp(env, "rows128") && two_warpgroup_build_loads();
-}
+static int forward_rows128(void) { return variant_runs(V_FWD, "rows128", two_warpgroup_build_loads(), NOT_SM90); }
 
 template <int D>
 static void launch_forward_rows128(float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
@@ -170,9 +214,8 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
  * (fa_forward_ws: a TMA producer warp, two consumer warpgroups); where one would run unpipelined
  * without key splits or GQA packing. bench/gpu.lua times them beside the default. 0: neither. */
 static int forward_tma(void) {
-    const char *env = getenv("ULY_CUDA_ATTN_FWD");
-    if (!env || !two_warpgroup_build_loads() || !tensor_map_encoder()) return 0;
-    return !strcmp(env, "tma") ? 1 : !strcmp(env, "ws") ? 2 : 0;
+    const int ok = two_warpgroup_build_loads() && tensor_map_encoder();
+    return variant_runs(V_FWD, "tma", ok, NO_TMA) ? 1 : variant_runs(V_FWD, "ws", ok, NO_TMA) ? 2 : 0;
 }
 /* the map of a [B, T, heads, D] bf16 tensor in boxes of `rows` rows (64 unless said) x 64 elements
  * of one head, landing 128-byte swizzled; -1 when the driver refuses it (e.g. a base not 16-byte
@@ -236,7 +279,10 @@ static void launch_forward(int64_t blocks, float *out, float *lse, const geom &g
             return;
         }
         const int tma = splits == 1 ? forward_tma() : 0;
-        if (tma && launch_forward_tma<D>(tma, out, lse, g, q, k, v, ran) == 0) return;
+        if (tma) {
+            if (launch_forward_tma<D>(tma, out, lse, g, q, k, v, ran) == 0) return;
+            variant_note(V_FWD, tma == 1 ? "tma" : "ws", MAP_REFUSED);
+        }
     }
     if (WG) {
         const size_t smem = 4 * 64 * (D / 8) * 16 + 1024;   /* Q, V and two K tiles, + 1 KiB to align them */
@@ -281,13 +327,10 @@ static char wg_why[2][400] = {"not decided yet (decided at the first fused atten
  * 32 at D 128), where its build loads (see fa_backward_dq; bench/gpu.lua times them beside the
  * default 32-key tiles of 64 rows) */
 static int dq_key_tile(int D) {
-    const char *env = getenv("ULY_CUDA_ATTN_DQ");
-    return D == 64 && env && (!strcmp(env, "64") || !strcmp(env, "rows128")) ? 64 : 32;
+    const char *v = variant(V_DQ);
+    return D == 64 && (!strcmp(v, "64") || !strcmp(v, "rows128")) ? 64 : 32;
 }
-static int dq_rows128(void) {
-    const char *env = getenv("ULY_CUDA_ATTN_DQ");
-    return env && !strcmp(env, "rows128") && two_warpgroup_build_loads();
-}
+static int dq_rows128(void) { return variant_runs(V_DQ, "rows128", two_warpgroup_build_loads(), NOT_SM90); }
 
 template <int D, bool WG, int KT, int WGS = 1>
 static void launch_dq_kt(int64_t blocks, float *dq, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
@@ -307,10 +350,7 @@ static void launch_dq_kt(int64_t blocks, float *dq, const geom &g, const bf16 *q
 }
 /* ULY_CUDA_ATTN_DQ=ws: the warp-specialised dQ on TMA (fa_backward_dq_ws), where its build loads
  * and the driver makes tensor maps */
-static int dq_ws(void) {
-    const char *env = getenv("ULY_CUDA_ATTN_DQ");
-    return env && !strcmp(env, "ws") && two_warpgroup_build_loads() && tensor_map_encoder();
-}
+static int dq_ws(void) { return variant_runs(V_DQ, "ws", two_warpgroup_build_loads() && tensor_map_encoder(), NO_TMA); }
 /* 0 when launched, -1 when a map could not be made (the caller launches the cp.async kernel) */
 template <int D>
 static int launch_dq_ws(float *dq, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *dout,
@@ -338,7 +378,10 @@ template <int D, bool WG>
 static void launch_dq(int64_t blocks, float *dq, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                       const bf16 *dout, const float *lse, const float *delta, int *ran) {
     if constexpr (WG && (D == 64 || D == 128)) {
-        if (dq_ws() && launch_dq_ws<D>(dq, g, q, k, v, dout, lse, delta, ran) == 0) return;
+        if (dq_ws()) {
+            if (launch_dq_ws<D>(dq, g, q, k, v, dout, lse, delta, ran) == 0) return;
+            variant_note(V_DQ, "ws", MAP_REFUSED);
+        }
         if (dq_rows128()) {
             launch_dq_kt<D, WG, D == 64 ? 64 : 32, 2>(blocks, dq, g, q, k, v, dout, lse, delta, ran);
             return;
@@ -357,14 +400,8 @@ static void launch_dq(int64_t blocks, float *dq, const geom &g, const bf16 *q, c
  * its two-warpgroup variant, 128 keys a block sharing each Q and dO tile (32-query tiles), where
  * its build loads (see fa_backward_dkv; bench/gpu.lua times them beside the default 32-query tiles
  * of 64 keys) */
-static int dkv_query_tile(int D) {
-    const char *env = getenv("ULY_CUDA_ATTN_DKV");
-    return D == 64 && env && !strcmp(env, "64") ? 64 : 32;
-}
-static int dkv_rows128(void) {
-    const char *env = getenv("ULY_CUDA_ATTN_DKV");
-    return env && !strcmp(env, "rows128") && two_warpgroup_build_loads();
-}
+static int dkv_query_tile(int D) { return D == 64 && !strcmp(variant(V_DKV), "64") ? 64 : 32; }
+static int dkv_rows128(void) { return variant_runs(V_DKV, "rows128", two_warpgroup_build_loads(), NOT_SM90); }
 
 template <int D, bool WG, bool DQ = false, int QT = 32, int WGS = 1>
 static void launch_dkv_qt(int64_t blocks, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k,
@@ -385,10 +422,7 @@ static void launch_dkv_qt(int64_t blocks, float *dk, float *dv, const geom &g, c
 }
 /* ULY_CUDA_ATTN_DKV=ws: the warp-specialised dK/dV on TMA (fa_backward_dkv_ws), where its build
  * loads and the driver makes tensor maps */
-static int dkv_ws(void) {
-    const char *env = getenv("ULY_CUDA_ATTN_DKV");
-    return env && !strcmp(env, "ws") && two_warpgroup_build_loads() && tensor_map_encoder();
-}
+static int dkv_ws(void) { return variant_runs(V_DKV, "ws", two_warpgroup_build_loads() && tensor_map_encoder(), NO_TMA); }
 /* 0 when launched, -1 when a map could not be made (the caller launches the cp.async kernel) */
 template <int D>
 static int launch_dkv_ws(float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
@@ -419,7 +453,10 @@ template <int D, bool WG, bool DQ = false>
 static void launch_dkv(int64_t blocks, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                        const bf16 *dout, const float *lse, const float *delta, int *ran, float *dq = NULL) {
     if constexpr (WG && !DQ && (D == 64 || D == 128)) {
-        if (dkv_ws() && launch_dkv_ws<D>(dk, dv, g, q, k, v, dout, lse, delta, ran) == 0) return;
+        if (dkv_ws()) {
+            if (launch_dkv_ws<D>(dk, dv, g, q, k, v, dout, lse, delta, ran) == 0) return;
+            variant_note(V_DKV, "ws", MAP_REFUSED);
+        }
         if (dkv_rows128()) {
             launch_dkv_qt<D, WG, DQ, 32, 2>(blocks, dk, dv, g, q, k, v, dout, lse, delta, ran, dq);
             return;
@@ -586,10 +623,7 @@ extern "C" const char *uly_cuda_wgmma_status(int D) {
 /* ULY_CUDA_ATTN_FWD=pipelined: the wgmma forward issues the next tile's S before this tile's
  * softmax (fa_forward's PIPE); rows128: see forward_rows128; unset: one tile at a time, 64 rows a
  * block. bench/gpu.lua times them. */
-static int forward_pipelined(void) {
-    const char *env = getenv("ULY_CUDA_ATTN_FWD");
-    return env && !strcmp(env, "pipelined");
-}
+static int forward_pipelined(void) { return !strcmp(variant(V_FWD), "pipelined"); }
 
 template <int D>
 static int forward_d(float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v) {
@@ -625,10 +659,7 @@ static int forward_d(float *out, float *lse, const geom &g, const bf16 *q, const
  * at 128 its registers would spill): 5 tile products per (key, query) tile pair instead of 8,
  * but dQ's sum is in no fixed order, so its last bits vary from run to run. Unset or 'twopass':
  * the deterministic two kernels. bench/gpu.lua times both. */
-static int backward_onepass(int D) {
-    const char *env = getenv("ULY_CUDA_ATTN_BWD");
-    return env && !strcmp(env, "onepass") && D <= 64;
-}
+static int backward_onepass(int D) { return !strcmp(variant(V_BWD), "onepass") && D <= 64; }
 
 template <int D>
 static int backward_d(float *dq, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
@@ -658,6 +689,7 @@ static int backward_d(float *dq, float *dk, float *dv, const geom &g, const bf16
 
 int uly_cu_fused_attention_forward(float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k,
                                    const bf16 *v) {
+    check_variants();
     switch (g.D) {
     case 32: return forward_d<32>(out, lse, g, q, k, v);
     case 64: return forward_d<64>(out, lse, g, q, k, v);
@@ -668,6 +700,7 @@ int uly_cu_fused_attention_forward(float *out, float *lse, const geom &g, const 
 
 int uly_cu_fused_attention_backward(float *dq, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k,
                                     const bf16 *v, const bf16 *dout, const float *lse, const float *delta) {
+    check_variants();
     switch (g.D) {
     case 32: return backward_d<32>(dq, dk, dv, g, q, k, v, dout, lse, delta);
     case 64: return backward_d<64>(dq, dk, dv, g, q, k, v, dout, lse, delta);
