@@ -6,8 +6,9 @@
 # wait for an earlier one (one per group that needs the last group's results is expected; one per
 # wgmma is serialised). Fails (exit 1) when ptxas serialises any kernel's wgmmas (its C7520 note,
 # seen on the dQ kernel: a 64-bit division, a subroutine call, in its loop; C7512, too few
-# registers, seen on the warp-specialised dK/dV before its setmaxnreg took) or ignores a
-# setmaxnreg (C7508), so CI catches it without a GPU.
+# registers, seen on the warp-specialised dK/dV before its setmaxnreg took; C7518, a wait on a
+# divergent path, seen on the ping-pong forward) or ignores a setmaxnreg (C7508), so CI catches it
+# without a GPU.
 # usage: scripts/sass-check.sh [--quiet]     (about 30 s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,8 +77,10 @@ while read -r mangled regs spill; do
   name=$(echo "$mangled" | demangle | sed 's/(.*//')
   [ $quiet -eq 0 ] && printf '%-8s %-8s %-8s %-22s %s\n' "$regs" "${spill:-0/0}" "$instr" "$wg" "$name"
 done <"$tmp/kernels.txt"
-# C7520: a call in the loop; C7512: too few registers (seen when setmaxnreg did not take: C7508)
-for code in C7520 C7512 C7508; do
+# C7520: a call in the loop; C7512: too few registers (seen when setmaxnreg did not take: C7508);
+# C7518: a wait ptxas put on a divergent path (a predicated named-barrier arrive between the issue
+# and the wait)
+for code in C7520 C7512 C7518 C7508; do
   if grep -q $code "$tmp/ptxas.txt"; then
     case $code in
       C7508) echo "sass-check: ptxas ignores setmaxnreg (C7508) in:" ;;

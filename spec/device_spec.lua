@@ -910,7 +910,7 @@ describe('fused tensor-core attention (mixed precision)', function()
     local odd = run('ULY_CUDA_ATTN_DKV=wss ULY_CUDA_ATTN_FWD=fast')
     local _, n = odd:gsub('ulysses: ULY_CUDA_ATTN_DKV=wss: unknown %(known: 64, rows128, ws%); running the default kernels', '')
     assert.equal(1, n, odd)
-    _, n = odd:gsub('ulysses: ULY_CUDA_ATTN_FWD=fast: unknown %(known: pipelined, rows128, tma, ws%)', '')
+    _, n = odd:gsub('ulysses: ULY_CUDA_ATTN_FWD=fast: unknown %(known: pipelined, rows128, tma, ws, wspp%)', '')
     assert.equal(1, n, odd)
     assert.truthy(plain:match('sum [-%d.e+]+'), plain)
     assert.equal(plain:match('sum [-%d.e+]+'), odd:match('sum [-%d.e+]+'))   -- the default kernels' numbers
@@ -1024,7 +1024,7 @@ describe('fused tensor-core attention (mixed precision)', function()
     for _, run in ipairs({ { 32, '', '', '' }, { 64, '', '', '' }, { 64, '64', '64', '' },
                            { 64, 'rows128', 'rows128', 'rows128' }, { 128, '', 'rows128', 'rows128' },
                            { 128, 'rows128', '', '' }, MODE == 'emu' and { 64, '', '', 'tma' } or nil,
-                           MODE == 'emu' and { 64, 'ws', 'ws', 'ws' } or nil, MODE == 'emu' and { 128, 'ws', 'ws', '' } or nil }) do
+                           MODE == 'emu' and { 64, 'ws', 'ws', 'ws' } or nil, MODE == 'emu' and { 128, 'ws', 'ws', 'wspp' } or nil }) do
       local D = run[1]
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', run[2], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_DQ', run[3], 1)
@@ -1223,7 +1223,7 @@ describe('bench/gpu.lua', function()
                     '== decoding', '200      auto', '== training step: Llama tiny', 'checkpoint (except attention)', 'tokens/s',
                     'one step: forward ', 'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=64: ',
                     "N 128: fastest fused forward + backward '", "x the default 'bf16 fused'",
-                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', '== the TMA kernels', 'fused tma', 'fused ws', 'fused ws+dkvws', 'fused all ws', 'fused 128+dkvws',
+                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', '== the TMA kernels', 'fused tma', 'fused ws', 'fused wspp', 'fused ws+dkvws', 'fused all ws', 'fused 128+dkvws',
                     'step with ULY_CUDA_ATTN_FWD=ws ULY_CUDA_ATTN_DQ=ws ULY_CUDA_ATTN_DKV=ws: ',
                     'attention at the step\'s shape' }
     if MODE == 'emu' then   -- and raw cuBLAS ran (no n/a), and the profiled step
@@ -1397,11 +1397,13 @@ end)
 -- context unusable, and every later spec would fail with it.
 describe('fused attention on TMA (mixed precision)', function()
   -- the forward with TMA loads and mbarriers, and warp-specialised (a TMA producer warp, two
-  -- consumer warpgroups); the packed and split case keeps cp.async
+  -- consumer warpgroups; with ping-pong: the two take turns at the tensor cores); the packed and
+  -- split case keeps cp.async
   it('give the mma.sync kernels\' numbers (D = 64, 128; packed, split, masked)', function()
     if not REAL then return end   -- the simulation has no fused kernels
     check_wgmma_variants({ { 'tma', 'TMA wgmma forward' },
-                           { 'ws', 'warp-specialised wgmma forward, dK/dV and dQ', 'ws', 'ws' } })
+                           { 'ws', 'warp-specialised wgmma forward, dK/dV and dQ', 'ws', 'ws' },
+                           { 'wspp', 'warp-specialised wgmma forward with ping-pong' } })
   end)
 
   -- the warp-specialised backward (ULY_CUDA_ATTN_DKV=ws: 128 keys a block, Q, dO and the

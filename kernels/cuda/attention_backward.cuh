@@ -431,15 +431,7 @@ fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtenso
     const int64_t nt = (g.Tk + 127) / 128, tile = (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
     const int64_t b = bh / g.Hkv, hk = bh % g.Hkv, jb = tile * 128;
     const int wg = threadIdx.x >> 7;   /* 0, 1: the consumers; 2: the producer */
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < WS_STAGES; i++) {
-            mbar_init(&full[i], 1);
-            mbar_init(&empty[i], 2 * FA_THREADS);
-        }
-        mbar_init(kvbar, 1);
-        mbar_init_fence();
-    }
-    __syncthreads();   /* the last block-wide barrier */
+    start_ws_ring(full, empty, kvbar);   /* and the last block-wide barrier */
     if (wg == 2) {
         regs_shrink_to<DKV_WS_REGS_P>();
         query_walk<T> w = start_query_walk<T>(g, hk, jb);
@@ -670,15 +662,7 @@ fa_backward_dq_ws(float *dq, geom g, const __grid_constant__ CUtensorMap mq, con
     const int64_t nt = (g.Tq + 127) / 128, tile = nt - 1 - (int64_t)blockIdx.x % nt, bh = (int64_t)blockIdx.x / nt;
     const int64_t b = bh / g.H, h = bh % g.H, hk = h / (g.H / g.Hkv), ib = tile * 128;   /* longest bands first */
     const int wg = threadIdx.x >> 7;   /* 0, 1: the consumers; 2: the producer */
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < WS_STAGES; i++) {
-            mbar_init(&full[i], 1);
-            mbar_init(&empty[i], 2 * FA_THREADS);
-        }
-        mbar_init(qbar, 1);
-        mbar_init_fence();
-    }
-    __syncthreads();   /* the last block-wide barrier */
+    start_ws_ring(full, empty, qbar);   /* and the last block-wide barrier */
     if (wg == 2) {
         regs_shrink_to<DKV_WS_REGS_P>();
         int64_t lo, hi;

@@ -600,11 +600,27 @@ fa_forward_tma(float *out, float *lse, geom g, const __grid_constant__ CUtensorM
 #endif
 }
 
+#if ULY_HAS_WGMMA
+/* a warp-specialised block's mbarriers, made by thread 0 before the block's last barrier: per
+ * stage of the ring full (one arrival, the producer's, and the stage's bytes) and empty (one
+ * arrival from each of the 256 consumer threads), and `once` (one arrival and the bytes of the
+ * tiles loaded once) */
+__device__ static inline void start_ws_ring(uint64_t *full, uint64_t *empty, uint64_t *once) {
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < WS_STAGES; i++) {
+            mbar_init(&full[i], 1);
+            mbar_init(&empty[i], 2 * FA_THREADS);
+        }
+        mbar_init(once, 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+}
+
 /* a warp-specialised kernel's producer (one thread) over the key tiles of the rows rs from j0 (up
  * to key hi; next_key_tile's walk, 64 keys a tile): each tile's K and V (64 rows each, by TMA)
  * into stage n % WS_STAGES of sKV, counted on full[stage], after waiting for empty[stage] (both
  * consumer warpgroups gave it back) from the second round of the ring on */
-#if ULY_HAS_WGMMA
 template <int D>
 __device__ static inline void produce_kv_tiles(uint4 *sKV, uint64_t *full, uint64_t *empty, const CUtensorMap *mk,
                                                const CUtensorMap *mv, const geom &g, const row_span &rs, int64_t j0,
@@ -635,8 +651,14 @@ __device__ static inline void produce_kv_tiles(uint4 *sKV, uint64_t *full, uint6
  * consumer threads are done with it. No block barrier in the loop: the producer runs up to
  * WS_STAGES tiles ahead, and a consumer warpgroup waits only for the data. Both consumers walk the
  * block's tiles, skipping the math of one none of their rows see (still waiting for it and giving
- * it back). Without key splits or GQA packing; empty in a pass without wgmma. */
-template <int D>
+ * it back). Without key splits or GQA packing; empty in a pass without wgmma.
+ * PP (ULY_CUDA_ATTN_FWD=wspp): FlashAttention-3's ping-pong: the consumers take turns issuing
+ * their S (named barriers WS_TURN and WS_TURN + 1), so that one's softmax runs while the other's
+ * products have the tensor cores. Warpgroup 1 gives warpgroup 0 the first turn, and warpgroup 0
+ * takes warpgroup 1's last hand-over after the loop: each barrier gets as many arrivals as syncs.
+ * (A hand-over outside the branch that issues and waits had ptxas serialise the wgmmas, C7518.) */
+#define WS_TURN 1
+template <int D, bool PP = false>
 __global__ static void __launch_bounds__(WS_THREADS, WS_MIN_BLOCKS(D))
 fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
               const __grid_constant__ CUtensorMap mv, int *ran_wgmma) {
@@ -658,15 +680,7 @@ fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMa
     int st = TILE_EMPTY;
     int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / 64 * 64, hi, 64, &st) : -1;
     const int wg = threadIdx.x >> 7;   /* 0, 1: the consumers; 2: the producer warp */
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < WS_STAGES; i++) {
-            mbar_init(&full[i], 1);
-            mbar_init(&empty[i], 2 * FA_THREADS);
-        }
-        mbar_init(qbar, 1);
-        mbar_init_fence();
-    }
-    __syncthreads();   /* the last block-wide barrier */
+    start_ws_ring(full, empty, qbar);   /* and the last block-wide barrier */
     if (wg == 2) {
         if (threadIdx.x == 2 * FA_THREADS && j0 >= 0) {
             mbar_expect_tx(qbar, 2 * TILE);
@@ -685,20 +699,33 @@ fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMa
     start_online_softmax<CH>(o, m, l);
     if (j0 >= 0) mbar_wait(qbar, 0);
     unsigned phases = 0;   /* bit i: the parity full[i]'s next wait is for */
+    const bool started = j0 >= 0;
+    if (PP && wg == 1 && started) named_bar_arrive(WS_TURN, 2 * FA_THREADS);   /* warpgroup 0 takes the first turn */
     for (int n = 0; j0 >= 0; n++) {
         const int at = n % WS_STAGES;
         const uint4 *const kv = sKV + at * 128 * CH;
+        int st_next = TILE_EMPTY;
+        const int64_t j_next = next_key_tile(g, rs, j0 + 64, hi, 64, &st_next);
         mbar_wait(&full[at], (phases >> at) & 1);
         phases ^= 1u << at;
         const int mine = wg_tile_state<64>(g, rw, st, j0);   /* the same for the whole warpgroup */
+        if (PP) named_bar_sync(WS_TURN + wg, 2 * FA_THREADS);   /* this warpgroup's turn to issue S */
         if (mine != TILE_EMPTY) {
             float s[8][4];
-            scores_softmax_wg<D, false>(s, sQ, kv, o, m, l, g, b, rows, j0, mine, tq);
+            scores_wg<D / 16>(s, sQ, kv);
+            if (PP) named_bar_arrive(WS_TURN + 1 - wg, 2 * FA_THREADS);   /* the other's turn */
+            wg_wait<0>();
+            wg_fence_regs(&s[0][0], 32);
+            online_softmax<D, false>(s, o, m, l, g, b, rows, j0, mine, tq);
             times_tile_wg_waited<D, 4, 64>(o, s, kv + 64 * CH);   /* O += P V */
+        } else if (PP) {
+            named_bar_arrive(WS_TURN + 1 - wg, 2 * FA_THREADS);
         }
         mbar_arrive(&empty[at]);   /* this thread is done with the stage: its wgmmas were waited for */
-        j0 = next_key_tile(g, rs, j0 + 64, hi, 64, &st);
+        j0 = j_next;
+        st = st_next;
     }
+    if (PP && wg == 0 && started) named_bar_sync(WS_TURN, 2 * FA_THREADS);   /* warpgroup 1's last hand-over */
     store_forward_rows<D, false>(out, lse, g, b, rows, o, m, l, tq, [&](int) { return h; });
 #endif
 }

@@ -72,8 +72,22 @@ static int launched(const char *name) {
     return -1;
 }
 
+/* a kernel's dynamic shared memory limit raised to smem bytes, the first time (*raised); -1 when
+ * that fails (reported as `what`) */
+template <typename Kernel>
+static int allow_smem(Kernel kernel, size_t smem, bool *raised, const char *what) {
+    if (*raised) return 0;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) {
+        uly_cu_fail(what, e);
+        return -1;
+    }
+    *raised = true;
+    return 0;
+}
+
 /* ---- the kernels' variants (bench/gpu.lua times them against the defaults) ----
- * ULY_CUDA_ATTN_FWD: pipelined, rows128, tma, ws; ULY_CUDA_ATTN_DQ: 64, rows128, ws;
+ * ULY_CUDA_ATTN_FWD: pipelined, rows128, tma, ws, wspp; ULY_CUDA_ATTN_DQ: 64, rows128, ws;
  * ULY_CUDA_ATTN_DKV: 64, rows128, ws; ULY_CUDA_ATTN_BWD: onepass, twopass (the default). Unset or
  * empty: the default kernels. An unknown value, or a variant this GPU or driver cannot run (the
  * two-warpgroup kernels need compute capability 9.0, the TMA ones also the driver's tensor-map
@@ -82,8 +96,8 @@ static int launched(const char *name) {
  * e.g. a forward with key splits, run the default without a word: that is by design.) */
 enum { V_FWD, V_DQ, V_DKV, V_BWD };
 static const char *const variant_vars[] = {"ULY_CUDA_ATTN_FWD", "ULY_CUDA_ATTN_DQ", "ULY_CUDA_ATTN_DKV", "ULY_CUDA_ATTN_BWD"};
-static const char *const variant_names[][5] = {
-    {"pipelined", "rows128", "tma", "ws", NULL}, {"64", "rows128", "ws", NULL}, {"64", "rows128", "ws", NULL}, {"onepass", "twopass", NULL}};
+static const char *const variant_names[][6] = {
+    {"pipelined", "rows128", "tma", "ws", "wspp", NULL}, {"64", "rows128", "ws", NULL}, {"64", "rows128", "ws", NULL}, {"onepass", "twopass", NULL}};
 static void variant_note(int v, const char *value, const char *why) {
     static char said[4][32];   /* the value last reported, per variable */
     if (!strncmp(said[v], value, sizeof said[v] - 1)) return;
@@ -182,11 +196,7 @@ static void launch_forward_rows128(float *out, float *lse, const geom &g, const 
                                    int *ran) {
     const size_t smem = 5 * 64 * (D / 8) * 16 + 1024;   /* V, two K tiles, 128 rows of Q, + 1 KiB to align them */
     static bool raised;
-    if (!raised) {
-        cudaError_t e = cudaFuncSetAttribute(fa_forward_rows128<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (e != cudaSuccess) { uly_cu_fail("fused flash attention forward (wgmma, 128 rows): shared memory", e); return; }
-        raised = true;
-    }
+    if (allow_smem(fa_forward_rows128<D>, smem, &raised, "fused flash attention forward (wgmma, 128 rows): shared memory")) return;
     char name[64] = "";   /* for the profiler */
     if (uly_cu_prof_on) snprintf(name, sizeof name, "attention forward D %d wgmma (128 rows)", D);
     const int64_t blocks = (g.Tq + 127) / 128 * g.B * g.H;
@@ -211,11 +221,14 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
     return fn;
 }
 /* ULY_CUDA_ATTN_FWD=tma: the wgmma forward with TMA loads (fa_forward_tma); ws: warp-specialised
- * (fa_forward_ws: a TMA producer warp, two consumer warpgroups); where one would run unpipelined
- * without key splits or GQA packing. bench/gpu.lua times them beside the default. 0: neither. */
+ * (fa_forward_ws: a TMA producer warp, two consumer warpgroups); wspp: that with ping-pong; where
+ * one would run unpipelined without key splits or GQA packing. bench/gpu.lua times them beside
+ * the default. 0: none. */
 static int forward_tma(void) {
     const int ok = two_warpgroup_build_loads() && tensor_map_encoder();
-    return variant_runs(V_FWD, "tma", ok, NO_TMA) ? 1 : variant_runs(V_FWD, "ws", ok, NO_TMA) ? 2 : 0;
+    if (variant_runs(V_FWD, "tma", ok, NO_TMA)) return 1;
+    if (variant_runs(V_FWD, "ws", ok, NO_TMA)) return 2;
+    return variant_runs(V_FWD, "wspp", ok, NO_TMA) ? 3 : 0;
 }
 /* the map of a [B, T, heads, D] bf16 tensor in boxes of `rows` rows (64 unless said) x 64 elements
  * of one head, landing 128-byte swizzled; -1 when the driver refuses it (e.g. a base not 16-byte
@@ -242,7 +255,7 @@ static int flat_map(CUtensorMap *m, const float *base, int64_t n, int box) {
                ? 0
                : -1;
 }
-/* which (1: fa_forward_tma, 2: fa_forward_ws); 0 when launched, -1 when a map could not be made
+/* which (1: fa_forward_tma, 2: fa_forward_ws, 3: it with ping-pong); 0 when launched, -1 when a map could not be made
  * (the caller launches the cp.async kernel) */
 template <int D>
 static int launch_forward_tma(int which, float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k,
@@ -250,20 +263,18 @@ static int launch_forward_tma(int which, float *out, float *lse, const geom &g, 
     CUtensorMap mq, mk, mv;
     if (tile_map(&mq, q, g.B, g.Tq, g.H, D) || tile_map(&mk, k, g.B, g.Tk, g.Hkv, D) || tile_map(&mv, v, g.B, g.Tk, g.Hkv, D))
         return -1;
-    auto kernel = which == 2 ? fa_forward_ws<D> : fa_forward_tma<D>;
+    const int ws = which >= 2;
+    auto kernel = which == 3 ? fa_forward_ws<D, true> : which == 2 ? fa_forward_ws<D, false> : fa_forward_tma<D>;
     /* + 1 KiB to align the tiles, and the mbarriers; tma: Q, V, two K tiles; ws: 128 rows of Q, K and V a stage */
-    const size_t tile = 64 * (D / 8) * 16, smem = which == 2 ? (2 + 2 * WS_STAGES) * tile + 1024 + (2 * WS_STAGES + 1) * 8
+    const size_t tile = 64 * (D / 8) * 16, smem = ws ? (2 + 2 * WS_STAGES) * tile + 1024 + (2 * WS_STAGES + 1) * 8
                                                             : 4 * tile + 1024 + 3 * 8;
-    static bool raised[2];
-    if (!raised[which - 1]) {
-        cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (e != cudaSuccess) { uly_cu_fail("fused flash attention forward (wgmma, TMA): shared memory", e); return 0; }
-        raised[which - 1] = true;
-    }
+    static bool raised[3];
+    if (allow_smem(kernel, smem, &raised[which - 1], "fused flash attention forward (wgmma, TMA): shared memory")) return 0;
     char name[64] = "";   /* for the profiler */
-    if (uly_cu_prof_on) snprintf(name, sizeof name, "attention forward D %d wgmma (TMA%s)", D, which == 2 ? ", warp-specialised" : "");
-    const int64_t blocks = which == 2 ? (g.Tq + 127) / 128 * g.B * g.H : (g.Tq + 63) / 64 * g.B * g.H;
-    ULY_LAUNCH_SMEM_AS(name, kernel, blocks, which == 2 ? WS_THREADS : FA_THREADS, smem, uly_cu_stream)(out, lse, g, mq, mk,
+    if (uly_cu_prof_on) snprintf(name, sizeof name, "attention forward D %d wgmma (TMA%s)", D,
+                                  which == 3 ? ", warp-specialised, ping-pong" : ws ? ", warp-specialised" : "");
+    const int64_t blocks = ws ? (g.Tq + 127) / 128 * g.B * g.H : (g.Tq + 63) / 64 * g.B * g.H;
+    ULY_LAUNCH_SMEM_AS(name, kernel, blocks, ws ? WS_THREADS : FA_THREADS, smem, uly_cu_stream)(out, lse, g, mq, mk,
                                                                                                      mv, ran);
     return 0;
 }
@@ -281,18 +292,14 @@ static void launch_forward(int64_t blocks, float *out, float *lse, const geom &g
         const int tma = splits == 1 ? forward_tma() : 0;
         if (tma) {
             if (launch_forward_tma<D>(tma, out, lse, g, q, k, v, ran) == 0) return;
-            variant_note(V_FWD, tma == 1 ? "tma" : "ws", MAP_REFUSED);
+            variant_note(V_FWD, tma == 1 ? "tma" : tma == 2 ? "ws" : "wspp", MAP_REFUSED);
         }
     }
     if (WG) {
         const size_t smem = 4 * 64 * (D / 8) * 16 + 1024;   /* Q, V and two K tiles, + 1 KiB to align them */
         static bool raised;
-        if (!raised) {
-            cudaError_t e = cudaFuncSetAttribute(fa_forward<D, grouped, WG, PIPE>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-            if (e != cudaSuccess) { uly_cu_fail("fused flash attention forward (wgmma): shared memory", e); return; }
-            raised = true;
-        }
+        if (allow_smem(fa_forward<D, grouped, WG, PIPE>, smem, &raised, "fused flash attention forward (wgmma): shared memory"))
+            return;
         char name[64] = "";   /* for the profiler */
         if (uly_cu_prof_on) snprintf(name, sizeof name, "attention forward D %d wgmma%s%s", D, grouped ? " grouped" : "", PIPE ? " pipelined" : "");
         ULY_LAUNCH_SMEM_AS(name, (fa_forward<D, grouped, WG, PIPE>), blocks, FA_THREADS, smem, uly_cu_stream)(
@@ -362,11 +369,8 @@ static int launch_dq_ws(float *dq, const geom &g, const bf16 *q, const bf16 *k, 
     /* + 1 KiB to align the tiles: both warpgroups' Q and dO, per stage K and V, the mbarriers */
     const size_t tile = 64 * (D / 8) * 16, smem = 1024 + (4 + 2 * WS_STAGES) * tile + (2 * WS_STAGES + 1) * 8;
     static bool raised;
-    if (!raised) {
-        cudaError_t e = cudaFuncSetAttribute(fa_backward_dq_ws<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dQ; warp-specialised): shared memory", e); return 0; }
-        raised = true;
-    }
+    if (allow_smem(fa_backward_dq_ws<D>, smem, &raised, "fused flash attention backward (dQ; warp-specialised): shared memory"))
+        return 0;
     char name[80] = "";   /* for the profiler */
     if (uly_cu_prof_on) snprintf(name, sizeof name, "attention backward dQ D %d wgmma (128 rows, TMA, warp-specialised)", D);
     const int64_t blocks = (g.Tq + 127) / 128 * g.B * g.H;
@@ -436,11 +440,8 @@ static int launch_dkv_ws(float *dk, float *dv, const geom &g, const bf16 *q, con
     /* + 1 KiB to align the tiles: both warpgroups' K and V, per stage Q, dO, lse and delta, the mbarriers */
     const size_t smem = 1024 + 4 * 64 * (D / 8) * 16 + WS_STAGES * (2 * T * (D / 8) * 16 + 2 * T * 4) + (2 * WS_STAGES + 1) * 8;
     static bool raised;
-    if (!raised) {
-        cudaError_t e = cudaFuncSetAttribute(fa_backward_dkv_ws<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (e != cudaSuccess) { uly_cu_fail("fused flash attention backward (dK, dV; warp-specialised): shared memory", e); return 0; }
-        raised = true;
-    }
+    if (allow_smem(fa_backward_dkv_ws<D>, smem, &raised, "fused flash attention backward (dK, dV; warp-specialised): shared memory"))
+        return 0;
     char name[80] = "";   /* for the profiler */
     if (uly_cu_prof_on) snprintf(name, sizeof name, "attention backward dK dV D %d wgmma (128 keys, TMA, warp-specialised)", D);
     const int64_t blocks = (g.Tk + 127) / 128 * g.B * g.Hkv;

@@ -29,6 +29,8 @@ template <int N>
 __device__ static inline void regs_shrink_to(void) {}
 template <int N>
 __device__ static inline void regs_grow_to(void) {}
+__device__ static inline void named_bar_sync(unsigned id, unsigned count) { uly_emu::named_sync(id, count); }
+__device__ static inline void named_bar_arrive(unsigned id, unsigned count) { uly_emu::named_arrive(id, count); }
 #elif ULY_HAS_WGMMA
 __device__ static inline uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ static inline void mbar_init(uint64_t *bar, unsigned count) {
@@ -73,6 +75,14 @@ template <int N>
 __device__ static inline void regs_shrink_to(void) { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N>
 __device__ static inline void regs_grow_to(void) { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+/* named barriers (not 0, __syncthreads'): sync waits until `count` threads (whole warps) have
+ * arrived, these included; arrive counts without waiting. Two warpgroups take turns with a pair */
+__device__ static inline void named_bar_sync(unsigned id, unsigned count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ static inline void named_bar_arrive(unsigned id, unsigned count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 __device__ static inline void tma_load_1d(void *dst, const CUtensorMap *map, int c0, uint64_t *bar) {
     asm volatile("cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2}], [%3];\n"
                  ::"r"(smem_u32(dst)), "l"((uint64_t)map), "r"(c0), "r"(smem_u32(bar))

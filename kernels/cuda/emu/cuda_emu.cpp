@@ -33,7 +33,7 @@ __asm__(".text\n.globl uly_emu_swap\n.type uly_emu_swap,@function\nuly_emu_swap:
 
 namespace uly_emu {
 namespace {
-enum { NONE = 0, BLOCK = 1, WARP = 2, SPIN = 3 };   /* SPIN: an mbarrier wait, retried each round */
+enum { NONE = 0, BLOCK = 1, WARP = 2, SPIN = 3, NAMED = 4 };   /* SPIN: an mbarrier wait, retried each round */
 const size_t STACK = 64 << 10;
 
 /* a cp.async copy not yet done: it happens at the cp.async.wait_group that covers its group */
@@ -63,7 +63,7 @@ struct fiber {
     ucontext_t ctx;
 #endif
     int done, wait;
-    unsigned gen;
+    unsigned gen, bar_id;   /* bar_id: the named barrier a NAMED wait is at */
     std::vector<async_copy> copies;   /* issued, not yet waited for */
     unsigned commits;                 /* groups committed so far */
     std::vector<wgmma_op> wgmmas;     /* queued, not yet waited for */
@@ -93,6 +93,7 @@ struct block_state {
     std::vector<unsigned char> gathered;   /* 64 bytes per lane for warp_gather */
     int eager_copies;                      /* cp.async done at issue (ULY_EMU_ASYNC=eager) */
     std::map<uintptr_t, mbar_state> mbars;   /* the block's mbarriers, by shared-memory address */
+    unsigned named_arrived[16], named_count[16];   /* named barriers: arrivals so far, and the count they wait for */
     std::vector<tma_op> tma;                 /* its TMA loads in flight */
 } B;
 
@@ -204,6 +205,7 @@ void run_grid(unsigned blocks, unsigned threads, size_t dynamic_smem, const std:
         B.alive = threads;
         B.mbars.clear();
         B.tma.clear();
+        for (int i = 0; i < 16; i++) B.named_arrived[i] = B.named_count[i] = 0;
         B.block_gen = B.block_waiting = 0;
         for (unsigned w = 0; w < warps; w++) {
             B.warp_waiting[w] = 0;
@@ -268,10 +270,45 @@ void run_grid(unsigned blocks, unsigned threads, size_t dynamic_smem, const std:
             fprintf(stderr, "cuda emulator: block %u ended with %zu TMA loads no thread waited for\n", b, B.tma.size());
             abort();
         }
+        for (int i = 1; i < 16; i++)
+            if (B.named_arrived[i]) {
+                fprintf(stderr, "cuda emulator: block %u ended with named barrier %d at %u of its %u arrivals\n", b, i,
+                        B.named_arrived[i], B.named_count[i]);
+                abort();
+            }
     }
 }
 
 void sync_block() { wait_at(BLOCK); }
+
+namespace {
+/* one more arrival at named barrier id; 1 when it completed (its waiters released) */
+int named_arrival(unsigned id, unsigned count) {
+    if (id < 1 || id > 15 || count == 0 || count % 32 || count > B.n) {
+        fprintf(stderr, "cuda emulator: named barrier %u with a count of %u threads (ids 1 to 15, counts of whole warps "
+                        "up to the block's %u)\n", id, count, B.n);
+        abort();
+    }
+    if (B.named_arrived[id] && B.named_count[id] != count) {
+        fprintf(stderr, "cuda emulator: named barrier %u used with counts %u and %u at once\n", id, B.named_count[id], count);
+        abort();
+    }
+    B.named_count[id] = count;
+    if (++B.named_arrived[id] < count) return 0;
+    B.named_arrived[id] = 0;
+    for (auto &f : B.fibers)
+        if (f.wait == NAMED && f.bar_id == id) f.wait = NONE;
+    return 1;
+}
+} // namespace
+void named_sync(unsigned id, unsigned count) {
+    if (named_arrival(id, count)) return;
+    fiber &f = B.fibers[B.cur];
+    f.wait = NAMED;
+    f.bar_id = id;
+    to_scheduler(f);
+}
+void named_arrive(unsigned id, unsigned count) { named_arrival(id, count); }
 
 /* ---- TMA: the emulator's tensor maps, mbarriers, tiled loads ---- */
 namespace {

@@ -17,6 +17,8 @@
  *  - TMA loads land at the first mbarrier wait on their barrier (or at issue, eager), in the
  *    128-byte swizzle, zeros outside the tensor; an mbarrier wait yields until its phase
  *    completes (kernels/cuda/tma.cuh; a wait nothing can complete is reported as a deadlock);
+ *  - named barriers (bar.sync / bar.arrive, warpgroups taking turns) count their arrivals; a
+ *    block that ends with one part-arrived is reported; setmaxnreg does nothing here;
  *  - cuBLAS and cuBLASLt GEMMs are plain loops (f32 accumulation; bf16 inputs read exactly),
  *    queued on their stream (cublaslt_emu.cpp: descriptors and layouts as given, one algorithm);
  *  - one device, "ulysses CUDA emulator", with the memory limit ULY_EMU_MEMORY (default 4 GiB).
@@ -53,6 +55,11 @@ void run_grid(unsigned blocks, unsigned threads, size_t dynamic_smem, const std:
  * the start of every block, so a read of what no thread wrote shows */
 void *dynamic_shared();
 void sync_block();
+/* named barriers (bar.sync / bar.arrive with an id 1..15 and a thread count): a barrier completes
+ * when `count` threads have arrived, releasing those that wait at it; arrive does not wait. A
+ * block that ends with a barrier part-arrived is reported (an unbalanced protocol) */
+void named_sync(unsigned id, unsigned count);
+void named_arrive(unsigned id, unsigned count);
 uint64_t shuffle_xor(uint64_t bits, int lane_mask);
 /* a warp-wide barrier that hands every lane all 32 lanes' `bytes` (at most 64) in lane order:
  * the emulation of the warp-collective tensor-core instructions (kernels/cuda/mma.cuh) */
