@@ -401,19 +401,20 @@ __device__ static inline query_walk<T> start_query_walk(const geom &g, int64_t h
  * statistics: only masked pairs meet them (P = 0, and dP^T = 0 from Q and dO's zero rows there).
  * Without the one-pass dQ; empty in a pass without wgmma. */
 #define DKV_WS_QT(D) ((D) == 64 ? 64 : 32)
-/* The producer is a whole warpgroup (one thread issuing) so that setmaxnreg can move registers:
+/* WSG_: the warp-specialised backward kernels (dK/dV here, dQ below) with a producer warpgroup.
+ * The producer is a whole warpgroup (one thread issuing) so that setmaxnreg can move registers:
  * ptxas gives each thread of a 288- or 384-thread block 168 (at D 128 the consumers need ~200 and
- * spilled 320 bytes at 168); the producer shrinks to DKV_WS_REGS_P, the consumers grow to
- * DKV_WS_REGS_C (168 x 3 = P + 2 C: the block's registers stay what it launched with). Each side
+ * spilled 320 bytes at 168); the producer shrinks to WSG_REGS_P, the consumers grow to
+ * WSG_REGS_C (168 x 3 = P + 2 C: the block's registers stay what it launched with). Each side
  * starts its walk after the resize: values live across it had ptxas keep the consumers at 168
  * (and spill; at 24 the producer spilled too) */
-#define DKV_WS_THREADS (3 * FA_THREADS)
-#define DKV_WS_REGS_P 40
-#define DKV_WS_REGS_C 232
-static_assert(DKV_WS_REGS_P + 2 * DKV_WS_REGS_C <= 3 * (65536 / DKV_WS_THREADS / 8 * 8),
+#define WSG_THREADS (3 * FA_THREADS)
+#define WSG_REGS_P 40
+#define WSG_REGS_C 232
+static_assert(WSG_REGS_P + 2 * WSG_REGS_C <= 3 * (65536 / WSG_THREADS / 8 * 8),
               "setmaxnreg: the consumers would wait forever for registers the block does not have");
 template <int D>
-__global__ static void __launch_bounds__(DKV_WS_THREADS, WS_MIN_BLOCKS(D))
+__global__ static void __launch_bounds__(WSG_THREADS, WS_MIN_BLOCKS(D))
 fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
                    const __grid_constant__ CUtensorMap mv, const __grid_constant__ CUtensorMap mo,
                    const __grid_constant__ CUtensorMap ml, const __grid_constant__ CUtensorMap md, int *ran_wgmma) {
@@ -433,7 +434,7 @@ fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtenso
     const int wg = threadIdx.x >> 7;   /* 0, 1: the consumers; 2: the producer */
     start_ws_ring(full, empty, kvbar);   /* and the last block-wide barrier */
     if (wg == 2) {
-        regs_shrink_to<DKV_WS_REGS_P>();
+        regs_shrink_to<WSG_REGS_P>();
         query_walk<T> w = start_query_walk<T>(g, hk, jb);
         if (threadIdx.x == 2 * FA_THREADS && w.have) {
             mbar_expect_tx(kvbar, 4 * KTILE);
@@ -461,7 +462,7 @@ fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtenso
         }
         return;
     }
-    regs_grow_to<DKV_WS_REGS_C>();
+    regs_grow_to<WSG_REGS_C>();
     query_walk<T> w = start_query_walk<T>(g, hk, jb);
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, tq = lane & 3;
     const int64_t j0 = jb + 64 * wg;   /* this warpgroup's first key */
@@ -645,7 +646,7 @@ fa_backward_dq(float *dq, geom g, const bf16 *Q, const bf16 *K, const bf16 *V, c
  * fa_backward_dkv_ws (each side works out its walk after the resize). Empty in a pass without
  * wgmma. */
 template <int D>
-__global__ static void __launch_bounds__(DKV_WS_THREADS, WS_MIN_BLOCKS(D))
+__global__ static void __launch_bounds__(WSG_THREADS, WS_MIN_BLOCKS(D))
 fa_backward_dq_ws(float *dq, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
                   const __grid_constant__ CUtensorMap mv, const __grid_constant__ CUtensorMap mo, const float *lse,
                   const float *delta, int *ran_wgmma) {
@@ -664,7 +665,7 @@ fa_backward_dq_ws(float *dq, geom g, const __grid_constant__ CUtensorMap mq, con
     const int wg = threadIdx.x >> 7;   /* 0, 1: the consumers; 2: the producer */
     start_ws_ring(full, empty, qbar);   /* and the last block-wide barrier */
     if (wg == 2) {
-        regs_shrink_to<DKV_WS_REGS_P>();
+        regs_shrink_to<WSG_REGS_P>();
         int64_t lo, hi;
         chunk_band(g, ib, ib + 128 < g.Tq ? ib + 128 : g.Tq, &lo, &hi);
         const row_span rs = span_of_rows(g, ib, ib + 127);
@@ -680,7 +681,7 @@ fa_backward_dq_ws(float *dq, geom g, const __grid_constant__ CUtensorMap mq, con
         }
         return;
     }
-    regs_grow_to<DKV_WS_REGS_C>();
+    regs_grow_to<WSG_REGS_C>();
     int64_t lo, hi;
     chunk_band(g, ib, ib + 128 < g.Tq ? ib + 128 : g.Tq, &lo, &hi);
     const row_span rs = span_of_rows(g, ib, ib + 127);

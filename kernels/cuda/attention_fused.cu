@@ -374,7 +374,7 @@ static int launch_dq_ws(float *dq, const geom &g, const bf16 *q, const bf16 *k, 
     char name[80] = "";   /* for the profiler */
     if (uly_cu_prof_on) snprintf(name, sizeof name, "attention backward dQ D %d wgmma (128 rows, TMA, warp-specialised)", D);
     const int64_t blocks = (g.Tq + 127) / 128 * g.B * g.H;
-    ULY_LAUNCH_SMEM_AS(name, fa_backward_dq_ws<D>, blocks, DKV_WS_THREADS, smem, uly_cu_stream)(dq, g, mq, mk, mv, mo, lse,
+    ULY_LAUNCH_SMEM_AS(name, fa_backward_dq_ws<D>, blocks, WSG_THREADS, smem, uly_cu_stream)(dq, g, mq, mk, mv, mo, lse,
                                                                                               delta, ran);
     return 0;
 }
@@ -445,7 +445,7 @@ static int launch_dkv_ws(float *dk, float *dv, const geom &g, const bf16 *q, con
     char name[80] = "";   /* for the profiler */
     if (uly_cu_prof_on) snprintf(name, sizeof name, "attention backward dK dV D %d wgmma (128 keys, TMA, warp-specialised)", D);
     const int64_t blocks = (g.Tk + 127) / 128 * g.B * g.Hkv;
-    ULY_LAUNCH_SMEM_AS(name, fa_backward_dkv_ws<D>, blocks, DKV_WS_THREADS, smem, uly_cu_stream)(dk, dv, g, mq, mk, mv, mo, ml,
+    ULY_LAUNCH_SMEM_AS(name, fa_backward_dkv_ws<D>, blocks, WSG_THREADS, smem, uly_cu_stream)(dk, dv, g, mq, mk, mv, mo, ml,
                                                                                            md, ran);
     return 0;
 }
