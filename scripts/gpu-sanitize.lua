@@ -1,7 +1,8 @@
 -- scripts/gpu-sanitize.lua — a small run of the bf16 attention kernels, fused
 -- (kernels/cuda/attention_fused.cu: forward, dK/dV, dQ) and chunked (attention.cu: cuBLAS with
 -- the masked softmax and dS row kernels; the fused forward both on wgmma where a Hopper GPU's
--- self-check enables it and on mma.sync), at head dims 32, 64, 128 with causal, window,
+-- self-check enables it and on mma.sync; the two-warpgroup and, last, the TMA and
+-- warp-specialised variants), at head dims 32, 64, 128 with causal, window,
 -- block-sparse and document masks, for scripts/gpu-check.sh to run under NVIDIA's
 -- compute-sanitizer (racecheck: shared-memory hazards between threads; memcheck: out-of-bounds
 -- and misaligned accesses). Small shapes: the tools slow kernels down a hundredfold. Checks the
@@ -44,31 +45,50 @@ local T, failed = 100, false
 uly.manual_seed(7)
 local docs = uly.cat({ uly.full({ 1, 40 }, 0, { dtype = 'i32' }), uly.full({ 1, T - 40 }, 1, { dtype = 'i32' }) }, 2)
 local layout = uly.attention_layouts.from_function(4, 4, function(r, c) return c == 0 or c == r end)
+local cases = { { 'causal', { causal = true } }, { 'window', { window = { 30, 5 } } },
+                { 'layout', { block_layout = layout, block_size = 32, causal = true } },
+                { 'documents', { causal = true, q_doc = docs, k_doc = docs } } }
+-- the variables each path sets: ULY_CUDA_ATTN, _WGMMA, _BWD, _FWD, _DQ, _DKV
+local env = {
+  fused = { 'fused', '', '', '', '', '' },            -- its kernels on wgmma where the self-check put them (Hopper)
+  ['fused-mma'] = { 'fused', '0', '', '', '', '' },   -- on mma.sync
+  ['fused-1pass'] = { 'fused', '', 'onepass', '', '', '' },   -- dQ with atomics from dK/dV (D 32, 64; 128: two passes)
+  ['fused-pipe'] = { 'fused', '', '', 'pipelined', '', '' },  -- the next tile's S issued before this softmax
+  chunked = { 'chunked', '', '', '', '', '' },
+  ['fused-128'] = { 'fused', '', '', 'rows128', 'rows128', 'rows128' },   -- two warpgroups a block
+  ['fused-ws'] = { 'fused', '', '', 'ws', 'ws', 'ws' },   -- warp-specialised on TMA
+  ['fused-wspp'] = { 'fused', '', '', 'wspp', '', '' },   -- its forward's ping-pong
+}
+local names = { 'ULY_CUDA_ATTN', 'ULY_CUDA_ATTN_WGMMA', 'ULY_CUDA_ATTN_BWD', 'ULY_CUDA_ATTN_FWD', 'ULY_CUDA_ATTN_DQ',
+                'ULY_CUDA_ATTN_DKV' }
+local inputs = {}
 for _, D in ipairs({ 32, 64, 128 }) do
   local r = function(t) return t:bf16():float() end
-  local q, k, v = r(uly.randn(1, T, 4, D)), r(uly.randn(1, T, 2, D)), r(uly.randn(1, T, 2, D))
-  for _, case in ipairs({ { 'causal', { causal = true } }, { 'window', { window = { 30, 5 } } },
-                          { 'layout', { block_layout = layout, block_size = 32, causal = true } },
-                          { 'documents', { causal = true, q_doc = docs, k_doc = docs } } }) do
-    local name, opts = case[1], case[2]
-    local cpu = run('cpu', 'f32', q, k, v, opts)
-    -- fused: its forward on wgmma where the self-check put it (Hopper); fused-mma: on mma.sync;
-    -- fused-1pass: dQ with atomics from the dK/dV kernel (D 32, 64; 128 takes two passes);
-    -- fused-pipe: the wgmma forward with the next tile's S issued before this tile's softmax
-    for _, path in ipairs({ 'fused', 'fused-mma', 'fused-1pass', 'fused-pipe', 'chunked' }) do
-      ffi.C.setenv('ULY_CUDA_ATTN', path == 'chunked' and 'chunked' or 'fused', 1)
-      ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', path == 'fused-mma' and '0' or '', 1)
-      ffi.C.setenv('ULY_CUDA_ATTN_BWD', path == 'fused-1pass' and 'onepass' or '', 1)
-      ffi.C.setenv('ULY_CUDA_ATTN_FWD', path == 'fused-pipe' and 'pipelined' or '', 1)
-      local gpu = run('cuda', 'bf16', q, k, v, opts)
-      uly.synchronize('cuda')
-      local worst = 0
-      for i = 1, 4 do worst = math.max(worst, max_rel_err(gpu[i], cpu[i])) end
-      local bad = worst > 2e-2
-      failed = failed or bad
-      print(('D %3d %-9s %-9s max error %.2e of the largest value%s'):format(D, name, path, worst,
-                                                                          bad and '  TOO LARGE' or ''))
-    end
+  inputs[D] = { r(uly.randn(1, T, 4, D)), r(uly.randn(1, T, 2, D)), r(uly.randn(1, T, 2, D)) }
+end
+local function check(D, case, path)
+  local q, k, v = unpack(inputs[D])
+  local name, opts = case[1], case[2]
+  local cpu = run('cpu', 'f32', q, k, v, opts)
+  for i, var in ipairs(names) do ffi.C.setenv(var, env[path][i], 1) end
+  local gpu = run('cuda', 'bf16', q, k, v, opts)
+  uly.synchronize('cuda')
+  for i, var in ipairs(names) do ffi.C.setenv(var, i == 1 and 'fused' or '', 1) end
+  local worst = 0
+  for i = 1, 4 do worst = math.max(worst, max_rel_err(gpu[i], cpu[i])) end
+  local bad = worst > 2e-2
+  failed = failed or bad
+  print(('D %3d %-9s %-11s max error %.2e of the largest value%s'):format(D, name, path, worst, bad and '  TOO LARGE' or ''))
+end
+for _, D in ipairs({ 32, 64, 128 }) do
+  for _, case in ipairs(cases) do
+    for _, path in ipairs({ 'fused', 'fused-mma', 'fused-1pass', 'fused-pipe', 'chunked', 'fused-128' }) do check(D, case, path) end
+  end
+end
+-- last: the TMA kernels (a fault in them, an mbarrier wait that traps, ends the process)
+for _, D in ipairs({ 64, 128 }) do
+  for _, case in ipairs(cases) do
+    for _, path in ipairs({ 'fused-ws', 'fused-wspp' }) do check(D, case, path) end
   end
 end
 print('fused kernels on wgmma: ' .. tostring(uly.cuda.wgmma_status()))

@@ -1393,6 +1393,25 @@ describe('the NCCL watchdog under mpirun', function()
   end)
 end)
 
+-- scripts/gpu-sanitize.lua, which scripts/gpu-check.sh runs under compute-sanitizer on a GPU:
+-- here on the emulator as compute capability 9.0 (so the wgmma, two-warpgroup and TMA variants
+-- it lists run), once (not in the warps-one-at-a-time passes)
+describe('scripts/gpu-sanitize.lua', function()
+  it('runs every path it lists against the CPU on the emulator', function()
+    if MODE ~= 'emu' or os.getenv('ULY_EMU_ORDER') then return end
+    local p = assert(io.popen('env -u ULY_CUDA_ATTN_WGMMA ULY_EMU_CC=9.0 ULY_CUDA_LIB='
+      .. helpers.shq(os.getenv('ULY_CUDA_LIB') or '') .. ' luajit scripts/gpu-sanitize.lua 2>&1; echo "exit=$?"'))
+    local out = p:read('*a')
+    p:close()
+    assert.truthy(out:match('gpu%-sanitize: ok%s+exit=0%s*$'), out)
+    for _, want in ipairs({ 'D 128 documents fused-wspp', 'D  64 causal    fused-ws ', 'D  32 layout    fused-128',
+                            'D 128: on (self-check' }) do
+      assert.truthy(out:find(want, 1, true), 'missing ' .. want .. ' in:\n' .. out)
+    end
+    assert.falsy(out:find('ulysses:', 1, true), out)   -- no variant fell back to the default
+  end)
+end)
+
 -- Last in this file: on a GPU a fault in these kernels (an mbarrier wait that traps) leaves the
 -- context unusable, and every later spec would fail with it.
 describe('fused attention on TMA (mixed precision)', function()
