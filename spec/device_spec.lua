@@ -906,11 +906,13 @@ describe('fused tensor-core attention (mixed precision)', function()
       p:close()
       return out
     end
-    local plain = run('-u ULY_CUDA_ATTN_DKV -u ULY_CUDA_ATTN_FWD')
-    local odd = run('ULY_CUDA_ATTN_DKV=wss ULY_CUDA_ATTN_FWD=fast')
+    local plain = run('-u ULY_CUDA_ATTN_DKV -u ULY_CUDA_ATTN_FWD -u ULY_CUDA_ATTN')
+    local odd = run('ULY_CUDA_ATTN_DKV=wss ULY_CUDA_ATTN_FWD=fast ULY_CUDA_ATTN=chunkd')
     local _, n = odd:gsub('ulysses: ULY_CUDA_ATTN_DKV=wss: unknown %(known: 64, rows128, ws%); running the default kernels', '')
     assert.equal(1, n, odd)
     _, n = odd:gsub('ulysses: ULY_CUDA_ATTN_FWD=fast: unknown %(known: pipelined, rows128, tma, ws, wspp%)', '')
+    assert.equal(1, n, odd)
+    _, n = odd:gsub('ulysses: ULY_CUDA_ATTN=chunkd: unknown %(known: fused, chunked%)', '')
     assert.equal(1, n, odd)
     assert.truthy(plain:match('sum [-%d.e+]+'), plain)
     assert.equal(plain:match('sum [-%d.e+]+'), odd:match('sum [-%d.e+]+'))   -- the default kernels' numbers

@@ -58,13 +58,6 @@
 #include "attention_backward.cuh"   /* fa_backward_dkv, fa_backward_dq */
 
 /* ---- host side ---- */
-int uly_cu_fused_attention_ok(const geom &g) {
-    const char *env = getenv("ULY_CUDA_ATTN");
-    if (env && !strcmp(env, "chunked")) return 0;
-    return (g.D == 32 || g.D == 64 || g.D == 128) && g.Tq > 0 && g.Tk > 0 && g.Tq < ((int64_t)1 << 30) &&
-           g.Tk < ((int64_t)1 << 30);   /* tile_state's row_span holds positions in 32 bits */
-}
-
 static int launched(const char *name) {
     cudaError_t e = cudaGetLastError();
     if (e == cudaSuccess) return 0;
@@ -88,18 +81,24 @@ static int allow_smem(Kernel kernel, size_t smem, bool *raised, const char *what
 
 /* ---- the kernels' variants (bench/gpu.lua times them against the defaults) ----
  * ULY_CUDA_ATTN_FWD: pipelined, rows128, tma, ws, wspp; ULY_CUDA_ATTN_DQ: 64, rows128, ws;
- * ULY_CUDA_ATTN_DKV: 64, rows128, ws; ULY_CUDA_ATTN_BWD: onepass, twopass (the default). Unset or
- * empty: the default kernels. An unknown value, or a variant this GPU or driver cannot run (the
+ * ULY_CUDA_ATTN_DKV: 64, rows128, ws; ULY_CUDA_ATTN_BWD: onepass, twopass (the default); and
+ * ULY_CUDA_ATTN: fused (the default in mixed precision), chunked; ULY_CUDA_ATTN_WGMMA: 0, 1 (see
+ * use_wgmma). Unset or empty: the default kernels. An unknown value, or a variant this GPU or driver cannot run (the
  * two-warpgroup kernels need compute capability 9.0, the TMA ones also the driver's tensor-map
  * encoder), runs the default and says so on stderr, once per variable and value: a benchmark
  * labelled with a variant must not quietly time the default. (Shapes a variant does not cover,
  * e.g. a forward with key splits, run the default without a word: that is by design.) */
-enum { V_FWD, V_DQ, V_DKV, V_BWD };
-static const char *const variant_vars[] = {"ULY_CUDA_ATTN_FWD", "ULY_CUDA_ATTN_DQ", "ULY_CUDA_ATTN_DKV", "ULY_CUDA_ATTN_BWD"};
-static const char *const variant_names[][6] = {
-    {"pipelined", "rows128", "tma", "ws", "wspp", NULL}, {"64", "rows128", "ws", NULL}, {"64", "rows128", "ws", NULL}, {"onepass", "twopass", NULL}};
+enum { V_FWD, V_DQ, V_DKV, V_BWD, V_PATH, V_WGMMA, V_COUNT };
+static const char *const variant_vars[V_COUNT] = {"ULY_CUDA_ATTN_FWD", "ULY_CUDA_ATTN_DQ", "ULY_CUDA_ATTN_DKV",
+                                                  "ULY_CUDA_ATTN_BWD", "ULY_CUDA_ATTN", "ULY_CUDA_ATTN_WGMMA"};
+static const char *const variant_names[V_COUNT][6] = {{"pipelined", "rows128", "tma", "ws", "wspp", NULL},
+                                                      {"64", "rows128", "ws", NULL},
+                                                      {"64", "rows128", "ws", NULL},
+                                                      {"onepass", "twopass", NULL},
+                                                      {"fused", "chunked", NULL},
+                                                      {"0", "1", NULL}};
 static void variant_note(int v, const char *value, const char *why) {
-    static char said[4][32];   /* the value last reported, per variable */
+    static char said[V_COUNT][32];   /* the value last reported, per variable */
     if (!strncmp(said[v], value, sizeof said[v] - 1)) return;
     snprintf(said[v], sizeof said[v], "%s", value);
     fprintf(stderr, "ulysses: %s=%s: %s; running the default kernels\n", variant_vars[v], value, why);
@@ -127,8 +126,15 @@ static int variant_runs(int v, const char *name, int ok, const char *why_not) {
 /* every variable's value checked at each fused attention call (unknown ones reported), also where
  * the kernel that reads it does not run */
 static void check_variants(void) {
-    for (int v = V_FWD; v <= V_BWD; v++) variant(v);
+    for (int v = 0; v < V_COUNT; v++) variant(v);
 }
+/* whether the fused kernels take this attention (ULY_CUDA_ATTN=chunked: never) */
+int uly_cu_fused_attention_ok(const geom &g) {
+    if (!strcmp(variant(V_PATH), "chunked")) return 0;
+    return (g.D == 32 || g.D == 64 || g.D == 128) && g.Tq > 0 && g.Tk > 0 && g.Tq < ((int64_t)1 << 30) &&
+           g.Tk < ((int64_t)1 << 30);   /* tile_state's row_span holds positions in 32 bits */
+}
+
 #define NOT_SM90 "needs compute capability 9.0 (wgmma)"
 #define NO_TMA "needs compute capability 9.0 and the driver's tensor-map encoder (TMA)"
 #define MAP_REFUSED "the driver refused a tensor map of these operands (TMA)"
@@ -590,9 +596,9 @@ static void wgmma_selfcheck(char *why, size_t nwhy, int ok[3]) {
 /* whether `kernel` (WG_FWD, WG_DQ, WG_DKV) at head dim D runs its wgmma build */
 static int use_wgmma(int D, int kernel) {
     if (D != 64 && D != 128) return 0;
-    const char *env = getenv("ULY_CUDA_ATTN_WGMMA");
-    if (env && !strcmp(env, "0")) return 0;
-    if (env && !strcmp(env, "1")) return 1;
+    const char *env = variant(V_WGMMA);
+    if (!strcmp(env, "0")) return 0;
+    if (!strcmp(env, "1")) return 1;
     const int at = D == 128;
     if (wg_state[at][kernel]) return wg_state[at][kernel] > 0;
     int dev = 0, major = 0, minor = 0;
@@ -615,9 +621,9 @@ static int use_wgmma(int D, int kernel) {
 
 extern "C" const char *uly_cuda_wgmma_status(int D) {
     if (D != 64 && D != 128) return "off: head dims other than 64 and 128 have no wgmma kernels";
-    const char *env = getenv("ULY_CUDA_ATTN_WGMMA");
-    if (env && !strcmp(env, "0")) return "off (ULY_CUDA_ATTN_WGMMA=0)";
-    if (env && !strcmp(env, "1")) return "on (ULY_CUDA_ATTN_WGMMA=1, no self-check)";
+    const char *env = variant(V_WGMMA);
+    if (!strcmp(env, "0")) return "off (ULY_CUDA_ATTN_WGMMA=0)";
+    if (!strcmp(env, "1")) return "on (ULY_CUDA_ATTN_WGMMA=1, no self-check)";
     return wg_why[D == 128];
 }
 
