@@ -890,10 +890,10 @@ describe('fused tensor-core attention (mixed precision)', function()
     check_wgmma_variants({ { 'pipelined', 'pipelined wgmma' }, { 'rows128', '128-row wgmma forward and backward' } })
   end)
 
-  -- a variant variable with a value no kernel knows runs the default kernels and says so, once a
-  -- variable and value (bench/gpu.lua labels its rows by these: a typo must not time the default
-  -- under a variant's name)
-  it('names an unknown attention variant on stderr once, and runs the default kernels', function()
+  -- a variant variable with a value no kernel knows, or a variant that cannot run here, runs the
+  -- default kernels and says so, once a variable and value (bench/gpu.lua labels its rows by
+  -- these: a typo must not time the default under a variant's name)
+  it('names an unknown or unrunnable attention variant on stderr once, and runs the default kernels', function()
     if not REAL then return end   -- the simulation has no fused kernels
     local code = "local uly = require 'ulysses'; assert(uly.cuda.ensure()); uly.matmul_precision('bf16'); "
       .. "uly.manual_seed(3); local q = uly.randn(1, 70, 2, 64):cuda(); local s = 0; "
@@ -914,6 +914,10 @@ describe('fused tensor-core attention (mixed precision)', function()
     assert.equal(1, n, odd)
     _, n = odd:gsub('ulysses: ULY_CUDA_ATTN=chunkd: unknown %(known: fused, chunked%)', '')
     assert.equal(1, n, odd)
+    -- a known variant where the wgmma kernels are off runs the default too, and says so
+    local off = run('ULY_CUDA_ATTN_WGMMA=0 ULY_CUDA_ATTN_DKV=ws')
+    _, n = off:gsub('ulysses: ULY_CUDA_ATTN_DKV=ws: needs the wgmma kernels, off here %(uly.cuda.wgmma_status says why%)', '')
+    assert.equal(1, n, off)
     assert.truthy(plain:match('sum [-%d.e+]+'), plain)
     assert.equal(plain:match('sum [-%d.e+]+'), odd:match('sum [-%d.e+]+'))   -- the default kernels' numbers
     assert.falsy(plain:find('ulysses:', 1, true), plain)

@@ -632,9 +632,19 @@ extern "C" const char *uly_cuda_wgmma_status(int D) {
  * block. bench/gpu.lua times them. */
 static int forward_pipelined(void) { return !strcmp(variant(V_FWD), "pipelined"); }
 
+/* use_wgmma, and where it says no at D 64 or 128 while variable v asks for a variant (they all run
+ * on wgmma), the note that the default kernels run instead */
+static int wgmma_for(int D, int kernel, int v) {
+    const int on = use_wgmma(D, kernel);
+    const char *name = variant(v);
+    if (!on && *name && (D == 64 || D == 128))
+        variant_note(v, name, "needs the wgmma kernels, off here (uly.cuda.wgmma_status says why)");
+    return on;
+}
+
 template <int D>
 static int forward_d(float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v) {
-    const int grouped = forward_grouped(g), wg = use_wgmma(D, WG_FWD);
+    const int grouped = forward_grouped(g), wg = wgmma_for(D, WG_FWD, V_FWD);
     int64_t blocks = grouped ? g.B * g.Hkv : (g.Tq + 63) / 64 * g.B * g.H;
     const int splits = forward_splits(g, blocks);
     float *part = NULL;
@@ -681,13 +691,13 @@ static int backward_d(float *dq, float *dk, float *dv, const geom &g, const bf16
     }
     if (dk || dv) {
         int64_t blocks = (g.Tk + 63) / 64 * g.B * g.Hkv;
-        if (use_wgmma(D, WG_DKV)) launch_dkv<D, true>(blocks, dk, dv, g, q, k, v, dout, lse, delta, NULL);
+        if (wgmma_for(D, WG_DKV, V_DKV)) launch_dkv<D, true>(blocks, dk, dv, g, q, k, v, dout, lse, delta, NULL);
         else launch_dkv<D, false>(blocks, dk, dv, g, q, k, v, dout, lse, delta, NULL);
         if (launched("fused flash attention backward (dK, dV)")) return -1;
     }
     if (dq) {
         int64_t blocks = (g.Tq + 63) / 64 * g.B * g.H;
-        if (use_wgmma(D, WG_DQ)) launch_dq<D, true>(blocks, dq, g, q, k, v, dout, lse, delta, NULL);
+        if (wgmma_for(D, WG_DQ, V_DQ)) launch_dq<D, true>(blocks, dq, g, q, k, v, dout, lse, delta, NULL);
         else launch_dq<D, false>(blocks, dq, g, q, k, v, dout, lse, delta, NULL);
         if (launched("fused flash attention backward (dQ)")) return -1;
     }
