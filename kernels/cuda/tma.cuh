@@ -1,13 +1,13 @@
-/* kernels/cuda/tma.cuh — Hopper's tensor memory accelerator (sm_90a, and the emulator): mbarriers
- * in shared memory and 4-d (tiles) and 1-d (rows of statistics) tiled loads of a tensor map's box
- * into shared memory. One thread issues
- * a tile's load (mbar_expect_tx: one arrival and the bytes to come, then tma_load_4d), every
- * thread that reads the tile waits on the barrier's phase (mbar_wait with the phase's parity, 0
- * first, flipping with each use); mbar_arrive is a plain arrival (a buffer given back). The box
- * lands in the 128-byte swizzle that wgmma reads (chunk c of 128-byte line r at chunk c ^ (r % 8),
- * the destination 1024-byte aligned; unswizzled, 128), with zeros where the box leaves the tensor; its bytes count
- * in full either way. No cp.async, no per-thread address arithmetic: the loads leave the warps'
- * instruction stream. */
+/* kernels/cuda/tma.cuh — Hopper's tensor memory accelerator and warp specialisation (sm_90a, and
+ * the emulator): mbarriers in shared memory, 4-d (tiles) and 1-d (rows of statistics) tiled loads
+ * of a tensor map's box into shared memory, setmaxnreg and named barriers. One thread issues a
+ * tile's load (mbar_expect_tx: one arrival and the bytes to come, then tma_load_4d), every thread
+ * that reads the tile waits on the barrier's phase (mbar_wait with the phase's parity, 0 first,
+ * flipping with each use); mbar_arrive is a plain arrival (a buffer given back). The box lands in
+ * the 128-byte swizzle that wgmma reads (chunk c of 128-byte line r at chunk c ^ (r % 8), the
+ * destination 1024-byte aligned; unswizzled, 128-byte aligned), with zeros where the box leaves
+ * the tensor; its bytes count in full either way. No cp.async, no per-thread address arithmetic:
+ * the loads leave the warps' instruction stream. */
 #pragma once
 #include <stdint.h>
 #include <cuda.h>
