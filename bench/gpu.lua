@@ -252,8 +252,8 @@ do
 end
 
 ---------------------------------------------------------------- 3. training step
--- variant_step(fwd, dq, dkv): one step with those attention variants, as a line (section 4 times
--- the TMA kernels' step with it, last)
+-- variant_step(fwd, dq, dkv[, bwd]): one step with those attention variants (ULY_CUDA_ATTN_FWD,
+-- _DQ, _DKV, _BWD), as a line (section 4 times the TMA kernels' steps with it, last)
 local variant_step
 if opts.step then
   local Llama = require 'models.llama'
@@ -326,10 +326,10 @@ if opts.step then
   -- forward and dQ with 64-query dK/dV, and with 128-key dK/dV; the defaults should follow
   -- whichever is faster (the TMA kernels: section 4)
   variant_step = function(...)
-    local env, names, set = { ... }, { 'ULY_CUDA_ATTN_FWD', 'ULY_CUDA_ATTN_DQ', 'ULY_CUDA_ATTN_DKV' }, {}
+    local env, names, set = { ... }, { 'ULY_CUDA_ATTN_FWD', 'ULY_CUDA_ATTN_DQ', 'ULY_CUDA_ATTN_DKV', 'ULY_CUDA_ATTN_BWD' }, {}
     for i, name in ipairs(names) do
-      ffi.C.setenv(name, env[i], 1)
-      if env[i] ~= '' then set[#set + 1] = name .. '=' .. env[i] end
+      ffi.C.setenv(name, env[i] or '', 1)
+      if (env[i] or '') ~= '' then set[#set + 1] = name .. '=' .. env[i] end
     end
     uly.matmul_precision('bf16')
     local variant_s = time(function()
@@ -370,15 +370,17 @@ end
 -- Last: a fault in these kernels on a GPU (an mbarrier wait that never completes traps) leaves
 -- the context unusable for anything after it. The default fused kernels beside the forward with
 -- TMA loads (ULY_CUDA_ATTN_FWD=tma), the warp-specialised forward (ws; wspp: with ping-pong), it
--- with the warp-specialised dK/dV (ULY_CUDA_ATTN_DKV=ws) and dQ too (ULY_CUDA_ATTN_DQ=ws), and
--- that dK/dV after the 128-row forward and dQ, at the two head dims (D 64 at the 1b preset's 32
--- heads).
+-- with the warp-specialised dK/dV (ULY_CUDA_ATTN_DKV=ws) and dQ too (ULY_CUDA_ATTN_DQ=ws), or
+-- with that dK/dV adding dQ in one pass (ULY_CUDA_ATTN_BWD=onepass, D 64; at D 128 it is the
+-- two passes), and that dK/dV after the 128-row forward and dQ, at the two head dims (D 64 at the
+-- 1b preset's 32 heads).
 do
   local tma_paths = { all_paths[3], { 'fused tma', 'bf16', 'fused', '', '', 'tma', '', '' },
                       { 'fused ws', 'bf16', 'fused', '', '', 'ws', '', '' },
                       { 'fused wspp', 'bf16', 'fused', '', '', 'wspp', '', '' },
                       { 'fused ws+dkvws', 'bf16', 'fused', '', '', 'ws', 'ws', '' },
                       { 'fused all ws', 'bf16', 'fused', '', '', 'ws', 'ws', 'ws' },
+                      { 'fused ws 1-pass', 'bf16', 'fused', '', 'onepass', 'ws', 'ws', '' },
                       { 'fused 128+dkvws', 'bf16', 'fused', '', '', 'rows128', 'ws', 'rows128' } }
   print('\n== the TMA kernels (last: a fault in them ends the run)')
   for _, hd in ipairs({ { opts.quick and 2 or 16, opts.quick and 64 or 128 }, { opts.quick and 2 or 32, 64 } }) do
@@ -386,7 +388,9 @@ do
     if not ok then print(('TMA kernels at D %d: %s'):format(hd[2], tostring(err))) break end
   end
   if variant_step then   -- the training step of section 3 on the warp-specialised kernels
-    local ok, line = pcall(variant_step, 'ws', 'ws', 'ws')
-    print(ok and line or ('step on the warp-specialised kernels: ' .. tostring(line)))
+    for _, v in ipairs({ { 'ws', 'ws', 'ws' }, { 'ws', '', 'ws', 'onepass' } }) do
+      local ok, line = pcall(variant_step, unpack(v))
+      print(ok and line or ('step on the warp-specialised kernels: ' .. tostring(line)))
+    end
   end
 end

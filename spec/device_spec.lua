@@ -1030,8 +1030,10 @@ describe('fused tensor-core attention (mixed precision)', function()
     for _, run in ipairs({ { 32, '', '', '' }, { 64, '', '', '' }, { 64, '64', '64', '' },
                            { 64, 'rows128', 'rows128', 'rows128' }, { 128, '', 'rows128', 'rows128' },
                            { 128, 'rows128', '', '' }, MODE == 'emu' and { 64, '', '', 'tma' } or nil,
-                           MODE == 'emu' and { 64, 'ws', 'ws', 'ws' } or nil, MODE == 'emu' and { 128, 'ws', 'ws', 'wspp' } or nil }) do
+                           MODE == 'emu' and { 64, 'ws', 'ws', 'ws' } or nil, MODE == 'emu' and { 128, 'ws', 'ws', 'wspp' } or nil,
+                           MODE == 'emu' and { 64, 'ws', '', '', 'onepass' } or nil }) do
       local D = run[1]
+      ffi.C.setenv('ULY_CUDA_ATTN_BWD', run[5] or '', 1)
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', run[2], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_DQ', run[3], 1)
       ffi.C.setenv('ULY_CUDA_ATTN_FWD', run[4], 1)
@@ -1060,13 +1062,15 @@ describe('fused tensor-core attention (mixed precision)', function()
               tolerance = function(name) return name == 'grad q' and 0.05 or 1e-2 end })
           if not ok then
             clear_attention_variants()
+            ffi.C.setenv('ULY_CUDA_ATTN_BWD', '', 1)
           end
-          assert(ok, ('D %d (ULY_CUDA_ATTN_DKV=%s DQ=%s FWD=%s), Tq %d, Tk %d, %s keys: %s'):format(D, run[2], run[3], run[4],
-                 Tq, Tk, dir > 0 and 'rising' or 'falling', tostring(err)))
+          assert(ok, ('D %d (ULY_CUDA_ATTN_DKV=%s DQ=%s FWD=%s BWD=%s), Tq %d, Tk %d, %s keys: %s'):format(D, run[2], run[3],
+                 run[4], run[5] or '', Tq, Tk, dir > 0 and 'rising' or 'falling', tostring(err)))
         end
       end
     end
     clear_attention_variants()
+    ffi.C.setenv('ULY_CUDA_ATTN_BWD', '', 1)
   end)
 
   -- ULY_CUDA_ATTN_DKV=64 / ULY_CUDA_ATTN_DQ=64: the backward kernels' wgmma variants with 64-query
@@ -1229,8 +1233,9 @@ describe('bench/gpu.lua', function()
                     '== decoding', '200      auto', '== training step: Llama tiny', 'checkpoint (except attention)', 'tokens/s',
                     'one step: forward ', 'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=64: ',
                     "N 128: fastest fused forward + backward '", "x the default 'bf16 fused'",
-                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', '== the TMA kernels', 'fused tma', 'fused ws', 'fused wspp', 'fused ws+dkvws', 'fused all ws', 'fused 128+dkvws',
+                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', '== the TMA kernels', 'fused tma', 'fused ws', 'fused wspp', 'fused ws+dkvws', 'fused all ws', 'fused ws 1-pass', 'fused 128+dkvws',
                     'step with ULY_CUDA_ATTN_FWD=ws ULY_CUDA_ATTN_DQ=ws ULY_CUDA_ATTN_DKV=ws: ',
+                    'step with ULY_CUDA_ATTN_FWD=ws ULY_CUDA_ATTN_DKV=ws ULY_CUDA_ATTN_BWD=onepass: ',
                     'attention at the step\'s shape' }
     if MODE == 'emu' then   -- and raw cuBLAS ran (no n/a), and the profiled step
       for _, w in ipairs({ 'ulysses CUDA emulator', 'GPU time by kernel in one step', 'wall time on the stream' }) do
@@ -1411,6 +1416,7 @@ describe('scripts/gpu-sanitize.lua', function()
     p:close()
     assert.truthy(out:match('gpu%-sanitize: ok%s+exit=0%s*$'), out)
     for _, want in ipairs({ 'D 128 documents fused-wspp', 'D  64 causal    fused-ws ', 'D  32 layout    fused-128',
+                            'D  64 documents fused-ws1p',
                             'D 128: on (self-check' }) do
       assert.truthy(out:find(want, 1, true), 'missing ' .. want .. ' in:\n' .. out)
     end
@@ -1442,5 +1448,18 @@ describe('fused attention on TMA (mixed precision)', function()
     local ok, err = pcall(wide_backward_cases)
     clear_attention_variants()
     assert(ok, 'ULY_CUDA_ATTN_DKV=ws ULY_CUDA_ATTN_DQ=ws: ' .. tostring(err))
+  end)
+
+  -- the one-pass backward on the warp-specialised dK/dV (ULY_CUDA_ATTN_BWD=onepass with
+  -- ULY_CUDA_ATTN_DKV=ws, D = 64): each consumer warpgroup adds its keys' share of dQ = dS K with
+  -- atomics, from a dS^T tile in shared memory (MN-major A)
+  it('the warp-specialised one-pass backward gives the CPU\'s gradients (D = 64: GQA, masks, documents)', function()
+    if not REAL then return end   -- the simulation has no fused kernels
+    ffi.C.setenv('ULY_CUDA_ATTN_DKV', 'ws', 1)
+    ffi.C.setenv('ULY_CUDA_ATTN_BWD', 'onepass', 1)
+    local ok, err = pcall(wide_backward_cases)
+    clear_attention_variants()
+    ffi.C.setenv('ULY_CUDA_ATTN_BWD', '', 1)
+    assert(ok, 'ULY_CUDA_ATTN_DKV=ws ULY_CUDA_ATTN_BWD=onepass: ' .. tostring(err))
   end)
 end)

@@ -190,21 +190,70 @@ __device__ static inline void probs_and_dscores(float s[NT][4], float dp[NT][4],
         }
 }
 
+/* the one-pass dQ's share of a 64-key, 64-query tile pair on wgmma (D 64), queued (the caller
+ * fences, commits and waits): dqa (64 queries x D, accumulator layout) = dS K / scale, dS from
+ * sdS, the tile of dS^T as bf16 (a 128-byte line per key: MN-major A), K MN-major B (its 64-row
+ * tile read along D) */
+__device__ static inline void dq_share_issue_wg(float dqa[32], const uint4 *sdS, const uint4 *sK) {
+    const uint32_t da = wg_desc_lo(sdS), dk = wg_desc_lo(sK);
+    wgmma_64x64_ss<1, 0, 1>(dqa, wg_desc_at(da, 0), wg_desc_at(dk, 0));
+#pragma unroll
+    for (int kk = 1; kk < 4; kk++)   /* 16 keys: 16 lines, 2 KiB, into both tiles */
+        wgmma_64x64_ss<1, 1, 1>(dqa, wg_desc_at(da, kk * 2048), wg_desc_at(dk, kk * 2048));
+}
+/* this warp's dS^T (dp: 16 keys x 64 queries, accumulator layout, / scale) as bf16 into the
+ * 128-byte-swizzled tile sdS (line: key, along it the queries): conflict-free 32-bit stores */
+__device__ static inline void store_dscores_t(uint4 *sdS, const float dp[8][4], int warp, int lane) {
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+            ((uint32_t *)&sdS[sw128_at<64>(warp * 16 + (lane >> 2) + 8 * r, n)])[lane & 3] =
+                mma_pack_bf16(dp[n][2 * r], dp[n][2 * r + 1]);
+}
+/* float atomic adds of a and b at p, p + 1 (p 8-byte aligned): one vector reduction on Hopper */
+__device__ static inline void red_add2(float *p, float a, float b) {
+#if !defined(ULY_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd((float2 *)p, make_float2(a, b));
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
+/* dqa (dq_share_issue_wg's, this warp's 16 of queries i0..i0 + 63 of head h) times the scale added
+ * into dq ([B, Tq, H, 64] f32) with atomics, none past the last query */
+__device__ static inline void add_dq_share_wg(float *dq, const geom &g, int64_t b, int64_t h, int64_t i0,
+                                              const float dqa[32], int warp, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int64_t i = i0 + warp * 16 + (lane >> 2) + 8 * r;
+        if (i >= g.Tq) continue;
+        float *const dst = dq + ((b * g.Tq + i) * g.H + h) * 64 + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < 8; j++) red_add2(dst + 8 * j, dqa[4 * j + 2 * r] * g.scale, dqa[4 * j + 2 * r + 1] * g.scale);
+    }
+}
+
 /* dV += P^T dO and dK += dS^T Q as wgmma, P^T and dS^T (s, dp: 64 keys x T queries) from the
- * accumulators as A, dO and Q (T-row tiles) MN-major B; waited for */
-template <int D, int T>
+ * accumulators as A, dO and Q (T-row tiles) MN-major B; DQ: with dq_share_issue_wg's dQ share
+ * (dqa, from sdS and sK) in the same group; waited for */
+template <int D, int T, bool DQ = false>
 __device__ static inline void dkv_accumulate_wg(float dva[D / 8][4], float dka[D / 8][4], float s[T / 8][4],
-                                                float dp[T / 8][4], const uint4 *sO, const uint4 *sQ) {
+                                                float dp[T / 8][4], const uint4 *sO, const uint4 *sQ,
+                                                float *dqa = nullptr, const uint4 *sdS = nullptr,
+                                                const uint4 *sK = nullptr) {
     uint32_t pa[T / 16][4], da[T / 16][4];
     acc_to_a_all<T / 16>(pa, s);
     acc_to_a_all<T / 16>(da, dp);
     wg_fence();
+    if constexpr (DQ) dq_share_issue_wg(dqa, sdS, sK);
     acc_times_tile_wg<D, T / 16, T>(dva, pa, sO);
     acc_times_tile_wg<D, T / 16, T>(dka, da, sQ);
     wg_commit();
     wg_wait<0>();
     wg_fence_regs(&dva[0][0], 4 * (D / 8));
     wg_fence_regs(&dka[0][0], 4 * (D / 8));
+    if constexpr (DQ) wg_fence_regs(dqa, 32);
 }
 
 /* a dK/dV block's sums added into dk and dv ([B, Tk, Hkv, D] f32) at this thread's two keys
@@ -399,7 +448,11 @@ __device__ static inline query_walk<T> start_query_walk(const geom &g, int64_t h
  * D 64, 32 at D 128 (its registers). lse and delta come through flat maps over [B H Tq] (1-d: no
  * alignment asked of Tq), so a tile's rows past its head's last query read the next head's
  * statistics: only masked pairs meet them (P = 0, and dP^T = 0 from Q and dO's zero rows there).
- * Without the one-pass dQ; empty in a pass without wgmma. */
+ * DQ (ULY_CUDA_ATTN_BWD=onepass, D 64): each consumer also adds its tile pair's share of dQ = dS K
+ * into dq with atomics (FlashAttention-2/3's one pass: 5 tile products a pair where dK/dV and a
+ * dQ kernel take 7): dS^T goes as bf16 into a tile of its own (two per warpgroup, alternating,
+ * so one warpgroup barrier a tile keeps a warp from overwriting the one a slower warp's dQ wgmma
+ * still reads), and dQ's wgmmas join dV's and dK's. Empty in a pass without wgmma. */
 #define DKV_WS_QT(D) ((D) == 64 ? 64 : 32)
 /* WSG_: the warp-specialised backward kernels (dK/dV here, dQ below) with a producer warpgroup.
  * The producer is a whole warpgroup (one thread issuing) so that setmaxnreg can move registers:
@@ -413,19 +466,21 @@ __device__ static inline query_walk<T> start_query_walk(const geom &g, int64_t h
 #define WSG_REGS_C 232
 static_assert(WSG_REGS_P + 2 * WSG_REGS_C <= 3 * (65536 / WSG_THREADS / 8 * 8),
               "setmaxnreg: the consumers would wait forever for registers the block does not have");
-template <int D>
+template <int D, bool DQ = false>
 __global__ static void __launch_bounds__(WSG_THREADS, WS_MIN_BLOCKS(D))
 fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
                    const __grid_constant__ CUtensorMap mv, const __grid_constant__ CUtensorMap mo,
-                   const __grid_constant__ CUtensorMap ml, const __grid_constant__ CUtensorMap md, int *ran_wgmma) {
+                   const __grid_constant__ CUtensorMap ml, const __grid_constant__ CUtensorMap md, int *ran_wgmma,
+                   float *dq) {
 #if ULY_HAS_WGMMA
     constexpr int CH = D / 8, T = DKV_WS_QT(D), NT = T / 8;
+    static_assert(!DQ || D == 64, "fa_backward_dkv_ws: the one-pass dQ at D 64 only (64-query tiles)");
     constexpr unsigned KTILE = 64 * D * 2, QTILE = T * D * 2, STATS = T * 4;   /* bytes */
     ULY_DYNAMIC_SHARED(uint4, dyn);
-    /* K and V of warpgroup 0, then of 1 (64 rows each); per stage Q and dO (T rows each); per
-     * stage lse and delta (T floats each); the mbarriers */
-    uint4 *const sKV = align_1024(dyn), *const sQO = sKV + 4 * 64 * CH;
-    float *const sStats = (float *)(sQO + WS_STAGES * 2 * T * CH);
+    /* K and V of warpgroup 0, then of 1 (64 rows each); per stage Q and dO (T rows each); DQ: two
+     * dS^T tiles per warpgroup (64 x 64); per stage lse and delta (T floats each); the mbarriers */
+    uint4 *const sKV = align_1024(dyn), *const sQO = sKV + 4 * 64 * CH, *const sDS = sQO + WS_STAGES * 2 * T * CH;
+    float *const sStats = (float *)(sDS + (DQ ? 4 * 64 * 8 : 0));
     uint64_t *const full = (uint64_t *)(sStats + WS_STAGES * 2 * T), *const empty = full + WS_STAGES,
                     *const kvbar = empty + WS_STAGES;
     if (ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
@@ -476,6 +531,7 @@ fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtenso
     if (w.have) mbar_wait(kvbar, 0);
     unsigned phases = 0;   /* bit i: the parity full[i]'s next wait is for */
     const float sl2 = g.scale * LOG2E_F;
+    int worked = 0;        /* DQ: tiles done (its parity picks the dS^T tile) */
     for (int n = 0; w.have; n++) {
         const int at = n % WS_STAGES;
         /* this warpgroup's view of the tile, and its mask (bit 2 n + c of key r: the query in
@@ -496,7 +552,17 @@ fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtenso
                 apply_bits<NT>(s, vis[1], 1);
             }
             probs_and_dscores<NT, T>(s, dp, sStats + at * 2 * T, sl2, tq);
-            dkv_accumulate_wg<D, T>(dva, dka, s, dp, sO, sQ);
+            if constexpr (DQ) {
+                uint4 *const sdS = sDS + (2 * wg + (worked++ & 1)) * 64 * 8;
+                store_dscores_t(sdS, dp, warp, lane);
+                fence_proxy_async();                       /* the stores, then the wgmma reading them */
+                named_bar_sync(1 + wg, FA_THREADS);        /* every warp's dS^T is in */
+                float dqa[32];
+                dkv_accumulate_wg<D, T, true>(dva, dka, s, dp, sO, sQ, dqa, sdS, sK);
+                add_dq_share_wg(dq, g, b, w.h, w.i0, dqa, warp, lane);
+            } else {
+                dkv_accumulate_wg<D, T>(dva, dka, s, dp, sO, sQ);
+            }
         }
         mbar_arrive(&empty[at]);   /* this thread is done with the stage: its wgmmas were waited for */
         w.next(g, jb);

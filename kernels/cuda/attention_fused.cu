@@ -433,37 +433,45 @@ static void launch_dkv_qt(int64_t blocks, float *dk, float *dv, const geom &g, c
 /* ULY_CUDA_ATTN_DKV=ws: the warp-specialised dK/dV on TMA (fa_backward_dkv_ws), where its build
  * loads and the driver makes tensor maps */
 static int dkv_ws(void) { return variant_runs(V_DKV, "ws", two_warpgroup_build_loads() && tensor_map_encoder(), NO_TMA); }
-/* 0 when launched, -1 when a map could not be made (the caller launches the cp.async kernel) */
-template <int D>
+/* 0 when launched, -1 when a map could not be made (the caller launches the cp.async kernel); DQ:
+ * with the one-pass dQ (D 64), added into dq */
+template <int D, bool DQ = false>
 static int launch_dkv_ws(float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
-                         const bf16 *dout, const float *lse, const float *delta, int *ran) {
+                         const bf16 *dout, const float *lse, const float *delta, int *ran, float *dq = NULL) {
     constexpr int T = DKV_WS_QT(D);
     CUtensorMap mq, mk, mv, mo, ml, md;
     if (tile_map(&mq, q, g.B, g.Tq, g.H, D, T) || tile_map(&mo, dout, g.B, g.Tq, g.H, D, T) ||
         tile_map(&mk, k, g.B, g.Tk, g.Hkv, D) || tile_map(&mv, v, g.B, g.Tk, g.Hkv, D) ||
         flat_map(&ml, lse, g.B * g.H * g.Tq, T) || flat_map(&md, delta, g.B * g.H * g.Tq, T))
         return -1;
-    /* + 1 KiB to align the tiles: both warpgroups' K and V, per stage Q, dO, lse and delta, the mbarriers */
-    const size_t smem = 1024 + 4 * 64 * (D / 8) * 16 + WS_STAGES * (2 * T * (D / 8) * 16 + 2 * T * 4) + (2 * WS_STAGES + 1) * 8;
+    /* + 1 KiB to align the tiles: both warpgroups' K and V, per stage Q, dO, lse and delta, (DQ:
+     * four dS^T tiles), the mbarriers */
+    const size_t smem = 1024 + 4 * 64 * (D / 8) * 16 + WS_STAGES * (2 * T * (D / 8) * 16 + 2 * T * 4) +
+                        (DQ ? 4 * 64 * 64 * 2 : 0) + (2 * WS_STAGES + 1) * 8;
     static bool raised;
-    if (allow_smem(fa_backward_dkv_ws<D>, smem, &raised, "fused flash attention backward (dK, dV; warp-specialised): shared memory"))
+    if (allow_smem(fa_backward_dkv_ws<D, DQ>, smem, &raised, "fused flash attention backward (dK, dV; warp-specialised): shared memory"))
         return 0;
-    char name[80] = "";   /* for the profiler */
-    if (uly_cu_prof_on) snprintf(name, sizeof name, "attention backward dK dV D %d wgmma (128 keys, TMA, warp-specialised)", D);
+    char name[96] = "";   /* for the profiler */
+    if (uly_cu_prof_on)
+        snprintf(name, sizeof name, "attention backward dK dV%s D %d wgmma (128 keys, TMA, warp-specialised)",
+                 DQ ? " dQ (one pass)" : "", D);
     const int64_t blocks = (g.Tk + 127) / 128 * g.B * g.Hkv;
-    ULY_LAUNCH_SMEM_AS(name, fa_backward_dkv_ws<D>, blocks, WSG_THREADS, smem, uly_cu_stream)(dk, dv, g, mq, mk, mv, mo, ml,
-                                                                                           md, ran);
+    ULY_LAUNCH_SMEM_AS(name, (fa_backward_dkv_ws<D, DQ>), blocks, WSG_THREADS, smem, uly_cu_stream)(dk, dv, g, mq, mk, mv, mo,
+                                                                                                  ml, md, ran, dq);
     return 0;
 }
 
 template <int D, bool WG, bool DQ = false>
 static void launch_dkv(int64_t blocks, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                        const bf16 *dout, const float *lse, const float *delta, int *ran, float *dq = NULL) {
-    if constexpr (WG && !DQ && (D == 64 || D == 128)) {
-        if (dkv_ws()) {
-            if (launch_dkv_ws<D>(dk, dv, g, q, k, v, dout, lse, delta, ran) == 0) return;
+    if constexpr (WG && (D == 64 || (D == 128 && !DQ))) {
+        /* the one-pass dQ's vector atomics want dq 8-byte aligned (the core's buffers are) */
+        if (dkv_ws() && (!DQ || ((uintptr_t)dq & 7) == 0)) {
+            if (launch_dkv_ws<D, DQ>(dk, dv, g, q, k, v, dout, lse, delta, ran, dq) == 0) return;
             variant_note(V_DKV, "ws", MAP_REFUSED);
         }
+    }
+    if constexpr (WG && !DQ && (D == 64 || D == 128)) {
         if (dkv_rows128()) {
             launch_dkv_qt<D, WG, DQ, 32, 2>(blocks, dk, dv, g, q, k, v, dout, lse, delta, ran, dq);
             return;
@@ -674,8 +682,9 @@ static int forward_d(float *out, float *lse, const geom &g, const bf16 *q, const
 
 /* ULY_CUDA_ATTN_BWD=onepass: dQ from the dK/dV kernel's own dS, added with atomics (D = 32, 64;
  * at 128 its registers would spill): 5 tile products per (key, query) tile pair instead of 8,
- * but dQ's sum is in no fixed order, so its last bits vary from run to run. Unset or 'twopass':
- * the deterministic two kernels. bench/gpu.lua times both. */
+ * but dQ's sum is in no fixed order, so its last bits vary from run to run; with
+ * ULY_CUDA_ATTN_DKV=ws (D 64) in the warp-specialised dK/dV. Unset or 'twopass': the
+ * deterministic two kernels. bench/gpu.lua times both. */
 static int backward_onepass(int D) { return !strcmp(variant(V_BWD), "onepass") && D <= 64; }
 
 template <int D>
@@ -684,7 +693,7 @@ static int backward_d(float *dq, float *dk, float *dv, const geom &g, const bf16
     if constexpr (D <= 64) {
         if (dq && backward_onepass(D)) {
             int64_t blocks = (g.Tk + 63) / 64 * g.B * g.Hkv;
-            if (use_wgmma(D, WG_DKV)) launch_dkv<D, true, true>(blocks, dk, dv, g, q, k, v, dout, lse, delta, NULL, dq);
+            if (wgmma_for(D, WG_DKV, V_DKV)) launch_dkv<D, true, true>(blocks, dk, dv, g, q, k, v, dout, lse, delta, NULL, dq);
             else launch_dkv<D, false, true>(blocks, dk, dv, g, q, k, v, dout, lse, delta, NULL, dq);
             return launched("fused flash attention backward (one pass: dQ, dK, dV)");
         }

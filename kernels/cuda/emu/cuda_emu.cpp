@@ -54,6 +54,7 @@ struct wgmma_op {
     bool a_shared;                      /* A through a descriptor (desc_a), checked again at the wait */
     bool accumulate;                    /* false: d = A B (wgmma's scale-d 0) */
     uint64_t desc_a;
+    int trans_a;                        /* A MN-major */
 };
 
 struct fiber {
@@ -477,25 +478,27 @@ void wgmma_queue(float *d, int n, const float *a16x16, uint64_t desc, int trans)
     fiber &f = B.fibers[B.cur];
     wgmma_op op;
     op.d = d; op.n = n; op.trans = trans; op.desc = desc; op.group = f.wg_commits;
-    op.a_shared = false; op.desc_a = 0; op.accumulate = true;
+    op.a_shared = false; op.desc_a = 0; op.trans_a = 0; op.accumulate = true;
     memcpy(op.a, a16x16, sizeof op.a);
     op.b_at_issue.reserve((size_t)n * 4);
     each_b_of_thread(n, [&](int k, int c) { op.b_at_issue.push_back(wgmma_b_bits(desc, trans, k, c)); });
     f.wgmmas.push_back(std::move(op));
 }
-/* this thread's warp's 16 rows of a K-major 64 x 16 A tile: laid out as a K-major B with its rows as n */
-static void wgmma_a_rows(uint64_t desc_a, float a[16][16]) {
+/* this thread's warp's 16 rows of a 64 x 16 A tile: laid out as a B with its rows as n, K-major
+ * or (trans_a) MN-major */
+static void wgmma_a_rows(uint64_t desc_a, int trans_a, float a[16][16]) {
     const int w = (int)((B.cur >> 5) & 3);
     for (int r = 0; r < 16; r++)
-        for (int k = 0; k < 16; k++) a[r][k] = wgmma_b(desc_a, 0, k, 16 * w + r);
+        for (int k = 0; k < 16; k++) a[r][k] = wgmma_b(desc_a, trans_a, k, 16 * w + r);
 }
-void wgmma_queue_ss(float *d, int n, uint64_t desc_a, uint64_t desc_b, int trans_b, int accumulate) {
+void wgmma_queue_ss(float *d, int n, uint64_t desc_a, uint64_t desc_b, int trans_b, int accumulate, int trans_a) {
     float a[16][16];
-    wgmma_a_rows(desc_a, a);
+    wgmma_a_rows(desc_a, trans_a, a);
     wgmma_queue(d, n, &a[0][0], desc_b, trans_b);
     wgmma_op &op = B.fibers[B.cur].wgmmas.back();
     op.a_shared = true;
     op.desc_a = desc_a;
+    op.trans_a = trans_a;
     op.accumulate = accumulate != 0;
 }
 void wgmma_commit() { B.fibers[B.cur].wg_commits++; }
@@ -534,7 +537,7 @@ void wgmma_wait(unsigned in_flight) {
         if (op.group + in_flight >= f.wg_commits) { left.push_back(std::move(op)); continue; }
         if (op.a_shared) {
             float a[16][16];
-            wgmma_a_rows(op.desc_a, a);
+            wgmma_a_rows(op.desc_a, op.trans_a, a);
             if (memcmp(a, op.a, sizeof a)) {
                 fprintf(stderr, "cuda emulator: a wgmma's A tile changed between its issue and its wait (written after "
                                 "the issue, or overwritten before wgmma.wait_group)\n");

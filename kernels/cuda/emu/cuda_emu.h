@@ -77,10 +77,10 @@ void async_wait(unsigned in_flight);
  * so accumulators read or shared memory overwritten before the wait show */
 uint32_t shared_offset(const void *p);
 void wgmma_queue(float *d, int n, const float *a16x16, uint64_t desc, int trans);
-/* the same with A (64 x 16, K-major, 128-byte swizzle) through a descriptor too: this thread's
- * warp (of its warpgroup) reads rows 16 w.. of it, at the issue and again at the wait;
- * accumulate 0: d = A B at the wait, d's old value ignored */
-void wgmma_queue_ss(float *d, int n, uint64_t desc_a, uint64_t desc_b, int trans_b, int accumulate);
+/* the same with A (64 x 16, 128-byte swizzle; K-major, or trans_a: MN-major) through a descriptor
+ * too: this thread's warp (of its warpgroup) reads rows 16 w.. of it, at the issue and again at
+ * the wait; accumulate 0: d = A B at the wait, d's old value ignored */
+void wgmma_queue_ss(float *d, int n, uint64_t desc_a, uint64_t desc_b, int trans_b, int accumulate, int trans_a);
 void wgmma_commit();
 void wgmma_wait(unsigned in_flight);
 /* TMA (kernels/cuda/tma.cuh): mbarriers in shared memory (their state kept here by address, new
