@@ -371,9 +371,8 @@ end
 -- the context unusable for anything after it. The default fused kernels beside the forward with
 -- TMA loads (ULY_CUDA_ATTN_FWD=tma), the warp-specialised forward (ws; wspp: with ping-pong), it
 -- with the warp-specialised dK/dV (ULY_CUDA_ATTN_DKV=ws) and dQ too (ULY_CUDA_ATTN_DQ=ws), or
--- with that dK/dV adding dQ in one pass (ULY_CUDA_ATTN_BWD=onepass, D 64; at D 128 it is the
--- two passes), and that dK/dV after the 128-row forward and dQ, at the two head dims (D 64 at the
--- 1b preset's 32 heads).
+-- with that dK/dV adding dQ in one pass (ULY_CUDA_ATTN_BWD=onepass), and that dK/dV after the
+-- 128-row forward and dQ, at the two head dims (D 64 at the 1b preset's 32 heads).
 do
   local tma_paths = { all_paths[3], { 'fused tma', 'bf16', 'fused', '', '', 'tma', '', '' },
                       { 'fused ws', 'bf16', 'fused', '', '', 'ws', '', '' },

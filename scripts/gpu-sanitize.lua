@@ -58,7 +58,7 @@ local env = {
   ['fused-128'] = { 'fused', '', '', 'rows128', 'rows128', 'rows128' },   -- two warpgroups a block
   ['fused-ws'] = { 'fused', '', '', 'ws', 'ws', 'ws' },   -- warp-specialised on TMA
   ['fused-wspp'] = { 'fused', '', '', 'wspp', '', '' },   -- its forward's ping-pong
-  ['fused-ws1p'] = { 'fused', '', 'onepass', 'ws', '', 'ws' },   -- its dK/dV adding dQ (D 64; 128: two passes)
+  ['fused-ws1p'] = { 'fused', '', 'onepass', 'ws', '', 'ws' },   -- its dK/dV adding dQ (one pass)
 }
 local names = { 'ULY_CUDA_ATTN', 'ULY_CUDA_ATTN_WGMMA', 'ULY_CUDA_ATTN_BWD', 'ULY_CUDA_ATTN_FWD', 'ULY_CUDA_ATTN_DQ',
                 'ULY_CUDA_ATTN_DKV' }

@@ -1031,7 +1031,8 @@ describe('fused tensor-core attention (mixed precision)', function()
                            { 64, 'rows128', 'rows128', 'rows128' }, { 128, '', 'rows128', 'rows128' },
                            { 128, 'rows128', '', '' }, MODE == 'emu' and { 64, '', '', 'tma' } or nil,
                            MODE == 'emu' and { 64, 'ws', 'ws', 'ws' } or nil, MODE == 'emu' and { 128, 'ws', 'ws', 'wspp' } or nil,
-                           MODE == 'emu' and { 64, 'ws', '', '', 'onepass' } or nil }) do
+                           MODE == 'emu' and { 64, 'ws', '', '', 'onepass' } or nil,
+                           MODE == 'emu' and { 128, 'ws', '', '', 'onepass' } or nil }) do
       local D = run[1]
       ffi.C.setenv('ULY_CUDA_ATTN_BWD', run[5] or '', 1)
       ffi.C.setenv('ULY_CUDA_ATTN_DKV', run[2], 1)
@@ -1416,7 +1417,7 @@ describe('scripts/gpu-sanitize.lua', function()
     p:close()
     assert.truthy(out:match('gpu%-sanitize: ok%s+exit=0%s*$'), out)
     for _, want in ipairs({ 'D 128 documents fused-wspp', 'D  64 causal    fused-ws ', 'D  32 layout    fused-128',
-                            'D  64 documents fused-ws1p',
+                            'D  64 documents fused-ws1p', 'D 128 causal    fused-ws1p',
                             'D 128: on (self-check' }) do
       assert.truthy(out:find(want, 1, true), 'missing ' .. want .. ' in:\n' .. out)
     end
@@ -1451,13 +1452,27 @@ describe('fused attention on TMA (mixed precision)', function()
   end)
 
   -- the one-pass backward on the warp-specialised dK/dV (ULY_CUDA_ATTN_BWD=onepass with
-  -- ULY_CUDA_ATTN_DKV=ws, D = 64): each consumer warpgroup adds its keys' share of dQ = dS K with
-  -- atomics, from a dS^T tile in shared memory (MN-major A)
-  it('the warp-specialised one-pass backward gives the CPU\'s gradients (D = 64: GQA, masks, documents)', function()
+  -- ULY_CUDA_ATTN_DKV=ws): at D = 64 each consumer warpgroup adds its keys' share of dQ = dS K with
+  -- atomics, from a dS^T tile in shared memory (MN-major A); at D = 128 each adds one half of D of
+  -- dQ^T = K^T dS^T over both warpgroups' keys (a query tile seen by one warpgroup's keys only:
+  -- the other gives zeros)
+  it('the warp-specialised one-pass backward gives the CPU\'s gradients (D = 64, 128: GQA, masks, documents)', function()
     if not REAL then return end   -- the simulation has no fused kernels
     ffi.C.setenv('ULY_CUDA_ATTN_DKV', 'ws', 1)
     ffi.C.setenv('ULY_CUDA_ATTN_BWD', 'onepass', 1)
-    local ok, err = pcall(wide_backward_cases)
+    local ok, err = pcall(function()
+      wide_backward_cases()
+      helpers.reseed(39)
+      local docs = {}
+      for t = 1, 150 do docs[t] = t <= 70 and 0 or 1 end
+      local d = uly.tensor(docs, { dtype = 'i32' }):view(1, 150)
+      against_cpu(function(q, k, v) return uly.flash_attention(q, k, v, { causal = true }) end,
+        { uly.randn(2, 150, 4, 128), uly.randn(2, 150, 2, 128), uly.randn(2, 150, 2, 128) }, { fused_only = true })
+      against_cpu(function(q, k, v) return uly.flash_attention(q, k, v, { window = { 40, 5 } }) end,
+        { uly.randn(1, 97, 2, 128), uly.randn(1, 160, 1, 128), uly.randn(1, 160, 1, 128) }, { fused_only = true })
+      against_cpu(function(q, k, v, a, b) return uly.flash_attention(q, k, v, { causal = true, q_doc = a, k_doc = b }) end,
+        { uly.randn(1, 150, 2, 128), uly.randn(1, 150, 1, 128), uly.randn(1, 150, 1, 128), d, d }, { fused_only = true })
+    end)
     clear_attention_variants()
     ffi.C.setenv('ULY_CUDA_ATTN_BWD', '', 1)
     assert(ok, 'ULY_CUDA_ATTN_DKV=ws ULY_CUDA_ATTN_BWD=onepass: ' .. tostring(err))

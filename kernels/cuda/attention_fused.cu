@@ -445,9 +445,9 @@ static int launch_dkv_ws(float *dk, float *dv, const geom &g, const bf16 *q, con
         flat_map(&ml, lse, g.B * g.H * g.Tq, T) || flat_map(&md, delta, g.B * g.H * g.Tq, T))
         return -1;
     /* + 1 KiB to align the tiles: both warpgroups' K and V, per stage Q, dO, lse and delta, (DQ:
-     * four dS^T tiles), the mbarriers */
+     * the dS tiles), the mbarriers */
     const size_t smem = 1024 + 4 * 64 * (D / 8) * 16 + WS_STAGES * (2 * T * (D / 8) * 16 + 2 * T * 4) +
-                        (DQ ? 4 * 64 * 64 * 2 : 0) + (2 * WS_STAGES + 1) * 8;
+                        (DQ ? (D == 64 ? 4 * 64 * 64 * 2 : 2 * 32 * 128 * 2) : 0) + (2 * WS_STAGES + 1) * 8;
     static bool raised;
     if (allow_smem(fa_backward_dkv_ws<D, DQ>, smem, &raised, "fused flash attention backward (dK, dV; warp-specialised): shared memory"))
         return 0;
@@ -681,15 +681,23 @@ static int forward_d(float *out, float *lse, const geom &g, const bf16 *q, const
 }
 
 /* ULY_CUDA_ATTN_BWD=onepass: dQ from the dK/dV kernel's own dS, added with atomics (D = 32, 64;
- * at 128 its registers would spill): 5 tile products per (key, query) tile pair instead of 8,
- * but dQ's sum is in no fixed order, so its last bits vary from run to run; with
- * ULY_CUDA_ATTN_DKV=ws (D 64) in the warp-specialised dK/dV. Unset or 'twopass': the
- * deterministic two kernels. bench/gpu.lua times both. */
+ * at 128 only with ULY_CUDA_ATTN_DKV=ws, elsewhere its registers would spill): 5 tile products
+ * per (key, query) tile pair instead of 8 (7 against the warp-specialised kernels), but dQ's sum
+ * is in no fixed order, so its last bits vary from run to run; with ULY_CUDA_ATTN_DKV=ws in the
+ * warp-specialised dK/dV. Unset or 'twopass': the deterministic two kernels. bench/gpu.lua times
+ * both. */
 static int backward_onepass(int D) { return !strcmp(variant(V_BWD), "onepass") && D <= 64; }
 
 template <int D>
 static int backward_d(float *dq, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                       const bf16 *dout, const float *lse, const float *delta) {
+    if constexpr (D == 128) {   /* the one-pass dQ in the warp-specialised dK/dV, or none */
+        if (dq && !strcmp(variant(V_BWD), "onepass") && wgmma_for(D, WG_DKV, V_DKV) && dkv_ws()) {
+            if (launch_dkv_ws<D, true>(dk, dv, g, q, k, v, dout, lse, delta, NULL, dq) == 0)
+                return launched("fused flash attention backward (one pass: dQ, dK, dV)");
+            variant_note(V_DKV, "ws", MAP_REFUSED);
+        }
+    }
     if constexpr (D <= 64) {
         if (dq && backward_onepass(D)) {
             int64_t blocks = (g.Tk + 63) / 64 * g.B * g.Hkv;

@@ -177,9 +177,9 @@ __device__ static inline void wgmma_64xN(float *d, const uint32_t a[4], uint64_t
 }
 template <int TRANS>
 __device__ static inline void wgmma_64x64(float d[32], const uint32_t a[4], uint64_t desc) { wgmma_64xN<64, TRANS>(d, a, desc); }
-template <int TRANS, int ACC = 1>
+template <int TRANS, int ACC = 1, int TRANS_A = 0>
 __device__ static inline void wgmma_64x32_ss(float d[16], uint64_t desc_a, uint64_t desc) {
-    uly_emu::wgmma_queue_ss(d, 32, desc_a, desc, TRANS, ACC, 0);
+    uly_emu::wgmma_queue_ss(d, 32, desc_a, desc, TRANS, ACC, TRANS_A);
 }
 template <int TRANS, int ACC = 1, int TRANS_A = 0>
 __device__ static inline void wgmma_64x64_ss(float d[32], uint64_t desc_a, uint64_t desc) {
@@ -215,14 +215,14 @@ __device__ static inline void wgmma_64x64(float d[32], const uint32_t a[4], uint
  * a 128-byte line per k holding the 64 rows): no A registers; ACC 0: d = A B, its old value
  * ignored (the first of a chain, no zeroed registers: ptxas then waits for nothing before the
  * next wgmma) */
-template <int TRANS, int ACC = 1>
+template <int TRANS, int ACC = 1, int TRANS_A = 0>
 __device__ static inline void wgmma_64x32_ss(float d[16], uint64_t desc_a, uint64_t desc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %19, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
                  WG_REGS16 ", "
-                 "%16, %17, p, 1, 1, 0, %18;\n}\n"
+                 "%16, %17, p, 1, 1, %20, %18;\n}\n"
                  : WG_ACC16(d)
-                 : "l"(desc_a), "l"(desc), "n"(TRANS), "n"(ACC));
+                 : "l"(desc_a), "l"(desc), "n"(TRANS), "n"(ACC), "n"(TRANS_A));
 }
 template <int TRANS, int ACC = 1, int TRANS_A = 0>
 __device__ static inline void wgmma_64x64_ss(float d[32], uint64_t desc_a, uint64_t desc) {
@@ -245,7 +245,7 @@ __device__ static inline void fence_proxy_async(void) { asm volatile("fence.prox
 #else   /* passes without wgmma: never called (the kernels take the mma.sync path there) */
 template <int TRANS>
 __device__ static inline void wgmma_64x64(float *, const uint32_t *, uint64_t) {}
-template <int TRANS, int ACC = 1>
+template <int TRANS, int ACC = 1, int TRANS_A = 0>
 __device__ static inline void wgmma_64x32_ss(float *, uint64_t, uint64_t) {}
 template <int TRANS, int ACC = 1, int TRANS_A = 0>
 __device__ static inline void wgmma_64x64_ss(float *, uint64_t, uint64_t) {}
