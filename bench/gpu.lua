@@ -135,7 +135,8 @@ end
 -- D <= 64), ULY_CUDA_ATTN_FWD ('pipelined': the wgmma forward issues the next tile's S before
 -- this softmax; 'rows128': 128 query rows a block, two warpgroups sharing K and V; 'tma': its
 -- tiles loaded by TMA, waited for on mbarriers; 'ws': warp-specialised, a TMA producer warp and
--- two consumer warpgroups; 'wspp': those taking turns at the tensor cores),
+-- two consumer warpgroups; 'wspp': those taking turns at the tensor cores; 'wsov', 'wsppov': with
+-- each one's P V overlapping its next softmax),
 -- ULY_CUDA_ATTN_DKV ('64': the dK/dV kernel's 64-query tiles, D 64; 'rows128': 128 keys a block,
 -- two warpgroups sharing Q and dO; 'ws': those two warpgroups fed by a TMA producer warpgroup) and
 -- ULY_CUDA_ATTN_DQ ('64': the dQ kernel's 64-key tiles, D 64; 'rows128': 128 query rows a block,
@@ -369,7 +370,8 @@ end
 ---------------------------------------------------------------- 4. the TMA kernels
 -- Last: a fault in these kernels on a GPU (an mbarrier wait that never completes traps) leaves
 -- the context unusable for anything after it. The default fused kernels beside the forward with
--- TMA loads (ULY_CUDA_ATTN_FWD=tma), the warp-specialised forward (ws; wspp: with ping-pong), it
+-- TMA loads (ULY_CUDA_ATTN_FWD=tma), the warp-specialised forward (ws; wspp: with ping-pong;
+-- wsov, wsppov: with P V overlapping the next tile's softmax), it
 -- with the warp-specialised dK/dV (ULY_CUDA_ATTN_DKV=ws) and dQ too (ULY_CUDA_ATTN_DQ=ws), or
 -- with that dK/dV adding dQ in one pass (ULY_CUDA_ATTN_BWD=onepass), and that dK/dV after the
 -- 128-row forward and dQ, at the two head dims (D 64 at the 1b preset's 32 heads).
@@ -377,6 +379,8 @@ do
   local tma_paths = { all_paths[3], { 'fused tma', 'bf16', 'fused', '', '', 'tma', '', '' },
                       { 'fused ws', 'bf16', 'fused', '', '', 'ws', '', '' },
                       { 'fused wspp', 'bf16', 'fused', '', '', 'wspp', '', '' },
+                      { 'fused wsov', 'bf16', 'fused', '', '', 'wsov', '', '' },
+                      { 'fused wsppov', 'bf16', 'fused', '', '', 'wsppov', '', '' },
                       { 'fused ws+dkvws', 'bf16', 'fused', '', '', 'ws', 'ws', '' },
                       { 'fused all ws', 'bf16', 'fused', '', '', 'ws', 'ws', 'ws' },
                       { 'fused ws 1-pass', 'bf16', 'fused', '', 'onepass', 'ws', 'ws', '' },

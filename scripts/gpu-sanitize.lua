@@ -59,6 +59,7 @@ local env = {
   ['fused-ws'] = { 'fused', '', '', 'ws', 'ws', 'ws' },   -- warp-specialised on TMA
   ['fused-wspp'] = { 'fused', '', '', 'wspp', '', '' },   -- its forward's ping-pong
   ['fused-ws1p'] = { 'fused', '', 'onepass', 'ws', '', 'ws' },   -- its dK/dV adding dQ (one pass)
+  ['fused-wsppov'] = { 'fused', '', '', 'wsppov', '', '' },   -- its forward's ping-pong and intra-warpgroup overlap
 }
 local names = { 'ULY_CUDA_ATTN', 'ULY_CUDA_ATTN_WGMMA', 'ULY_CUDA_ATTN_BWD', 'ULY_CUDA_ATTN_FWD', 'ULY_CUDA_ATTN_DQ',
                 'ULY_CUDA_ATTN_DKV' }
@@ -89,7 +90,7 @@ end
 -- last: the TMA kernels (a fault in them, an mbarrier wait that traps, ends the process)
 for _, D in ipairs({ 64, 128 }) do
   for _, case in ipairs(cases) do
-    for _, path in ipairs({ 'fused-ws', 'fused-wspp', 'fused-ws1p' }) do check(D, case, path) end
+    for _, path in ipairs({ 'fused-ws', 'fused-wspp', 'fused-ws1p', 'fused-wsppov' }) do check(D, case, path) end
   end
 end
 print('fused kernels on wgmma: ' .. tostring(uly.cuda.wgmma_status()))

@@ -90,6 +90,10 @@ if [ -e build/libulysses_cuemu.so ]; then
   # the fused kernels on Hopper's wgmma (every D = 64 / 128 forward, dQ and dK/dV), warps one at a time
   SPEC_ARGS="--filter=fused spec/device_spec.lua" run_specs "fused attention on wgmma, warps one at a time" \
     ULY_TEST_DEVICE=emu ULY_EMU_ORDER=reverse ULY_CUDA_ATTN_WGMMA=1 ULY_TEST_WGMMA=1 ULY_CUDA_LIB=build/libulysses_cuemu.so
+  # the TMA kernels on wgmma with loads landing at issue: a stage given back to the producer before
+  # the wgmma reading it was waited for is overwritten under it (a wgmma wait lets the others run)
+  SPEC_ARGS="--filter=on.TMA spec/device_spec.lua" run_specs "TMA kernels on wgmma, loads landing at issue" \
+    ULY_TEST_DEVICE=emu ULY_EMU_ASYNC=eager ULY_CUDA_ATTN_WGMMA=1 ULY_TEST_WGMMA=1 ULY_CUDA_LIB=build/libulysses_cuemu.so
   if command -v mpirun >/dev/null 2>&1; then
     # ranks:gpus — ranks sharing the one emulated GPU (exchanges staged through host memory), then
     # every rank its own emulated GPU (the NCCL path, over the emulator's NCCL) with lazy streams

@@ -615,7 +615,7 @@ end
 -- within bf16 rounding wherever the self-check turned wgmma on for that head dim (what runs
 -- unforced must be right); where it disagrees, the self-check must have said off (an H200 at
 -- D = 64, 2026-12-04)
-local function check_wgmma_variants(variants)
+local function check_wgmma_variants(variants, more_cases)
   use_device()
   uly.matmul_precision('bf16')
   helpers.reseed(40)
@@ -625,6 +625,7 @@ local function check_wgmma_variants(variants)
     { { 1, 3, 8, 64 }, { 1, 260, 2, 64 }, { causal = true } },      -- packed group, split keys
     { { 1, 64, 1, 128 }, { 1, 64, 1, 128 }, {} },
   }
+  for _, c in ipairs(more_cases or {}) do cases[#cases + 1] = c end
   for i, c in ipairs(cases) do
     local q, k, v = uly.randn(unpack(c[1])):cuda(), uly.randn(unpack(c[2])):cuda(), uly.randn(unpack(c[2])):cuda()
     local a = fused_outputs('0', q, k, v, c[3])
@@ -910,7 +911,7 @@ describe('fused tensor-core attention (mixed precision)', function()
     local odd = run('ULY_CUDA_ATTN_DKV=wss ULY_CUDA_ATTN_FWD=fast ULY_CUDA_ATTN=chunkd')
     local _, n = odd:gsub('ulysses: ULY_CUDA_ATTN_DKV=wss: unknown %(known: 64, rows128, ws%); running the default kernels', '')
     assert.equal(1, n, odd)
-    _, n = odd:gsub('ulysses: ULY_CUDA_ATTN_FWD=fast: unknown %(known: pipelined, rows128, tma, ws, wspp%)', '')
+    _, n = odd:gsub('ulysses: ULY_CUDA_ATTN_FWD=fast: unknown %(known: pipelined, rows128, tma, ws, wspp, wsov, wsppov%)', '')
     assert.equal(1, n, odd)
     _, n = odd:gsub('ulysses: ULY_CUDA_ATTN=chunkd: unknown %(known: fused, chunked%)', '')
     assert.equal(1, n, odd)
@@ -1032,6 +1033,7 @@ describe('fused tensor-core attention (mixed precision)', function()
                            { 128, 'rows128', '', '' }, MODE == 'emu' and { 64, '', '', 'tma' } or nil,
                            MODE == 'emu' and { 64, 'ws', 'ws', 'ws' } or nil, MODE == 'emu' and { 128, 'ws', 'ws', 'wspp' } or nil,
                            MODE == 'emu' and { 64, 'ws', '', '', 'onepass' } or nil,
+                           MODE == 'emu' and { 64, '', '', 'wsov' } or nil, MODE == 'emu' and { 128, '', '', 'wsppov' } or nil,
                            MODE == 'emu' and { 128, 'ws', '', '', 'onepass' } or nil }) do
       local D = run[1]
       ffi.C.setenv('ULY_CUDA_ATTN_BWD', run[5] or '', 1)
@@ -1234,7 +1236,7 @@ describe('bench/gpu.lua', function()
                     '== decoding', '200      auto', '== training step: Llama tiny', 'checkpoint (except attention)', 'tokens/s',
                     'one step: forward ', 'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=64: ',
                     "N 128: fastest fused forward + backward '", "x the default 'bf16 fused'",
-                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', '== the TMA kernels', 'fused tma', 'fused ws', 'fused wspp', 'fused ws+dkvws', 'fused all ws', 'fused ws 1-pass', 'fused 128+dkvws',
+                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', '== the TMA kernels', 'fused tma', 'fused ws', 'fused wspp', 'fused wsov', 'fused wsppov', 'fused ws+dkvws', 'fused all ws', 'fused ws 1-pass', 'fused 128+dkvws',
                     'step with ULY_CUDA_ATTN_FWD=ws ULY_CUDA_ATTN_DQ=ws ULY_CUDA_ATTN_DKV=ws: ',
                     'step with ULY_CUDA_ATTN_FWD=ws ULY_CUDA_ATTN_DKV=ws ULY_CUDA_ATTN_BWD=onepass: ',
                     'attention at the step\'s shape' }
@@ -1417,7 +1419,7 @@ describe('scripts/gpu-sanitize.lua', function()
     p:close()
     assert.truthy(out:match('gpu%-sanitize: ok%s+exit=0%s*$'), out)
     for _, want in ipairs({ 'D 128 documents fused-wspp', 'D  64 causal    fused-ws ', 'D  32 layout    fused-128',
-                            'D  64 documents fused-ws1p', 'D 128 causal    fused-ws1p',
+                            'D  64 documents fused-ws1p', 'D 128 causal    fused-ws1p', 'D  64 layout    fused-wsppov',
                             'D 128: on (self-check' }) do
       assert.truthy(out:find(want, 1, true), 'missing ' .. want .. ' in:\n' .. out)
     end
@@ -1435,7 +1437,11 @@ describe('fused attention on TMA (mixed precision)', function()
     if not REAL then return end   -- the simulation has no fused kernels
     check_wgmma_variants({ { 'tma', 'TMA wgmma forward' },
                            { 'ws', 'warp-specialised wgmma forward, dK/dV and dQ', 'ws', 'ws' },
-                           { 'wspp', 'warp-specialised wgmma forward with ping-pong' } })
+                           { 'wspp', 'warp-specialised wgmma forward with ping-pong' },
+                           { 'wsov', 'warp-specialised wgmma forward, P V overlapping the next softmax' },
+                           { 'wsppov', 'warp-specialised wgmma forward, ping-pong and overlap' } },
+                         -- more key tiles than the ring has stages: every stage given back and refilled
+                         { { { 1, 100, 2, 64 }, { 1, 420, 1, 64 }, {} }, { { 1, 130, 1, 128 }, { 1, 330, 1, 128 }, { causal = true } } })
   end)
 
   -- the warp-specialised backward (ULY_CUDA_ATTN_DKV=ws: 128 keys a block, Q, dO and the

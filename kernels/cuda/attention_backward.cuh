@@ -503,18 +503,6 @@ __device__ static inline query_walk<T> start_query_walk(const geom &g, int64_t h
  * tile, one that sees none of it gives zeros. Empty in a pass without wgmma. */
 #define DQ_BAR 1   /* DQ: the named barrier of a warpgroup (D 64: 1 + wg) or of both (D 128) */
 #define DKV_WS_QT(D) ((D) == 64 ? 64 : 32)
-/* WSG_: the warp-specialised backward kernels (dK/dV here, dQ below) with a producer warpgroup.
- * The producer is a whole warpgroup (one thread issuing) so that setmaxnreg can move registers:
- * ptxas gives each thread of a 288- or 384-thread block 168 (at D 128 the consumers need ~200 and
- * spilled 320 bytes at 168); the producer shrinks to WSG_REGS_P, the consumers grow to
- * WSG_REGS_C (168 x 3 = P + 2 C: the block's registers stay what it launched with). Each side
- * starts its walk after the resize: values live across it had ptxas keep the consumers at 168
- * (and spill; at 24 the producer spilled too) */
-#define WSG_THREADS (3 * FA_THREADS)
-#define WSG_REGS_P 40
-#define WSG_REGS_C 232
-static_assert(WSG_REGS_P + 2 * WSG_REGS_C <= 3 * (65536 / WSG_THREADS / 8 * 8),
-              "setmaxnreg: the consumers would wait forever for registers the block does not have");
 template <int D, bool DQ = false>
 __global__ static void __launch_bounds__(WSG_THREADS, WS_MIN_BLOCKS(D))
 fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,

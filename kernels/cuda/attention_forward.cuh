@@ -139,13 +139,26 @@ __device__ static inline void mask_scores(float s[][4], const geom &g, int64_t b
  * result is the same up to rounding (O and l carry the same stale max; lse = m + log l). */
 #define RESCALE_SLACK 5.5451774f
 
+/* O's two rows times alpha[0] and alpha[1] (a moved max) */
+template <int D>
+__device__ static inline void rescale_o(float o[D / 8][4], const float alpha[2]) {
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+        o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+    }
+}
+
 /* one key tile's step of the online softmax for this lane's two rows: s (the tile's scores,
  * accumulator layout) becomes P = exp(s scale - m) with masked pairs at 0 (st: the tile's
  * state), and when a row of the warp has scores more than RESCALE_SLACK above its max, every
- * row's max moves to its new one, with its sum l and O rescaled (one branch for the warp) */
-template <int D, bool grouped>
-__device__ static inline void online_softmax(float s[8][4], float o[D / 8][4], float m[2], float l[2], const geom &g,
-                                             int64_t b, const int64_t rows[2], int64_t j0, int st, int tq) {
+ * row's max moves to its new one, with its sum l and O rescaled (one branch for the warp).
+ * DEFER: O is left alone (a P V may still be adding into it); whether it is to be rescaled is
+ * returned (the same for the warp), and by what in alpha */
+template <int D, bool grouped, bool DEFER = false>
+__device__ static inline bool online_softmax(float s[8][4], float o[D / 8][4], float m[2], float l[2], const geom &g,
+                                             int64_t b, const int64_t rows[2], int64_t j0, int st, int tq,
+                                             float *alpha_out = nullptr) {
     if (st == TILE_MASKED) mask_scores<8, grouped>(s, g, b, rows, j0, tq);
     float mx[2] = {-INFINITY, -INFINITY};   /* the raw scores' max: scale > 0 keeps the order */
 #pragma unroll
@@ -159,7 +172,8 @@ __device__ static inline void online_softmax(float s[8][4], float o[D / 8][4], f
         mt[r] = quad_max(mx[r]) * g.scale;
         grow |= mt[r] > m[r] + RESCALE_SLACK;   /* a row's first visible scores (m = -inf) too */
     }
-    if (__any_sync(0xffffffffu, grow)) {
+    const bool grew = __any_sync(0xffffffffu, grow);
+    if (grew) {
         float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
@@ -168,10 +182,11 @@ __device__ static inline void online_softmax(float s[8][4], float o[D / 8][4], f
             m[r] = mn;
             l[r] *= alpha[r];
         }
-#pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
-            o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+        if constexpr (DEFER) {
+            alpha_out[0] = alpha[0];
+            alpha_out[1] = alpha[1];
+        } else {
+            rescale_o<D>(o, alpha);
         }
     }
     float nb2[2];   /* -m in log2 units: exp(x scale - m) = 2^(x scale log2e - m log2e) */
@@ -186,6 +201,7 @@ __device__ static inline void online_softmax(float s[8][4], float o[D / 8][4], f
             s[n][e] = p;
             l[e >> 1] += p;
         }
+    return grew;
 }
 
 /* acc += x t on the warpgroup's tensor cores, waited for (O += P V in the forward, dQ += dS K):
@@ -605,9 +621,10 @@ fa_forward_tma(float *out, float *lse, geom g, const __grid_constant__ CUtensorM
  * stage of the ring full (one arrival, the producer's, and the stage's bytes) and empty (one
  * arrival from each of the 256 consumer threads), and `once` (one arrival and the bytes of the
  * tiles loaded once) */
+template <int STAGES = WS_STAGES>
 __device__ static inline void start_ws_ring(uint64_t *full, uint64_t *empty, uint64_t *once) {
     if (threadIdx.x == 0) {
-        for (int i = 0; i < WS_STAGES; i++) {
+        for (int i = 0; i < STAGES; i++) {
             mbar_init(&full[i], 1);
             mbar_init(&empty[i], 2 * FA_THREADS);
         }
@@ -619,9 +636,9 @@ __device__ static inline void start_ws_ring(uint64_t *full, uint64_t *empty, uin
 
 /* a warp-specialised kernel's producer (one thread) over the key tiles of the rows rs from j0 (up
  * to key hi; next_key_tile's walk, 64 keys a tile): each tile's K and V (64 rows each, by TMA)
- * into stage n % WS_STAGES of sKV, counted on full[stage], after waiting for empty[stage] (both
+ * into stage n % STAGES of sKV, counted on full[stage], after waiting for empty[stage] (both
  * consumer warpgroups gave it back) from the second round of the ring on */
-template <int D>
+template <int D, int STAGES = WS_STAGES>
 __device__ static inline void produce_kv_tiles(uint4 *sKV, uint64_t *full, uint64_t *empty, const CUtensorMap *mk,
                                                const CUtensorMap *mv, const geom &g, const row_span &rs, int64_t j0,
                                                int64_t hi, int64_t hk, int64_t b) {
@@ -630,8 +647,8 @@ __device__ static inline void produce_kv_tiles(uint4 *sKV, uint64_t *full, uint6
     unsigned phases = 0;                    /* bit i: the parity empty[i]'s next wait is for */
     int st;
     for (int n = 0; j0 >= 0; n++) {
-        const int at = n % WS_STAGES;
-        if (n >= WS_STAGES) {   /* both consumers gave the stage back */
+        const int at = n % STAGES;
+        if (n >= STAGES) {   /* both consumers gave the stage back */
             mbar_wait(&empty[at], (phases >> at) & 1);
             phases ^= 1u << at;
         }
@@ -656,20 +673,32 @@ __device__ static inline void produce_kv_tiles(uint4 *sKV, uint64_t *full, uint6
  * their S (named barriers WS_TURN and WS_TURN + 1), so that one's softmax runs while the other's
  * products have the tensor cores. Warpgroup 1 gives warpgroup 0 the first turn, and warpgroup 0
  * takes warpgroup 1's last hand-over after the loop: each barrier gets as many arrivals as syncs.
- * (A hand-over outside the branch that issues and waits had ptxas serialise the wgmmas, C7518.) */
+ * (A hand-over outside the branch that issues and waits had ptxas serialise the wgmmas, C7518.)
+ * OV (ULY_CUDA_ATTN_FWD=wsov, wsppov with PP): FlashAttention-3's intra-warpgroup overlap: a
+ * consumer issues tile n's S and the previous tile's P V together, waits for S alone and runs
+ * tile n's softmax while P V is on the tensor cores, then rescales O (when its max moved) once
+ * P V is done. A stage's V is read a tile after its K, so a stage is given back a tile later
+ * and the ring has WS_STAGES_OV stages (the producer keeps loading a tile ahead). P's fragments
+ * held across the loop need more than the 168 registers a thread ptxas allows a 288-thread
+ * block (D 128 spilled): the producer is a warpgroup then (WSG_THREADS) and setmaxnreg moves its
+ * registers to the consumers (D 128: 153 used, D 64: 123). */
 #define WS_TURN 1
-template <int D, bool PP = false>
-__global__ static void __launch_bounds__(WS_THREADS, WS_MIN_BLOCKS(D))
+#define WS_STAGES_OV 3
+/* the forward ws kernels' shared memory: Q (128 rows), the ring's K and V, the mbarriers, + 1 KiB
+ * to align the tiles */
+#define FWD_WS_SMEM(D, STAGES) ((size_t)(2 + 2 * (STAGES)) * 64 * ((D) / 8) * 16 + 1024 + (2 * (STAGES) + 1) * 8)
+template <int D, bool PP = false, bool OV = false>
+__global__ static void __launch_bounds__(OV ? WSG_THREADS : WS_THREADS, WS_MIN_BLOCKS(D))
 fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
               const __grid_constant__ CUtensorMap mv, int *ran_wgmma) {
 #if ULY_HAS_WGMMA
-    constexpr int CH = D / 8;
+    constexpr int CH = D / 8, STAGES = OV ? WS_STAGES_OV : WS_STAGES;
     constexpr unsigned TILE = 64 * D * 2;   /* bytes of a 64-row tile */
     ULY_DYNAMIC_SHARED(uint4, dyn);
     /* Q as two 64-row tiles, then per stage K and V (64 rows each), then the mbarriers */
     uint4 *const sQ0 = align_1024(dyn), *const sKV = sQ0 + 128 * CH;
-    uint64_t *const full = (uint64_t *)(sKV + WS_STAGES * 128 * CH), *const empty = full + WS_STAGES,
-                    *const qbar = empty + WS_STAGES;
+    uint64_t *const full = (uint64_t *)(sKV + STAGES * 128 * CH), *const empty = full + STAGES,
+                    *const qbar = empty + STAGES;
     if (ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
     const int64_t blk = blockIdx.x, grp = g.H / g.Hkv;
     const int64_t nt = (g.Tq + 127) / 128, tile = nt - 1 - blk % nt, bh = blk / nt;   /* longest bands first */
@@ -679,17 +708,19 @@ fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMa
     const row_span rs = span_of_rows(g, i0, i0 + 127);
     int st = TILE_EMPTY;
     int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / 64 * 64, hi, 64, &st) : -1;
-    const int wg = threadIdx.x >> 7;   /* 0, 1: the consumers; 2: the producer warp */
-    start_ws_ring(full, empty, qbar);   /* and the last block-wide barrier */
+    const int wg = threadIdx.x >> 7;   /* 0, 1: the consumers; 2: the producer warp (OV: warpgroup) */
+    start_ws_ring<STAGES>(full, empty, qbar);   /* and the last block-wide barrier */
     if (wg == 2) {
+        if (OV) regs_shrink_to<WSG_REGS_P>();
         if (threadIdx.x == 2 * FA_THREADS && j0 >= 0) {
             mbar_expect_tx(qbar, 2 * TILE);
             tma_tile<D>(sQ0, &mq, h, i0, b, qbar);
             tma_tile<D>(sQ0 + 64 * CH, &mq, h, i0 + 64, b, qbar);
-            produce_kv_tiles<D>(sKV, full, empty, &mk, &mv, g, rs, j0, hi, hk, b);
+            produce_kv_tiles<D, STAGES>(sKV, full, empty, &mk, &mv, g, rs, j0, hi, hk, b);
         }
         return;
     }
+    if (OV) regs_grow_to<WSG_REGS_C>();
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, tq = lane & 3;
     const int64_t w0 = i0 + 64 * wg, t0 = w0 + warp * 16 + (lane >> 2);   /* this warpgroup's first row */
     const int64_t rows[2] = {t0, t0 + 8};
@@ -701,29 +732,77 @@ fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMa
     unsigned phases = 0;   /* bit i: the parity full[i]'s next wait is for */
     const bool started = j0 >= 0;
     if (PP && wg == 1 && started) named_bar_arrive(WS_TURN, 2 * FA_THREADS);   /* warpgroup 0 takes the first turn */
-    for (int n = 0; j0 >= 0; n++) {
-        const int at = n % WS_STAGES;
-        const uint4 *const kv = sKV + at * 128 * CH;
-        int st_next = TILE_EMPTY;
-        const int64_t j_next = next_key_tile(g, rs, j0 + 64, hi, 64, &st_next);
-        mbar_wait(&full[at], (phases >> at) & 1);
-        phases ^= 1u << at;
-        const int mine = wg_tile_state<64>(g, rw, st, j0);   /* the same for the whole warpgroup */
-        if (PP) named_bar_sync(WS_TURN + wg, 2 * FA_THREADS);   /* this warpgroup's turn to issue S */
-        if (mine != TILE_EMPTY) {
+    if constexpr (OV) {
+        /* every tile issues S and the last tile's P V, and waits the same way, whatever its state:
+         * a wgmma or its wait under a condition has ptxas serialise them all (C7520, C7518). So a
+         * tile none of these rows sees is run as a masked one (P = 0), and the first tile's P V
+         * multiplies its own V by a P of zeros (O stays 0) */
+        uint32_t pa[4][4];   /* the last tile's P, bf16 A fragments */
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+        int prev = 0;        /* the stage whose V that P multiplies */
+        for (int n = 0; j0 >= 0; n++) {
+            const int at = n % STAGES;
+            const uint4 *const kv = sKV + at * 128 * CH;
+            int st_next = TILE_EMPTY;
+            const int64_t j_next = next_key_tile(g, rs, j0 + 64, hi, 64, &st_next);
+            mbar_wait(&full[at], (phases >> at) & 1);
+            phases ^= 1u << at;
+            int mine = wg_tile_state<64>(g, rw, st, j0);   /* the same for the whole warpgroup */
+            if (mine == TILE_EMPTY) mine = TILE_MASKED;
+            if (PP) named_bar_sync(WS_TURN + wg, 2 * FA_THREADS);   /* this warpgroup's turn to issue */
             float s[8][4];
-            scores_wg<D / 16>(s, sQ, kv);
+            scores_wg<D / 16>(s, sQ, kv);   /* S(n) */
+            wg_fence();                     /* O += P(n-1) V(n-1), behind it */
+            acc_times_tile_wg<D, 4, 64>(o, pa, sKV + (n ? prev : at) * 128 * CH + 64 * CH);
+            wg_commit();
             if (PP) named_bar_arrive(WS_TURN + 1 - wg, 2 * FA_THREADS);   /* the other's turn */
-            wg_wait<0>();
+            wg_wait<1>();                   /* S(n) alone */
             wg_fence_regs(&s[0][0], 32);
-            online_softmax<D, false>(s, o, m, l, g, b, rows, j0, mine, tq);
-            times_tile_wg_waited<D, 4, 64>(o, s, kv + 64 * CH);   /* O += P V */
-        } else if (PP) {
-            named_bar_arrive(WS_TURN + 1 - wg, 2 * FA_THREADS);
+            float alpha[2];
+            const bool grew = online_softmax<D, false, true>(s, o, m, l, g, b, rows, j0, mine, tq, alpha);
+            wg_wait<0>();                   /* P V done: O may be rescaled, and V(n-1)'s stage goes back */
+            wg_fence_regs(&o[0][0], 4 * CH);
+            if (n) mbar_arrive(&empty[prev]);
+            if (grew) rescale_o<D>(o, alpha);
+            acc_to_a_all<4>(pa, s);
+            prev = at;
+            j0 = j_next;
+            st = st_next;
         }
-        mbar_arrive(&empty[at]);   /* this thread is done with the stage: its wgmmas were waited for */
-        j0 = j_next;
-        st = st_next;
+        if (started) {   /* the last tile's P V */
+            wg_fence();
+            acc_times_tile_wg<D, 4, 64>(o, pa, sKV + prev * 128 * CH + 64 * CH);
+            wg_commit();
+            wg_wait<0>();
+            wg_fence_regs(&o[0][0], 4 * CH);
+            mbar_arrive(&empty[prev]);
+        }
+    } else {
+        for (int n = 0; j0 >= 0; n++) {
+            const int at = n % STAGES;
+            const uint4 *const kv = sKV + at * 128 * CH;
+            int st_next = TILE_EMPTY;
+            const int64_t j_next = next_key_tile(g, rs, j0 + 64, hi, 64, &st_next);
+            mbar_wait(&full[at], (phases >> at) & 1);
+            phases ^= 1u << at;
+            const int mine = wg_tile_state<64>(g, rw, st, j0);   /* the same for the whole warpgroup */
+            if (PP) named_bar_sync(WS_TURN + wg, 2 * FA_THREADS);   /* this warpgroup's turn to issue S */
+            if (mine != TILE_EMPTY) {
+                float s[8][4];
+                scores_wg<D / 16>(s, sQ, kv);
+                if (PP) named_bar_arrive(WS_TURN + 1 - wg, 2 * FA_THREADS);   /* the other's turn */
+                wg_wait<0>();
+                wg_fence_regs(&s[0][0], 32);
+                online_softmax<D, false>(s, o, m, l, g, b, rows, j0, mine, tq);
+                times_tile_wg_waited<D, 4, 64>(o, s, kv + 64 * CH);   /* O += P V */
+            } else if (PP) {
+                named_bar_arrive(WS_TURN + 1 - wg, 2 * FA_THREADS);
+            }
+            mbar_arrive(&empty[at]);   /* this thread is done with the stage: its wgmmas were waited for */
+            j0 = j_next;
+            st = st_next;
+        }
     }
     if (PP && wg == 0 && started) named_bar_sync(WS_TURN, 2 * FA_THREADS);   /* warpgroup 1's last hand-over */
     store_forward_rows<D, false>(out, lse, g, b, rows, o, m, l, tq, [&](int) { return h; });

@@ -80,7 +80,7 @@ static int allow_smem(Kernel kernel, size_t smem, bool *raised, const char *what
 }
 
 /* ---- the kernels' variants (bench/gpu.lua times them against the defaults) ----
- * ULY_CUDA_ATTN_FWD: pipelined, rows128, tma, ws, wspp; ULY_CUDA_ATTN_DQ: 64, rows128, ws;
+ * ULY_CUDA_ATTN_FWD: pipelined, rows128, tma, ws, wspp, wsov, wsppov; ULY_CUDA_ATTN_DQ: 64, rows128, ws;
  * ULY_CUDA_ATTN_DKV: 64, rows128, ws; ULY_CUDA_ATTN_BWD: onepass, twopass (the default); and
  * ULY_CUDA_ATTN: fused (the default in mixed precision), chunked; ULY_CUDA_ATTN_WGMMA: 0, 1 (see
  * use_wgmma). Unset or empty: the default kernels. An unknown value, or a variant this GPU or driver cannot run (the
@@ -91,7 +91,7 @@ static int allow_smem(Kernel kernel, size_t smem, bool *raised, const char *what
 enum { V_FWD, V_DQ, V_DKV, V_BWD, V_PATH, V_WGMMA, V_COUNT };
 static const char *const variant_vars[V_COUNT] = {"ULY_CUDA_ATTN_FWD", "ULY_CUDA_ATTN_DQ", "ULY_CUDA_ATTN_DKV",
                                                   "ULY_CUDA_ATTN_BWD", "ULY_CUDA_ATTN", "ULY_CUDA_ATTN_WGMMA"};
-static const char *const variant_names[V_COUNT][6] = {{"pipelined", "rows128", "tma", "ws", "wspp", NULL},
+static const char *const variant_names[V_COUNT][8] = {{"pipelined", "rows128", "tma", "ws", "wspp", "wsov", "wsppov", NULL},
                                                       {"64", "rows128", "ws", NULL},
                                                       {"64", "rows128", "ws", NULL},
                                                       {"onepass", "twopass", NULL},
@@ -227,14 +227,16 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void) {
     return fn;
 }
 /* ULY_CUDA_ATTN_FWD=tma: the wgmma forward with TMA loads (fa_forward_tma); ws: warp-specialised
- * (fa_forward_ws: a TMA producer warp, two consumer warpgroups); wspp: that with ping-pong; where
- * one would run unpipelined without key splits or GQA packing. bench/gpu.lua times them beside
- * the default. 0: none. */
+ * (fa_forward_ws: a TMA producer warp, two consumer warpgroups); wspp: that with ping-pong; wsov,
+ * wsppov: those with the intra-warpgroup overlap (OV); where one would run unpipelined without
+ * key splits or GQA packing. bench/gpu.lua times them beside the default. 0: none; else the
+ * index of the name in the list below (1: tma). */
 static int forward_tma(void) {
+    static const char *const names[] = {"tma", "ws", "wspp", "wsov", "wsppov"};
     const int ok = two_warpgroup_build_loads() && tensor_map_encoder();
-    if (variant_runs(V_FWD, "tma", ok, NO_TMA)) return 1;
-    if (variant_runs(V_FWD, "ws", ok, NO_TMA)) return 2;
-    return variant_runs(V_FWD, "wspp", ok, NO_TMA) ? 3 : 0;
+    for (int i = 0; i < 5; i++)
+        if (variant_runs(V_FWD, names[i], ok, NO_TMA)) return i + 1;
+    return 0;
 }
 /* the map of a [B, T, heads, D] bf16 tensor in boxes of `rows` rows (64 unless said) x 64 elements
  * of one head, landing 128-byte swizzled; -1 when the driver refuses it (e.g. a base not 16-byte
@@ -261,26 +263,28 @@ static int flat_map(CUtensorMap *m, const float *base, int64_t n, int box) {
                ? 0
                : -1;
 }
-/* which (1: fa_forward_tma, 2: fa_forward_ws, 3: it with ping-pong); 0 when launched, -1 when a map could not be made
- * (the caller launches the cp.async kernel) */
+/* which (forward_tma's: 1 fa_forward_tma, 2 fa_forward_ws, 3 it with ping-pong, 4 with the
+ * intra-warpgroup overlap, 5 with both); 0 when launched, -1 when a map could not be made (the
+ * caller launches the cp.async kernel) */
 template <int D>
 static int launch_forward_tma(int which, float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k,
                               const bf16 *v, int *ran) {
     CUtensorMap mq, mk, mv;
     if (tile_map(&mq, q, g.B, g.Tq, g.H, D) || tile_map(&mk, k, g.B, g.Tk, g.Hkv, D) || tile_map(&mv, v, g.B, g.Tk, g.Hkv, D))
         return -1;
-    const int ws = which >= 2;
-    auto kernel = which == 3 ? fa_forward_ws<D, true> : which == 2 ? fa_forward_ws<D, false> : fa_forward_tma<D>;
-    /* + 1 KiB to align the tiles, and the mbarriers; tma: Q, V, two K tiles; ws: 128 rows of Q, K and V a stage */
-    const size_t tile = 64 * (D / 8) * 16, smem = ws ? (2 + 2 * WS_STAGES) * tile + 1024 + (2 * WS_STAGES + 1) * 8
-                                                            : 4 * tile + 1024 + 3 * 8;
-    static bool raised[3];
+    const int ws = which >= 2, ov = which >= 4;
+    auto kernel = which == 5 ? fa_forward_ws<D, true, true> : which == 4 ? fa_forward_ws<D, false, true>
+                : which == 3 ? fa_forward_ws<D, true> : which == 2 ? fa_forward_ws<D, false> : fa_forward_tma<D>;
+    /* tma: Q, V, two K tiles + 1 KiB to align them, and the mbarriers */
+    const size_t smem = ws ? FWD_WS_SMEM(D, ov ? WS_STAGES_OV : WS_STAGES) : 4 * 64 * (D / 8) * 16 + 1024 + 3 * 8;
+    static bool raised[5];
     if (allow_smem(kernel, smem, &raised[which - 1], "fused flash attention forward (wgmma, TMA): shared memory")) return 0;
-    char name[64] = "";   /* for the profiler */
-    if (uly_cu_prof_on) snprintf(name, sizeof name, "attention forward D %d wgmma (TMA%s)", D,
-                                  which == 3 ? ", warp-specialised, ping-pong" : ws ? ", warp-specialised" : "");
+    static const char *const kinds[5] = {"", ", warp-specialised", ", warp-specialised, ping-pong",
+                                         ", warp-specialised, overlapped", ", warp-specialised, ping-pong, overlapped"};
+    char name[80] = "";   /* for the profiler */
+    if (uly_cu_prof_on) snprintf(name, sizeof name, "attention forward D %d wgmma (TMA%s)", D, kinds[which - 1]);
     const int64_t blocks = ws ? (g.Tq + 127) / 128 * g.B * g.H : (g.Tq + 63) / 64 * g.B * g.H;
-    ULY_LAUNCH_SMEM_AS(name, kernel, blocks, ws ? WS_THREADS : FA_THREADS, smem, uly_cu_stream)(out, lse, g, mq, mk,
+    ULY_LAUNCH_SMEM_AS(name, kernel, blocks, ov ? WSG_THREADS : ws ? WS_THREADS : FA_THREADS, smem, uly_cu_stream)(out, lse, g, mq, mk,
                                                                                                      mv, ran);
     return 0;
 }
@@ -298,7 +302,7 @@ static void launch_forward(int64_t blocks, float *out, float *lse, const geom &g
         const int tma = splits == 1 ? forward_tma() : 0;
         if (tma) {
             if (launch_forward_tma<D>(tma, out, lse, g, q, k, v, ran) == 0) return;
-            variant_note(V_FWD, tma == 1 ? "tma" : tma == 2 ? "ws" : "wspp", MAP_REFUSED);
+            variant_note(V_FWD, variant(V_FWD), MAP_REFUSED);
         }
     }
     if (WG) {

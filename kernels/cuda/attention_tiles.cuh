@@ -11,11 +11,23 @@
 #define FA_THREADS 128   /* 4 warps */
 typedef __nv_bfloat16 bf16;
 /* the warp-specialised kernels (fa_forward_ws, fa_backward_dkv_ws): two consumer warpgroups and a
- * producer warp, a ring of WS_STAGES stages between them; one block an SM (two at D 64 would cap
- * registers at 96 and spill) */
+ * producer warp (WS_THREADS) or warpgroup (WSG_THREADS), a ring of WS_STAGES stages between them;
+ * one block an SM (two at D 64 would cap registers at 96 and spill) */
 #define WS_STAGES 2
 #define WS_THREADS (2 * FA_THREADS + 32)
 #define WS_MIN_BLOCKS(D) (ULY_HAS_WGMMA ? 1 : 0)
+/* WSG_: the warp-specialised kernels with a producer warpgroup (the backward's, and the forward's
+ * overlapped variant). The producer is a whole warpgroup (one thread issuing) so that setmaxnreg
+ * can move registers: ptxas gives each thread of a 288- or 384-thread block 168 (at D 128 the
+ * dK/dV consumers need ~200 and spilled 320 bytes at 168); the producer shrinks to WSG_REGS_P,
+ * the consumers grow to WSG_REGS_C (168 x 3 = P + 2 C: the block's registers stay what it
+ * launched with). Each side starts its walk after the resize: values live across it had ptxas
+ * keep the consumers at 168 (and spill; at 24 the producer spilled too) */
+#define WSG_THREADS (3 * FA_THREADS)
+#define WSG_REGS_P 40
+#define WSG_REGS_C 232
+static_assert(WSG_REGS_P + 2 * WSG_REGS_C <= 3 * (65536 / WSG_THREADS / 8 * 8),
+              "setmaxnreg: the consumers would wait forever for registers the block does not have");
 
 /* chunk c (16 bytes, 8 bf16) of row r of a shared tile of D-element rows */
 template <int D>

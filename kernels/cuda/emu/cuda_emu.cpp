@@ -532,6 +532,17 @@ static float wgmma_b(uint64_t desc, int trans, int k, int n) {
 void wgmma_wait(unsigned in_flight) {
     fiber &f = B.fibers[B.cur];
     unsigned lane = B.cur & 31, g = lane >> 2, t = lane & 3;
+    if (B.eager_copies) {
+        /* ULY_EMU_ASYNC=eager: the other threads run first (a wgmma takes time), so that a buffer
+         * given back before the wait (an mbarrier arrival, then a TMA load landing at once) is
+         * overwritten under it, which the check below sees */
+        bool completes = false;
+        for (const wgmma_op &op : f.wgmmas) completes |= op.group + in_flight < f.wg_commits;
+        if (completes) {
+            f.wait = SPIN;
+            to_scheduler(f);
+        }
+    }
     std::vector<wgmma_op> left;
     for (wgmma_op &op : f.wgmmas) {
         if (op.group + in_flight >= f.wg_commits) { left.push_back(std::move(op)); continue; }

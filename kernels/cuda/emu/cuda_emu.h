@@ -17,6 +17,8 @@
  *  - TMA loads land at the first mbarrier wait on their barrier (or at issue, eager), in the
  *    128-byte swizzle, zeros outside the tensor; an mbarrier wait yields until its phase
  *    completes (kernels/cuda/tma.cuh; a wait nothing can complete is reported as a deadlock);
+ *    with eager loads a wgmma wait yields once too, so a buffer given back to a TMA producer
+ *    before the wgmma reading it was waited for is overwritten under it (and reported);
  *  - named barriers (bar.sync / bar.arrive, warpgroups taking turns) count their arrivals; a
  *    block that ends with one part-arrived is reported; setmaxnreg does nothing here;
  *  - cuBLAS and cuBLASLt GEMMs are plain loops (f32 accumulation; bf16 inputs read exactly),
