@@ -1427,6 +1427,16 @@ describe('scripts/gpu-sanitize.lua', function()
   end)
 end)
 
+-- fn() with the wgmma kernels forced on the emulator (every pass of scripts/test.sh then runs the
+-- TMA kernels, the sanitizer one included, not only the wgmma pass); on a GPU as its self-check
+-- decided
+local function on_wgmma_if_emulated(fn)
+  if MODE == 'emu' then ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', '1', 1) end
+  local ok, err = pcall(fn)
+  ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', os.getenv('ULY_TEST_WGMMA') or '', 1)
+  if not ok then error(err, 0) end
+end
+
 -- Last in this file: on a GPU a fault in these kernels (an mbarrier wait that traps) leaves the
 -- context unusable, and every later spec would fail with it.
 describe('fused attention on TMA (mixed precision)', function()
@@ -1452,7 +1462,7 @@ describe('fused attention on TMA (mixed precision)', function()
     if not REAL then return end   -- the simulation has no fused kernels
     ffi.C.setenv('ULY_CUDA_ATTN_DKV', 'ws', 1)
     ffi.C.setenv('ULY_CUDA_ATTN_DQ', 'ws', 1)
-    local ok, err = pcall(wide_backward_cases)
+    local ok, err = pcall(on_wgmma_if_emulated, wide_backward_cases)
     clear_attention_variants()
     assert(ok, 'ULY_CUDA_ATTN_DKV=ws ULY_CUDA_ATTN_DQ=ws: ' .. tostring(err))
   end)
@@ -1466,7 +1476,7 @@ describe('fused attention on TMA (mixed precision)', function()
     if not REAL then return end   -- the simulation has no fused kernels
     ffi.C.setenv('ULY_CUDA_ATTN_DKV', 'ws', 1)
     ffi.C.setenv('ULY_CUDA_ATTN_BWD', 'onepass', 1)
-    local ok, err = pcall(function()
+    local ok, err = pcall(on_wgmma_if_emulated, function()
       wide_backward_cases()
       helpers.reseed(39)
       local docs = {}

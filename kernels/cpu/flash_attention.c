@@ -43,6 +43,11 @@
 #define DQ_GROUPS 2              /* backward: dQ partial sums, one buffer per group of key tiles */
 
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+#if defined(__GNUC__) && !defined(__clang__)
+/* vf by value between static inline helpers, never across a library boundary: gcc's note that
+ * its ABI differs without AVX-512 (a build for a CPU without it) is noise here */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 
 static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }

@@ -238,8 +238,9 @@ __device__ static inline void store_dscores_rows(uint4 *col, const float dp[4][4
                 ((uint16_t *)&col[sw128_at<32>(8 * n + 2 * (lane & 3) + c, 2 * warp + r)])[lane >> 2] =
                     zero ? (uint16_t)0 : (uint16_t)mma_pack_bf16(dp[n][2 * r + c], 0.0f);
 }
-/* dqt (dqt_share_issue_wg's: D 64 wg.. of queries i0..i0 + 31 of head h) times the scale added into
- * dq ([B, Tq, H, 128] f32) with atomics, none past the last query */
+/* dqt (dqt_share_issue_wg's: elements 64 wg .. 64 wg + 63 of the rows of queries i0..i0 + 31 of
+ * head h) times the scale added into dq ([B, Tq, H, 128] f32) with atomics, none past the last
+ * query */
 __device__ static inline void add_dqt_share_wg(float *dq, const geom &g, int64_t b, int64_t h, int64_t i0,
                                                const float dqt[16], int wg, int warp, int lane) {
     const int d = 64 * wg + 16 * warp + (lane >> 2);

@@ -732,6 +732,17 @@ fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMa
     unsigned phases = 0;   /* bit i: the parity full[i]'s next wait is for */
     const bool started = j0 >= 0;
     if (PP && wg == 1 && started) named_bar_arrive(WS_TURN, 2 * FA_THREADS);   /* warpgroup 0 takes the first turn */
+    /* tile n (at j0, state st): the walk's next tile into *j_next, *st_next, this warpgroup's view
+     * of tile n into *mine (the same for the whole warpgroup); waits for its stage, returned */
+    auto take_stage = [&](int n, int64_t *j_next, int *st_next, int *mine) {
+        const int at = n % STAGES;
+        *st_next = TILE_EMPTY;
+        *j_next = next_key_tile(g, rs, j0 + 64, hi, 64, st_next);
+        mbar_wait(&full[at], (phases >> at) & 1);
+        phases ^= 1u << at;
+        *mine = wg_tile_state<64>(g, rw, st, j0);
+        return at;
+    };
     if constexpr (OV) {
         /* every tile issues S and the last tile's P V, and waits the same way, whatever its state:
          * a wgmma or its wait under a condition has ptxas serialise them all (C7520, C7518). So a
@@ -742,13 +753,10 @@ fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMa
         for (int kk = 0; kk < 4; kk++) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
         int prev = 0;        /* the stage whose V that P multiplies */
         for (int n = 0; j0 >= 0; n++) {
-            const int at = n % STAGES;
+            int st_next, mine;
+            int64_t j_next;
+            const int at = take_stage(n, &j_next, &st_next, &mine);
             const uint4 *const kv = sKV + at * 128 * CH;
-            int st_next = TILE_EMPTY;
-            const int64_t j_next = next_key_tile(g, rs, j0 + 64, hi, 64, &st_next);
-            mbar_wait(&full[at], (phases >> at) & 1);
-            phases ^= 1u << at;
-            int mine = wg_tile_state<64>(g, rw, st, j0);   /* the same for the whole warpgroup */
             if (mine == TILE_EMPTY) mine = TILE_MASKED;
             if (PP) named_bar_sync(WS_TURN + wg, 2 * FA_THREADS);   /* this warpgroup's turn to issue */
             float s[8][4];
@@ -780,13 +788,10 @@ fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMa
         }
     } else {
         for (int n = 0; j0 >= 0; n++) {
-            const int at = n % STAGES;
+            int st_next, mine;
+            int64_t j_next;
+            const int at = take_stage(n, &j_next, &st_next, &mine);
             const uint4 *const kv = sKV + at * 128 * CH;
-            int st_next = TILE_EMPTY;
-            const int64_t j_next = next_key_tile(g, rs, j0 + 64, hi, 64, &st_next);
-            mbar_wait(&full[at], (phases >> at) & 1);
-            phases ^= 1u << at;
-            const int mine = wg_tile_state<64>(g, rw, st, j0);   /* the same for the whole warpgroup */
             if (PP) named_bar_sync(WS_TURN + wg, 2 * FA_THREADS);   /* this warpgroup's turn to issue S */
             if (mine != TILE_EMPTY) {
                 float s[8][4];
