@@ -190,116 +190,84 @@ __device__ static inline void probs_and_dscores(float s[NT][4], float dp[NT][4],
         }
 }
 
-/* the one-pass dQ's share of a 64-key, 64-query tile pair on wgmma (D 64), queued (the caller
- * fences, commits and waits): dqa (64 queries x D, accumulator layout) = dS K / scale, dS from
- * sdS, the tile of dS^T as bf16 (a 128-byte line per key: MN-major A), K MN-major B (its 64-row
- * tile read along D) */
-__device__ static inline void dq_share_issue_wg(float dqa[32], const uint4 *sdS, const uint4 *sK) {
-    const uint32_t da = wg_desc_lo(sdS), dk = wg_desc_lo(sK);
-    wgmma_64x64_ss<1, 0, 1>(dqa, wg_desc_at(da, 0), wg_desc_at(dk, 0));
-#pragma unroll
-    for (int kk = 1; kk < 4; kk++)   /* 16 keys: 16 lines, 2 KiB, into both tiles */
-        wgmma_64x64_ss<1, 1, 1>(dqa, wg_desc_at(da, kk * 2048), wg_desc_at(dk, kk * 2048));
-}
-/* this warp's dS^T (dp: 16 keys x 64 queries, accumulator layout, / scale) as bf16 into the
- * 128-byte-swizzled tile sdS (line: key, along it the queries): conflict-free 32-bit stores */
-__device__ static inline void store_dscores_t(uint4 *sdS, const float dp[8][4], int warp, int lane) {
-#pragma unroll
-    for (int n = 0; n < 8; n++)
-#pragma unroll
-        for (int r = 0; r < 2; r++)
-            ((uint32_t *)&sdS[sw128_at<64>(warp * 16 + (lane >> 2) + 8 * r, n)])[lane & 3] =
-                mma_pack_bf16(dp[n][2 * r], dp[n][2 * r + 1]);
-}
-/* the one-pass dQ at D 128 (32-query tiles: no 64-row dQ product), queued like dq_share_issue_wg:
- * warpgroup wg's half of dQ^T (dqt: its 64 of D x the tile's 32 queries, accumulator layout) =
- * K^T dS^T / scale over the block's 128 keys: K^T from both consumers' K tiles (sKcol: atom
- * column wg of the first; a 128-byte line per key holding 64 of D: MN-major A), dS^T from sdS,
- * both warpgroups' dS as bf16 (a 128-byte line per query holding 64 keys, the second
- * warpgroup's keys 4 KiB on: K-major B) */
-__device__ static inline void dqt_share_issue_wg(float dqt[16], const uint4 *sdS, const uint4 *sKcol) {
-    const uint32_t da = wg_desc_lo(sKcol), db = wg_desc_lo(sdS);
+/* The one-pass dQ of a 128-key block and a T-query tile (fa_backward_dkv_ws with DQ), queued (the
+ * caller fences, commits and waits): dQ^T = K^T dS^T / scale over the block's 128 keys, split
+ * between the two warpgroups so that each element of dQ is added once a block: at D 128 (T 32)
+ * warpgroup wg takes elements 64 wg.. of D for all T queries, at D 64 (T 64) all of D for queries
+ * 32 wg..; dqt is its 64 x 32 (accumulator layout). K^T from both consumers' K tiles (sKV; a
+ * 128-byte line per key holding 64 of D, the atom column of wg's half at D 128: MN-major A), dS
+ * from sdS (both warpgroups' dS as bf16, a 128-byte line per query holding 64 keys, the second
+ * warpgroup's 64 keys one T-line atom column on: K-major B) */
+template <int D, int T>
+__device__ static inline void dq_share_issue_wg(float dqt[16], const uint4 *sdS, const uint4 *sKV, int wg) {
+    constexpr uint32_t K_APART = 128 * (D / 8) * 16, DS_APART = T * 128;   /* bytes: the two K tiles, dS's columns */
+    const uint32_t da = wg_desc_lo(sKV + (D == 128 ? wg * 512 : 0)), db = wg_desc_lo(sdS + (D == 64 ? wg * 32 * 8 : 0));
     wgmma_64x32_ss<0, 0, 1>(dqt, wg_desc_at(da, 0), wg_desc_at(db, 0));
 #pragma unroll
-    for (int kk = 1; kk < 8; kk++)   /* 16 keys: the K tile (32 KiB apart), 16 lines of it; 32 bytes along dS's lines */
-        wgmma_64x32_ss<0, 1, 1>(dqt, wg_desc_at(da, (kk >> 2) * 32768 + (kk & 3) * 2048),
-                                wg_desc_at(db, (kk >> 2) * 4096 + (kk & 3) * 32));
+    for (int kk = 1; kk < 8; kk++)   /* 16 keys: 16 lines (2 KiB) into a K tile; 32 bytes along dS's lines */
+        wgmma_64x32_ss<0, 1, 1>(dqt, wg_desc_at(da, (kk >> 2) * K_APART + (kk & 3) * 2048),
+                                wg_desc_at(db, (kk >> 2) * DS_APART + (kk & 3) * 32));
 }
-/* this warp's dS^T (dp: 16 keys x 32 queries, accumulator layout, / scale; zero: zeros) as bf16
- * into col, its warpgroup's keys' half of dqt_share_issue_wg's dS (32 lines of 64 keys, 128-byte
- * swizzled): 16-bit stores, 16 distinct words a store */
-__device__ static inline void store_dscores_rows(uint4 *col, const float dp[4][4], int warp, int lane, bool zero) {
+/* this warp's dS^T (da: 16 keys x T queries as the bf16 A fragments of dK's product, / scale;
+ * zero: zeros) into col, its warpgroup's keys' column of dq_share_issue_wg's dS (T lines of 64
+ * keys, 128-byte swizzled): 16-bit stores, 16 distinct words a store */
+template <int T>
+__device__ static inline void store_dscores_rows(uint4 *col, const uint32_t da[T / 16][4], int warp, int lane, bool zero) {
 #pragma unroll
-    for (int n = 0; n < 4; n++)
+    for (int n = 0; n < T / 8; n++)
 #pragma unroll
-        for (int r = 0; r < 2; r++)
-#pragma unroll
-            for (int c = 0; c < 2; c++)
-                ((uint16_t *)&col[sw128_at<32>(8 * n + 2 * (lane & 3) + c, 2 * warp + r)])[lane >> 2] =
-                    zero ? (uint16_t)0 : (uint16_t)mma_pack_bf16(dp[n][2 * r + c], 0.0f);
+        for (int r = 0; r < 2; r++) {
+            const uint32_t w = zero ? 0u : da[n >> 1][2 * (n & 1) + r];   /* queries 8 n + 2 (lane % 4), + 1 */
+            uint16_t *const at = (uint16_t *)&col[sw128_at<T>(8 * n + 2 * (lane & 3), 2 * warp + r)] + (lane >> 2);
+            at[0] = (uint16_t)w;
+            ((uint16_t *)&col[sw128_at<T>(8 * n + 2 * (lane & 3) + 1, 2 * warp + r)])[lane >> 2] = (uint16_t)(w >> 16);
+        }
 }
-/* dqt (dqt_share_issue_wg's: elements 64 wg .. 64 wg + 63 of the rows of queries i0..i0 + 31 of
- * head h) times the scale added into dq ([B, Tq, H, 128] f32) with atomics, none past the last
- * query */
-__device__ static inline void add_dqt_share_wg(float *dq, const geom &g, int64_t b, int64_t h, int64_t i0,
-                                               const float dqt[16], int wg, int warp, int lane) {
-    const int d = 64 * wg + 16 * warp + (lane >> 2);
+/* dqt (dq_share_issue_wg's share of queries i0..i0 + T - 1 of head h) times the scale added into dq
+ * ([B, Tq, H, D] f32) with atomics, none past the last query */
+template <int D>
+__device__ static inline void add_dq_share_wg(float *dq, const geom &g, int64_t b, int64_t h, int64_t i0,
+                                              const float dqt[16], int wg, int warp, int lane) {
+    const int d = (D == 128 ? 64 * wg : 0) + 16 * warp + (lane >> 2);
+    const int64_t q0 = i0 + (D == 64 ? 32 * wg : 0) + 2 * (lane & 3);
 #pragma unroll
     for (int j = 0; j < 4; j++)
 #pragma unroll
         for (int c = 0; c < 2; c++) {
-            const int64_t i = i0 + 8 * j + 2 * (lane & 3) + c;
+            const int64_t i = q0 + 8 * j + c;
             if (i >= g.Tq) continue;
-            float *const dst = dq + ((b * g.Tq + i) * g.H + h) * 128 + d;
+            float *const dst = dq + ((b * g.Tq + i) * g.H + h) * D + d;
             atomicAdd(dst, dqt[4 * j + c] * g.scale);
             atomicAdd(dst + 8, dqt[4 * j + 2 + c] * g.scale);
         }
 }
-/* float atomic adds of a and b at p, p + 1 (p 8-byte aligned): one vector reduction on Hopper */
-__device__ static inline void red_add2(float *p, float a, float b) {
-#if !defined(ULY_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    atomicAdd((float2 *)p, make_float2(a, b));
-#else
-    atomicAdd(p, a);
-    atomicAdd(p + 1, b);
-#endif
-}
-/* dqa (dq_share_issue_wg's, this warp's 16 of queries i0..i0 + 63 of head h) times the scale added
- * into dq ([B, Tq, H, 64] f32) with atomics, none past the last query */
-__device__ static inline void add_dq_share_wg(float *dq, const geom &g, int64_t b, int64_t h, int64_t i0,
-                                              const float dqa[32], int warp, int lane) {
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int64_t i = i0 + warp * 16 + (lane >> 2) + 8 * r;
-        if (i >= g.Tq) continue;
-        float *const dst = dq + ((b * g.Tq + i) * g.H + h) * 64 + 2 * (lane & 3);
-#pragma unroll
-        for (int j = 0; j < 8; j++) red_add2(dst + 8 * j, dqa[4 * j + 2 * r] * g.scale, dqa[4 * j + 2 * r + 1] * g.scale);
-    }
-}
 
-/* dV += P^T dO and dK += dS^T Q as wgmma, P^T and dS^T (s, dp: 64 keys x T queries) from the
- * accumulators as A, dO and Q (T-row tiles) MN-major B; DQ: with the one-pass dQ share in the
- * same group (D 64: dq_share_issue_wg's, dqa from sdS and sK; D 128: dqt_share_issue_wg's, sK its
- * sKcol); waited for */
+/* dV += P^T dO and dK += dS^T Q as wgmma, P^T and dS^T (pa, da: 64 keys x T queries as bf16 A
+ * fragments) with dO and Q (T-row tiles) MN-major B; DQ: with dq_share_issue_wg's share of dQ
+ * (dqt, from sdS and sKV) in the same group; waited for */
 template <int D, int T, bool DQ = false>
-__device__ static inline void dkv_accumulate_wg(float dva[D / 8][4], float dka[D / 8][4], float s[T / 8][4],
-                                                float dp[T / 8][4], const uint4 *sO, const uint4 *sQ,
-                                                float *dqa = nullptr, const uint4 *sdS = nullptr,
-                                                const uint4 *sK = nullptr) {
-    uint32_t pa[T / 16][4], da[T / 16][4];
-    acc_to_a_all<T / 16>(pa, s);
-    acc_to_a_all<T / 16>(da, dp);
+__device__ static inline void dkv_accumulate_frags(float dva[D / 8][4], float dka[D / 8][4], const uint32_t pa[T / 16][4],
+                                                   const uint32_t da[T / 16][4], const uint4 *sO, const uint4 *sQ,
+                                                   float *dqt = nullptr, const uint4 *sdS = nullptr,
+                                                   const uint4 *sKV = nullptr, int wg = 0) {
     wg_fence();
-    if constexpr (DQ && D == 64) dq_share_issue_wg(dqa, sdS, sK);
-    if constexpr (DQ && D == 128) dqt_share_issue_wg(dqa, sdS, sK);
+    if constexpr (DQ) dq_share_issue_wg<D, T>(dqt, sdS, sKV, wg);
     acc_times_tile_wg<D, T / 16, T>(dva, pa, sO);
     acc_times_tile_wg<D, T / 16, T>(dka, da, sQ);
     wg_commit();
     wg_wait<0>();
     wg_fence_regs(&dva[0][0], 4 * (D / 8));
     wg_fence_regs(&dka[0][0], 4 * (D / 8));
-    if constexpr (DQ) wg_fence_regs(dqa, D == 64 ? 32 : 16);
+    if constexpr (DQ) wg_fence_regs(dqt, 16);
+}
+/* the same from P^T and dS^T in accumulator layout (s, dp), rounded here */
+template <int D, int T>
+__device__ static inline void dkv_accumulate_wg(float dva[D / 8][4], float dka[D / 8][4], float s[T / 8][4],
+                                                float dp[T / 8][4], const uint4 *sO, const uint4 *sQ) {
+    uint32_t pa[T / 16][4], da[T / 16][4];
+    acc_to_a_all<T / 16>(pa, s);
+    acc_to_a_all<T / 16>(da, dp);
+    dkv_accumulate_frags<D, T>(dva, dka, pa, da, sO, sQ);
 }
 
 /* a dK/dV block's sums added into dk and dv ([B, Tk, Hkv, D] f32) at this thread's two keys
@@ -494,15 +462,15 @@ __device__ static inline query_walk<T> start_query_walk(const geom &g, int64_t h
  * D 64, 32 at D 128 (its registers). lse and delta come through flat maps over [B H Tq] (1-d: no
  * alignment asked of Tq), so a tile's rows past its head's last query read the next head's
  * statistics: only masked pairs meet them (P = 0, and dP^T = 0 from Q and dO's zero rows there).
- * DQ (ULY_CUDA_ATTN_BWD=onepass): the consumers also add the tile's share of dQ = dS K into dq with
- * atomics (FlashAttention-2/3's one pass: 5 tile products a pair where dK/dV and a dQ kernel take
- * 7), its wgmmas joining dV's and dK's. D 64: each warpgroup its own keys' share, dS^T as bf16 in
- * a tile of its own (two per warpgroup, alternating, so one warpgroup barrier a tile keeps a warp
- * from overwriting the one a slower warp's dQ wgmma still reads). D 128 (32-query tiles, too few
- * rows for a dQ product): dQ^T = K^T dS^T, each warpgroup one half of D over both warpgroups' keys,
- * from a dS tile the two fill (two, alternating; a barrier of both a tile): so neither skips a
- * tile, one that sees none of it gives zeros. Empty in a pass without wgmma. */
-#define DQ_BAR 1   /* DQ: the named barrier of a warpgroup (D 64: 1 + wg) or of both (D 128) */
+ * DQ (ULY_CUDA_ATTN_BWD=onepass): the consumers also add the block's share of dQ = dS K into dq
+ * with atomics (FlashAttention-2/3's one pass: 5 tile products a pair where dK/dV and a dQ kernel
+ * take 7), its wgmmas joining dV's and dK's: both write their dS as bf16 into one tile (two,
+ * alternating, and a barrier of both a tile: neither overwrites a tile the other's wgmma may still
+ * read), then each adds its half of dQ^T = K^T dS^T over all 128 keys (dq_share_issue_wg), so each
+ * element of dQ is added once a block, not once a warpgroup (the atomics' traffic halved, as
+ * FlashAttention-3's). Neither skips a tile then: one whose keys see none of it gives zeros. Empty
+ * in a pass without wgmma. */
+#define DQ_BAR 1   /* DQ: the named barrier of both consumer warpgroups */
 #define DKV_WS_QT(D) ((D) == 64 ? 64 : 32)
 template <int D, bool DQ = false>
 __global__ static void __launch_bounds__(WSG_THREADS, WS_MIN_BLOCKS(D))
@@ -512,12 +480,11 @@ fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtenso
                    float *dq) {
 #if ULY_HAS_WGMMA
     constexpr int CH = D / 8, T = DKV_WS_QT(D), NT = T / 8;
-    constexpr int DS_CHUNKS = !DQ ? 0 : D == 64 ? 4 * 64 * 8 : 2 * 2 * 32 * 8;   /* the dS tiles (uint4) */
+    constexpr int DS_CHUNKS = DQ ? 2 * 2 * T * 8 : 0;   /* the dS tiles (uint4): two of T lines x 128 keys */
     constexpr unsigned KTILE = 64 * D * 2, QTILE = T * D * 2, STATS = T * 4;   /* bytes */
     ULY_DYNAMIC_SHARED(uint4, dyn);
-    /* K and V of warpgroup 0, then of 1 (64 rows each); per stage Q and dO (T rows each); DQ: the
-     * dS tiles (D 64: two per warpgroup, 64 x 64; D 128: two, 32 queries x 128 keys); per stage lse
-     * and delta (T floats each); the mbarriers */
+    /* K and V of warpgroup 0, then of 1 (64 rows each); per stage Q and dO (T rows each); DQ: two
+     * dS tiles (T queries x 128 keys); per stage lse and delta (T floats each); the mbarriers */
     uint4 *const sKV = align_1024(dyn), *const sQO = sKV + 4 * 64 * CH, *const sDS = sQO + WS_STAGES * 2 * T * CH;
     float *const sStats = (float *)(sDS + DS_CHUNKS);
     uint64_t *const full = (uint64_t *)(sStats + WS_STAGES * 2 * T), *const empty = full + WS_STAGES,
@@ -570,7 +537,6 @@ fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtenso
     if (w.have) mbar_wait(kvbar, 0);
     unsigned phases = 0;   /* bit i: the parity full[i]'s next wait is for */
     const float sl2 = g.scale * LOG2E_F;
-    int worked = 0;        /* DQ: tiles done (its parity picks the dS^T tile) */
     for (int n = 0; w.have; n++) {
         const int at = n % WS_STAGES;
         /* this warpgroup's view of the tile, and its mask (bit 2 n + c of key r: the query in
@@ -591,37 +557,32 @@ fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtenso
                 apply_bits<NT>(s, vis[1], 1);
             }
             probs_and_dscores<NT, T>(s, dp, sStats + at * 2 * T, sl2, tq);
-            if constexpr (DQ && D == 64) {
-                uint4 *const sdS = sDS + (2 * wg + (worked++ & 1)) * 64 * 8;
-                store_dscores_t(sdS, dp, warp, lane);
-                fence_proxy_async();                        /* the stores, then the wgmma reading them */
-                named_bar_sync(DQ_BAR + wg, FA_THREADS);    /* every warp's dS^T is in */
-                float dqa[32];
-                dkv_accumulate_wg<D, T, true>(dva, dka, s, dp, sO, sQ, dqa, sdS, sK);
-                add_dq_share_wg(dq, g, b, w.h, w.i0, dqa, warp, lane);
-            } else if constexpr (DQ) {
-                uint4 *const sdS = sDS + (n & 1) * 512;
-                store_dscores_rows(sdS + wg * 256, dp, warp, lane, false);
-                fence_proxy_async();
+            if constexpr (DQ) {   /* dS rounded once, for dK's product and dQ's */
+                uint32_t pa[T / 16][4], da[T / 16][4];
+                acc_to_a_all<T / 16>(pa, s);
+                acc_to_a_all<T / 16>(da, dp);
+                uint4 *const sdS = sDS + (n & 1) * 2 * T * 8;
+                store_dscores_rows<T>(sdS + wg * T * 8, da, warp, lane, false);
+                fence_proxy_async();                        /* the stores, then the wgmmas reading them */
                 named_bar_sync(DQ_BAR, 2 * FA_THREADS);     /* both warpgroups' dS are in */
                 float dqt[16];
-                dkv_accumulate_wg<D, T, true>(dva, dka, s, dp, sO, sQ, dqt, sdS, sKV + wg * 512);
-                add_dqt_share_wg(dq, g, b, w.h, w.i0, dqt, wg, warp, lane);
+                dkv_accumulate_frags<D, T, true>(dva, dka, pa, da, sO, sQ, dqt, sdS, sKV, wg);
+                add_dq_share_wg<D>(dq, g, b, w.h, w.i0, dqt, wg, warp, lane);
             } else {
                 dkv_accumulate_wg<D, T>(dva, dka, s, dp, sO, sQ);
             }
-        } else if constexpr (DQ && D == 128) {   /* none of its keys sees the tile: zeros for the other's dQ */
-            uint4 *const sdS = sDS + (n & 1) * 512;
-            store_dscores_rows(sdS + wg * 256, nullptr, warp, lane, true);
+        } else if constexpr (DQ) {   /* none of its keys sees the tile: zeros for the other's share of dQ */
+            uint4 *const sdS = sDS + (n & 1) * 2 * T * 8;
+            store_dscores_rows<T>(sdS + wg * T * 8, nullptr, warp, lane, true);
             fence_proxy_async();
             named_bar_sync(DQ_BAR, 2 * FA_THREADS);
             float dqt[16];
             wg_fence();
-            dqt_share_issue_wg(dqt, sdS, sKV + wg * 512);
+            dq_share_issue_wg<D, T>(dqt, sdS, sKV, wg);
             wg_commit();
             wg_wait<0>();
             wg_fence_regs(dqt, 16);
-            add_dqt_share_wg(dq, g, b, w.h, w.i0, dqt, wg, warp, lane);
+            add_dq_share_wg<D>(dq, g, b, w.h, w.i0, dqt, wg, warp, lane);
         }
         mbar_arrive(&empty[at]);   /* this thread is done with the stage: its wgmmas were waited for */
         w.next(g, jb);

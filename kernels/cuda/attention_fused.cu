@@ -451,7 +451,7 @@ static int launch_dkv_ws(float *dk, float *dv, const geom &g, const bf16 *q, con
     /* + 1 KiB to align the tiles: both warpgroups' K and V, per stage Q, dO, lse and delta, (DQ:
      * the dS tiles), the mbarriers */
     const size_t smem = 1024 + 4 * 64 * (D / 8) * 16 + WS_STAGES * (2 * T * (D / 8) * 16 + 2 * T * 4) +
-                        (DQ ? (D == 64 ? 4 * 64 * 64 * 2 : 2 * 32 * 128 * 2) : 0) + (2 * WS_STAGES + 1) * 8;
+                        (DQ ? 2 * T * 128 * 2 : 0) + (2 * WS_STAGES + 1) * 8;
     static bool raised;
     if (allow_smem(fa_backward_dkv_ws<D, DQ>, smem, &raised, "fused flash attention backward (dK, dV; warp-specialised): shared memory"))
         return 0;
@@ -469,8 +469,7 @@ template <int D, bool WG, bool DQ = false>
 static void launch_dkv(int64_t blocks, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                        const bf16 *dout, const float *lse, const float *delta, int *ran, float *dq = NULL) {
     if constexpr (WG && (D == 64 || (D == 128 && !DQ))) {
-        /* the one-pass dQ's vector atomics want dq 8-byte aligned (the core's buffers are) */
-        if (dkv_ws() && (!DQ || ((uintptr_t)dq & 7) == 0)) {
+        if (dkv_ws()) {
             if (launch_dkv_ws<D, DQ>(dk, dv, g, q, k, v, dout, lse, delta, ran, dq) == 0) return;
             variant_note(V_DKV, "ws", MAP_REFUSED);
         }

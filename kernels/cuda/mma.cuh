@@ -181,9 +181,9 @@ template <int TRANS, int ACC = 1, int TRANS_A = 0>
 __device__ static inline void wgmma_64x32_ss(float d[16], uint64_t desc_a, uint64_t desc) {
     uly_emu::wgmma_queue_ss(d, 32, desc_a, desc, TRANS, ACC, TRANS_A);
 }
-template <int TRANS, int ACC = 1, int TRANS_A = 0>
+template <int TRANS, int ACC = 1>
 __device__ static inline void wgmma_64x64_ss(float d[32], uint64_t desc_a, uint64_t desc) {
-    uly_emu::wgmma_queue_ss(d, 64, desc_a, desc, TRANS, ACC, TRANS_A);
+    uly_emu::wgmma_queue_ss(d, 64, desc_a, desc, TRANS, ACC, 0);
 }
 __device__ static inline void wg_fence(void) {}
 __device__ static inline void wg_commit(void) { uly_emu::wgmma_commit(); }
@@ -211,10 +211,10 @@ __device__ static inline void wgmma_64x64(float d[32], const uint32_t a[4], uint
                  : WG_ACC32(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(TRANS));
 }
-/* the same with A through a descriptor too (64 x 16, K-major, wg_desc_sw128; TRANS_A 1: MN-major,
- * a 128-byte line per k holding the 64 rows): no A registers; ACC 0: d = A B, its old value
- * ignored (the first of a chain, no zeroed registers: ptxas then waits for nothing before the
- * next wgmma) */
+/* the same with A through a descriptor too (64 x 16, K-major, wg_desc_sw128; TRANS_A 1 (64 x 32):
+ * MN-major, a 128-byte line per k holding the 64 rows): no A registers; ACC 0: d = A B, its old
+ * value ignored (the first of a chain, no zeroed registers: ptxas then waits for nothing before
+ * the next wgmma) */
 template <int TRANS, int ACC = 1, int TRANS_A = 0>
 __device__ static inline void wgmma_64x32_ss(float d[16], uint64_t desc_a, uint64_t desc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %19, 0;\n"
@@ -224,14 +224,14 @@ __device__ static inline void wgmma_64x32_ss(float d[16], uint64_t desc_a, uint6
                  : WG_ACC16(d)
                  : "l"(desc_a), "l"(desc), "n"(TRANS), "n"(ACC), "n"(TRANS_A));
 }
-template <int TRANS, int ACC = 1, int TRANS_A = 0>
+template <int TRANS, int ACC = 1>
 __device__ static inline void wgmma_64x64_ss(float d[32], uint64_t desc_a, uint64_t desc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %35, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
                  WG_REGS32 ", "
-                 "%32, %33, p, 1, 1, %36, %34;\n}\n"
+                 "%32, %33, p, 1, 1, 0, %34;\n}\n"
                  : WG_ACC32(d)
-                 : "l"(desc_a), "l"(desc), "n"(TRANS), "n"(ACC), "n"(TRANS_A));
+                 : "l"(desc_a), "l"(desc), "n"(TRANS), "n"(ACC));
 }
 __device__ static inline void wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ static inline void wg_commit(void) { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -247,7 +247,7 @@ template <int TRANS>
 __device__ static inline void wgmma_64x64(float *, const uint32_t *, uint64_t) {}
 template <int TRANS, int ACC = 1, int TRANS_A = 0>
 __device__ static inline void wgmma_64x32_ss(float *, uint64_t, uint64_t) {}
-template <int TRANS, int ACC = 1, int TRANS_A = 0>
+template <int TRANS, int ACC = 1>
 __device__ static inline void wgmma_64x64_ss(float *, uint64_t, uint64_t) {}
 __device__ static inline void wg_fence(void) {}
 __device__ static inline void wg_commit(void) {}
