@@ -438,7 +438,7 @@ static void launch_dkv_qt(int64_t blocks, float *dk, float *dv, const geom &g, c
  * loads and the driver makes tensor maps */
 static int dkv_ws(void) { return variant_runs(V_DKV, "ws", two_warpgroup_build_loads() && tensor_map_encoder(), NO_TMA); }
 /* 0 when launched, -1 when a map could not be made (the caller launches the cp.async kernel); DQ:
- * with the one-pass dQ (D 64), added into dq */
+ * with the one-pass dQ, added into dq */
 template <int D, bool DQ = false>
 static int launch_dkv_ws(float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                          const bf16 *dout, const float *lse, const float *delta, int *ran, float *dq = NULL) {
