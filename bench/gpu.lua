@@ -132,7 +132,7 @@ end
 -- the paths: label, matmul precision, ULY_CUDA_ATTN (kernels/cuda/attention_fused.cu takes bf16 at D
 -- 32/64/128), ULY_CUDA_ATTN_WGMMA for its kernels ('': decided by its self-check, wgmma on Hopper;
 -- '0': the mma.sync kernels), ULY_CUDA_ATTN_BWD ('onepass': dQ with atomics from the dK/dV kernel,
--- D <= 64), ULY_CUDA_ATTN_FWD ('pipelined': the wgmma forward issues the next tile's S before
+-- D <= 64, and at D 128 from the warp-specialised one), ULY_CUDA_ATTN_FWD ('pipelined': the wgmma forward issues the next tile's S before
 -- this softmax; 'rows128': 128 query rows a block, two warpgroups sharing K and V; 'tma': its
 -- tiles loaded by TMA, waited for on mbarriers; 'ws': warp-specialised, a TMA producer warp and
 -- two consumer warpgroups; 'wspp': those taking turns at the tensor cores; 'wsov', 'wsppov': with
