@@ -1450,8 +1450,9 @@ describe('fused attention on TMA (mixed precision)', function()
                            { 'wspp', 'warp-specialised wgmma forward with ping-pong' },
                            { 'wsov', 'warp-specialised wgmma forward, P V overlapping the next softmax' },
                            { 'wsppov', 'warp-specialised wgmma forward, ping-pong and overlap' } },
-                         -- more key tiles than the ring has stages: every stage given back and refilled
-                         { { { 1, 100, 2, 64 }, { 1, 420, 1, 64 }, {} }, { { 1, 130, 1, 128 }, { 1, 330, 1, 128 }, { causal = true } } })
+                         -- more key tiles than the ring has stages (every stage given back and refilled),
+                         -- rows for both consumer warpgroups
+                         { { { 1, 100, 2, 64 }, { 1, 260, 1, 64 }, {} }, { { 1, 130, 1, 128 }, { 1, 260, 1, 128 }, { causal = true } } })
   end)
 
   -- the warp-specialised backward (ULY_CUDA_ATTN_DKV=ws: 128 keys a block, Q, dO and the
