@@ -21,7 +21,7 @@
  * without per-element masking when it is fully visible, masked element by element otherwise;
  * the key-tile loop only runs over the span the causal/window bounds allow, so work is
  * proportional to the unmasked area. Packed tiles are zero-padded to BR / BC rows and to a
- * multiple of 16 columns (Dp), so the micro-kernel needs no edge cases.
+ * multiple of VL columns (Dp), so the micro-kernel needs no edge cases.
  */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__AVX512F__)
 #pragma GCC target("prefer-vector-width=512") /* the exp / scaling loops in 16 lanes */
@@ -37,7 +37,21 @@
 
 #define BR 64                    /* query rows per tile */
 #define BC 64                    /* keys per tile */
-#define VL 16                    /* floats per vector of the micro-kernel */
+/* the micro-kernel's vectors and register block, by the vector unit the build targets: VL
+ * floats a vector, a block of 4 rows x NV vectors of accumulators. AVX-512 has 32 registers of
+ * 16 floats (16 accumulators + 4 B vectors + the broadcast A); AVX2 16 of 8 (12 + 3 + 1), SSE 16
+ * of 4. A block larger than the register file spills every multiply-add: with AVX-512's block
+ * on an AVX2 CPU this kernel ran 20x slower than sgemm (bench/attention.lua). */
+#if defined(__AVX512F__)
+#define VL 16
+#define NV 4
+#elif defined(__AVX__)
+#define VL 8
+#define NV 3
+#else
+#define VL 4
+#define NV 3
+#endif
 #define BIG ((int64_t)1 << 60)   /* "unbounded" window width */
 #define PAR_MIN ((int64_t)1 << 18) /* multiply-adds below which no threads are started */
 #define DQ_GROUPS 2              /* backward: dQ partial sums, one buffer per group of key tiles */
@@ -50,6 +64,25 @@ typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 #endif
 
 static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+/* x in every lane: one broadcast load (`(vf){0} + x` adds a zero, which holds a register) */
+/* B's vectors are loaded once per k into registers: left to itself gcc folds them into each
+ * row's multiply-add as a memory operand, 16 loads a k instead of 7 for 4 x 3 on AVX2, more than
+ * the two load ports issue while the FMA units do 12 */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define KEEP_IN_REGISTER(v) ((void)0)
+#endif
+#if defined(__GNUC__) && !defined(__clang__)
+typedef int vi __attribute__((vector_size(VL * sizeof(int))));
+static inline vf vsplat(float x) { return __builtin_shuffle((vf){x}, (vi){0}); }
+#else
+static inline vf vsplat(float x) {
+    vf v;
+    for (int e = 0; e < VL; e++) v[e] = x;
+    return v;
+}
+#endif
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 static int64_t tiles_done; /* forward score tiles computed (flash_attention_tiles) */
@@ -71,19 +104,22 @@ static int thread_id(void) {
 #endif
 }
 
-/* ---- micro-kernel: C[4][16 nv] = (acc ? C : 0) + A[4][K] B[K][16 nv], nv a constant 1..4 ---- */
+/* ---- micro-kernel: C[4][VL nv] = (acc ? C : 0) + A[4][K] B[K][VL nv], nv a constant 1..NV ---- */
 static inline __attribute__((always_inline)) void micro(int nv, int64_t K, const float *restrict A, int64_t lda,
                                                         const float *restrict Bm, int64_t ldb, float *restrict C,
                                                         int64_t ldc, int acc) {
-    vf c[4][4] = {{{0}}};
+    vf c[4][NV] = {{{0}}};
     if (acc)
         for (int r = 0; r < 4; r++)
             for (int x = 0; x < nv; x++) c[r][x] = vload(C + r * ldc + x * VL);
     for (int64_t k = 0; k < K; k++) {
-        vf b[4];
-        for (int x = 0; x < nv; x++) b[x] = vload(Bm + k * ldb + x * VL);
+        vf b[NV];
+        for (int x = 0; x < nv; x++) {
+            b[x] = vload(Bm + k * ldb + x * VL);
+            KEEP_IN_REGISTER(b[x]);
+        }
         for (int r = 0; r < 4; r++) {
-            vf a = (vf){0} + A[r * lda + k];
+            const vf a = vsplat(A[r * lda + k]);
             for (int x = 0; x < nv; x++) c[r][x] += a * b[x];
         }
     }
@@ -91,17 +127,19 @@ static inline __attribute__((always_inline)) void micro(int nv, int64_t K, const
         for (int x = 0; x < nv; x++) vstore(C + r * ldc + x * VL, c[r][x]);
 }
 
-/* C[M][N] (+)= A[M][K] B[K][N], row-major with leading dims; M % 4 == 0, N % 16 == 0 */
+/* C[M][N] (+)= A[M][K] B[K][N], row-major with leading dims; M % 4 == 0, N % VL == 0 */
 static void tile_gemm(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *Bm, int64_t ldb,
                       float *C, int64_t ldc, int acc) {
-    for (int64_t n0 = 0; n0 < N; n0 += 4 * VL) {
-        const int64_t nv = min64(4, (N - n0) / VL);
+    for (int64_t n0 = 0; n0 < N; n0 += NV * VL) {
+        const int64_t nv = min64(NV, (N - n0) / VL);
         for (int64_t r = 0; r < M; r += 4) {
             const float *a = A + r * lda;
             const float *b = Bm + n0;
             float *c = C + r * ldc + n0;
             switch (nv) {
+#if NV >= 4
             case 4: micro(4, K, a, lda, b, ldb, c, ldc, acc); break;
+#endif
             case 3: micro(3, K, a, lda, b, ldb, c, ldc, acc); break;
             case 2: micro(2, K, a, lda, b, ldb, c, ldc, acc); break;
             default: micro(1, K, a, lda, b, ldb, c, ldc, acc); break;
@@ -211,7 +249,7 @@ static void mask_cols(const fctx *c, int64_t b, float *St, int64_t i0, int64_t m
         for (int64_t r = 0; r < BR; r++) St[x * BR + r] = -INFINITY;
 }
 
-/* ---- row helpers over BC = 4 * VL columns (vertical lanes, then a fixed-order fold) ---- */
+/* ---- row helpers over BC columns (VL vertical lanes, then a fixed-order fold) ---- */
 static float row_max(const float *s, float init) {
     float mx[VL];
     for (int e = 0; e < VL; e++) mx[e] = s[e];

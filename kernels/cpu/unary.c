@@ -101,9 +101,13 @@ EW_FN(bw_gelu_tanh, {
     const float u = GELU_K * (x + GELU_C * x2 * x);
     const float s = uly_sigmoidf(2.0f * u);
     const float g = s * (1.0f - s);
-    /* d/dx [x s(2u)] = s + x * s(1-s) * 2 u'(x);  g == 0 guards 0 * inf for huge |x| */
+    /* d/dx [x s(2u)] = s + x * s(1-s) * 2 u'(x);  g == 0 drops the slope (0 * inf for huge
+     * |x|) by a bit mask, as uly_expf does: a `g == 0 ? 0 : ...` kept this loop scalar, ~10x
+     * slower than the forward and a tenth of a GPT training step */
     const float du2 = 2.0f * GELU_K * (1.0f + 3.0f * GELU_C * x2);
-    const float d = s + (g == 0.0f ? 0.0f : x * g * du2);
+    f32bits slope = { .f = x * g * du2 };
+    slope.u &= 0u - (uint32_t)(g != 0.0f);
+    const float d = s + slope.f;
     o0[i] += b[i] * d;
 })
 EW_FN_LIBM(bw_gelu_exact, {
