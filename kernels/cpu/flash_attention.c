@@ -45,13 +45,18 @@
 #if defined(__AVX512F__)
 #define VL 16
 #define NV 4
+#define VREGS 32
 #elif defined(__AVX__)
 #define VL 8
 #define NV 3
+#define VREGS 16
 #else
 #define VL 4
 #define NV 3
+#define VREGS 16
 #endif
+_Static_assert(4 * NV + NV + 1 <= VREGS, "the micro-kernel's block (4 x NV accumulators, NV B vectors, "
+                                         "one broadcast) must fit the vector registers");
 #define BIG ((int64_t)1 << 60)   /* "unbounded" window width */
 #define PAR_MIN ((int64_t)1 << 18) /* multiply-adds below which no threads are started */
 #define DQ_GROUPS 2              /* backward: dQ partial sums, one buffer per group of key tiles */
