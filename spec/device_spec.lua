@@ -630,7 +630,10 @@ local function check_wgmma_variants(variants, more_cases)
     local q, k, v = uly.randn(unpack(c[1])):cuda(), uly.randn(unpack(c[2])):cuda(), uly.randn(unpack(c[2])):cuda()
     local a = fused_outputs('0', q, k, v, c[3])
     local got = { { 'wgmma', fused_outputs('1', q, k, v, c[3]) } }
-    for _, var in ipairs(variants) do got[#got + 1] = { var[2], fused_outputs('1', q, k, v, c[3], var[1], var[3], var[4]) } end
+    for _, var in ipairs(variants) do   -- var.tolerance: by head dim, where its tiles differ from mma.sync's
+      got[#got + 1] = { var[2], fused_outputs('1', q, k, v, c[3], var[1], var[3], var[4]),
+                        var.tolerance and var.tolerance[c[1][4]] }
+    end
     local status, D = MODE == 'cuda' and uly.cuda.wgmma_status(c[1][4]), c[1][4]
     if MODE == 'cuda' then
       -- unforced, each kernel as its head dim's self-check decided: what users run is right
@@ -642,7 +645,19 @@ local function check_wgmma_variants(variants, more_cases)
       end
     end
     for _, g in ipairs(got) do
-      if MODE ~= 'cuda' then helpers.assert_close(g[2], a, 0, 0, g[1] .. ' vs mma.sync, case ' .. i)
+      if MODE ~= 'cuda' and g[3] then   -- other tiles, other roundings: each part within g[3] of its largest value
+        local sizes = { q:numel(), q:numel(), k:numel(), k:numel() }
+        local at = 1
+        for p, name in ipairs({ 'output', 'grad q', 'grad k', 'grad v' }) do
+          local want, have = a:narrow(1, at, sizes[p]), g[2]:narrow(1, at, sizes[p])
+          local vals, n = helpers.values(want)
+          local big = 0
+          for e = 0, n - 1 do big = math.max(big, math.abs(vals[e])) end
+          helpers.assert_close(have, want, g[3], g[3] * big, g[1] .. ' vs mma.sync, ' .. name .. ', case ' .. i)
+          at = at + sizes[p]
+        end
+      elseif MODE ~= 'cuda' then   -- the same sums in the same order: the same bits
+        helpers.assert_close(g[2], a, 0, 0, g[1] .. ' vs mma.sync, case ' .. i)
       elseif status:match('^on') then
         helpers.assert_close(g[2], a, 2e-3, 2e-3, g[1] .. ' vs mma.sync, case ' .. i .. ' (D ' .. D .. ': ' .. status .. ')')
       end
@@ -1448,11 +1463,13 @@ describe('fused attention on TMA (mixed precision)', function()
     check_wgmma_variants({ { 'tma', 'TMA wgmma forward' },
                            { 'ws', 'warp-specialised wgmma forward, dK/dV and dQ', 'ws', 'ws' },
                            { 'wspp', 'warp-specialised wgmma forward with ping-pong' },
-                           { 'wsov', 'warp-specialised wgmma forward, P V overlapping the next softmax' },
-                           { 'wsppov', 'warp-specialised wgmma forward, ping-pong and overlap' } },
-                         -- more key tiles than the ring has stages (every stage given back and refilled),
-                         -- rows for both consumer warpgroups
-                         { { { 1, 100, 2, 64 }, { 1, 260, 1, 64 }, {} }, { { 1, 130, 1, 128 }, { 1, 260, 1, 128 }, { causal = true } } })
+                           -- 128-key tiles at D 64: a row's running max moves at other keys, so other roundings
+                           { 'wsov', 'warp-specialised wgmma forward, P V overlapping the next softmax', tolerance = { [64] = 1e-2 } },
+                           { 'wsppov', 'warp-specialised wgmma forward, ping-pong and overlap', tolerance = { [64] = 1e-2 } } },
+                         -- more key tiles than the ring has stages (every stage given back and refilled;
+                         -- 64-key tiles, and 128-key ones: wsov, wsppov at D 64), rows for both consumer warpgroups
+                         { { { 1, 100, 2, 64 }, { 1, 260, 1, 64 }, {} }, { { 1, 130, 1, 128 }, { 1, 260, 1, 128 }, { causal = true } },
+                           { { 1, 130, 1, 64 }, { 1, 520, 1, 64 }, { causal = true } } })
   end)
 
   -- the warp-specialised backward (ULY_CUDA_ATTN_DKV=ws: 128 keys a block, Q, dO and the

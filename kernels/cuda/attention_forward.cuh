@@ -23,15 +23,23 @@ __device__ static inline void start_online_softmax(float o[CH][4], float m[2], f
  * 2026-12-04; seen in the SASS). Reloading them every tile fixed that at the cost of KS ldmatrix
  * and their addresses; from shared memory nothing of Q is in registers at all, and the bytes
  * read are the same as the reload's. */
-template <int KS>
-__device__ static inline void scores_wg(float s[8][4], const uint4 *sQ, const uint4 *kt) {
+template <int KS, int N = 64>
+__device__ static inline void scores_wg(float s[N / 8][4], const uint4 *sQ, const uint4 *kt) {
+    static_assert(N == 64 || N == 128, "scores_wg: key tiles of 64 or 128");
     const uint32_t dq = wg_desc_lo(sQ), dk = wg_desc_lo(kt);
     wg_fence();
-    wgmma_64x64_ss<0, 0>(&s[0][0], wg_desc_at(dq, 0), wg_desc_at(dk, 0));
 #pragma unroll
-    for (int kk = 1; kk < KS; kk++) {   /* 64-row atoms 8 KiB apart, 32 bytes of D per instruction */
-        const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
-        wgmma_64x64_ss<0, 1>(&s[0][0], wg_desc_at(dq, off), wg_desc_at(dk, off));
+    for (int kk = 0; kk < KS; kk++) {
+        /* 32 bytes of D per instruction in the 128-byte lines of atom column kk / 4: Q's 64-row
+         * atom columns 8 KiB apart, K's N rows x 128 bytes */
+        const uint32_t at = (kk & 3) * 32, q_off = (kk >> 2) * 8192 + at, k_off = (kk >> 2) * (N * 128) + at;
+        if constexpr (N == 128) {
+            if (kk == 0) wgmma_64x128_ss<0>(&s[0][0], wg_desc_at(dq, 0), wg_desc_at(dk, 0));
+            else wgmma_64x128_ss<1>(&s[0][0], wg_desc_at(dq, q_off), wg_desc_at(dk, k_off));
+        } else {
+            if (kk == 0) wgmma_64x64_ss<0, 0>(&s[0][0], wg_desc_at(dq, 0), wg_desc_at(dk, 0));
+            else wgmma_64x64_ss<0, 1>(&s[0][0], wg_desc_at(dq, q_off), wg_desc_at(dk, k_off));
+        }
     }
     wg_commit();
 }
@@ -149,20 +157,20 @@ __device__ static inline void rescale_o(float o[D / 8][4], const float alpha[2])
     }
 }
 
-/* one key tile's step of the online softmax for this lane's two rows: s (the tile's scores,
- * accumulator layout) becomes P = exp(s scale - m) with masked pairs at 0 (st: the tile's
+/* one key tile's step of the online softmax for this lane's two rows: s (the tile's NT n8
+ * tiles of scores, 8 NT keys, accumulator layout) becomes P = exp(s scale - m) with masked pairs at 0 (st: the tile's
  * state), and when a row of the warp has scores more than RESCALE_SLACK above its max, every
  * row's max moves to its new one, with its sum l and O rescaled (one branch for the warp).
  * DEFER: O is left alone (a P V may still be adding into it); whether it is to be rescaled is
  * returned (the same for the warp), and by what in alpha */
-template <int D, bool grouped, bool DEFER = false>
-__device__ static inline bool online_softmax(float s[8][4], float o[D / 8][4], float m[2], float l[2], const geom &g,
+template <int D, bool grouped, bool DEFER = false, int NT = 8>
+__device__ static inline bool online_softmax(float s[][4], float o[D / 8][4], float m[2], float l[2], const geom &g,
                                              int64_t b, const int64_t rows[2], int64_t j0, int st, int tq,
                                              float *alpha_out = nullptr) {
-    if (st == TILE_MASKED) mask_scores<8, grouped>(s, g, b, rows, j0, tq);
+    if (st == TILE_MASKED) mask_scores<NT, grouped>(s, g, b, rows, j0, tq);
     float mx[2] = {-INFINITY, -INFINITY};   /* the raw scores' max: scale > 0 keeps the order */
 #pragma unroll
-    for (int n = 0; n < 8; n++)
+    for (int n = 0; n < NT; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
     float mt[2];   /* the tile's max per row, scaled; -inf where it sees nothing */
@@ -194,7 +202,7 @@ __device__ static inline bool online_softmax(float s[8][4], float o[D / 8][4], f
     for (int r = 0; r < 2; r++) nb2[r] = m[r] == -INFINITY ? 0.0f : -m[r] * LOG2E_F;   /* nothing visible yet: P = 0 */
     const float sl2 = g.scale * LOG2E_F;
 #pragma unroll
-    for (int n = 0; n < 8; n++)
+    for (int n = 0; n < NT; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const float p = exp2_ftz(fmaf(s[n][e], sl2, nb2[e >> 1]));   /* masked: -inf -> 0 */
@@ -635,15 +643,16 @@ __device__ static inline void start_ws_ring(uint64_t *full, uint64_t *empty, uin
 }
 
 /* a warp-specialised kernel's producer (one thread) over the key tiles of the rows rs from j0 (up
- * to key hi; next_key_tile's walk, 64 keys a tile): each tile's K and V (64 rows each, by TMA)
- * into stage n % STAGES of sKV, counted on full[stage], after waiting for empty[stage] (both
- * consumer warpgroups gave it back) from the second round of the ring on */
-template <int D, int STAGES = WS_STAGES>
+ * to key hi; next_key_tile's walk, KN keys a tile): each tile's K and V (KN rows each, by TMA:
+ * the maps' boxes are KN rows) into stage n % STAGES of sKV, counted on full[stage], after
+ * waiting for empty[stage] (both consumer warpgroups gave it back) from the second round of the
+ * ring on */
+template <int D, int STAGES = WS_STAGES, int KN = 64>
 __device__ static inline void produce_kv_tiles(uint4 *sKV, uint64_t *full, uint64_t *empty, const CUtensorMap *mk,
                                                const CUtensorMap *mv, const geom &g, const row_span &rs, int64_t j0,
                                                int64_t hi, int64_t hk, int64_t b) {
     constexpr int CH = D / 8;
-    constexpr unsigned TILE = 64 * D * 2;   /* bytes of a 64-row tile */
+    constexpr unsigned TILE = KN * D * 2;   /* bytes of a KN-row tile */
     unsigned phases = 0;                    /* bit i: the parity empty[i]'s next wait is for */
     int st;
     for (int n = 0; j0 >= 0; n++) {
@@ -652,11 +661,11 @@ __device__ static inline void produce_kv_tiles(uint4 *sKV, uint64_t *full, uint6
             mbar_wait(&empty[at], (phases >> at) & 1);
             phases ^= 1u << at;
         }
-        uint4 *const kv = sKV + at * 128 * CH;
+        uint4 *const kv = sKV + at * 2 * KN * CH;
         mbar_expect_tx(&full[at], 2 * TILE);
-        tma_tile<D>(kv, mk, hk, j0, b, &full[at]);
-        tma_tile<D>(kv + 64 * CH, mv, hk, j0, b, &full[at]);
-        j0 = next_key_tile(g, rs, j0 + 64, hi, 64, &st);
+        tma_tile<D, KN>(kv, mk, hk, j0, b, &full[at]);
+        tma_tile<D, KN>(kv + KN * CH, mv, hk, j0, b, &full[at]);
+        j0 = next_key_tile(g, rs, j0 + KN, hi, KN, &st);
     }
 }
 #endif
@@ -681,23 +690,34 @@ __device__ static inline void produce_kv_tiles(uint4 *sKV, uint64_t *full, uint6
  * and the ring has WS_STAGES_OV stages (the producer keeps loading a tile ahead). P's fragments
  * held across the loop need more than the 168 registers a thread ptxas allows a 288-thread
  * block (D 128 spilled): the producer is a warpgroup then (WSG_THREADS) and setmaxnreg moves its
- * registers to the consumers (D 128: 153 used, D 64: 123). */
+ * registers to the consumers (D 128: 153 used, nvcc 13.0). At D 64 OV takes FlashAttention-3's
+ * tile, 128 keys (WS_KN_OV): S one m64n128 wgmma per 16 of D (Q read once per 128 keys from
+ * shared memory, where two n64 read it twice), the per-tile work (the stage's barriers, the
+ * rows' max and sum across the quad, the walk) once per 128 keys; 165 registers, no spills. Its
+ * online softmax rounds differently from a 64-key tile's (a row's running max moves at other
+ * keys), so it does not give the other forwards' bits: the specs compare it within bf16's
+ * tolerance. At D 128 the 128-key tile (S 64, O 64 and P 32 registers a thread) spilled and had
+ * its wgmmas serialised (C7512): ptxas kept the consumers at the launch's 168 registers there,
+ * although their setmaxnreg gives them 232 (as it does dK/dV's, which use 229). */
 #define WS_TURN 1
 #define WS_STAGES_OV 3
-/* the forward ws kernels' shared memory: Q (128 rows), the ring's K and V, the mbarriers, + 1 KiB
- * to align the tiles */
-#define FWD_WS_SMEM(D, STAGES) ((size_t)(2 + 2 * (STAGES)) * 64 * ((D) / 8) * 16 + 1024 + (2 * (STAGES) + 1) * 8)
+#define WS_KN_OV(D) ((D) == 64 ? 128 : 64)
+/* the forward ws kernels' shared memory: Q (128 rows), the ring's K and V (KN rows each), the
+ * mbarriers, + 1 KiB to align the tiles; at most the 227 KiB an sm_90 block may have */
+#define FWD_WS_SMEM(D, STAGES, KN) \
+    ((size_t)(128 + 2 * (STAGES) * (KN)) * ((D) / 8) * 16 + 1024 + (2 * (STAGES) + 1) * 8)
+static_assert(FWD_WS_SMEM(128, WS_STAGES_OV, WS_KN_OV(128)) <= SM90_SMEM_MAX, "the overlapped forward's ring at D 128");
 template <int D, bool PP = false, bool OV = false>
 __global__ static void __launch_bounds__(OV ? WSG_THREADS : WS_THREADS, WS_MIN_BLOCKS(D))
 fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
               const __grid_constant__ CUtensorMap mv, int *ran_wgmma) {
 #if ULY_HAS_WGMMA
-    constexpr int CH = D / 8, STAGES = OV ? WS_STAGES_OV : WS_STAGES;
+    constexpr int CH = D / 8, STAGES = OV ? WS_STAGES_OV : WS_STAGES, KN = OV ? WS_KN_OV(D) : 64, NT = KN / 8;
     constexpr unsigned TILE = 64 * D * 2;   /* bytes of a 64-row tile */
     ULY_DYNAMIC_SHARED(uint4, dyn);
-    /* Q as two 64-row tiles, then per stage K and V (64 rows each), then the mbarriers */
+    /* Q as two 64-row tiles, then per stage K and V (KN rows each), then the mbarriers */
     uint4 *const sQ0 = align_1024(dyn), *const sKV = sQ0 + 128 * CH;
-    uint64_t *const full = (uint64_t *)(sKV + STAGES * 128 * CH), *const empty = full + STAGES,
+    uint64_t *const full = (uint64_t *)(sKV + STAGES * 2 * KN * CH), *const empty = full + STAGES,
                     *const qbar = empty + STAGES;
     if (ran_wgmma && blockIdx.x == 0 && threadIdx.x == 0) *ran_wgmma = 1;
     const int64_t blk = blockIdx.x, grp = g.H / g.Hkv;
@@ -707,7 +727,7 @@ fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMa
     chunk_band(g, i0, i0 + 128 < g.Tq ? i0 + 128 : g.Tq, &lo, &hi);
     const row_span rs = span_of_rows(g, i0, i0 + 127);
     int st = TILE_EMPTY;
-    int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / 64 * 64, hi, 64, &st) : -1;
+    int64_t j0 = lo <= hi ? next_key_tile(g, rs, lo / KN * KN, hi, KN, &st) : -1;
     const int wg = threadIdx.x >> 7;   /* 0, 1: the consumers; 2: the producer warp (OV: warpgroup) */
     start_ws_ring<STAGES>(full, empty, qbar);   /* and the last block-wide barrier */
     if (wg == 2) {
@@ -716,7 +736,7 @@ fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMa
             mbar_expect_tx(qbar, 2 * TILE);
             tma_tile<D>(sQ0, &mq, h, i0, b, qbar);
             tma_tile<D>(sQ0 + 64 * CH, &mq, h, i0 + 64, b, qbar);
-            produce_kv_tiles<D, STAGES>(sKV, full, empty, &mk, &mv, g, rs, j0, hi, hk, b);
+            produce_kv_tiles<D, STAGES, KN>(sKV, full, empty, &mk, &mv, g, rs, j0, hi, hk, b);
         }
         return;
     }
@@ -737,10 +757,10 @@ fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMa
     auto take_stage = [&](int n, int64_t *j_next, int *st_next, int *mine) {
         const int at = n % STAGES;
         *st_next = TILE_EMPTY;
-        *j_next = next_key_tile(g, rs, j0 + 64, hi, 64, st_next);
+        *j_next = next_key_tile(g, rs, j0 + KN, hi, KN, st_next);
         mbar_wait(&full[at], (phases >> at) & 1);
         phases ^= 1u << at;
-        *mine = wg_tile_state<64>(g, rw, st, j0);
+        *mine = wg_tile_state<KN>(g, rw, st, j0);
         return at;
     };
     if constexpr (OV) {
@@ -748,39 +768,40 @@ fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMa
          * a wgmma or its wait under a condition has ptxas serialise them all (C7520, C7518). So a
          * tile none of these rows sees is run as a masked one (P = 0), and the first tile's P V
          * multiplies its own V by a P of zeros (O stays 0) */
-        uint32_t pa[4][4];   /* the last tile's P, bf16 A fragments */
+        constexpr int KT = KN / 16;   /* 16-key steps of P V */
+        uint32_t pa[KT][4];           /* the last tile's P, bf16 A fragments */
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+        for (int kk = 0; kk < KT; kk++) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
         int prev = 0;        /* the stage whose V that P multiplies */
         for (int n = 0; j0 >= 0; n++) {
             int st_next, mine;
             int64_t j_next;
             const int at = take_stage(n, &j_next, &st_next, &mine);
-            const uint4 *const kv = sKV + at * 128 * CH;
+            const uint4 *const kv = sKV + at * 2 * KN * CH;
             if (mine == TILE_EMPTY) mine = TILE_MASKED;
             if (PP) named_bar_sync(WS_TURN + wg, 2 * FA_THREADS);   /* this warpgroup's turn to issue */
-            float s[8][4];
-            scores_wg<D / 16>(s, sQ, kv);   /* S(n) */
-            wg_fence();                     /* O += P(n-1) V(n-1), behind it */
-            acc_times_tile_wg<D, 4, 64>(o, pa, sKV + (n ? prev : at) * 128 * CH + 64 * CH);
+            float s[NT][4];
+            scores_wg<D / 16, KN>(s, sQ, kv);   /* S(n) */
+            wg_fence();                         /* O += P(n-1) V(n-1), behind it */
+            acc_times_tile_wg<D, KT, KN>(o, pa, sKV + (n ? prev : at) * 2 * KN * CH + KN * CH);
             wg_commit();
             if (PP) named_bar_arrive(WS_TURN + 1 - wg, 2 * FA_THREADS);   /* the other's turn */
             wg_wait<1>();                   /* S(n) alone */
-            wg_fence_regs(&s[0][0], 32);
+            wg_fence_regs(&s[0][0], 4 * NT);
             float alpha[2];
-            const bool grew = online_softmax<D, false, true>(s, o, m, l, g, b, rows, j0, mine, tq, alpha);
+            const bool grew = online_softmax<D, false, true, NT>(s, o, m, l, g, b, rows, j0, mine, tq, alpha);
             wg_wait<0>();                   /* P V done: O may be rescaled, and V(n-1)'s stage goes back */
             wg_fence_regs(&o[0][0], 4 * CH);
             if (n) mbar_arrive(&empty[prev]);
             if (grew) rescale_o<D>(o, alpha);
-            acc_to_a_all<4>(pa, s);
+            acc_to_a_all<KT>(pa, s);
             prev = at;
             j0 = j_next;
             st = st_next;
         }
         if (started) {   /* the last tile's P V */
             wg_fence();
-            acc_times_tile_wg<D, 4, 64>(o, pa, sKV + prev * 128 * CH + 64 * CH);
+            acc_times_tile_wg<D, KT, KN>(o, pa, sKV + prev * 2 * KN * CH + KN * CH);
             wg_commit();
             wg_wait<0>();
             wg_fence_regs(&o[0][0], 4 * CH);
@@ -791,7 +812,7 @@ fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMa
             int st_next, mine;
             int64_t j_next;
             const int at = take_stage(n, &j_next, &st_next, &mine);
-            const uint4 *const kv = sKV + at * 128 * CH;
+            const uint4 *const kv = sKV + at * 2 * KN * CH;
             if (PP) named_bar_sync(WS_TURN + wg, 2 * FA_THREADS);   /* this warpgroup's turn to issue S */
             if (mine != TILE_EMPTY) {
                 float s[8][4];

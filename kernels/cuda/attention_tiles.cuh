@@ -28,6 +28,8 @@ typedef __nv_bfloat16 bf16;
 #define WSG_REGS_C 232
 static_assert(WSG_REGS_P + 2 * WSG_REGS_C <= 3 * (65536 / WSG_THREADS / 8 * 8),
               "setmaxnreg: the consumers would wait forever for registers the block does not have");
+/* the most dynamic shared memory an sm_90 block may opt in to (227 KiB; the launch fails above) */
+#define SM90_SMEM_MAX (227 * 1024)
 
 /* chunk c (16 bytes, 8 bf16) of row r of a shared tile of D-element rows */
 template <int D>

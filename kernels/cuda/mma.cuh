@@ -185,6 +185,10 @@ template <int TRANS, int ACC = 1>
 __device__ static inline void wgmma_64x64_ss(float d[32], uint64_t desc_a, uint64_t desc) {
     uly_emu::wgmma_queue_ss(d, 64, desc_a, desc, TRANS, ACC, 0);
 }
+template <int ACC = 1>
+__device__ static inline void wgmma_64x128_ss(float d[64], uint64_t desc_a, uint64_t desc) {
+    uly_emu::wgmma_queue_ss(d, 128, desc_a, desc, 0, ACC, 0);
+}
 __device__ static inline void wg_fence(void) {}
 __device__ static inline void wg_commit(void) { uly_emu::wgmma_commit(); }
 template <int N>
@@ -199,9 +203,18 @@ __device__ static inline void fence_proxy_async(void) {}
 #define WG_ACC32(d) WG_ACC16(d), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), \
                     "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), \
                     "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WG_ACC64(d) WG_ACC32(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), \
+                    "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), \
+                    "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), \
+                    "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), \
+                    "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 #define WG_REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define WG_REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
                   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WG_REGS64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+                  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+                  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+                  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 template <int TRANS>
 __device__ static inline void wgmma_64x64(float d[32], const uint32_t a[4], uint64_t desc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
@@ -233,6 +246,16 @@ __device__ static inline void wgmma_64x64_ss(float d[32], uint64_t desc_a, uint6
                  : WG_ACC32(d)
                  : "l"(desc_a), "l"(desc), "n"(TRANS), "n"(ACC));
 }
+/* 64 x 128 (a 128-key score tile), both operands K-major from shared memory */
+template <int ACC = 1>
+__device__ static inline void wgmma_64x128_ss(float d[64], uint64_t desc_a, uint64_t desc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 WG_REGS64 ", "
+                 "%64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : WG_ACC64(d)
+                 : "l"(desc_a), "l"(desc), "n"(ACC));
+}
 __device__ static inline void wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ static inline void wg_commit(void) { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -249,6 +272,8 @@ template <int TRANS, int ACC = 1, int TRANS_A = 0>
 __device__ static inline void wgmma_64x32_ss(float *, uint64_t, uint64_t) {}
 template <int TRANS, int ACC = 1>
 __device__ static inline void wgmma_64x64_ss(float *, uint64_t, uint64_t) {}
+template <int ACC = 1>
+__device__ static inline void wgmma_64x128_ss(float *, uint64_t, uint64_t) {}
 __device__ static inline void wg_fence(void) {}
 __device__ static inline void wg_commit(void) {}
 template <int N>

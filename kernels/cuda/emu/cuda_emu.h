@@ -230,8 +230,11 @@ cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, vo
 cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void *value);
 cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t keep);
 typedef enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 } cudaFuncAttribute;
+/* as on an sm_90 GPU: a block may have at most 227 KiB of dynamic shared memory */
 template <typename F>
-static inline cudaError_t cudaFuncSetAttribute(F *, cudaFuncAttribute, int) { return cudaSuccess; }
+static inline cudaError_t cudaFuncSetAttribute(F *, cudaFuncAttribute attr, int value) {
+    return attr == cudaFuncAttributeMaxDynamicSharedMemorySize && value > 227 * 1024 ? cudaErrorInvalidValue : cudaSuccess;
+}
 cudaError_t cudaEventCreate(cudaEvent_t *e);
 #define cudaEventDisableTiming 2
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags);
