@@ -158,9 +158,10 @@ __device__ static inline void rescale_o(float o[D / 8][4], const float alpha[2])
 }
 
 /* one key tile's step of the online softmax for this lane's two rows: s (the tile's NT n8
- * tiles of scores, 8 NT keys, accumulator layout) becomes P = exp(s scale - m) with masked pairs at 0 (st: the tile's
- * state), and when a row of the warp has scores more than RESCALE_SLACK above its max, every
- * row's max moves to its new one, with its sum l and O rescaled (one branch for the warp).
+ * tiles of scores, 8 NT keys, accumulator layout) becomes P = exp(s scale - m) with masked pairs
+ * at 0 (st: the tile's state), and when a row of the warp has scores more than RESCALE_SLACK
+ * above its max, every row's max moves to its new one, with its sum l and O rescaled (one branch
+ * for the warp).
  * DEFER: O is left alone (a P V may still be adding into it); whether it is to be rescaled is
  * returned (the same for the warp), and by what in alpha */
 template <int D, bool grouped, bool DEFER = false, int NT = 8>
@@ -706,7 +707,9 @@ __device__ static inline void produce_kv_tiles(uint4 *sKV, uint64_t *full, uint6
  * mbarriers, + 1 KiB to align the tiles; at most the 227 KiB an sm_90 block may have */
 #define FWD_WS_SMEM(D, STAGES, KN) \
     ((size_t)(128 + 2 * (STAGES) * (KN)) * ((D) / 8) * 16 + 1024 + (2 * (STAGES) + 1) * 8)
-static_assert(FWD_WS_SMEM(128, WS_STAGES_OV, WS_KN_OV(128)) <= SM90_SMEM_MAX, "the overlapped forward's ring at D 128");
+static_assert(FWD_WS_SMEM(128, WS_STAGES_OV, WS_KN_OV(128)) <= SM90_SMEM_MAX &&
+                  FWD_WS_SMEM(64, WS_STAGES_OV, WS_KN_OV(64)) <= SM90_SMEM_MAX,
+              "the overlapped forward's ring does not fit an sm_90 block's shared memory");
 template <int D, bool PP = false, bool OV = false>
 __global__ static void __launch_bounds__(OV ? WSG_THREADS : WS_THREADS, WS_MIN_BLOCKS(D))
 fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
