@@ -592,6 +592,14 @@ end
 -- '0' mma.sync, '' leaves each kernel to its head dim's self-check; fwd names a forward variant
 -- (ULY_CUDA_ATTN_FWD; 'rows128' also sets the 128-row dQ and the 128-key dK/dV), dkv and dq
 -- the backward kernels' (ULY_CUDA_ATTN_DKV, ULY_CUDA_ATTN_DQ, when not set by fwd).
+-- the largest |element| of a tensor
+local function max_abs(t)
+  local vals, n = helpers.values(t)
+  local big = 0
+  for e = 0, n - 1 do big = math.max(big, math.abs(vals[e])) end
+  return big
+end
+
 local function fused_outputs(wg, q, k, v, opts, fwd, dkv, dq)
   ffi.C.setenv('ULY_CUDA_ATTN_WGMMA', wg, 1)
   ffi.C.setenv('ULY_CUDA_ATTN_FWD', fwd or '', 1)
@@ -651,10 +659,7 @@ local function check_wgmma_variants(variants, more_cases)
         local at = 1
         for p, name in ipairs({ 'output', 'grad q', 'grad k', 'grad v' }) do
           local want, have = a:narrow(1, at, sizes[p]), g[2]:narrow(1, at, sizes[p])
-          local vals, n = helpers.values(want)
-          local big = 0
-          for e = 0, n - 1 do big = math.max(big, math.abs(vals[e])) end
-          helpers.assert_close(have, want, g[3], g[3] * big, ('%s vs mma.sync, %s, case %d (D %d)'):format(g[1], name, i, D))
+          helpers.assert_close(have, want, g[3], g[3] * max_abs(want), ('%s vs mma.sync, %s, case %d (D %d)'):format(g[1], name, i, D))
           at = at + sizes[p]
         end
       elseif MODE ~= 'cuda' then   -- the same sums in the same order: the same bits
@@ -708,11 +713,8 @@ local function against_cpu(fn, inputs, opts)
       local name = names[i] or tostring(i)
       local got, expect = part(name, fused[i]), part(name, want[i])
       if expect then
-        local vals, n = helpers.values(expect)
-        local big = 0
-        for e = 0, n - 1 do big = math.max(big, math.abs(vals[e])) end
         local tol = opts.tolerance and opts.tolerance(name) or 1e-2
-        helpers.assert_close(got, expect, tol, tol * big, 'fused ' .. name)
+        helpers.assert_close(got, expect, tol, tol * max_abs(expect), 'fused ' .. name)
       end
     end
     release_device()
