@@ -63,8 +63,9 @@ end
 print(('MFU against %.0f TFLOP/s (dense bf16 peak)'):format(opts.peak))
 
 -- median seconds of fn() over reps after one warm-up, the device synchronised around each run
-local function time(fn, reps)
-  fn()
+-- the median of reps timed runs of fn, after one untimed run unless cold
+local function time(fn, reps, cold)
+  if not cold then fn() end
   uly.synchronize('cuda')
   local t = {}
   for r = 1, reps do
@@ -132,8 +133,8 @@ end
 -- the paths: label, matmul precision, ULY_CUDA_ATTN (kernels/cuda/attention_fused.cu takes bf16 at D
 -- 32/64/128), ULY_CUDA_ATTN_WGMMA for its kernels ('': decided by its self-check, wgmma on Hopper;
 -- '0': the mma.sync kernels), ULY_CUDA_ATTN_BWD ('onepass': dQ with atomics from the dK/dV kernel,
--- D <= 64, and at D 128 from the warp-specialised one), ULY_CUDA_ATTN_FWD ('pipelined': the wgmma forward issues the next tile's S before
--- this softmax; 'rows128': 128 query rows a block, two warpgroups sharing K and V; 'tma': its
+-- D <= 64, and at D 128 from the warp-specialised one), ULY_CUDA_ATTN_FWD ('pipelined': the wgmma
+-- forward issues the next tile's S before this softmax; 'rows128': 128 query rows a block, two warpgroups sharing K and V; 'tma': its
 -- tiles loaded by TMA, waited for on mbarriers; 'ws': warp-specialised, a TMA producer warp and
 -- two consumer warpgroups; 'wspp': those taking turns at the tensor cores; 'wsov', 'wsppov': with
 -- each one's P V overlapping its next softmax, at D 64 on 128-key tiles),
@@ -335,13 +336,11 @@ if opts.step then
     uly.matmul_precision('bf16')
     -- one step, no warm-up (the model and the step are warm; a variant's first launch adds only its
     -- kernels' loading and set-up, milliseconds): the check's time budget holds five such steps
-    uly.synchronize('cuda')
-    local t0 = uly.clock()
-    opt:zero_grad()
-    model:loss(x, x):backward()
-    opt:step()
-    uly.synchronize('cuda')
-    local variant_s = uly.clock() - t0
+    local variant_s = time(function()
+      opt:zero_grad()
+      model:loss(x, x):backward()
+      opt:step()
+    end, 1, true)
     uly.matmul_precision('f32')
     for _, name in ipairs(names) do ffi.C.setenv(name, '', 1) end
     return ('step with %s: %.2f s, MFU %.1f%% (%.2fx the default step)'):format(

@@ -6,8 +6,9 @@
 #     #mpi specs under mpirun with 1, 2 and 4 ranks (Release build only), then the CUDA backend's
 #     kernels on the CPU emulator (spec/device_spec.lua and the #mpi device cases, over host
 #     staging and over the emulator's NCCL; the fused attention once more with warps run one at a
-#     time, and the TMA kernels with loads landing at issue), then the plain specs and the emulated CUDA kernels (warps one at a time, stream work
-#     as late as its waits allow) against the sanitizer build;
+#     time, and the TMA kernels with loads landing at issue), then the plain specs and the
+#     emulated CUDA kernels (warps one at a time, stream work as late as its waits allow) against
+#     the sanitizer build;
 #  3. ends with one line "N passed, N failed" over all runs; exits non-zero on any failure,
 #     error or crash.
 # ULY_SEED=<n> replays the random inputs of a run (the seed is printed first).
