@@ -137,7 +137,7 @@ end
 -- forward issues the next tile's S before this softmax; 'rows128': 128 query rows a block, two warpgroups sharing K and V; 'tma': its
 -- tiles loaded by TMA, waited for on mbarriers; 'ws': warp-specialised, a TMA producer warp and
 -- two consumer warpgroups; 'wspp': those taking turns at the tensor cores; 'wsov', 'wsppov': with
--- each one's P V overlapping its next softmax, at D 64 on 128-key tiles),
+-- each one's P V overlapping its next softmax, on 128-key tiles),
 -- ULY_CUDA_ATTN_DKV ('64': the dK/dV kernel's 64-query tiles, D 64; 'rows128': 128 keys a block,
 -- two warpgroups sharing Q and dO; 'ws': those two warpgroups fed by a TMA producer warpgroup) and
 -- ULY_CUDA_ATTN_DQ ('64': the dQ kernel's 64-key tiles, D 64; 'rows128': 128 query rows a block,

@@ -691,31 +691,29 @@ __device__ static inline void produce_kv_tiles(uint4 *sKV, uint64_t *full, uint6
  * and the ring has WS_STAGES_OV stages (the producer keeps loading a tile ahead). P's fragments
  * held across the loop need more than the 168 registers a thread ptxas allows a 288-thread
  * block (D 128 spilled): the producer is a warpgroup then (WSG_THREADS) and setmaxnreg moves its
- * registers to the consumers (D 128: 153 used, nvcc 13.0). At D 64 OV takes FlashAttention-3's
- * tile, 128 keys (WS_KN_OV): S one m64n128 wgmma per 16 of D (Q read once per 128 keys from
- * shared memory, where two n64 read it twice), the per-tile work (the stage's barriers, the
- * rows' max and sum across the quad, the walk) once per 128 keys; 165 registers, no spills. Its
- * online softmax rounds differently from a 64-key tile's (a row's running max moves at other
- * keys), so it does not give the other forwards' bits: the specs compare it within bf16's
- * tolerance. At D 128 the 128-key tile (S 64, O 64 and P 32 registers a thread) spilled and had
- * its wgmmas serialised (C7512): ptxas kept the consumers at the launch's 168 registers there,
- * although their setmaxnreg gives them 232 (as it does dK/dV's, which use 229). */
+ * registers to the consumers. OV takes FlashAttention-3's tile, 128 keys (WS_KN_OV): S one
+ * m64n128 wgmma per 16 of D (Q read once per 128 keys from shared memory, where two n64 read it
+ * twice), the per-tile work (the stage's barriers, the rows' max and sum across the quad, the
+ * walk) once per 128 keys; S, O and P take 64, D / 2 and 32 registers a thread (172 used at D 64,
+ * 203 at D 128, no spills, nvcc 13.0; at D 128 that needs mbar_wait's trap out of line, see
+ * tma.cuh). Its online softmax rounds differently from a 64-key tile's (a row's running max
+ * moves at other keys), so it does not give the other forwards' bits: the specs compare it
+ * within bf16's tolerance. */
 #define WS_TURN 1
 #define WS_STAGES_OV 3
-#define WS_KN_OV(D) ((D) == 64 ? 128 : 64)
+#define WS_KN_OV 128
 /* the forward ws kernels' shared memory: Q (128 rows), the ring's K and V (KN rows each), the
  * mbarriers, + 1 KiB to align the tiles; at most the 227 KiB an sm_90 block may have */
 #define FWD_WS_SMEM(D, STAGES, KN) \
     ((size_t)(128 + 2 * (STAGES) * (KN)) * ((D) / 8) * 16 + 1024 + (2 * (STAGES) + 1) * 8)
-static_assert(FWD_WS_SMEM(128, WS_STAGES_OV, WS_KN_OV(128)) <= SM90_SMEM_MAX &&
-                  FWD_WS_SMEM(64, WS_STAGES_OV, WS_KN_OV(64)) <= SM90_SMEM_MAX,
+static_assert(FWD_WS_SMEM(128, WS_STAGES_OV, WS_KN_OV) <= SM90_SMEM_MAX,
               "the overlapped forward's ring does not fit an sm_90 block's shared memory");
 template <int D, bool PP = false, bool OV = false>
 __global__ static void __launch_bounds__(OV ? WSG_THREADS : WS_THREADS, WS_MIN_BLOCKS(D))
 fa_forward_ws(float *out, float *lse, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
               const __grid_constant__ CUtensorMap mv, int *ran_wgmma) {
 #if ULY_HAS_WGMMA
-    constexpr int CH = D / 8, STAGES = OV ? WS_STAGES_OV : WS_STAGES, KN = OV ? WS_KN_OV(D) : 64, NT = KN / 8;
+    constexpr int CH = D / 8, STAGES = OV ? WS_STAGES_OV : WS_STAGES, KN = OV ? WS_KN_OV : 64, NT = KN / 8;
     constexpr unsigned TILE = 64 * D * 2;   /* bytes of a 64-row tile */
     ULY_DYNAMIC_SHARED(uint4, dyn);
     /* Q as two 64-row tiles, then per stage K and V (KN rows each), then the mbarriers */

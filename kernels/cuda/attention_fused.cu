@@ -270,14 +270,14 @@ template <int D>
 static int launch_forward_tma(int which, float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k,
                               const bf16 *v, int *ran) {
     CUtensorMap mq, mk, mv;
-    const int ws = which >= 2, ov = which >= 4, kn = ov ? WS_KN_OV(D) : 64;   /* keys a tile, the K and V boxes' rows */
+    const int ws = which >= 2, ov = which >= 4, kn = ov ? WS_KN_OV : 64;   /* keys a tile, the K and V boxes' rows */
     if (tile_map(&mq, q, g.B, g.Tq, g.H, D) || tile_map(&mk, k, g.B, g.Tk, g.Hkv, D, kn) ||
         tile_map(&mv, v, g.B, g.Tk, g.Hkv, D, kn))
         return -1;
     auto kernel = which == 5 ? fa_forward_ws<D, true, true> : which == 4 ? fa_forward_ws<D, false, true>
                 : which == 3 ? fa_forward_ws<D, true> : which == 2 ? fa_forward_ws<D, false> : fa_forward_tma<D>;
     /* tma: Q, V, two K tiles + 1 KiB to align them, and the mbarriers */
-    const size_t smem = ov ? FWD_WS_SMEM(D, WS_STAGES_OV, WS_KN_OV(D)) : ws ? FWD_WS_SMEM(D, WS_STAGES, 64)
+    const size_t smem = ov ? FWD_WS_SMEM(D, WS_STAGES_OV, WS_KN_OV) : ws ? FWD_WS_SMEM(D, WS_STAGES, 64)
                             : 4 * 64 * (D / 8) * 16 + 1024 + 3 * 8;
     static bool raised[5];
     if (allow_smem(kernel, smem, &raised[which - 1], "fused flash attention forward (wgmma, TMA): shared memory")) return 0;

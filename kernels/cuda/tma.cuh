@@ -41,6 +41,11 @@ __device__ static inline void mbar_init_fence(void) { asm volatile("fence.mbarri
 __device__ static inline void mbar_expect_tx(uint64_t *bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
+/* a wait that timed out: the kernel traps. Out of line: with the trap inlined into every wait,
+ * ptxas (nvcc 13.0) held the forward's consumer warpgroups to the launch's 168 registers a thread
+ * although their setmaxnreg gives them 232 (at D 128 with 128-key tiles: spills, and the wgmmas
+ * serialised, C7512); with a call there they get them (203) */
+__device__ __noinline__ static void mbar_timed_out(void) { __trap(); }
 /* spins on try_wait (which itself waits a while in hardware); a phase that has not completed
  * after ~2^26 tries (seconds) traps: a kernel error that names the launch, not a hung GPU */
 __device__ static inline void mbar_wait(uint64_t *bar, unsigned parity) {
@@ -56,7 +61,7 @@ __device__ static inline void mbar_wait(uint64_t *bar, unsigned parity) {
                      : "r"(at), "r"(parity)
                      : "memory");
         if (done) return;
-        if (n >= (1u << 26)) __trap();
+        if (n >= (1u << 26)) mbar_timed_out();
     }
 }
 /* one arrival (no bytes) */
