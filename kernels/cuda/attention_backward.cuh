@@ -458,8 +458,9 @@ __device__ static inline query_walk<T> start_query_walk(const geom &g, int64_t h
  * and V, dK and dV in registers), and a producer warpgroup whose first thread streams each query
  * tile's Q, dO, lse and delta by TMA through a ring of WS_STAGES stages: full[s] completes when
  * stage s has landed, empty[s] when all 256 consumer threads are done with it (as fa_forward_ws).
- * No block barrier and no load instruction in the consumers' loop. DKV_WS_QT queries a tile: 64 at
- * D 64, 32 at D 128 (its registers). lse and delta come through flat maps over [B H Tq] (1-d: no
+ * No block barrier and no load instruction in the consumers' loop. DKV_WS_QT queries a tile: 64,
+ * FlashAttention-3's tile (at D 128 227 registers, no spills, since mbar_wait's trap went out of
+ * line, tma.cuh), but 32 at D 128 with DQ (its dQ share's accumulators). lse and delta come through flat maps over [B H Tq] (1-d: no
  * alignment asked of Tq), so a tile's rows past its head's last query read the next head's
  * statistics: only masked pairs meet them (P = 0, and dP^T = 0 from Q and dO's zero rows there).
  * DQ (ULY_CUDA_ATTN_BWD=onepass): the consumers also add the block's share of dQ = dS K into dq
@@ -471,7 +472,7 @@ __device__ static inline query_walk<T> start_query_walk(const geom &g, int64_t h
  * FlashAttention-3's). Neither skips a tile then: one whose keys see none of it gives zeros. Empty
  * in a pass without wgmma. */
 #define DQ_BAR 1   /* DQ: the named barrier of both consumer warpgroups */
-#define DKV_WS_QT(D) ((D) == 64 ? 64 : 32)
+#define DKV_WS_QT(D, DQ) ((D) == 128 && (DQ) ? 32 : 64)
 template <int D, bool DQ = false>
 __global__ static void __launch_bounds__(WSG_THREADS, WS_MIN_BLOCKS(D))
 fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
@@ -479,7 +480,7 @@ fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtenso
                    const __grid_constant__ CUtensorMap ml, const __grid_constant__ CUtensorMap md, int *ran_wgmma,
                    float *dq) {
 #if ULY_HAS_WGMMA
-    constexpr int CH = D / 8, T = DKV_WS_QT(D), NT = T / 8;
+    constexpr int CH = D / 8, T = DKV_WS_QT(D, DQ), NT = T / 8;
     constexpr int DS_CHUNKS = DQ ? 2 * 2 * T * 8 : 0;   /* the dS tiles (uint4): two of T lines x 128 keys */
     constexpr unsigned KTILE = 64 * D * 2, QTILE = T * D * 2, STATS = T * 4;   /* bytes */
     ULY_DYNAMIC_SHARED(uint4, dyn);
