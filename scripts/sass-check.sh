@@ -6,9 +6,9 @@
 # wait for an earlier one (one per group that needs the last group's results is expected; one per
 # wgmma is serialised). Fails (exit 1) when ptxas serialises any kernel's wgmmas (its C7520 note,
 # seen on the dQ kernel: a 64-bit division, a subroutine call, in its loop; C7512, too few
-# registers, seen on the warp-specialised dK/dV before its setmaxnreg took; C7518, a wait on a
-# divergent path, seen on the ping-pong forward) or ignores a setmaxnreg (C7508), so CI catches it
-# without a GPU.
+# registers, seen on the warp-specialised dK/dV before its setmaxnreg took, and on the overlapped
+# forward at D 128 while mbar_wait's trap was inline; C7518, a wait on a divergent path, seen on
+# the ping-pong forward) or ignores a setmaxnreg (C7508), so CI catches it without a GPU.
 # usage: scripts/sass-check.sh [--quiet]     (about 30 s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
