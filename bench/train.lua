@@ -7,17 +7,19 @@
 -- uly.cpu_peak_flops: ~217 GFLOP/s per thread on an AVX-512 core) and the allocator's peak
 -- memory. With --torch it then runs the PyTorch peer
 -- (../shared/peers/torch_gpt_bench.py, same model, shapes and thread count) and prints the ratio
--- from this one run. --checkpoint 0,1,2 times each shape once per activation-checkpointing mode
+-- from this one run; --torch_alloc jemalloc runs it on jemalloc keeping freed memory (LD_PRELOAD,
+-- package libjemalloc2: the "tuned PyTorch" of ../shared/ENVIRONMENT.md, whose glibc malloc
+-- otherwise gives large blocks back and faults them in again every step). --checkpoint 0,1,2 times each shape once per activation-checkpointing mode
 -- (0 none, 1 every block recomputed in backward, 2 all but attention; with --tile R the MLP and
 -- loss tiled), side by side from one run. It never asserts on time.
 --
 -- Run:  OPENBLAS_CORETYPE=SkylakeX bin/ulysses bench/train.lua [--shapes 256x32,1024x8,4096x2]
 --         [--model gpt|llama] [--preset small] [--steps 10] [--warmup 3] [--threads 2] [--torch]
---         [--checkpoint 0[,1,2]] [--tile R]
+--         [--torch_alloc jemalloc] [--checkpoint 0[,1,2]] [--tile R]
 local uly = require 'ulysses'
 
 local opts = { shapes = '256x32,1024x8,4096x2', model = 'gpt', preset = 'small', steps = 10, warmup = 3,
-               threads = 2, torch = false, corpus = '', checkpoint = '0', tile = 0 }
+               threads = 2, torch = false, torch_alloc = '', corpus = '', checkpoint = '0', tile = 0 }
 do
   local i = 1
   while i <= #arg do
@@ -27,11 +29,28 @@ do
       opts[k] = type(opts[k]) == 'number' and tonumber(arg[i + 1]) or arg[i + 1]; i = i + 2
     else
       io.stderr:write('usage: bin/ulysses bench/train.lua [--shapes TxB,...] [--model gpt|llama] [--preset P] '
-                      .. '[--steps N] [--warmup N] [--threads N] [--torch] [--corpus FILE] [--checkpoint 0,1,2] '
-                      .. '[--tile R]\n')
+                      .. '[--steps N] [--warmup N] [--threads N] [--torch] [--torch_alloc jemalloc] [--corpus FILE] '
+                      .. '[--checkpoint 0,1,2] [--tile R]\n')
       os.exit(2)
     end
   end
+end
+-- --torch_alloc jemalloc: the peer's environment prefix (and --torch implied)
+local JEMALLOC = '/usr/lib/x86_64-linux-gnu/libjemalloc.so.2'
+local peer_alloc = ''
+if opts.torch_alloc ~= '' then
+  if opts.torch_alloc ~= 'jemalloc' then
+    io.stderr:write("bench/train.lua: --torch_alloc " .. tostring(opts.torch_alloc) .. ": unknown (known: jemalloc)\n")
+    os.exit(2)
+  end
+  local f = io.open(JEMALLOC, 'rb')
+  if not f then
+    io.stderr:write('bench/train.lua: --torch_alloc jemalloc: ' .. JEMALLOC .. ' not found (apt-get install libjemalloc2)\n')
+    os.exit(2)
+  end
+  f:close()
+  peer_alloc = 'LD_PRELOAD=' .. JEMALLOC .. ' MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1 '
+  opts.torch = true
 end
 uly.set_num_threads(opts.threads)
 local Model = require('models.' .. opts.model)
@@ -99,7 +118,7 @@ local function run_torch(T, B)
     end
   end
   local c = model_cfg
-  local cmd = string.format(require('bench.util').peer_env() .. 'CORPUS=%s /usr/bin/python3 %s %d %d %d %d %d %d %d %d 2>&1', corpus, script, T, B,
+  local cmd = string.format(require('bench.util').peer_env() .. peer_alloc .. 'CORPUS=%s /usr/bin/python3 %s %d %d %d %d %d %d %d %d 2>&1', corpus, script, T, B,
                             opts.steps, opts.warmup, c.layers, c.heads, c.dim, c.vocab)
   local p = io.popen(cmd)
   local out = p:read('*a')
@@ -145,8 +164,8 @@ if opts.torch then
     if not t then
       print(string.format('%dx%d: PyTorch run failed: %s', r.T, r.B, err))
     else
-      print(string.format('%-11s %12.0f %12.0f %9.2fx %12.1f %8d  (torch %s)', r.T .. 'x' .. r.B, r.tps, t.tps,
-                          r.tps / t.tps, t.gflops, t.rss or 0, t.version))
+      print(string.format('%-11s %12.0f %12.0f %9.2fx %12.1f %8d  (torch %s%s)', r.T .. 'x' .. r.B, r.tps, t.tps,
+                          r.tps / t.tps, t.gflops, t.rss or 0, t.version, peer_alloc ~= '' and ', jemalloc' or ''))
     end
     io.stdout:flush()
   end

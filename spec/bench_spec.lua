@@ -1,0 +1,63 @@
+-- spec/bench_spec.lua — bench/train.lua, the training-step benchmark the README's tables come
+-- from: it runs a shape and prints its row (step time, tokens/s, GFLOP/s, MFU), bad flags give a
+-- clear message and exit 2, and --torch_alloc jemalloc runs the PyTorch peer on jemalloc (where
+-- /usr/bin/python3 has torch and libjemalloc2 is installed; CI has neither). Never on time.
+local function run(args)
+  local p = assert(io.popen('bin/ulysses bench/train.lua ' .. args .. ' 2>&1; echo "exit=$?"'))
+  local out = p:read('*a')
+  p:close()
+  return out, tonumber(out:match('exit=(%d+)%s*$'))
+end
+
+local function readable(path)
+  local f = io.open(path, 'rb')
+  if f then f:close() end
+  return f ~= nil
+end
+
+local function has_torch()
+  local p = io.popen('/usr/bin/python3 -c "import torch" >/dev/null 2>&1; echo rc=$?')
+  local out = p:read('*a')
+  p:close()
+  return out:match('rc=0') ~= nil
+end
+
+-- the row of shape TxB: tokens/s, GFLOP/s, MFU %
+local function row(out, shape)
+  local tps, gf, mfu = out:match('\n' .. shape .. '%s+%d+%s+[%d.]+%s+[%d.]+%s+[%d.]+%s+[%d.]+%s+([%d.]+)%s+([%d.]+)%s+([%d.]+)%%')
+  return tonumber(tps), tonumber(gf), tonumber(mfu)
+end
+
+describe('bench/train.lua', function()
+  it('times a shape and prints its row', function()
+    local out, code = run('--shapes 32x2 --steps 1 --warmup 0 --preset tiny')
+    assert.equals(0, code, out)
+    local tps, gf, mfu = row(out, '32x2')
+    assert.truthy(tps, 'no row for 32x2 in:\n' .. out)
+    assert.is_true(tps > 0 and gf > 0 and mfu > 0, out)
+  end)
+
+  it('refuses what it does not know, saying what it knows', function()
+    local out, code = run('--torch_alloc tcmalloc')
+    assert.equals(2, code, out)
+    assert.truthy(out:find('--torch_alloc tcmalloc: unknown (known: jemalloc)', 1, true), out)
+    out, code = run('--shapes 32by2')
+    assert.equals(2, code, out)
+    assert.truthy(out:find('bad shape 32by2', 1, true), out)
+  end)
+
+  it('runs the PyTorch peer on jemalloc with --torch_alloc jemalloc', function()
+    local jemalloc = '/usr/lib/x86_64-linux-gnu/libjemalloc.so.2'
+    if not readable(jemalloc) then
+      local out, code = run('--shapes 32x2 --steps 1 --warmup 0 --preset tiny --torch_alloc jemalloc')
+      assert.equals(2, code, out)
+      assert.truthy(out:find('apt-get install libjemalloc2', 1, true), out)
+      return
+    end
+    if not has_torch() then return end   -- the peer needs Debian's python3-torch
+    local out, code = run('--shapes 32x2 --steps 1 --warmup 0 --preset tiny --torch_alloc jemalloc')
+    assert.equals(0, code, out)
+    local ours, theirs = out:match('\n32x2%s+(%d+)%s+(%d+)%s+[%d.]+x[^\n]*, jemalloc%)')
+    assert.truthy(ours and tonumber(theirs) > 0, 'no jemalloc peer row in:\n' .. out)
+  end)
+end)
