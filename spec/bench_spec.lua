@@ -2,25 +2,11 @@
 -- from: it runs a shape and prints its row (step time, tokens/s, GFLOP/s, MFU), bad flags give a
 -- clear message and exit 2, and --torch_alloc jemalloc runs the PyTorch peer on jemalloc (where
 -- /usr/bin/python3 has torch and libjemalloc2 is installed; CI has neither). Never on time.
-local function run(args)
-  local p = assert(io.popen('bin/ulysses bench/train.lua ' .. args .. ' 2>&1; echo "exit=$?"'))
-  local out = p:read('*a')
-  p:close()
-  return out, tonumber(out:match('exit=(%d+)%s*$'))
-end
+local helpers = require 'helpers'
 
-local function readable(path)
-  local f = io.open(path, 'rb')
-  if f then f:close() end
-  return f ~= nil
-end
+local function run(args) return helpers.run('bin/ulysses bench/train.lua ' .. args) end
 
-local function has_torch()
-  local p = io.popen('/usr/bin/python3 -c "import torch" >/dev/null 2>&1; echo rc=$?')
-  local out = p:read('*a')
-  p:close()
-  return out:match('rc=0') ~= nil
-end
+local function has_torch() return select(2, helpers.run('/usr/bin/python3 -c "import torch"')) == 0 end
 
 -- the row of shape TxB: tokens/s, GFLOP/s, MFU %
 local function row(out, shape)
@@ -48,7 +34,7 @@ describe('bench/train.lua', function()
 
   it('runs the PyTorch peer on jemalloc with --torch_alloc jemalloc', function()
     local jemalloc = '/usr/lib/x86_64-linux-gnu/libjemalloc.so.2'
-    if not readable(jemalloc) then
+    if not helpers.exists(jemalloc) then
       local out, code = run('--shapes 32x2 --steps 1 --warmup 0 --preset tiny --torch_alloc jemalloc')
       assert.equals(2, code, out)
       assert.truthy(out:find('apt-get install libjemalloc2', 1, true), out)

@@ -23,11 +23,7 @@ local function write(name, content)
   f:close()
   return path(name)
 end
-local function exists(p)
-  local f = io.open(p, 'rb')
-  if f then f:close() end
-  return f ~= nil
-end
+local exists = helpers.exists
 
 -- the values of a dataset as a Lua list, and a root attribute
 local function dataset(file, name)

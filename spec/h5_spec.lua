@@ -25,11 +25,7 @@ local function write_bytes(p, s)
   fh:close()
 end
 
-local function exists(p)
-  local fh = io.open(p, 'rb')
-  if fh then fh:close() end
-  return fh ~= nil
-end
+local exists = helpers.exists
 
 local list = helpers.list   -- flat Lua list of a tensor's values (float64)
 

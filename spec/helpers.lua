@@ -216,4 +216,19 @@ function M.mkdtemp()
 end
 function M.rmtree(dir) if dir then os.execute('rm -rf ' .. M.shq(dir)) end end
 
+-- whether a file can be opened for reading
+function M.exists(path)
+  local f = io.open(path, 'rb')
+  if f then f:close() end
+  return f ~= nil
+end
+
+-- a shell command's output (stdout and stderr) and exit status
+function M.run(cmd)
+  local p = assert(io.popen(cmd .. ' 2>&1; echo "exit=$?"'))
+  local out = p:read('*a')
+  p:close()
+  return out, tonumber(out:match('exit=(%d+)%s*$'))
+end
+
 return M

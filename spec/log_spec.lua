@@ -3,6 +3,7 @@
 -- and their readers, and the SVG chart (well-formed, right points, nice ticks, NaN skipped).
 -- Pure Lua: time comes from a fake clock, output goes to a fake file; nothing depends on wall time.
 local log = require 'ulysses.log'
+local helpers = require 'helpers'
 
 -- a fake file that records each line written
 local function capture()
@@ -37,11 +38,7 @@ local function slurp(path)
   return s
 end
 
-local function exists(path)
-  local f = io.open(path, 'rb')
-  if f then f:close() end
-  return f ~= nil
-end
+local exists = helpers.exists
 
 -- the number after `label` in a progress line, with its SI prefix applied
 local SI = { [''] = 1, k = 1e3, M = 1e6, G = 1e9, T = 1e12 }

@@ -240,12 +240,7 @@ end)
 
 -- the command line: help, a clear message for every bad value (exit 1), defaults spelled out
 describe('tools/plan.lua on the command line', function()
-  local function run(args)
-    local p = assert(io.popen('bin/ulysses tools/plan.lua ' .. args .. ' 2>&1; echo "exit=$?"'))
-    local out = p:read('*a')
-    p:close()
-    return out, tonumber(out:match('exit=(%d+)%s*$'))
-  end
+  local function run(args) return helpers.run('bin/ulysses tools/plan.lua ' .. args) end
 
   it('prints its usage for --help', function()
     local out, code = run('--help')

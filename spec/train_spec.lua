@@ -8,12 +8,7 @@ local helpers = require 'helpers'
 
 local tmpdir = helpers.mkdtemp
 
-local function run(args)
-  local p = assert(io.popen('bin/ulysses train.lua ' .. args .. ' 2>&1; echo "exit=$?"'))
-  local out = p:read('*a')
-  p:close()
-  return out, tonumber(out:match('exit=(%d+)%s*$'))
-end
+local function run(args) return helpers.run('bin/ulysses train.lua ' .. args) end
 
 local TINY = '--data embedded --preset tiny --seq 32 --batch 8 --warmup 5 --lr 3e-3 --min_lr 3e-4 --threads 2 '
 
@@ -246,13 +241,8 @@ describe('train.lua under mpirun', function()
   local has_mpi = os.execute('command -v mpirun >/dev/null 2>&1') == 0 and uly.has('mpi')
     and not (os.getenv('LD_PRELOAD') or ''):find('asan', 1, true)
   local function mpirun(np, args)
-    local cmd = 'OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 '
-      .. 'timeout 120 mpirun --bind-to none --mca mpi_yield_when_idle 1 -np ' .. np
-      .. ' bin/ulysses train.lua ' .. args .. ' 2>&1; echo "exit=$?"'
-    local p = assert(io.popen(cmd))
-    local out = p:read('*a')
-    p:close()
-    return out, tonumber(out:match('exit=(%d+)%s*$'))
+    return helpers.run('OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 '
+      .. 'timeout 120 mpirun --bind-to none --mca mpi_yield_when_idle 1 -np ' .. np .. ' bin/ulysses train.lua ' .. args)
   end
 
   -- the logged rows of one single-process run of args
