@@ -1041,7 +1041,7 @@ describe('fused tensor-core attention (mixed precision)', function()
     -- band's ends now also fall between the two warpgroups' rows, or keys); tma / ws: the forward's
     -- tiles by TMA (the last tile's rows past the end zeros from the tensor map's bounds), and
     -- warp-specialised (a consumer skipping a tile still gives its stage back), with the
-    -- warp-specialised dK/dV (DKV ws: 64-query tiles; 32 at D 128 in one pass) and dQ (DQ ws: 128
+    -- warp-specialised dK/dV (DKV ws: 64-query tiles) and dQ (DQ ws: 128
     -- rows, 64-key tiles); on the emulator
     -- only (on a GPU they are checked at the end of this file, where a fault harms nothing after)
     for _, run in ipairs({ { 32, '', '', '' }, { 64, '', '', '' }, { 64, '64', '64', '' },

@@ -192,21 +192,26 @@ __device__ static inline void probs_and_dscores(float s[NT][4], float dp[NT][4],
 
 /* The one-pass dQ of a 128-key block and a T-query tile (fa_backward_dkv_ws with DQ), queued (the
  * caller fences, commits and waits): dQ^T = K^T dS^T / scale over the block's 128 keys, split
- * between the two warpgroups so that each element of dQ is added once a block: at D 128 (T 32)
+ * between the two warpgroups so that each element of dQ is added once a block: at D 128
  * warpgroup wg takes elements 64 wg.. of D for all T queries, at D 64 (T 64) all of D for queries
- * 32 wg..; dqt is its 64 x 32 (accumulator layout). K^T from both consumers' K tiles (sKV; a
- * 128-byte line per key holding 64 of D, the atom column of wg's half at D 128: MN-major A), dS
- * from sdS (both warpgroups' dS as bf16, a 128-byte line per query holding 64 keys, the second
- * warpgroup's 64 keys one T-line atom column on: K-major B) */
+ * 32 wg..; dqt is its 64 x DQ_SHARE_N (accumulator layout), as 64 x 32 blocks of 16 floats a
+ * thread. K^T from both consumers' K tiles (sKV; a 128-byte line per key holding 64 of D, the atom
+ * column of wg's half at D 128: MN-major A), dS from sdS (both warpgroups' dS as bf16, a 128-byte
+ * line per query holding 64 keys, the second warpgroup's 64 keys one T-line atom column on:
+ * K-major B) */
+#define DQ_SHARE_N(D, T) ((D) == 128 ? (T) : (T) / 2)   /* queries a warpgroup's dQ share holds */
 template <int D, int T>
-__device__ static inline void dq_share_issue_wg(float dqt[16], const uint4 *sdS, const uint4 *sKV, int wg) {
+__device__ static inline void dq_share_issue_wg(float dqt[DQ_SHARE_N(D, T) / 2], const uint4 *sdS, const uint4 *sKV, int wg) {
     constexpr uint32_t K_APART = 128 * (D / 8) * 16, DS_APART = T * 128;   /* bytes: the two K tiles, dS's columns */
     const uint32_t da = wg_desc_lo(sKV + (D == 128 ? wg * 512 : 0)), db = wg_desc_lo(sdS + (D == 64 ? wg * 32 * 8 : 0));
-    wgmma_64x32_ss<0, 0, 1>(dqt, wg_desc_at(da, 0), wg_desc_at(db, 0));
 #pragma unroll
-    for (int kk = 1; kk < 8; kk++)   /* 16 keys: 16 lines (2 KiB) into a K tile; 32 bytes along dS's lines */
-        wgmma_64x32_ss<0, 1, 1>(dqt, wg_desc_at(da, (kk >> 2) * K_APART + (kk & 3) * 2048),
-                                wg_desc_at(db, (kk >> 2) * DS_APART + (kk & 3) * 32));
+    for (int q = 0; q < DQ_SHARE_N(D, T) / 32; q++) {   /* 32 queries: 32 lines (4 KiB) along dS */
+        wgmma_64x32_ss<0, 0, 1>(dqt + 16 * q, wg_desc_at(da, 0), wg_desc_at(db, q * 4096));
+#pragma unroll
+        for (int kk = 1; kk < 8; kk++)   /* 16 keys: 16 lines (2 KiB) into a K tile; 32 bytes along dS's lines */
+            wgmma_64x32_ss<0, 1, 1>(dqt + 16 * q, wg_desc_at(da, (kk >> 2) * K_APART + (kk & 3) * 2048),
+                                    wg_desc_at(db, q * 4096 + (kk >> 2) * DS_APART + (kk & 3) * 32));
+    }
 }
 /* this warp's dS^T (da: 16 keys x T queries as the bf16 A fragments of dK's product, / scale;
  * zero: zeros) into col, its warpgroup's keys' column of dq_share_issue_wg's dS (T lines of 64
@@ -225,13 +230,13 @@ __device__ static inline void store_dscores_rows(uint4 *col, const uint32_t da[T
 }
 /* dqt (dq_share_issue_wg's share of queries i0..i0 + T - 1 of head h) times the scale added into dq
  * ([B, Tq, H, D] f32) with atomics, none past the last query */
-template <int D>
+template <int D, int T>
 __device__ static inline void add_dq_share_wg(float *dq, const geom &g, int64_t b, int64_t h, int64_t i0,
-                                              const float dqt[16], int wg, int warp, int lane) {
+                                              const float dqt[DQ_SHARE_N(D, T) / 2], int wg, int warp, int lane) {
     const int d = (D == 128 ? 64 * wg : 0) + 16 * warp + (lane >> 2);
     const int64_t q0 = i0 + (D == 64 ? 32 * wg : 0) + 2 * (lane & 3);
 #pragma unroll
-    for (int j = 0; j < 4; j++)
+    for (int j = 0; j < DQ_SHARE_N(D, T) / 8; j++)   /* 8 queries, 4 floats of dqt */
 #pragma unroll
         for (int c = 0; c < 2; c++) {
             const int64_t i = q0 + 8 * j + c;
@@ -258,7 +263,7 @@ __device__ static inline void dkv_accumulate_frags(float dva[D / 8][4], float dk
     wg_wait<0>();
     wg_fence_regs(&dva[0][0], 4 * (D / 8));
     wg_fence_regs(&dka[0][0], 4 * (D / 8));
-    if constexpr (DQ) wg_fence_regs(dqt, 16);
+    if constexpr (DQ) wg_fence_regs(dqt, DQ_SHARE_N(D, T) / 2);
 }
 /* the same from P^T and dS^T in accumulator layout (s, dp), rounded here */
 template <int D, int T>
@@ -459,8 +464,8 @@ __device__ static inline query_walk<T> start_query_walk(const geom &g, int64_t h
  * tile's Q, dO, lse and delta by TMA through a ring of WS_STAGES stages: full[s] completes when
  * stage s has landed, empty[s] when all 256 consumer threads are done with it (as fa_forward_ws).
  * No block barrier and no load instruction in the consumers' loop. DKV_WS_QT queries a tile: 64,
- * FlashAttention-3's tile (at D 128 227 registers, no spills, since mbar_wait's trap went out of
- * line, tma.cuh), but 32 at D 128 with DQ (its dQ share's accumulators). lse and delta come through flat maps over [B H Tq] (1-d: no
+ * FlashAttention-3's tile (at D 128 227 registers, 229 with DQ, no spills, since mbar_wait's trap
+ * went out of line, tma.cuh). lse and delta come through flat maps over [B H Tq] (1-d: no
  * alignment asked of Tq), so a tile's rows past its head's last query read the next head's
  * statistics: only masked pairs meet them (P = 0, and dP^T = 0 from Q and dO's zero rows there).
  * DQ (ULY_CUDA_ATTN_BWD=onepass): the consumers also add the block's share of dQ = dS K into dq
@@ -472,7 +477,7 @@ __device__ static inline query_walk<T> start_query_walk(const geom &g, int64_t h
  * FlashAttention-3's). Neither skips a tile then: one whose keys see none of it gives zeros. Empty
  * in a pass without wgmma. */
 #define DQ_BAR 1   /* DQ: the named barrier of both consumer warpgroups */
-#define DKV_WS_QT(D, DQ) ((D) == 128 && (DQ) ? 32 : 64)
+#define DKV_WS_QT 64
 template <int D, bool DQ = false>
 __global__ static void __launch_bounds__(WSG_THREADS, WS_MIN_BLOCKS(D))
 fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
@@ -480,7 +485,7 @@ fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtenso
                    const __grid_constant__ CUtensorMap ml, const __grid_constant__ CUtensorMap md, int *ran_wgmma,
                    float *dq) {
 #if ULY_HAS_WGMMA
-    constexpr int CH = D / 8, T = DKV_WS_QT(D, DQ), NT = T / 8;
+    constexpr int CH = D / 8, T = DKV_WS_QT, NT = T / 8;
     constexpr int DS_CHUNKS = DQ ? 2 * 2 * T * 8 : 0;   /* the dS tiles (uint4): two of T lines x 128 keys */
     constexpr unsigned KTILE = 64 * D * 2, QTILE = T * D * 2, STATS = T * 4;   /* bytes */
     ULY_DYNAMIC_SHARED(uint4, dyn);
@@ -566,9 +571,9 @@ fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtenso
                 store_dscores_rows<T>(sdS + wg * T * 8, da, warp, lane, false);
                 fence_proxy_async();                        /* the stores, then the wgmmas reading them */
                 named_bar_sync(DQ_BAR, 2 * FA_THREADS);     /* both warpgroups' dS are in */
-                float dqt[16];
+                float dqt[DQ_SHARE_N(D, T) / 2];
                 dkv_accumulate_frags<D, T, true>(dva, dka, pa, da, sO, sQ, dqt, sdS, sKV, wg);
-                add_dq_share_wg<D>(dq, g, b, w.h, w.i0, dqt, wg, warp, lane);
+                add_dq_share_wg<D, T>(dq, g, b, w.h, w.i0, dqt, wg, warp, lane);
             } else {
                 dkv_accumulate_wg<D, T>(dva, dka, s, dp, sO, sQ);
             }
@@ -577,13 +582,13 @@ fa_backward_dkv_ws(float *dk, float *dv, geom g, const __grid_constant__ CUtenso
             store_dscores_rows<T>(sdS + wg * T * 8, nullptr, warp, lane, true);
             fence_proxy_async();
             named_bar_sync(DQ_BAR, 2 * FA_THREADS);
-            float dqt[16];
+            float dqt[DQ_SHARE_N(D, T) / 2];
             wg_fence();
             dq_share_issue_wg<D, T>(dqt, sdS, sKV, wg);
             wg_commit();
             wg_wait<0>();
-            wg_fence_regs(dqt, 16);
-            add_dq_share_wg<D>(dq, g, b, w.h, w.i0, dqt, wg, warp, lane);
+            wg_fence_regs(dqt, DQ_SHARE_N(D, T) / 2);
+            add_dq_share_wg<D, T>(dq, g, b, w.h, w.i0, dqt, wg, warp, lane);
         }
         mbar_arrive(&empty[at]);   /* this thread is done with the stage: its wgmmas were waited for */
         w.next(g, jb);

@@ -444,7 +444,7 @@ static int dkv_ws(void) { return variant_runs(V_DKV, "ws", two_warpgroup_build_l
 template <int D, bool DQ = false>
 static int launch_dkv_ws(float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k, const bf16 *v,
                          const bf16 *dout, const float *lse, const float *delta, int *ran, float *dq = NULL) {
-    constexpr int T = DKV_WS_QT(D, DQ);
+    constexpr int T = DKV_WS_QT;
     CUtensorMap mq, mk, mv, mo, ml, md;
     if (tile_map(&mq, q, g.B, g.Tq, g.H, D, T) || tile_map(&mo, dout, g.B, g.Tq, g.H, D, T) ||
         tile_map(&mk, k, g.B, g.Tk, g.Hkv, D) || tile_map(&mv, v, g.B, g.Tk, g.Hkv, D) ||
