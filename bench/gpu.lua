@@ -376,8 +376,10 @@ end
 -- TMA loads (ULY_CUDA_ATTN_FWD=tma), the warp-specialised forward (ws; wspp: with ping-pong;
 -- wsov, wsppov: with P V overlapping the next tile's softmax), it
 -- with the warp-specialised dK/dV (ULY_CUDA_ATTN_DKV=ws) and dQ too (ULY_CUDA_ATTN_DQ=ws), or
--- with that dK/dV adding dQ in one pass (ULY_CUDA_ATTN_BWD=onepass), and that dK/dV after the
--- 128-row forward and dQ, at the two head dims (D 64 at the 1b preset's 32 heads).
+-- with that dK/dV adding dQ in one pass (ULY_CUDA_ATTN_BWD=onepass), the same two after the
+-- overlapped forward (wsov: FlashAttention-3's kernels, 128 x 128 forward tiles, 64-query dK/dV),
+-- and that dK/dV after the 128-row forward and dQ, at the two head dims (D 64 at the 1b preset's
+-- 32 heads). The step then runs on the overlapped forward with either backward.
 do
   local tma_paths = { all_paths[3], { 'fused tma', 'bf16', 'fused', '', '', 'tma', '', '' },
                       { 'fused ws', 'bf16', 'fused', '', '', 'ws', '', '' },
@@ -387,6 +389,8 @@ do
                       { 'fused ws+dkvws', 'bf16', 'fused', '', '', 'ws', 'ws', '' },
                       { 'fused all ws', 'bf16', 'fused', '', '', 'ws', 'ws', 'ws' },
                       { 'fused ws 1-pass', 'bf16', 'fused', '', 'onepass', 'ws', 'ws', '' },
+                      { 'fused all ws ov', 'bf16', 'fused', '', '', 'wsov', 'ws', 'ws' },
+                      { 'fused ov 1-pass', 'bf16', 'fused', '', 'onepass', 'wsov', 'ws', '' },
                       { 'fused 128+dkvws', 'bf16', 'fused', '', '', 'rows128', 'ws', 'rows128' } }
   print('\n== the TMA kernels (last: a fault in them ends the run)')
   for _, hd in ipairs({ { opts.quick and 2 or 16, opts.quick and 64 or 128 }, { opts.quick and 2 or 32, 64 } }) do
@@ -394,7 +398,7 @@ do
     if not ok then print(('TMA kernels at D %d: %s'):format(hd[2], tostring(err))) break end
   end
   if variant_step then   -- the training step of section 3 on the warp-specialised kernels
-    for _, v in ipairs({ { 'ws', 'ws', 'ws' }, { 'ws', '', 'ws', 'onepass' } }) do
+    for _, v in ipairs({ { 'wsov', 'ws', 'ws' }, { 'wsov', '', 'ws', 'onepass' } }) do
       local ok, line = pcall(variant_step, unpack(v))
       print(ok and line or ('step on the warp-specialised kernels: ' .. tostring(line)))
     end

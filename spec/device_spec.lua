@@ -1252,9 +1252,10 @@ describe('bench/gpu.lua', function()
                     '== decoding', '200      auto', '== training step: Llama tiny', 'checkpoint (except attention)', 'tokens/s',
                     'one step: forward ', 'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=64: ',
                     "N 128: fastest fused forward + backward '", "x the default 'bf16 fused'",
-                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', '== the TMA kernels', 'fused tma', 'fused ws', 'fused wspp', 'fused wsov', 'fused wsppov', 'fused ws+dkvws', 'fused all ws', 'fused ws 1-pass', 'fused 128+dkvws',
-                    'step with ULY_CUDA_ATTN_FWD=ws ULY_CUDA_ATTN_DQ=ws ULY_CUDA_ATTN_DKV=ws: ',
-                    'step with ULY_CUDA_ATTN_FWD=ws ULY_CUDA_ATTN_DKV=ws ULY_CUDA_ATTN_BWD=onepass: ',
+                    'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=rows128: ', '== the TMA kernels', 'fused tma', 'fused ws', 'fused wspp', 'fused wsov', 'fused wsppov', 'fused ws+dkvws', 'fused all ws', 'fused ws 1-pass',
+                    'fused all ws ov', 'fused ov 1-pass', 'fused 128+dkvws',
+                    'step with ULY_CUDA_ATTN_FWD=wsov ULY_CUDA_ATTN_DQ=ws ULY_CUDA_ATTN_DKV=ws: ',
+                    'step with ULY_CUDA_ATTN_FWD=wsov ULY_CUDA_ATTN_DKV=ws ULY_CUDA_ATTN_BWD=onepass: ',
                     'attention at the step\'s shape' }
     if MODE == 'emu' then   -- and raw cuBLAS ran (no n/a), and the profiled step
       for _, w in ipairs({ 'ulysses CUDA emulator', 'GPU time by kernel in one step', 'wall time on the stream' }) do
