@@ -31,23 +31,34 @@ do
       io.stderr:write('usage: bin/ulysses bench/train.lua [--shapes TxB,...] [--model gpt|llama] [--preset P] '
                       .. '[--steps N] [--warmup N] [--threads N] [--torch] [--torch_alloc jemalloc] [--corpus FILE] '
                       .. '[--checkpoint 0,1,2] [--tile R]\n')
-      os.exit(2)
+      os.exit(2, true)
     end
   end
+end
+-- a bad value: what was wrong, on stderr, exit 2 (before any work)
+local function fail(msg)
+  io.stderr:write('bench/train.lua: ', msg, '\n')
+  os.exit(2, true)
+end
+local shapes = {}   -- { T, B, 'TxB' }
+for shape in opts.shapes:gmatch('[^,]+') do
+  local T, B = shape:match('^(%d+)x(%d+)$')
+  if not T then fail('bad shape ' .. shape .. ' (want TxB)') end
+  shapes[#shapes + 1] = { tonumber(T), tonumber(B), shape }
+end
+local CHECKPOINT = { ['0'] = false, ['1'] = true, ['2'] = 'except_attention' }
+local modes = {}
+for m in tostring(opts.checkpoint):gmatch('[^,]+') do
+  if CHECKPOINT[m] == nil then fail('bad --checkpoint ' .. m .. ' (want 0, 1 or 2)') end
+  modes[#modes + 1] = m
 end
 -- --torch_alloc jemalloc: the peer's environment prefix (and --torch implied)
 local JEMALLOC = '/usr/lib/x86_64-linux-gnu/libjemalloc.so.2'
 local peer_alloc = ''
 if opts.torch_alloc ~= '' then
-  if opts.torch_alloc ~= 'jemalloc' then
-    io.stderr:write("bench/train.lua: --torch_alloc " .. tostring(opts.torch_alloc) .. ": unknown (known: jemalloc)\n")
-    os.exit(2)
-  end
+  if opts.torch_alloc ~= 'jemalloc' then fail('--torch_alloc ' .. tostring(opts.torch_alloc) .. ': unknown (known: jemalloc)') end
   local f = io.open(JEMALLOC, 'rb')
-  if not f then
-    io.stderr:write('bench/train.lua: --torch_alloc jemalloc: ' .. JEMALLOC .. ' not found (apt-get install libjemalloc2)\n')
-    os.exit(2)
-  end
+  if not f then fail('--torch_alloc jemalloc: ' .. JEMALLOC .. ' not found (apt-get install libjemalloc2)') end
   f:close()
   peer_alloc = 'LD_PRELOAD=' .. JEMALLOC .. ' MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1 '
   opts.torch = true
@@ -65,12 +76,6 @@ local function random_tokens(B, T, V)
 end
 
 local peak = uly.cpu_peak_flops(opts.threads)   -- measured: this CPU's f32 FMA peak over the threads
-local CHECKPOINT = { ['0'] = false, ['1'] = true, ['2'] = 'except_attention' }
-local modes = {}
-for m in tostring(opts.checkpoint):gmatch('[^,]+') do
-  if CHECKPOINT[m] == nil then io.stderr:write('bad --checkpoint ' .. m .. ' (want 0, 1 or 2)\n') os.exit(2) end
-  modes[#modes + 1] = m
-end
 
 local function bench_shape(T, B, mode)
   uly.manual_seed(0)
@@ -142,11 +147,10 @@ print()
 print(string.format('%-11s %5s %10s %9s %9s %9s %10s %9s %6s %10s', 'T x B', 'ckpt', 'step ms', 'fwd ms', 'bwd ms',
                     'opt ms', 'tok/s', 'GFLOP/s', 'MFU', 'peak MiB'))
 local rows = {}
-for shape in opts.shapes:gmatch('[^,]+') do
-  local T, B = shape:match('^(%d+)x(%d+)$')
-  if not T then io.stderr:write('bad shape ' .. shape .. ' (want TxB)\n') os.exit(2) end
+for _, s in ipairs(shapes) do
+  local T, B, shape = unpack(s)
   for _, mode in ipairs(modes) do
-    local r = bench_shape(tonumber(T), tonumber(B), mode)
+    local r = bench_shape(T, B, mode)
     if mode == modes[1] then rows[#rows + 1] = r end   -- the PyTorch comparison: the first mode
     print(string.format('%-11s %5s %10.1f %9.1f %9.1f %9.1f %10.0f %9.1f %5.1f%% %10.0f', shape, mode, r.step_ms, r.fwd_ms,
                         r.bwd_ms, r.opt_ms, r.tps, r.gflops, 100 * r.mfu, r.peak_mib))
