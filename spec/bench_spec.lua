@@ -1,7 +1,8 @@
 -- spec/bench_spec.lua — bench/train.lua, the training-step benchmark the README's tables come
 -- from: it runs a shape and prints its row (step time, tokens/s, GFLOP/s, MFU), bad flags give a
 -- clear message and exit 2, and --torch_alloc jemalloc runs the PyTorch peer on jemalloc (where
--- /usr/bin/python3 has torch and libjemalloc2 is installed; CI has neither). Never on time.
+-- /usr/bin/python3 has torch, libjemalloc2 is installed and ../shared/peers holds the peer's
+-- script; a clean clone in CI has none of them). Never on time.
 local helpers = require 'helpers'
 
 local function run(args) return helpers.run('bin/ulysses bench/train.lua ' .. args) end
@@ -40,7 +41,9 @@ describe('bench/train.lua', function()
       assert.truthy(out:find('apt-get install libjemalloc2', 1, true), out)
       return
     end
-    if not has_torch() then return end   -- the peer needs Debian's python3-torch
+    -- the peer: Debian's python3-torch running ../shared/peers/torch_gpt_bench.py
+    local script = require('ulysses.ffi').root .. '/../shared/peers/torch_gpt_bench.py'
+    if not (has_torch() and helpers.exists(script)) then return end
     local out, code = run('--shapes 32x2 --steps 1 --warmup 0 --preset tiny --torch_alloc jemalloc')
     assert.equals(0, code, out)
     local ours, theirs = out:match('\n32x2%s+(%d+)%s+(%d+)%s+[%d.]+x[^\n]*, jemalloc%)')
