@@ -835,6 +835,33 @@ describe('fused tensor-core attention (mixed precision)', function()
     end
   end)
 
+  -- The forward's row sum adds P as rounded to bf16, the weights P V multiplies, so O stays a
+  -- weighted mean of V's rows. A row whose weight sits on one key: key 0 scores 0 (the first
+  -- tile's max, P = 1), key 100 scores 3, less than the slack that moves the max, so P = e^3 =
+  -- 20.0855, 20.125 in bf16; the other keys score -30. Summing the unrounded P put O off by
+  -- (20.125 - 20.0855) / 21.0855, 1.9e-3 of V; the consistent sum by the weights' shift alone,
+  -- under 1e-4 of |V[100] - V[0]|.
+  it('normalises a row by the bf16 weights its P V multiplies (one key dominating, D = 64)', function()
+    helpers.reseed(37)
+    local D, Tk = 64, 128
+    local qv, kv = {}, {}
+    for d = 1, D do qv[d] = d == 1 and 8 or 0 end   -- scale 1/8: key j scores k_j[0]
+    for j = 0, Tk - 1 do
+      for d = 1, D do kv[j * D + d] = d > 1 and 0 or (j == 0 and 0 or (j == 100 and 3 or -30)) end
+    end
+    local q, k = helpers.from_flat(qv, { 1, 1, 1, D }), helpers.from_flat(kv, { 1, Tk, 1, D })
+    local v = rounded(uly.randn(1, Tk, 1, D))
+    local fn = function(a, b, c) return uly.flash_attention(a, b, c) end
+    local w = uly.ones(1, 1, 1, D)
+    use_device()
+    local want = run('cpu', 'f32', fn, { q, k, v }, w)[1]
+    set_path('fused')
+    local got = run('cuda', 'bf16', fn, { q, k, v }, w)[1]
+    set_path('')
+    release_device()
+    helpers.assert_close(got, want, 0, 3e-4 * max_abs(v), 'fused output of the dominated row')
+  end)
+
   -- every query of a GQA group in one tile (Tq x group <= 64: here exactly 64 rows, with a window
   -- and documents): K and V read once per group, the same bits as a tile per query head
   it('packs a GQA group\'s query heads into one tile for short queries, the same bits as unpacked (D = 32)', function()

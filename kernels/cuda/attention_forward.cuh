@@ -157,11 +157,21 @@ __device__ static inline void rescale_o(float o[D / 8][4], const float alpha[2])
     }
 }
 
+/* p0 + p1 as the bf16 values P V multiplies (P's A fragments round them the same way) */
+__device__ static inline float sum_as_bf16(float p0, float p1) {
+    const uint32_t w = mma_pack_bf16(p0, p1);
+    return __uint_as_float(w << 16) + __uint_as_float(w & 0xffff0000u);
+}
+
 /* one key tile's step of the online softmax for this lane's two rows: s (the tile's NT n8
  * tiles of scores, 8 NT keys, accumulator layout) becomes P = exp(s scale - m) with masked pairs
- * at 0 (st: the tile's state), and when a row of the warp has scores more than RESCALE_SLACK
- * above its max, every row's max moves to its new one, with its sum l and O rescaled (one branch
- * for the warp).
+ * at 0 (st: the tile's state), and the row sums l add P as rounded to bf16 (sum_as_bf16): l
+ * sums exactly the weights P V multiplies, so O = sum P V / l is a weighted mean of
+ * V's rows. (Summing the unrounded P scaled O by a row's rounding: where one key dominates a row,
+ * O was off by up to 2^-9 of that key's V, and dQ, whose delta = dO . O then disagrees with the
+ * backward's own P, by far more: a spec saw 35 % of a row's dQ.) When a row of the warp has
+ * scores more than RESCALE_SLACK above its max, every row's max moves to its new one, with its
+ * sum l and O rescaled (one branch for the warp).
  * DEFER: O is left alone (a P V may still be adding into it); whether it is to be rescaled is
  * returned (the same for the warp), and by what in alpha */
 template <int D, bool grouped, bool DEFER = false, int NT = 8>
@@ -205,10 +215,11 @@ __device__ static inline bool online_softmax(float s[][4], float o[D / 8][4], fl
 #pragma unroll
     for (int n = 0; n < NT; n++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const float p = exp2_ftz(fmaf(s[n][e], sl2, nb2[e >> 1]));   /* masked: -inf -> 0 */
-            s[n][e] = p;
-            l[e >> 1] += p;
+        for (int r = 0; r < 2; r++) {   /* masked: -inf -> 0 */
+            const float p0 = exp2_ftz(fmaf(s[n][2 * r], sl2, nb2[r])), p1 = exp2_ftz(fmaf(s[n][2 * r + 1], sl2, nb2[r]));
+            s[n][2 * r] = p0;
+            s[n][2 * r + 1] = p1;
+            l[r] += sum_as_bf16(p0, p1);
         }
     return grew;
 }
