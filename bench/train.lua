@@ -9,9 +9,10 @@
 -- (../shared/peers/torch_gpt_bench.py, same model, shapes and thread count) and prints the ratio
 -- from this one run; --torch_alloc jemalloc runs it on jemalloc keeping freed memory (LD_PRELOAD,
 -- package libjemalloc2: the "tuned PyTorch" of ../shared/ENVIRONMENT.md, whose glibc malloc
--- otherwise gives large blocks back and faults them in again every step). --checkpoint 0,1,2 times each shape once per activation-checkpointing mode
--- (0 none, 1 every block recomputed in backward, 2 all but attention; with --tile R the MLP and
--- loss tiled), side by side from one run. It never asserts on time.
+-- otherwise gives large blocks back and faults them in again every step). --checkpoint 0,1,2
+-- times each shape once per activation-checkpointing mode (0 none, 1 every block recomputed in
+-- backward, 2 all but attention; with --tile R the MLP and loss tiled), side by side from one
+-- run. It never asserts on time.
 --
 -- Run:  OPENBLAS_CORETYPE=SkylakeX bin/ulysses bench/train.lua [--shapes 256x32,1024x8,4096x2]
 --         [--model gpt|llama] [--preset small] [--steps 10] [--warmup 3] [--threads 2] [--torch]
