@@ -705,8 +705,8 @@ __device__ static inline void produce_kv_tiles(uint4 *sKV, uint64_t *full, uint6
  * registers to the consumers. OV takes FlashAttention-3's tile, 128 keys (WS_KN_OV): S one
  * m64n128 wgmma per 16 of D (Q read once per 128 keys from shared memory, where two n64 read it
  * twice), the per-tile work (the stage's barriers, the rows' max and sum across the quad, the
- * walk) once per 128 keys; S, O and P take 64, D / 2 and 32 registers a thread (172 used at D 64,
- * 203 at D 128, no spills, nvcc 13.0; at D 128 that needs mbar_wait's trap out of line, see
+ * walk) once per 128 keys; S, O and P take 64, D / 2 and 32 registers a thread (202 used at D 64,
+ * 216 at D 128, no spills, nvcc 13.0; at D 128 that needs mbar_wait's trap out of line, see
  * tma.cuh). Its online softmax rounds differently from a 64-key tile's (a row's running max
  * moves at other keys), so it does not give the other forwards' bits: the specs compare it
  * within bf16's tolerance. */

@@ -44,7 +44,7 @@ __device__ static inline void mbar_expect_tx(uint64_t *bar, unsigned bytes) {
 /* a wait that timed out: the kernel traps. Out of line: with the trap inlined into every wait,
  * ptxas (nvcc 13.0) held the forward's consumer warpgroups to the launch's 168 registers a thread
  * although their setmaxnreg gives them 232 (at D 128 with 128-key tiles: spills, and the wgmmas
- * serialised, C7512); with a call there they get them (203) */
+ * serialised, C7512); with a call there they get them (over 200) */
 __device__ __noinline__ static void mbar_timed_out(void) { __trap(); }
 /* spins on try_wait (which itself waits a while in hardware); a phase that has not completed
  * after ~2^26 tries (seconds) traps: a kernel error that names the launch, not a hung GPU */
