@@ -62,6 +62,19 @@ else
 end
 print(('MFU against %.0f TFLOP/s (dense bf16 peak)'):format(opts.peak))
 
+-- the tuned attention kernels (tools/tune_attention.lua's cache; ULY_CUDA_TUNED=0 ignores it): the
+-- training step runs on them, as a user's would; the attention tables run the variants as labelled
+-- (the built-in defaults where a table's path names none)
+local tuned = backend == 'cuda' and uly.cuda.apply_tuned() or {}
+local tuned_text = {}
+for _, e in ipairs(tuned) do
+  tuned_text[#tuned_text + 1] = ('D %d %s (%.2f ms against the default\'s %.2f when tuned, %s)'):format(e.D,
+    require('ulysses.attention_tune').label(e), e.ms, e.default_ms, e.date)
+end
+print('tuned attention kernels: ' .. (#tuned_text > 0 and table.concat(tuned_text, '; ')
+      or 'none (the built-in defaults; bin/ulysses tools/tune_attention.lua measures them)'))
+if backend == 'cuda' then uly.cuda.apply_tuned(false) end
+
 -- median seconds of fn() over reps after one warm-up, the device synchronised around each run
 -- the median of reps timed runs of fn, after one untimed run unless cold
 local function time(fn, reps, cold)
@@ -274,6 +287,10 @@ if opts.step then
     return { rows }
   end), { dtype = 'i32' }):cuda()
   uly.matmul_precision('bf16')
+  if #tuned > 0 then
+    uly.cuda.apply_tuned()
+    print('(the step on the tuned attention kernels: ' .. table.concat(tuned_text, '; ') .. ')')
+  end
   uly.reset_peak_memory('cuda')
   uly.synchronize('cuda')
   uly.cuda.temporaries_peak(true)
@@ -334,6 +351,7 @@ if opts.step then
       if (env[i] or '') ~= '' then set[#set + 1] = name .. '=' .. env[i] end
     end
     uly.matmul_precision('bf16')
+    if #tuned > 0 then uly.cuda.apply_tuned(false) end   -- the variants as named, the built-in defaults elsewhere
     -- one step, no warm-up (the model and the step are warm; a variant's first launch adds only its
     -- kernels' loading and set-up, milliseconds): the check's time budget holds five such steps
     local variant_s = time(function()
@@ -343,7 +361,7 @@ if opts.step then
     end, 1, true)
     uly.matmul_precision('f32')
     for _, name in ipairs(names) do ffi.C.setenv(name, '', 1) end
-    return ('step with %s: %.2f s, MFU %.1f%% (%.2fx the default step)'):format(
+    return ('step with %s: %.2f s, MFU %.1f%% (%.2fx the step above)'):format(
       table.concat(set, ' '), variant_s, 100 * model:flops_per_token(T) * T / variant_s / peak, step_s / variant_s)
   end
   local variant_lines = { variant_step('rows128', 'rows128', '64'), variant_step('rows128', 'rows128', 'rows128') }

@@ -109,10 +109,14 @@ say "build: $(( $(date +%s) - start )) s"
 
 say "== devices and versions"
 export ULY_LIB=build-gpu/libulysses.so ULY_CUDA_LIB=build-gpu/libulysses_cuda.so
-test_device=cuda bench_args=""
+test_device=cuda bench_args="" tune_args=""
+# the tuned attention choice (tools/tune_attention.lua) lives beside the report; the specs run the
+# built-in defaults (ULY_CUDA_TUNED=0), the benchmarks the tuned choice
+export ULY_TUNE_CACHE="$(dirname "$report")/attention-tune.txt" ULY_CUDA_TUNED=0
+rm -f "$ULY_TUNE_CACHE"
 if [ "$emulate" = 1 ]; then
   export ULY_CUDA_LIB=build-gpu/libulysses_cuemu.so ULY_EMU_CC=9.0   # as an H200: the wgmma self-check runs
-  test_device=emu bench_args="--quick"
+  test_device=emu bench_args="--quick" tune_args="--seq 128 --reps 1"
   say "(rehearsal: the CUDA emulator stands in for the GPU)"
 fi
 LUA_PATH='lua/?.lua;lua/?/init.lua;;' luajit -e '
@@ -150,8 +154,13 @@ say "== device suite on the GPU (spec/device_spec.lua, ULY_TEST_DEVICE=$test_dev
 ULY_TEST_DEVICE=$test_device run_stage "device suite" 180 luajit /usr/bin/busted spec/device_spec.lua
 
 if [ -e bench/gpu.lua ] && [ -z "${ULY_GPU_CHECK_NO_BENCH:-}" ]; then   # ULY_GPU_CHECK_NO_BENCH=1: specs only
+  # the fused attention kernels' variants measured here, the fastest kept in the report's folder
+  # (each stage in child processes: a variant that faults costs only itself); the benchmarks'
+  # training step runs on that choice, their tables on the variants as labelled
+  say "== tuning the fused attention kernels (tools/tune_attention.lua)"
+  run_stage "attention tuning" 90 bin/ulysses tools/tune_attention.lua $tune_args
   say "== benchmarks (bench/gpu.lua)"
-  run_stage "benchmarks" 260 bin/ulysses bench/gpu.lua $bench_args   # 69 s on the H200 (2026-12-04), before the variant and profiled steps
+  ULY_CUDA_TUNED=1 run_stage "benchmarks" 260 bin/ulysses bench/gpu.lua $bench_args   # 69 s on the H200 (2026-12-04), before the variant and profiled steps
 fi
 
 if command -v mpirun >/dev/null; then

@@ -45,6 +45,14 @@ int64_t uly_cuda_gemm_heuristic_queries(void);
  * ("on (...)", "off: ..."): decided for each D at its first call (a self-check on compute
  * capability 9.0) */
 const char *uly_cuda_wgmma_status(int D);
+/* the tuned choice of fused attention kernels at head dim D (64 or 128): a variant name for each of
+ * ULY_CUDA_ATTN_FWD, _DQ, _DKV and _BWD ("" or NULL: the default), taken where that variable is
+ * unset or empty (lua/ulysses/attention_tune.lua measures and sets them); preferred(D, 0..3) reads
+ * them back; tune_key: the device name, compute capability and this library's file size and time,
+ * what a measured choice is valid for */
+int uly_cuda_attention_prefer(int D, const char *fwd, const char *dq, const char *dkv, const char *bwd);
+const char *uly_cuda_attention_preferred(int D, int which);
+int uly_cuda_tune_key(char *buf, int len);
 
 /* profiling (kernels/cuda/profile.cu): between start and stop every kernel launch and GEMM is
  * timed on the GPU by events; stop waits for the device and sums the times per name. Then count

@@ -47,12 +47,15 @@
  * runs (head dim, GQA grouping, split key bands, tile widths), their launches, and the wgmma
  * self-check. */
 #include <cuda.h>
+#include <dlfcn.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
 #ifndef ULY_CUDA_EMU
 #include <cudaTypedefs.h>   /* PFN_cuTensorMapEncodeTiled_v12000 */
 #endif
+#include "uly_cuda.h"               /* uly_cuda_record_error, the exported declarations */
 #include "attention_tiles.cuh"      /* shared tile layouts, loads, fragments, tile classification */
 #include "attention_forward.cuh"    /* fa_forward, fa_combine */
 #include "attention_backward.cuh"   /* fa_backward_dkv, fa_backward_dq */
@@ -83,7 +86,8 @@ static int allow_smem(Kernel kernel, size_t smem, bool *raised, const char *what
  * ULY_CUDA_ATTN_FWD: pipelined, rows128, tma, ws, wspp, wsov, wsppov; ULY_CUDA_ATTN_DQ: 64, rows128, ws;
  * ULY_CUDA_ATTN_DKV: 64, rows128, ws; ULY_CUDA_ATTN_BWD: onepass, twopass (the default); and
  * ULY_CUDA_ATTN: fused (the default in mixed precision), chunked; ULY_CUDA_ATTN_WGMMA: 0, 1 (see
- * use_wgmma). Unset or empty: the default kernels. An unknown value, or a variant this GPU or driver cannot run (the
+ * use_wgmma). Unset or empty: the tuned choice for the call's head dim where one was set
+ * (uly_cuda_attention_prefer, from tools/tune_attention.lua's cache), else the default kernels. An unknown value, or a variant this GPU or driver cannot run (the
  * two-warpgroup kernels need compute capability 9.0, the TMA ones also the driver's tensor-map
  * encoder), runs the default and says so on stderr, once per variable and value: a benchmark
  * labelled with a variant must not quietly time the default. (Shapes a variant does not cover,
@@ -97,21 +101,42 @@ static const char *const variant_names[V_COUNT][8] = {{"pipelined", "rows128", "
                                                       {"onepass", "twopass", NULL},
                                                       {"fused", "chunked", NULL},
                                                       {"0", "1", NULL}};
+/* The tuned choices (uly_cuda_attention_prefer; lua/ulysses/attention_tune.lua measures them on
+ * this GPU and keeps them in a cache file): per head dim (64, 128) a name for each of the forward,
+ * dQ, dK/dV and backward variables, taken where the variable is unset or empty. tuned_slot is the
+ * head dim of the fused call in progress (0: 64, 1: 128, -1: other), set at each entry point. */
+static char tuned[2][V_BWD + 1][16];
+static int tuned_slot = -1;
+static int from_tuned[V_COUNT];   /* whether variant(v) last answered with a tuned choice */
 static void variant_note(int v, const char *value, const char *why) {
     static char said[V_COUNT][32];   /* the value last reported, per variable */
     if (!strncmp(said[v], value, sizeof said[v] - 1)) return;
     snprintf(said[v], sizeof said[v], "%s", value);
-    fprintf(stderr, "ulysses: %s=%s: %s; running the default kernels\n", variant_vars[v], value, why);
+    if (from_tuned[v])
+        fprintf(stderr, "ulysses: the tuned attention choice %s=%s (ULY_CUDA_TUNED=0 ignores it): %s; running the default kernels\n",
+                variant_vars[v], value, why);
+    else fprintf(stderr, "ulysses: %s=%s: %s; running the default kernels\n", variant_vars[v], value, why);
 }
-/* the value of variable v: one of its names, or "" (unset, empty, or unknown: reported) */
+/* the known name of variable v equal to s, or NULL */
+static const char *known_name(int v, const char *s) {
+    for (const char *const *k = variant_names[v]; *k; k++)
+        if (!strcmp(s, *k)) return *k;
+    return NULL;
+}
+/* the value of variable v: one of its names, or "" (unset, empty, or unknown: reported); unset or
+ * empty, the tuned choice for the call's head dim where there is one */
 static const char *variant(int v) {
     const char *env = getenv(variant_vars[v]);
-    if (!env || !*env) return "";
-    char known[64] = "";
-    for (const char *const *k = variant_names[v]; *k; k++) {
-        if (!strcmp(env, *k)) return *k;
-        snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", known[0] ? ", " : "", *k);
+    from_tuned[v] = 0;
+    if (!env || !*env) {
+        if (v > V_BWD || tuned_slot < 0 || !tuned[tuned_slot][v][0]) return "";
+        from_tuned[v] = 1;
+        return known_name(v, tuned[tuned_slot][v]);
     }
+    if (const char *name = known_name(v, env)) return name;
+    char known[64] = "";
+    for (const char *const *k = variant_names[v]; *k; k++)
+        snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", known[0] ? ", " : "", *k);
     char why[96];
     snprintf(why, sizeof why, "unknown (known: %s)", known);
     variant_note(v, env, why);
@@ -728,6 +753,7 @@ static int backward_d(float *dq, float *dk, float *dv, const geom &g, const bf16
 
 int uly_cu_fused_attention_forward(float *out, float *lse, const geom &g, const bf16 *q, const bf16 *k,
                                    const bf16 *v) {
+    tuned_slot = g.D == 64 ? 0 : g.D == 128 ? 1 : -1;
     check_variants();
     switch (g.D) {
     case 32: return forward_d<32>(out, lse, g, q, k, v);
@@ -739,6 +765,7 @@ int uly_cu_fused_attention_forward(float *out, float *lse, const geom &g, const 
 
 int uly_cu_fused_attention_backward(float *dq, float *dk, float *dv, const geom &g, const bf16 *q, const bf16 *k,
                                     const bf16 *v, const bf16 *dout, const float *lse, const float *delta) {
+    tuned_slot = g.D == 64 ? 0 : g.D == 128 ? 1 : -1;
     check_variants();
     switch (g.D) {
     case 32: return backward_d<32>(dq, dk, dv, g, q, k, v, dout, lse, delta);
@@ -746,4 +773,56 @@ int uly_cu_fused_attention_backward(float *dq, float *dk, float *dv, const geom 
     case 128: return backward_d<128>(dq, dk, dv, g, q, k, v, dout, lse, delta);
     default: uly_cu_fail_msg("fused flash attention backward", "head dim not 32, 64 or 128"); return -1;
     }
+}
+
+/* ---- the tuned choices (lua/ulysses/attention_tune.lua) ---- */
+extern "C" int uly_cuda_attention_prefer(int D, const char *fwd, const char *dq, const char *dkv, const char *bwd) {
+    if (D != 64 && D != 128) {
+        uly_cuda_record_error("uly_cuda_attention_prefer: head dim not 64 or 128 (the ones with kernel variants)");
+        return -1;
+    }
+    const char *asked[V_BWD + 1] = {fwd, dq, dkv, bwd};
+    for (int v = 0; v <= V_BWD; v++)
+        if (asked[v] && *asked[v] && !known_name(v, asked[v])) {
+            char why[160];
+            snprintf(why, sizeof why, "uly_cuda_attention_prefer: %s: no variant '%.40s' (see attention_fused.cu's variant_names)",
+                     variant_vars[v], asked[v]);
+            uly_cuda_record_error(why);   /* this call's answer only: the backend's error state is untouched */
+            return -1;
+        }
+    for (int v = 0; v <= V_BWD; v++) snprintf(tuned[D == 128][v], sizeof tuned[0][0], "%s", asked[v] ? asked[v] : "");
+    return 0;
+}
+
+extern "C" const char *uly_cuda_attention_preferred(int D, int which) {
+    if ((D != 64 && D != 128) || which < 0 || which > V_BWD) return "";
+    return tuned[D == 128][which];
+}
+
+/* what a tuned choice is valid for: the current device's name and compute capability, and this
+ * library file's size and modification time (a rebuilt library is tuned again) */
+extern "C" int uly_cuda_tune_key(char *buf, int len) {
+    if (!buf || len <= 0) { uly_cuda_record_error("uly_cuda_tune_key: needs a buffer of positive length"); return -1; }
+    int dev = 0, major = 0, minor = 0;
+    cudaDeviceProp prop;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaGetDeviceProperties(&prop, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    if (e != cudaSuccess) {
+        char why[200];
+        snprintf(why, sizeof why, "uly_cuda_tune_key: %s", cudaGetErrorString(e));
+        cudaGetLastError();
+        uly_cuda_record_error(why);
+        return -1;
+    }
+    Dl_info info;
+    struct stat st;
+    if (!dladdr((void *)uly_cuda_tune_key, &info) || !info.dli_fname || stat(info.dli_fname, &st)) {
+        uly_cuda_record_error("uly_cuda_tune_key: cannot find this library's file (dladdr, stat)");
+        return -1;
+    }
+    snprintf(buf, (size_t)len, "%s, compute capability %d.%d, library %lld-%lld", prop.name, major, minor,
+             (long long)st.st_size, (long long)st.st_mtime);
+    return 0;
 }

@@ -184,7 +184,57 @@ function M.ensure()
     local msg = last_error()
     return false, msg
   end
+  M.apply_tuned()
   return true
+end
+
+-- the tuned attention kernels (lua/ulysses/attention_tune.lua, tools/tune_attention.lua): the
+-- cache's choices for this GPU and library set into the CUDA library (ULY_CUDA_TUNED=0: none);
+-- on = false clears them for this process. Returns the entries in effect. A cache that cannot be
+-- read or holds a name the library does not know is reported once on stderr and ignored.
+local tuned_warned
+function M.apply_tuned(on)
+  if on ~= nil and type(on) ~= 'boolean' then
+    error('uly.cuda.apply_tuned: expected true, false or nothing, got ' .. type(on) .. ' ' .. tostring(on), 2)
+  end
+  if M.backend() ~= 'cuda' then return {} end
+  local lib = M.lib()
+  local tune = require 'ulysses.attention_tune'
+  if on == false then
+    for _, D in ipairs(tune.DIMS) do lib.uly_cuda_attention_prefer(D, '', '', '', '') end
+    return {}
+  end
+  local ok, applied = pcall(tune.apply, lib)
+  if ok then return applied end
+  for _, D in ipairs(tune.DIMS) do lib.uly_cuda_attention_prefer(D, '', '', '', '') end
+  if not tuned_warned then
+    tuned_warned = true
+    io.stderr:write('ulysses: ignoring the tuned attention kernels: ', tostring(applied), '\n')
+  end
+  return {}
+end
+
+-- which fused attention kernels run at head dim D (64 or 128) in mixed precision: { fwd =, dq =,
+-- dkv =, bwd = } variant names ('' the default), and from = { fwd = 'ULY_CUDA_ATTN_FWD' | 'tuned'
+-- | 'default', ... }: a set variable first, then the tuned choice (tools/tune_attention.lua), then
+-- the default. nil when the CUDA backend is not running. (Whether a variant can run on this GPU,
+-- and wgmma_status, decide at the call: a variant that cannot runs the default, said on stderr.)
+function M.attention_choice(D)
+  if D ~= 64 and D ~= 128 then
+    error('uly.cuda.attention_choice: expected head dim 64 or 128 (the ones with kernel variants), got ' .. tostring(D), 2)
+  end
+  if M.backend() ~= 'cuda' then return nil end
+  local lib = M.lib()
+  local tune = require 'ulysses.attention_tune'
+  local choice = { from = {} }
+  for i, v in ipairs(tune.VARS) do
+    local env = os.getenv(tune.ENV[v])
+    local pref = ffi.string(lib.uly_cuda_attention_preferred(D, i - 1))
+    if env and env ~= '' then choice[v], choice.from[v] = env, tune.ENV[v]
+    elseif pref ~= '' then choice[v], choice.from[v] = pref, 'tuned'
+    else choice[v], choice.from[v] = '', 'default' end
+  end
+  return choice
 end
 
 -- device 'cuda' becomes the simulation (host memory behind tagged pointers that crash if the core
