@@ -371,6 +371,10 @@ local function main()
                     cfg.lr, cfg.schedule, threads, uly.blas_corename()))
   say(string.format('device: %s%s, matmul precision %s', device,
                     device == 'cuda' and (' (backend ' .. tostring(uly.cuda.backend()) .. ')') or '', cfg.precision))
+  local head_dim = mc.dim / mc.heads
+  if device == 'cuda' and cfg.precision == 'bf16' and (head_dim == 64 or head_dim == 128) and uly.cuda.backend() == 'cuda' then
+    say(string.format('attention kernels at D %d: %s', head_dim, uly.cuda.describe_attention_choice(head_dim)))
+  end
   if zero then
     local info = opt:shard_info()
     say(string.format('optimizer: AdamW state sharded over %d ranks (ZeRO-2): %s of state per rank instead of %s',

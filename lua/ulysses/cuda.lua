@@ -237,6 +237,19 @@ function M.attention_choice(D)
   return choice
 end
 
+-- attention_choice(D) in words, for a run's log: 'the built-in defaults (...)' or the variants and
+-- where each came from, e.g. 'fwd=wsov (tuned), bwd=onepass (ULY_CUDA_ATTN_BWD)'; nil as attention_choice
+function M.describe_attention_choice(D)
+  local c = M.attention_choice(D)
+  if not c then return nil end
+  local parts = {}
+  for _, v in ipairs(require('ulysses.attention_tune').VARS) do
+    if c[v] ~= '' then parts[#parts + 1] = ('%s=%s (%s)'):format(v, c[v], c.from[v]) end
+  end
+  if #parts == 0 then return 'the built-in defaults (bin/ulysses tools/tune_attention.lua picks the fastest on this GPU)' end
+  return table.concat(parts, ', ')
+end
+
 -- device 'cuda' becomes the simulation (host memory behind tagged pointers that crash if the core
 -- touches them directly; the CPU kernels do the arithmetic): specs of the device paths without a GPU
 function M.simulate()
