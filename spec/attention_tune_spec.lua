@@ -90,7 +90,27 @@ describe('attention tuning: the cache file', function()
     assert.are.equal(2, #back)
     assert.are.equal(2, bad)
     assert.are.same({}, (tune.read(dir .. '/none.txt')))
+    -- a cache that cannot be written says which and why, and leaves nothing behind
+    local blocker = dir .. '/file'
+    assert(io.open(blocker, 'w')):close()
+    local ok, err = pcall(tune.write, blocker .. '/attention-tune.txt', entries)
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find('attention_tune: cannot write the cache ' .. blocker .. '/attention%-tune%.txt: '), err)
     helpers.rmtree(dir)
+  end)
+
+  it('the command refuses bad flags and says why nothing could be measured', function()
+    local tool = helpers.shq(base.root .. '/bin/ulysses') .. ' ' .. helpers.shq(base.root .. '/tools/tune_attention.lua')
+    local out, rc = helpers.run(tool .. ' --dims 32')
+    assert.are.equal(2, rc, out)
+    assert.truthy(out:find("%-%-dims: '32' is not 64 or 128"), out)
+    out, rc = helpers.run(tool .. ' --seq 0')
+    assert.are.equal(2, rc, out)
+    assert.truthy(out:find('%-%-seq needs a positive integer, got 0'), out)
+    out, rc = helpers.run('ULY_CUDA_LIB=/nonexistent/libulysses_cuda.so ' .. tool .. ' --dims 64 --no-write')
+    assert.are.equal(2, rc, out)
+    assert.truthy(out:find('the fwd stage at D 64: its child process ended before measuring anything:\nno CUDA library at ' ..
+                           '/nonexistent/libulysses_cuda.so'), out)
   end)
 end)
 

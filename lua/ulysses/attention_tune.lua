@@ -176,7 +176,7 @@ local function shq(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
 -- the entries written to path atomically (a temporary file beside it, renamed over it)
 function M.write(path, entries)
   local dir = path:match('^(.*)/[^/]*$')
-  if dir and dir ~= '' then os.execute('mkdir -p ' .. shq(dir)) end
+  if dir and dir ~= '' then os.execute('mkdir -p ' .. shq(dir) .. ' 2>/dev/null') end   -- io.open says why it failed
   local tmp = ('%s.tmp.%d'):format(path, math.random(1, 2 ^ 30))
   local f, why = io.open(tmp, 'w')
   if not f then raise('cannot write the cache ' .. path .. ': ' .. tostring(why)) end
