@@ -332,7 +332,7 @@ local function child_command(D, stage, labels, o)
   if has_timeout == nil then has_timeout = os.execute('command -v timeout >/dev/null 2>&1') == 0 end
   local r = root()
   return ('ULY_CUDA_TUNED=0 %s%s %s --child %d %s %d %d %s 2>&1'):format(
-    has_timeout and ('timeout ' .. (o.child_timeout or 300) .. ' ') or '', shq(r .. '/bin/ulysses'),
+    has_timeout and ('timeout ' .. (o.child_timeout or 120) .. ' ') or '', shq(r .. '/bin/ulysses'),
     shq(r .. '/tools/tune_attention.lua'), D, stage, o.seq, o.reps, table.concat(labels, ','))
 end
 
@@ -388,7 +388,8 @@ end
 
 -- measures every head dim in o.dims (M.DIMS) and writes the choices to the cache (o.cache, else
 -- M.cache_path(); o.write == false: not written); o.seq (8192), o.reps (5), o.log(result or
--- text). Returns the new entries.
+-- text), o.child_timeout (120 s: a child still running then is killed, and the candidate it was
+-- on counts as crashed, so a kernel that hangs costs that much). Returns the new entries.
 function M.tune(o)
   o = o or {}
   o.seq, o.reps = o.seq or 8192, o.reps or 5
