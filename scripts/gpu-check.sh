@@ -157,8 +157,10 @@ if [ -e bench/gpu.lua ] && [ -z "${ULY_GPU_CHECK_NO_BENCH:-}" ]; then   # ULY_GP
   # the fused attention kernels' variants measured here, the fastest kept in the report's folder
   # (each stage in child processes: a variant that faults costs only itself); the benchmarks'
   # training step runs on that choice, their tables on the variants as labelled
+  # (--nondeterministic: the one-pass backward, dQ by atomics, may be chosen, as FlashAttention's
+  # and cuDNN's backward add dQ: the benchmarks measure the fastest there is)
   say "== tuning the fused attention kernels (tools/tune_attention.lua)"
-  run_stage "attention tuning" 90 bin/ulysses tools/tune_attention.lua $tune_args
+  run_stage "attention tuning" 90 bin/ulysses tools/tune_attention.lua --nondeterministic $tune_args
   say "== benchmarks (bench/gpu.lua)"
   ULY_CUDA_TUNED=1 run_stage "benchmarks" 260 bin/ulysses bench/gpu.lua $bench_args   # 69 s on the H200 (2026-12-04), before the variant and profiled steps
 fi

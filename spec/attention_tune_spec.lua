@@ -13,7 +13,11 @@ end
 describe('attention tuning: the choice', function()
   it('lists every variant once per head dim, the default first, and labels round-trip', function()
     for _, D in ipairs { 64, 128 } do
-      local f, b = tune.candidates(D)
+      -- the one-pass backward (dQ by atomics) only when asked for
+      local _, deterministic = tune.candidates(D)
+      assert.are.equal(D == 64 and 7 or 5, #deterministic)
+      for _, s in ipairs(deterministic) do assert.is_nil(s.bwd) end
+      local f, b = tune.candidates(D, true)
       assert.are.same({}, f[1])
       assert.are.same({}, b[1])
       assert.are.equal(8, #f)
@@ -130,7 +134,7 @@ describe('attention tuning on the CUDA emulator', function()
     local cache = dir .. '/tune.txt'
     local out, rc = helpers.run(env(cache, "ULY_TUNE_TEST_CRASH='fwd=ws' ULY_TUNE_TEST_WRONG='bwd=onepass'") ..
       helpers.shq(base.root .. '/bin/ulysses') .. ' ' .. helpers.shq(base.root .. '/tools/tune_attention.lua') ..
-      ' --dims 64 --seq 128 --reps 1')
+      ' --dims 64 --seq 128 --reps 1 --nondeterministic')
     assert.are.equal(0, rc, out)
     assert.truthy(out:find('\n  fwd=ws +%- ms +%-  crashed'), out)
     assert.truthy(out:find('\n  fwd=wspp +[%d.]+ ms +0%.0e%+00  ran +attention forward D 64 wgmma %(TMA, warp%-specialised, ping%-pong%)'), out)
@@ -185,14 +189,14 @@ print(('cleared=%s/%s %s/%s'):format(c.fwd, c.from.fwd, c.bwd, c.from.bwd))
     assert.truthy(out:find('kernel=attention backward dK dV dQ %(one pass%) D 64 wgmma\n'), out)
     assert.truthy(out:find('choice=wsov/tuned onepass/tuned'), out)
     assert.truthy(out:find('cleared=/default /default'), out)   -- uly.cuda.apply_tuned(false)
-    assert.truthy(out:find('described=fwd=wsov %(tuned%), bwd=onepass %(tuned%)\n'), out)
+    assert.truthy(out:find('described=fwd=wsov %(tuned%), bwd=onepass %(tuned%); dQ summed by atomics: its last bits vary run to run\n'), out)
     assert.truthy(out:find('described=the built%-in defaults'), out)
     -- a set variable wins over the cache, variable by variable
     out, rc = helpers.run(env(cache, 'ULY_CUDA_ATTN_FWD=tma') .. cmd)
     assert.are.equal(0, rc, out)
     assert.truthy(out:find('kernel=attention forward D 64 wgmma %(TMA%)\n'), out)
     assert.truthy(out:find('choice=tma/ULY_CUDA_ATTN_FWD onepass/tuned'), out)
-    assert.truthy(out:find('described=fwd=tma %(ULY_CUDA_ATTN_FWD%), bwd=onepass %(tuned%)\n'), out)
+    assert.truthy(out:find('described=fwd=tma %(ULY_CUDA_ATTN_FWD%), bwd=onepass %(tuned%);'), out)
     -- ULY_CUDA_TUNED=0: the defaults
     out, rc = helpers.run(env(cache, 'ULY_CUDA_TUNED=0') .. cmd)
     assert.are.equal(0, rc, out)

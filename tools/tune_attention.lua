@@ -3,7 +3,9 @@
 -- says how: each stage in a child process, so a kernel that faults costs only itself).
 --
 --   bin/ulysses tools/tune_attention.lua [--dims 64,128] [--seq 8192] [--reps 5] [--cache FILE]
---                                        [--no-write] [--show]
+--                                        [--nondeterministic] [--no-write] [--show]
+--   --nondeterministic: the one-pass backward may be chosen too (fewer products, but dQ summed by
+--   atomics: its last bits vary from run to run; without the flag every choice is deterministic).
 --   --show: the cache's entries (nothing measured). Run it once per GPU type and build; a rebuilt
 --   library (another size or time) is measured again. ULY_CUDA_TUNED=0 makes a run ignore the cache.
 -- (--child D STAGE SEQ REPS LABELS: one stage's measurements, what the command runs in its children.)
@@ -44,9 +46,11 @@ while i <= #args do
     o.cache = v
     i = i + 2
   elseif a == '--no-write' then o.write = false; i = i + 1
+  elseif a == '--nondeterministic' then o.nondeterministic = true; i = i + 1
   elseif a == '--show' then show = true; i = i + 1
   elseif a == '-h' or a == '--help' then
-    print('usage: bin/ulysses tools/tune_attention.lua [--dims 64,128] [--seq N] [--reps R] [--cache FILE] [--no-write] [--show]')
+    print('usage: bin/ulysses tools/tune_attention.lua [--dims 64,128] [--seq N] [--reps R] [--cache FILE] [--nondeterministic] '
+          .. '[--no-write] [--show]')
     os.exit(0)
   else fail('unknown argument ' .. tostring(a) .. ' (try --help)') end
 end
@@ -61,8 +65,9 @@ if show then
   os.exit(0)
 end
 
-print(('tuning the fused attention kernels: head dims %s, causal, N %d, median of %d; cache %s'):format(
-  table.concat(o.dims or tune.DIMS, ', '), o.seq, o.reps, o.write == false and '(not written)' or path))
+print(('tuning the fused attention kernels: head dims %s, causal, N %d, median of %d, %s; cache %s'):format(
+  table.concat(o.dims or tune.DIMS, ', '), o.seq, o.reps, o.nondeterministic and 'the one-pass backward too (nondeterministic dQ)'
+  or 'deterministic kernels only', o.write == false and '(not written)' or path))
 o.log = function(r)
   if type(r) == 'string' then print(r); return end
   local ms = r.secs and ('%10.3f'):format(r.secs * 1e3) or ('%10s'):format('-')

@@ -11,7 +11,8 @@
 --
 -- Per head dim (64, 128), at B 1, N --seq (8192), causal, with GQA at D 64 as the Llama presets:
 --   1. forward: each forward variant, the forward alone;
---   2. backward: each dQ and dK/dV variant alone and the one-pass backward, forward + backward;
+--   2. backward: each dQ and dK/dV variant alone (and with --nondeterministic the one-pass
+--      backward, whose dQ sums by atomics), forward + backward;
 --   3. confirm: the fastest forward with the fastest backward, each alone and the default, forward
 --      + backward; the fastest of these is kept (the default unless one is MARGIN faster).
 -- A candidate counts only if it ran kernels of its own (uly.cuda.profile's names differ from the
@@ -36,8 +37,9 @@ M.DIMS = { 64, 128 }
 local function raise(msg) error('attention_tune: ' .. msg, 0) end
 
 -- the candidates at head dim D: the forward stage's sets and the backward stage's (the default, {},
--- first in each)
-function M.candidates(D)
+-- first in each). The one-pass backward adds dQ with atomics, in no fixed order, so its last bits
+-- vary run to run: a candidate only with nondeterministic = true (--nondeterministic).
+function M.candidates(D, nondeterministic)
   if D ~= 64 and D ~= 128 then raise('head dim ' .. tostring(D) .. ': only 64 and 128 have kernel variants') end
   local fwd = { {} }
   for _, name in ipairs { 'pipelined', 'rows128', 'tma', 'ws', 'wspp', 'wsov', 'wsppov' } do fwd[#fwd + 1] = { fwd = name } end
@@ -45,10 +47,11 @@ function M.candidates(D)
   if D == 64 then
     bwd[#bwd + 1] = { dq = '64' }
     bwd[#bwd + 1] = { dkv = '64' }
-    bwd[#bwd + 1] = { bwd = 'onepass' }
   end
-  for _, s in ipairs { { dq = 'rows128' }, { dq = 'ws' }, { dkv = 'rows128' }, { dkv = 'ws' }, { bwd = 'onepass', dkv = 'ws' } } do
-    bwd[#bwd + 1] = s
+  for _, s in ipairs { { dq = 'rows128' }, { dq = 'ws' }, { dkv = 'rows128' }, { dkv = 'ws' } } do bwd[#bwd + 1] = s end
+  if nondeterministic then
+    if D == 64 then bwd[#bwd + 1] = { bwd = 'onepass' } end
+    bwd[#bwd + 1] = { bwd = 'onepass', dkv = 'ws' }
   end
   return fwd, bwd
 end
@@ -387,7 +390,8 @@ function M.stage(D, stage, labels, o)
 end
 
 -- measures every head dim in o.dims (M.DIMS) and writes the choices to the cache (o.cache, else
--- M.cache_path(); o.write == false: not written); o.seq (8192), o.reps (5), o.log(result or
+-- M.cache_path(); o.write == false: not written); o.nondeterministic (the one-pass backward a
+-- candidate too: see candidates); o.seq (8192), o.reps (5), o.log(result or
 -- text), o.child_timeout (120 s: a child still running then is killed, and the candidate it was
 -- on counts as crashed, so a kernel that hangs costs that much). Returns the new entries.
 function M.tune(o)
@@ -397,7 +401,7 @@ function M.tune(o)
   local log = o.log or function() end
   local entries, key = {}, nil
   for _, D in ipairs(o.dims or M.DIMS) do
-    local fsets, bsets = M.candidates(D)
+    local fsets, bsets = M.candidates(D, o.nondeterministic)
     local labels = function(sets)
       local out = {}
       for _, s in ipairs(sets) do out[#out + 1] = M.label(s) end

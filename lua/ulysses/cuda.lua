@@ -247,7 +247,7 @@ function M.describe_attention_choice(D)
     if c[v] ~= '' then parts[#parts + 1] = ('%s=%s (%s)'):format(v, c[v], c.from[v]) end
   end
   if #parts == 0 then return 'the built-in defaults (bin/ulysses tools/tune_attention.lua picks the fastest on this GPU)' end
-  return table.concat(parts, ', ')
+  return table.concat(parts, ', ') .. (c.bwd == 'onepass' and '; dQ summed by atomics: its last bits vary run to run' or '')
 end
 
 -- device 'cuda' becomes the simulation (host memory behind tagged pointers that crash if the core
