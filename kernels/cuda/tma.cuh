@@ -26,9 +26,9 @@ __device__ static inline void tma_load_1d(void *dst, const CUtensorMap *map, int
     uly_emu::tma_load(dst, map, 1, c0, 0, 0, 0, bar);
 }
 template <int N>
-__device__ static inline void regs_shrink_to(void) {}
+__device__ static inline void regs_shrink_to(void) { uly_emu::setmaxnreg(N, 0); }
 template <int N>
-__device__ static inline void regs_grow_to(void) {}
+__device__ static inline void regs_grow_to(void) { uly_emu::setmaxnreg(N, 1); }
 __device__ static inline void named_bar_sync(unsigned id, unsigned count) { uly_emu::named_sync(id, count); }
 __device__ static inline void named_bar_arrive(unsigned id, unsigned count) { uly_emu::named_arrive(id, count); }
 #elif ULY_HAS_WGMMA

@@ -15,6 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <ucontext.h>
+#include <algorithm>
 #include <map>
 #include <vector>
 
@@ -96,6 +97,11 @@ struct block_state {
     std::map<uintptr_t, mbar_state> mbars;   /* the block's mbarriers, by shared-memory address */
     unsigned named_arrived[16], named_count[16];   /* named barriers: arrivals so far, and the count they wait for */
     std::vector<tma_op> tma;                 /* its TMA loads in flight */
+    /* setmaxnreg: registers a thread each warpgroup holds, its threads arrived at the pending
+     * change (and the count asked), completed changes, and the registers the pool holds */
+    std::vector<unsigned> wg_regs, wg_arrived, wg_asked, wg_gen;
+    std::vector<int> wg_increase;
+    int64_t reg_pool;
 } B;
 
 /* from the running fiber back to the scheduler */
@@ -207,6 +213,13 @@ void run_grid(unsigned blocks, unsigned threads, size_t dynamic_smem, const std:
         B.mbars.clear();
         B.tma.clear();
         for (int i = 0; i < 16; i++) B.named_arrived[i] = B.named_count[i] = 0;
+        const unsigned groups = (threads + 127) / 128, launch_regs = std::min(255u, 65536 / threads / 8 * 8);
+        B.wg_regs.assign(groups, launch_regs);
+        B.wg_arrived.assign(groups, 0);
+        B.wg_asked.assign(groups, 0);
+        B.wg_gen.assign(groups, 0);
+        B.wg_increase.assign(groups, 0);
+        B.reg_pool = 0;
         B.block_gen = B.block_waiting = 0;
         for (unsigned w = 0; w < warps; w++) {
             B.warp_waiting[w] = 0;
@@ -262,8 +275,9 @@ void run_grid(unsigned blocks, unsigned threads, size_t dynamic_smem, const std:
             }
             if (!release() && !ran && B.alive) {
                 fprintf(stderr, "cuda emulator: deadlock in block %u: %u live threads wait at barriers that not all "
-                                "of them reach (a __syncthreads or shuffle inside divergent code), or on an mbarrier "
-                                "phase that nothing completes\n", b, B.alive);
+                                "of them reach (a __syncthreads or shuffle inside divergent code), on an mbarrier "
+                                "phase that nothing completes, or at a setmaxnreg that not all of a warpgroup's "
+                                "threads reach or whose increase no decrease makes room for\n", b, B.alive);
                 abort();
             }
         }
@@ -310,6 +324,52 @@ void named_sync(unsigned id, unsigned count) {
     to_scheduler(f);
 }
 void named_arrive(unsigned id, unsigned count) { named_arrival(id, count); }
+
+namespace {
+/* warpgroup w's pending setmaxnreg, once all its threads asked: a decrease at once, an increase
+ * when the pool holds what it takes; 1 when it took effect */
+int apply_setmaxnreg(unsigned w) {
+    const unsigned n = B.wg_asked[w], members = std::min(128u, B.n - 128 * w);
+    if (B.wg_arrived[w] < members) return 0;
+    const int64_t change = ((int64_t)n - (int64_t)B.wg_regs[w]) * members;
+    if (change > B.reg_pool) return 0;   /* an increase the pool cannot give yet */
+    B.reg_pool -= change;
+    B.wg_regs[w] = n;
+    B.wg_arrived[w] = 0;
+    B.wg_gen[w]++;
+    return 1;
+}
+} // namespace
+void setmaxnreg(unsigned n, int increase) {
+    const unsigned w = B.cur / 128;
+    if (n < 24 || n > 256 || n % 8 || B.n % 128) {
+        fprintf(stderr, "cuda emulator: setmaxnreg %u in a block of %u threads (counts are multiples of 8 from 24 to "
+                        "256; warpgroups of 128 threads)\n", n, B.n);
+        abort();
+    }
+    if (B.wg_arrived[w] == 0) { B.wg_asked[w] = n; B.wg_increase[w] = increase; }
+    else if (B.wg_asked[w] != n || B.wg_increase[w] != increase) {
+        fprintf(stderr, "cuda emulator: the threads of warpgroup %u ask setmaxnreg.%s %u and .%s %u at once (all of a "
+                        "warpgroup's threads run the same one)\n", w, B.wg_increase[w] ? "inc" : "dec", B.wg_asked[w],
+                        increase ? "inc" : "dec", n);
+        abort();
+    }
+    if (increase ? n < B.wg_regs[w] : n > B.wg_regs[w]) {
+        fprintf(stderr, "cuda emulator: setmaxnreg.%s %u in a warpgroup holding %u registers a thread\n",
+                increase ? "inc" : "dec", n, B.wg_regs[w]);
+        abort();
+    }
+    const unsigned gen = B.wg_gen[w];
+    B.wg_arrived[w]++;
+    fiber &f = B.fibers[B.cur];
+    for (int tries = 0;; tries++) {
+        for (unsigned v = 0; v < B.wg_regs.size(); v++) apply_setmaxnreg(v);   /* a decrease may have made room */
+        if (B.wg_gen[w] != gen) return;
+        if (tries) f.stalled = 1;
+        f.wait = SPIN;
+        to_scheduler(f);
+    }
+}
 
 /* ---- TMA: the emulator's tensor maps, mbarriers, tiled loads ---- */
 namespace {

@@ -20,7 +20,8 @@
  *    with eager loads a wgmma wait yields once too, so a buffer given back to a TMA producer
  *    before the wgmma reading it was waited for is overwritten under it (and reported);
  *  - named barriers (bar.sync / bar.arrive, warpgroups taking turns) count their arrivals; a
- *    block that ends with one part-arrived is reported; setmaxnreg does nothing here;
+ *    block that ends with one part-arrived is reported; setmaxnreg moves registers between the
+ *    block's warpgroups and its pool, an increase waiting until the pool has them;
  *  - cuBLAS and cuBLASLt GEMMs are plain loops (f32 accumulation; bf16 inputs read exactly),
  *    queued on their stream (cublaslt_emu.cpp: descriptors and layouts as given, one algorithm);
  *  - one device, "ulysses CUDA emulator", with the memory limit ULY_EMU_MEMORY (default 4 GiB).
@@ -62,6 +63,12 @@ void sync_block();
  * block that ends with a barrier part-arrived is reported (an unbalanced protocol) */
 void named_sync(unsigned id, unsigned count);
 void named_arrive(unsigned id, unsigned count);
+/* setmaxnreg (.sync.aligned): every thread of the caller's warpgroup asks its registers a thread
+ * be n (a multiple of 8, 24 to 256); when all 128 have, the warpgroup's count becomes n, its
+ * registers going back to the block's pool (launched with 65536 / threads, rounded down to 8, a
+ * thread) or, for an increase, taken from it once it holds them: until then the warpgroup
+ * waits, as on a GPU, so an increase that no decrease makes room for is a deadlock here */
+void setmaxnreg(unsigned n, int increase);
 uint64_t shuffle_xor(uint64_t bits, int lane_mask);
 /* a warp-wide barrier that hands every lane all 32 lanes' `bytes` (at most 64) in lane order:
  * the emulation of the warp-collective tensor-core instructions (kernels/cuda/mma.cuh) */
