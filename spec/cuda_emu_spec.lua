@@ -1,0 +1,40 @@
+-- spec/cuda_emu_spec.lua — checks of the CUDA emulator itself (kernels/cuda/emu/), where a kernel
+-- that breaks a rule would only fail on a GPU: setmaxnreg's register pool (a warpgroup that grows
+-- waits until another shrinks; spec/support/emu_setmaxnreg.cpp, built here against the emulator).
+local helpers = require 'helpers'
+local base = require 'ulysses.ffi'
+
+local root = base.root
+local emu_dir = root .. '/build'   -- the Release build's emulator
+-- the compiler and the program run without the sanitizer pass's preloaded runtime (it would report
+-- the compiler's own leaks)
+local plain = 'env -u LD_PRELOAD -u ASAN_OPTIONS '
+
+describe('the CUDA emulator', function()
+  it('moves setmaxnreg registers through the block\'s pool and stops where a GPU would wait forever', function()
+    if not helpers.exists(emu_dir .. '/libulysses_cuemu.so') then pending('no ' .. emu_dir .. '/libulysses_cuemu.so') return end
+    local _, has_cxx = helpers.run('command -v c++')
+    if has_cxx ~= 0 then pending('no C++ compiler') return end
+    local dir = helpers.mkdtemp()
+    local exe = dir .. '/emu_setmaxnreg'
+    local out, rc = helpers.run((plain .. 'c++ -std=c++17 -I%s/kernels/cuda/emu -I%s/kernels/cuda/emu/include -I%s/core/include %s ' ..
+      '-L%s -lulysses_cuemu -Wl,-rpath,%s -o %s'):format(root, root, root,
+      helpers.shq(root .. '/spec/support/emu_setmaxnreg.cpp'), helpers.shq(emu_dir), helpers.shq(emu_dir), helpers.shq(exe)))
+    assert.are.equal(0, rc, out)
+    out, rc = helpers.run(plain .. helpers.shq(exe) .. ' balanced')
+    assert.are.equal(0, rc, out)
+    assert.truthy(out:find('^done\n'), out)
+    -- the producer never gives its registers back: both consumers wait; asking 240 each: the second waits
+    for mode, live in pairs { ['no-shrink'] = 256, ['too-much'] = 128 } do
+      out, rc = helpers.run(plain .. helpers.shq(exe) .. ' ' .. mode)
+      assert.are_not.equal(0, rc, mode .. ': ' .. out)
+      assert.truthy(out:find(('cuda emulator: deadlock in block 0: %d live threads wait .* or at a setmaxnreg that not ' ..
+                              'all of a warpgroup\'s threads reach or whose increase no decrease makes room for'):format(live)),
+                    mode .. ': ' .. out)
+    end
+    out, rc = helpers.run(plain .. helpers.shq(exe) .. ' mixed')
+    assert.are_not.equal(0, rc, out)
+    assert.truthy(out:find('cuda emulator: the threads of warpgroup 0 ask setmaxnreg.inc 232 and .inc 224 at once'), out)
+    helpers.rmtree(dir)
+  end)
+end)
