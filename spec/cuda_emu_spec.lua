@@ -1,6 +1,7 @@
--- spec/cuda_emu_spec.lua — checks of the CUDA emulator itself (kernels/cuda/emu/), where a kernel
--- that breaks a rule would only fail on a GPU: setmaxnreg's register pool (a warpgroup that grows
--- waits until another shrinks; spec/support/emu_setmaxnreg.cpp, built here against the emulator).
+-- spec/cuda_emu_spec.lua — checks of the CUDA emulator itself (kernels/cuda/emu/), on rules a
+-- kernel could break unseen until it runs on a GPU: setmaxnreg's register pool (a warpgroup that
+-- grows waits until another shrinks), dynamic shared memory over 48 KiB only once allowed
+-- (spec/support/emu_rules.cpp, built here against the emulator).
 local helpers = require 'helpers'
 local base = require 'ulysses.ffi'
 
@@ -11,15 +12,16 @@ local emu_dir = root .. '/build'   -- the Release build's emulator
 local plain = 'env -u LD_PRELOAD -u ASAN_OPTIONS '
 
 describe('the CUDA emulator', function()
-  it('moves setmaxnreg registers through the block\'s pool and stops where a GPU would wait forever', function()
+  it('moves setmaxnreg registers through the block\'s pool, stops where a GPU would wait forever, and refuses '
+     .. 'shared memory a kernel was not allowed', function()
     if not helpers.exists(emu_dir .. '/libulysses_cuemu.so') then pending('no ' .. emu_dir .. '/libulysses_cuemu.so') return end
     local _, has_cxx = helpers.run('command -v c++')
     if has_cxx ~= 0 then pending('no C++ compiler') return end
     local dir = helpers.mkdtemp()
-    local exe = dir .. '/emu_setmaxnreg'
+    local exe = dir .. '/emu_rules'
     local out, rc = helpers.run((plain .. 'c++ -std=c++17 -I%s/kernels/cuda/emu -I%s/kernels/cuda/emu/include -I%s/core/include %s ' ..
       '-L%s -lulysses_cuemu -Wl,-rpath,%s -o %s'):format(root, root, root,
-      helpers.shq(root .. '/spec/support/emu_setmaxnreg.cpp'), helpers.shq(emu_dir), helpers.shq(emu_dir), helpers.shq(exe)))
+      helpers.shq(root .. '/spec/support/emu_rules.cpp'), helpers.shq(emu_dir), helpers.shq(emu_dir), helpers.shq(exe)))
     assert.are.equal(0, rc, out)
     out, rc = helpers.run(plain .. helpers.shq(exe) .. ' balanced')
     assert.are.equal(0, rc, out)
@@ -35,6 +37,10 @@ describe('the CUDA emulator', function()
     out, rc = helpers.run(plain .. helpers.shq(exe) .. ' mixed')
     assert.are_not.equal(0, rc, out)
     assert.truthy(out:find('cuda emulator: the threads of warpgroup 0 ask setmaxnreg.inc 232 and .inc 224 at once'), out)
+    -- 64 KiB of dynamic shared memory: refused (cudaErrorInvalidValue, nothing run) until allowed
+    out, rc = helpers.run(plain .. helpers.shq(exe) .. ' smem')
+    assert.are.equal(0, rc, out)
+    assert.are.equal('refused 1 ran 1\nexit=0\n', out)
     helpers.rmtree(dir)
   end)
 end)

@@ -667,6 +667,16 @@ static size_t emu_total(void) {
 
 static cudaError_t fail(cudaError_t e) { last = e; return e; }
 
+static std::map<const void *, int> smem_allowed;   /* by kernel: cudaFuncSetAttribute's dynamic shared memory */
+void uly_emu::allow_dynamic_smem(const void *kernel, int bytes) { smem_allowed[kernel] = bytes; }
+int uly_emu::launch_refused(const void *kernel, size_t smem) {
+    if (smem <= 48 * 1024) return 0;
+    auto it = smem_allowed.find(kernel);
+    if (it != smem_allowed.end() && smem <= (size_t)it->second) return 0;
+    last = cudaErrorInvalidValue;   /* as a GPU answers a launch over its kernel's allowance */
+    return 1;
+}
+
 cudaError_t cudaGetDeviceCount(int *n) { *n = 1; return cudaSuccess; }
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int dev) {
     if (dev != 0) return fail(cudaErrorInvalidValue);

@@ -6,7 +6,8 @@
  *    barriers: a kernel whose threads diverge at a barrier is reported as a deadlock;
  *  - __shared__ is static storage (blocks never overlap, so it is per block); dynamic shared
  *    memory (ULY_LAUNCH_SMEM / ULY_DYNAMIC_SHARED) is one buffer filled with 0xff (NaNs) before
- *    each block, so reading what no thread wrote shows;
+ *    each block, so reading what no thread wrote shows; more than 48 KiB of it only as far as
+ *    cudaFuncSetAttribute allowed the kernel (else the launch fails, as on a GPU);
  *  - device memory is host memory; copies are memcpy; work on a stream runs at once, or with
  *    ULY_EMU_STREAMS=lazy as late as the waits allow (a missing cudaStreamWaitEvent shows);
  *  - cp.async copies happen at the wait that covers them, not before (a read that skips the wait
@@ -118,6 +119,12 @@ bool progress_to(uly_emu_stream *s, uint64_t point);  /* run what is ready, no w
 void drain_all();
 bool lazy();                         /* ULY_EMU_STREAMS=lazy */
 
+/* the dynamic shared memory a kernel may take beyond the default 48 KiB, as a GPU keeps it per
+ * kernel (cudaFuncSetAttribute's MaxDynamicSharedMemorySize); a launch asking more than its kernel
+ * was allowed fails as on a GPU: cudaGetLastError says cudaErrorInvalidValue, nothing runs */
+void allow_dynamic_smem(const void *kernel, int bytes);
+int launch_refused(const void *kernel, size_t smem);
+
 template <typename... P>
 struct launcher {
     void (*kernel)(P...);
@@ -126,6 +133,7 @@ struct launcher {
     uly_emu_stream *stream;
     template <typename... A>
     void operator()(A &&...args) const {
+        if (launch_refused(reinterpret_cast<const void *>(kernel), smem)) return;
         /* the arguments are taken by value now, converted as a real launch converts them */
         std::tuple<typename std::decay<P>::type...> saved(std::forward<A>(args)...);
         auto k = kernel;
@@ -237,10 +245,14 @@ cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, vo
 cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void *value);
 cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t keep);
 typedef enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 } cudaFuncAttribute;
-/* as on an sm_90 GPU: a block may have at most 227 KiB of dynamic shared memory */
+/* as on an sm_90 GPU: a block may have at most 227 KiB of dynamic shared memory, and a kernel more
+ * than 48 KiB only once allowed */
 template <typename F>
-static inline cudaError_t cudaFuncSetAttribute(F *, cudaFuncAttribute attr, int value) {
-    return attr == cudaFuncAttributeMaxDynamicSharedMemorySize && value > 227 * 1024 ? cudaErrorInvalidValue : cudaSuccess;
+static inline cudaError_t cudaFuncSetAttribute(F *f, cudaFuncAttribute attr, int value) {
+    if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
+    if (value < 0 || value > 227 * 1024) return cudaErrorInvalidValue;
+    uly_emu::allow_dynamic_smem(reinterpret_cast<const void *>(f), value);
+    return cudaSuccess;
 }
 cudaError_t cudaEventCreate(cudaEvent_t *e);
 #define cudaEventDisableTiming 2
