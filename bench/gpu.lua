@@ -10,7 +10,8 @@
 --   3. a training step of a Llama-style model (preset 1b: 1.24 B parameters) at 32k tokens:
 --      flash attention, activation checkpointing (by default all but attention, whose outputs are
 --      kept: backward runs no attention forward; --step-checkpoint full recomputes it too), tiled
---      loss, bf16 matmuls, AdamW; one more step under uly.cuda.profile prints the GPU time by kernel,
+--      loss, bf16 matmuls, AdamW, on the tuned attention kernels where tools/tune_attention.lua's
+--      cache has a choice for this GPU; one more step under uly.cuda.profile prints the GPU time by kernel,
 --      and one more with the untimed attention variants (128-row forward and dQ, 64-query dK/dV).
 -- Never asserts on time. Each timing is the median of --reps runs after a warm-up, bracketed by
 -- uly.synchronize('cuda'). FLOPs: GEMM 2 M N K; causal attention forward 2 N^2 D H (half of the

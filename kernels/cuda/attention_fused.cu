@@ -49,9 +49,9 @@
 #include <cuda.h>
 #include <dlfcn.h>
 #include <stdio.h>
-#include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #ifndef ULY_CUDA_EMU
 #include <cudaTypedefs.h>   /* PFN_cuTensorMapEncodeTiled_v12000 */
 #endif
@@ -87,9 +87,10 @@ static int allow_smem(Kernel kernel, size_t smem, bool *raised, const char *what
  * ULY_CUDA_ATTN_DKV: 64, rows128, ws; ULY_CUDA_ATTN_BWD: onepass, twopass (the default); and
  * ULY_CUDA_ATTN: fused (the default in mixed precision), chunked; ULY_CUDA_ATTN_WGMMA: 0, 1 (see
  * use_wgmma). Unset or empty: the tuned choice for the call's head dim where one was set
- * (uly_cuda_attention_prefer, from tools/tune_attention.lua's cache), else the default kernels. An unknown value, or a variant this GPU or driver cannot run (the
- * two-warpgroup kernels need compute capability 9.0, the TMA ones also the driver's tensor-map
- * encoder), runs the default and says so on stderr, once per variable and value: a benchmark
+ * (uly_cuda_attention_prefer, from tools/tune_attention.lua's cache), else the default kernels.
+ * An unknown value, or a variant this GPU or driver cannot run (the two-warpgroup kernels need
+ * compute capability 9.0, the TMA ones also the driver's tensor-map encoder), runs the default
+ * and says so on stderr, once per variable and value: a benchmark
  * labelled with a variant must not quietly time the default. (Shapes a variant does not cover,
  * e.g. a forward with key splits, run the default without a word: that is by design.) */
 enum { V_FWD, V_DQ, V_DKV, V_BWD, V_PATH, V_WGMMA, V_COUNT };
