@@ -206,7 +206,7 @@ function M.apply_tuned(on)
   end
   local ok, applied = pcall(tune.apply, lib)
   if ok then return applied end
-  for _, D in ipairs(tune.DIMS) do lib.uly_cuda_attention_prefer(D, '', '', '', '') end
+  pcall(function() for _, D in ipairs(tune.DIMS) do lib.uly_cuda_attention_prefer(D, '', '', '', '') end end)
   if not tuned_warned then
     tuned_warned = true
     io.stderr:write('ulysses: ignoring the tuned attention kernels: ', tostring(applied), '\n')
