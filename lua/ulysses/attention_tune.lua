@@ -142,6 +142,13 @@ end
 
 ---------------------------------------------------------------- the cache file
 
+-- a line's tab-separated fields (the cache's, the children's reports)
+local function fields(line)
+  local out = {}
+  for field in (line .. '\t'):gmatch('([^\t]*)\t') do out[#out + 1] = field end
+  return out
+end
+
 function M.cache_path()
   local p = os.getenv('ULY_TUNE_CACHE')
   if p and p ~= '' then return p end
@@ -158,8 +165,7 @@ function M.read(path)
   local entries, bad = {}, 0
   for line in f:lines() do
     if line ~= '' and line:sub(1, 1) ~= '#' then
-      local c = {}
-      for field in (line .. '\t'):gmatch('([^\t]*)\t') do c[#c + 1] = field end
+      local c = fields(line)
       local D = tonumber(c[2])
       if #c >= 8 and (D == 64 or D == 128) then
         local e = { key = c[1], D = D, ms = tonumber(c[7]), default_ms = tonumber(c[8]), date = c[9] or '' }
@@ -349,8 +355,7 @@ function M.stage(D, stage, labels, o)
     local p = io.popen(child_command(D, stage, left, o), 'r')
     local trying, finished, tail = nil, false, {}
     for line in p:lines() do
-      local f = {}
-      for field in (line .. '\t'):gmatch('([^\t]*)\t') do f[#f + 1] = field end
+      local f = fields(line)
       if f[1] == 'tune' and f[2] == 'key' then key = f[3]
       elseif f[1] == 'tune' and f[2] == 'try' then trying = f[3]
       elseif f[1] == 'tune' and f[2] == 'result' then
