@@ -78,9 +78,9 @@ describe('attention tuning: the cache file', function()
     local dir = helpers.mkdtemp()
     local path = dir .. '/sub/attention-tune.txt'
     local entries = { { key = 'GPU X, compute capability 9.0, library 1-2', D = 64, fwd = 'wsov', dq = '', dkv = 'ws', bwd = 'onepass',
-                        ms = 1.5, default_ms = 2.25, date = '2026-12-06' },
+                        ms = 1.5, default_ms = 2.25, date = '2026-12-06', shape = 'N 8192, 32 heads, 8 K/V heads' },
                       { key = 'GPU X, compute capability 9.0, library 1-2', D = 128, fwd = '', dq = '', dkv = '', bwd = '',
-                        ms = 3, default_ms = 3, date = '2026-12-06' } }
+                        ms = 3, default_ms = 3, date = '2026-12-06', shape = '' } }
     tune.write(path, entries)
     local back, bad = tune.read(path)
     assert.are.equal(0, bad)
@@ -111,6 +111,12 @@ describe('attention tuning: the cache file', function()
     out, rc = helpers.run(tool .. ' --seq 0')
     assert.are.equal(2, rc, out)
     assert.truthy(out:find('%-%-seq needs a positive integer, got 0'), out)
+    out, rc = helpers.run(tool .. ' --heads 6 --kv-heads 4')
+    assert.are.equal(2, rc, out)
+    assert.truthy(out:find('%-%-heads 6 is not a multiple of %-%-kv%-heads 4'), out)
+    out, rc = helpers.run(tool .. ' --kv-heads 4')
+    assert.are.equal(2, rc, out)
+    assert.truthy(out:find('%-%-kv%-heads needs %-%-heads'), out)
     out, rc = helpers.run('ULY_CUDA_LIB=/nonexistent/libulysses_cuda.so ' .. tool .. ' --dims 64 --no-write')
     assert.are.equal(2, rc, out)
     -- (the reason as uly.cuda gives it: 'no CUDA library at ...', or where libulysses was built
@@ -136,7 +142,7 @@ describe('attention tuning on the CUDA emulator', function()
     local cache = dir .. '/tune.txt'
     local out, rc = helpers.run(env(cache, "ULY_TUNE_TEST_CRASH='fwd=ws' ULY_TUNE_TEST_WRONG='bwd=onepass'") ..
       helpers.shq(base.root .. '/bin/ulysses') .. ' ' .. helpers.shq(base.root .. '/tools/tune_attention.lua') ..
-      ' --dims 64 --seq 128 --reps 1 --nondeterministic')
+      ' --dims 64 --seq 128 --reps 1 --nondeterministic --heads 4 --kv-heads 2')
     assert.are.equal(0, rc, out)
     assert.truthy(out:find('\n  fwd=ws +%- ms +%-  crashed'), out)
     assert.truthy(out:find('\n  fwd=wspp +[%d.]+ ms +0%.0e%+00  ran +attention forward D 64 wgmma %(TMA, warp%-specialised, ping%-pong%)'), out)
@@ -145,6 +151,7 @@ describe('attention tuning on the CUDA emulator', function()
     assert.are.equal(1, #entries)
     local e = entries[1]
     assert.are.equal(64, e.D)
+    assert.are.equal('N 128, 4 heads, 2 K/V heads', e.shape)   -- --heads / --kv-heads reached the children
     assert.truthy(e.key:find('^ulysses CUDA emulator, compute capability 9%.0, library %d+%-%d+$'), e.key)
     assert.are_not.equal('ws', e.fwd)
     assert.is_false(e.bwd == 'onepass' and e.dkv == '', tune.label(e))

@@ -2,13 +2,14 @@
 -- the fastest per head dim in the cache the CUDA backend reads at start (lua/ulysses/attention_tune.lua
 -- says how: each stage in a child process, so a kernel that faults costs only itself).
 --
---   bin/ulysses tools/tune_attention.lua [--dims 64,128] [--seq 8192] [--reps 5] [--cache FILE]
---                                        [--nondeterministic] [--no-write] [--show]
+--   bin/ulysses tools/tune_attention.lua [--dims 64,128] [--seq 8192] [--heads H --kv-heads G]
+--                                        [--reps 5] [--cache FILE] [--nondeterministic] [--no-write] [--show]
+--   --heads, --kv-heads: your model's (default: 32 and 8 at D 64, as Llama 3.2 1B; 16 at D 128).
 --   --nondeterministic: the one-pass backward may be chosen too (fewer products, but dQ summed by
 --   atomics: its last bits vary from run to run; without the flag every choice is deterministic).
 --   --show: the cache's entries (nothing measured). Run it once per GPU type and build; a rebuilt
 --   library (another size or time) is measured again. ULY_CUDA_TUNED=0 makes a run ignore the cache.
--- (--child D STAGE SEQ REPS LABELS: one stage's measurements, what the command runs in its children.)
+-- (--child D STAGE SEQ REPS LABELS H G: one stage's measurements, what the command runs in its children.)
 local tune = require 'ulysses.attention_tune'
 
 local args = arg or {}
@@ -16,7 +17,7 @@ if args[1] == '--child' then
   local labels = {}
   for l in (args[6] or ''):gmatch('[^,]+') do labels[#labels + 1] = l end
   tune.child { D = tonumber(args[2]), stage = args[3], seq = tonumber(args[4]), reps = tonumber(args[5]) or 5,
-               labels = labels }
+               labels = labels, heads = tonumber(args[7]), kv_heads = tonumber(args[8]) }
   os.exit(0)
 end
 
@@ -36,10 +37,10 @@ while i <= #args do
     end
     if #o.dims == 0 then fail('--dims needs a list, e.g. 64,128') end
     i = i + 2
-  elseif a == '--seq' or a == '--reps' then
+  elseif a == '--seq' or a == '--reps' or a == '--heads' or a == '--kv-heads' then
     local n = tonumber(v)
     if not n or n < 1 or n % 1 ~= 0 then fail(a .. ' needs a positive integer, got ' .. tostring(v)) end
-    o[a:sub(3)] = n
+    o[(a:sub(3):gsub('-', '_'))] = n
     i = i + 2
   elseif a == '--cache' then
     if not v then fail('--cache needs a file') end
@@ -49,18 +50,23 @@ while i <= #args do
   elseif a == '--nondeterministic' then o.nondeterministic = true; i = i + 1
   elseif a == '--show' then show = true; i = i + 1
   elseif a == '-h' or a == '--help' then
-    print('usage: bin/ulysses tools/tune_attention.lua [--dims 64,128] [--seq N] [--reps R] [--cache FILE] [--nondeterministic] '
-          .. '[--no-write] [--show]')
+    print('usage: bin/ulysses tools/tune_attention.lua [--dims 64,128] [--seq N] [--heads H --kv-heads G] [--reps R] '
+          .. '[--cache FILE] [--nondeterministic] [--no-write] [--show]')
     os.exit(0)
   else fail('unknown argument ' .. tostring(a) .. ' (try --help)') end
 end
 
+if o.kv_heads and not o.heads then fail('--kv-heads needs --heads') end
+if o.heads and o.heads % (o.kv_heads or o.heads) ~= 0 then
+  fail(('--heads %d is not a multiple of --kv-heads %d'):format(o.heads, o.kv_heads))
+end
 local path = o.cache or tune.cache_path()
 if show then
   local entries, bad = tune.read(path)
   print(('%s: %d entries%s'):format(path, #entries, bad > 0 and (', ' .. bad .. ' unreadable lines') or ''))
   for _, e in ipairs(entries) do
-    print(('D %3d  %-40s %.3f ms (default %.3f)  %s  %s'):format(e.D, tune.label(e), e.ms or 0, e.default_ms or 0, e.date, e.key))
+    print(('D %3d  %-40s %.3f ms (default %.3f) at %s, %s  %s'):format(e.D, tune.label(e), e.ms or 0, e.default_ms or 0,
+                                                                      e.shape ~= '' and e.shape or '?', e.date, e.key))
   end
   os.exit(0)
 end

@@ -9,7 +9,8 @@
 -- a time, reporting as it goes; a child that dies takes only the candidate it was running with
 -- it (marked 'crashed') and a new child goes on with the rest. This process never touches the GPU.
 --
--- Per head dim (64, 128), at B 1, N --seq (8192), causal, with GQA at D 64 as the Llama presets:
+-- Per head dim (64, 128), at B 1, N --seq (8192), causal, with GQA at D 64 as the Llama presets
+-- (32 query and 8 K/V heads of 64; 16 heads of 128; --heads and --kv-heads for a model's own):
 --   1. forward: each forward variant, the forward alone;
 --   2. backward: each dQ and dK/dV variant alone (and with --nondeterministic the one-pass
 --      backward, whose dQ sums by atomics), forward + backward;
@@ -22,7 +23,8 @@
 -- Cache file (ULY_TUNE_CACHE, else $XDG_CACHE_HOME/ulysses/attention-tune.txt, else
 -- ~/.cache/ulysses/attention-tune.txt): a line per (key, head dim), tab-separated: key (device,
 -- compute capability, the CUDA library's size and time: uly_cuda_tune_key), D, fwd, dq, dkv, bwd
--- ('-' for the default), the choice's and the default's forward + backward ms, the date.
+-- ('-' for the default), the choice's and the default's forward + backward ms, the date, the shape
+-- it was measured at ('N 8192, 32 heads, 8 K/V heads').
 -- ULY_CUDA_TUNED=0 ignores the cache; a set ULY_CUDA_ATTN_* variable overrides its entry.
 local ffi = require 'ffi'
 
@@ -168,7 +170,7 @@ function M.read(path)
       local c = fields(line)
       local D = tonumber(c[2])
       if #c >= 8 and (D == 64 or D == 128) then
-        local e = { key = c[1], D = D, ms = tonumber(c[7]), default_ms = tonumber(c[8]), date = c[9] or '' }
+        local e = { key = c[1], D = D, ms = tonumber(c[7]), default_ms = tonumber(c[8]), date = c[9] or '', shape = c[10] or '' }
         for i, v in ipairs(M.VARS) do e[v] = c[2 + i] ~= '-' and c[2 + i] or '' end
         entries[#entries + 1] = e
       else
@@ -190,13 +192,14 @@ function M.write(path, entries)
   local f, why = io.open(tmp, 'w')
   if not f then raise('cannot write the cache ' .. path .. ': ' .. tostring(why)) end
   f:write('# ulysses: fused attention kernels chosen by tools/tune_attention.lua (lua/ulysses/attention_tune.lua)\n')
-  f:write('# key\tD\tfwd\tdq\tdkv\tbwd\tms\tdefault_ms\tdate\n')
+  f:write('# key\tD\tfwd\tdq\tdkv\tbwd\tms\tdefault_ms\tdate\tshape\n')
   for _, e in ipairs(entries) do
     local c = { e.key, tostring(e.D) }
     for _, v in ipairs(M.VARS) do c[#c + 1] = (e[v] and e[v] ~= '') and e[v] or '-' end
     c[#c + 1] = ('%.4f'):format(e.ms or 0)
     c[#c + 1] = ('%.4f'):format(e.default_ms or 0)
     c[#c + 1] = e.date or ''
+    c[#c + 1] = e.shape or ''
     f:write(table.concat(c, '\t'), '\n')
   end
   local ok, err = f:close()
@@ -239,8 +242,18 @@ local function emit(...)
   io.stdout:flush()
 end
 
+-- the query and K/V heads a tuning runs at head dim D: o.heads / o.kv_heads where given, else GQA
+-- at D 64 as the Llama presets (1b: 32 heads, 8 K/V heads), 16 heads at 128; below 4096 tokens
+-- (specs, the emulator) 2 heads (1 K/V head at D 64)
+function M.heads(D, o)
+  local H, Hkv = 2, D == 64 and 1 or 2
+  if o.seq >= 4096 then H, Hkv = D == 64 and 32 or 16, D == 64 and 8 or 16 end
+  return o.heads or H, o.kv_heads or o.heads or Hkv
+end
+
 -- runs in the child (tools/tune_attention.lua --child): o.D, o.stage ('fwd', 'bwd', 'confirm'),
--- o.labels, o.seq, o.reps; reports each candidate on stdout as it goes
+-- o.labels, o.seq, o.reps, o.heads, o.kv_heads; reports its shape and each candidate on stdout as
+-- it goes
 function M.child(o)
   local uly = require 'ulysses'
   local ok, why = uly.cuda.ensure()
@@ -248,9 +261,8 @@ function M.child(o)
   if uly.cuda.backend() ~= 'cuda' then emit('error', 'the CUDA backend is not running'); os.exit(3) end
   emit('key', assert(M.key(uly.cuda.lib())))
   local D, N = o.D, o.seq
-  -- GQA at D 64 as the Llama presets (1b: 32 heads, 8 K/V heads); short (specs, the emulator): 2 heads
-  local H, Hkv = 2, D == 64 and 1 or 2
-  if N >= 4096 then H, Hkv = D == 64 and 32 or 16, D == 64 and 8 or 16 end
+  local H, Hkv = M.heads(D, o)
+  emit('shape', ('N %d, %d heads, %d K/V heads'):format(N, H, Hkv))
   uly.manual_seed(1)
   uly.matmul_precision('bf16')
   local q = uly.randn(1, N, H, D, { device = 'cuda' }):requires_grad_()
@@ -340,16 +352,17 @@ local has_timeout
 local function child_command(D, stage, labels, o)
   if has_timeout == nil then has_timeout = os.execute('command -v timeout >/dev/null 2>&1') == 0 end
   local r = root()
-  return ('ULY_CUDA_TUNED=0 %s%s %s --child %d %s %d %d %s 2>&1'):format(
+  local H, Hkv = M.heads(D, o)
+  return ('ULY_CUDA_TUNED=0 %s%s %s --child %d %s %d %d %s %d %d 2>&1'):format(
     has_timeout and ('timeout ' .. (o.child_timeout or 120) .. ' ') or '', shq(r .. '/bin/ulysses'),
-    shq(r .. '/tools/tune_attention.lua'), D, stage, o.seq, o.reps, table.concat(labels, ','))
+    shq(r .. '/tools/tune_attention.lua'), D, stage, o.seq, o.reps, table.concat(labels, ','), H, Hkv)
 end
 
 -- one stage's labels measured in children, a new child after each that dies; returns the results
--- (in the labels' order) and the key the children reported
+-- (in the labels' order), the key the children reported and the shape they ran
 function M.stage(D, stage, labels, o)
   local log = o.log or function() end
-  local results, by_label, key = {}, {}, nil
+  local results, by_label, key, shape = {}, {}, nil, nil
   local left = labels
   while #left > 0 do
     local p = io.popen(child_command(D, stage, left, o), 'r')
@@ -357,6 +370,7 @@ function M.stage(D, stage, labels, o)
     for line in p:lines() do
       local f = fields(line)
       if f[1] == 'tune' and f[2] == 'key' then key = f[3]
+      elseif f[1] == 'tune' and f[2] == 'shape' then shape = f[3]
       elseif f[1] == 'tune' and f[2] == 'try' then trying = f[3]
       elseif f[1] == 'tune' and f[2] == 'result' then
         local r = { label = f[3], secs = tonumber(f[4]), err = tonumber(f[5]), status = f[6], kernels = f[7] or '' }
@@ -391,12 +405,12 @@ function M.stage(D, stage, labels, o)
     left = rest
   end
   for _, l in ipairs(labels) do results[#results + 1] = by_label[l] end
-  return results, key
+  return results, key, shape
 end
 
 -- measures every head dim in o.dims (M.DIMS) and writes the choices to the cache (o.cache, else
 -- M.cache_path(); o.write == false: not written); o.nondeterministic (the one-pass backward a
--- candidate too: see candidates); o.seq (8192), o.reps (5), o.log(result or
+-- candidate too: see candidates); o.seq (8192), o.heads, o.kv_heads (M.heads), o.reps (5), o.log(result or
 -- text), o.child_timeout (120 s: a child still running then is killed, and the candidate it was
 -- on counts as crashed, so a kernel that hangs costs that much). Returns the new entries.
 function M.tune(o)
@@ -412,17 +426,19 @@ function M.tune(o)
       for _, s in ipairs(sets) do out[#out + 1] = M.label(s) end
       return out
     end
-    log(('D %d, forward (forward alone):'):format(D))
+    local H, Hkv = M.heads(D, o)
+    log(('D %d (%d heads, %d K/V heads), forward (forward alone):'):format(D, H, Hkv))
     local fr, k1 = M.stage(D, 'fwd', labels(fsets), o)
     log(('D %d, backward (forward + backward):'):format(D))
     local br, k2 = M.stage(D, 'bwd', labels(bsets), o)
     log(('D %d, confirm (forward + backward):'):format(D))
-    local cr, k3 = M.stage(D, 'confirm', labels(M.confirm_sets(fr, br)), o)
+    local cr, k3, shape = M.stage(D, 'confirm', labels(M.confirm_sets(fr, br)), o)
     key = k1 or k2 or k3
     if not (k1 == k2 and k2 == k3) then raise('the children reported different devices or libraries') end
     local best, base = fastest(cr), default_of(cr)
     if not best then raise(('D %d: the default kernels did not run (see the log)'):format(D)) end
-    local e = { key = key, D = D, ms = best.secs * 1e3, default_ms = base.secs * 1e3, date = os.date('!%Y-%m-%d') }
+    local e = { key = key, D = D, ms = best.secs * 1e3, default_ms = base.secs * 1e3, date = os.date('!%Y-%m-%d'),
+                shape = shape or '' }
     local set = M.parse_label(best.label)
     for _, v in ipairs(M.VARS) do e[v] = set[v] or '' end
     entries[#entries + 1] = e
