@@ -52,6 +52,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'threads', 0, 'threads for kernels and BLAS (0 = all cores; under mpirun: cores / ranks)' },
   { 'device', 'cpu', 'cpu | cuda (ULY_CUDA_SIMULATE=1 runs the cuda code path in host memory)' },
   { 'precision', 'auto', 'f32 | bf16 (matmul operands rounded to bf16, f32 accumulation, master weights and optimizer); auto: bf16 on cuda, f32 on cpu' },
+  { 'activations', 'f32', 'f32 | bf16 (activations kept in bf16 between ops, each op computing in f32: half the activation memory; weights, gradients and optimizer stay f32)' },
   { 'sp', 0, 'ranks per sequence-parallel group under mpirun (0 = all ranks; world / sp groups do data parallelism)' },
   { 'overlap', 1, '1: each layer\'s gradients start their all-reduce during backward (dist.grad_sync); 0: all after backward' },
   { 'zero', 0, '1: shard the AdamW state over the ranks (dist.ZeroAdamW, ZeRO stage 2: gradients reduce-scattered, with --overlap 1 during backward, and freed; parameters all-gathered)' },
@@ -123,6 +124,7 @@ local function check_flags(cfg)
     usage("--checkpoint 2 keeps flash attention's outputs: it needs --attention flash (or use --checkpoint 1)")
   end
   one_of('precision', cfg.precision, { 'auto', 'f32', 'bf16' })
+  one_of('activations', cfg.activations, { 'f32', 'bf16' })
   if cfg.device == 'gpu' or cfg.device:match('^cuda:') then
     usage(string.format("--device %s: say 'cuda' (each rank takes the GPU of its local rank)", cfg.device))
   end
@@ -314,6 +316,7 @@ local function main()
   local device = cfg.device
   if cfg.precision == 'auto' then cfg.precision = device == 'cuda' and 'bf16' or 'f32' end
   uly.matmul_precision(cfg.precision)
+  uly.activation_dtype(cfg.activations)
   local ctx = { pos = train_data.offset or 0, seq_total = cfg.seq }
   local adamw = { lr = cfg.lr, betas = { 0.9, cfg.beta2 }, weight_decay = cfg.wd }
   local zero = grid and cfg.zero ~= 0
@@ -369,8 +372,9 @@ local function main()
                     grid and string.format(' x dp %d; %d ranks = dp %d x sp %d', grid.dp_size, grid.world, grid.dp_size,
                                            grid.sp_size) or '',
                     cfg.lr, cfg.schedule, threads, uly.blas_corename()))
-  say(string.format('device: %s%s, matmul precision %s', device,
-                    device == 'cuda' and (' (backend ' .. tostring(uly.cuda.backend()) .. ')') or '', cfg.precision))
+  say(string.format('device: %s%s, matmul precision %s, activations %s', device,
+                    device == 'cuda' and (' (backend ' .. tostring(uly.cuda.backend()) .. ')') or '', cfg.precision,
+                    cfg.activations))
   local head_dim = mc.dim / mc.heads
   if device == 'cuda' and cfg.precision == 'bf16' and (head_dim == 64 or head_dim == 128) and uly.cuda.backend() == 'cuda' then
     say(string.format('attention kernels at D %d: %s', head_dim, uly.cuda.describe_attention_choice(head_dim)))

@@ -302,6 +302,38 @@ static uly_tensor *edge_grad(uly_edge *e) {
 /* rules that can write input k's uninitialised gradient buffer (n->fresh) instead of adding into zeros */
 static int writes_fresh(int op, int k) { return op == ULY_OP_MATMUL || (op == ULY_OP_ADDMM && k < 2); }
 
+/* bf16 activations: ops save bf16 inputs as bf16, and the rules compute in f32, so each such saved
+ * tensor reaches its rule as an f32 copy, made just before and freed just after; except where the
+ * rule reads bf16 itself: a custom node's Lua function (it sees what it saved), flash attention's
+ * q, k, v (bf16 only where the backend takes them so) and the GEMM operands of a bf16-precision
+ * matmul on a backend with bf16 GEMMs */
+static int rule_reads_bf16(const uly_node *n, int k) {
+    switch (n->op) {
+    case ULY_OP_CUSTOM: return 1;
+    case ULY_OP_FLASH_ATTENTION: return k != 3;
+    case ULY_OP_MATMUL: case ULY_OP_ADDMM: return n->i[0] && uly_be(n->saved[k])->gemm_batched_bf16 && k < 2;
+    default: return 0;
+    }
+}
+
+/* swaps f32 copies in for the node's bf16 saved tensors (the originals into orig); -1 on failure */
+static int saved_as_f32(uly_node *n, uly_tensor **orig) {
+    for (int k = 0; k < n->n_saved; k++) {
+        uly_tensor *t = n->saved[k];
+        if (!t || t->dtype != ULY_DTYPE_BF16 || rule_reads_bf16(n, k)) continue;
+        uly_tensor *f = uly_contiguous_f32(t);
+        if (!f) return -1;
+        orig[k] = t;
+        n->saved[k] = f;
+    }
+    return 0;
+}
+
+static void saved_restore(uly_node *n, uly_tensor **orig) {
+    for (int k = 0; k < n->n_saved; k++)
+        if (orig[k]) { uly_tensor_release(n->saved[k]); n->saved[k] = orig[k]; }
+}
+
 static int run_node(uly_node *n, int retain_graph) {
     if (n->released)
         return uly_set_error("backward: trying to backward through %s a second time, but its saved tensors were "
@@ -338,7 +370,10 @@ static int run_node(uly_node *n, int retain_graph) {
             }
     }
     double t0 = profile_on ? now_seconds() : 0;
+    uly_tensor *orig[ULY_NODE_MAX_SAVED] = {0};
+    if (!rc && pending) rc = saved_as_f32(n, orig);
     if (!rc && pending) rc = uly_backward_rules[n->op](n, n->grad_out, gin);
+    saved_restore(n, orig);
     for (int k = 0; rc && k < n->n_inputs; k++)  /* a failed rule leaves no uninitialised gradient behind */
         if ((n->fresh >> k) & 1) uly_tensor_fill_(gin[k], 0.0);
     n->fresh = 0;

@@ -38,7 +38,7 @@ uly_tensor *uly_custom_op(int n_inputs, uly_tensor *const *inputs, uly_tensor *o
                           int64_t id) {
     if (n_inputs < 0 || n_inputs > ULY_NODE_MAX_INPUTS)
         return uly_set_error_null("custom_op: %d inputs (at most %d)", n_inputs, ULY_NODE_MAX_INPUTS);
-    if (uly_check_float("custom_op", "output", output)) return NULL;
+    if (uly_check_floating("custom_op", "output", output)) return NULL;
     if (!fn) return uly_set_error_null("custom_op: no backward function given");
     for (int k = 0; k < n_inputs; k++)
         if (uly_check_tensor("custom_op", "input", inputs[k])) return NULL;

@@ -25,19 +25,19 @@ static flash_operand operand(const uly_tensor *t) {
     return o;
 }
 
-/* q, k or v as the backend reads it: its rows made contiguous; a bf16 one (a bf16 KV cache,
- * inference only) as it is where the backend rounds operands to bf16 anyway (bf16 precision on a
+/* q, k or v as the backend reads it: its rows made contiguous; a bf16 one (bf16 activations, a
+ * bf16 KV cache) as it is where the backend rounds operands to bf16 anyway (bf16 precision on a
  * backend with bf16 GEMMs), else as an f32 copy */
-static uly_tensor *backend_operand(uly_tensor *t, const char *arg) {
+static uly_tensor *backend_operand(uly_tensor *t) {
     uly_tensor *r = rows_contiguous(t);
     if (!r || r->dtype == ULY_DTYPE_F32 || (uly_matmul_bf16() && uly_be(t)->gemm_batched_bf16)) return r;
-    uly_tensor *f = uly_inference_f32(OP, arg, r);
+    uly_tensor *f = uly_contiguous_f32(r);
     uly_tensor_release(r);
     return f;
 }
 
 static int check_qkv(uly_tensor *q, uly_tensor *k, uly_tensor *v) {
-    if (uly_check_inference(OP, "q", q) || uly_check_inference(OP, "k", k) || uly_check_inference(OP, "v", v) ||
+    if (uly_check_floating(OP, "q", q) || uly_check_floating(OP, "k", k) || uly_check_floating(OP, "v", v) ||
         uly_check_same_device(OP, "q", q, "k", k) || uly_check_same_device(OP, "q", q, "v", v))
         return -1;
     if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
@@ -152,13 +152,14 @@ static uly_tensor *new_scratch(const uly_backend *be, int device, const flash_pr
     return uly_new_contiguous(1, &n, ULY_DTYPE_F32, device);
 }
 
-/* kept (out, lse) handed back for the same q, k, v and mask: f32, contiguous, on q's device, of the
- * shapes this call would produce */
+/* kept (out, lse) handed back for the same q, k, v and mask: contiguous, on q's device, of the
+ * shapes and dtypes this call would produce */
 static int check_kept(const uly_tensor *q, const uly_tensor *out, const uly_tensor *lse, const int64_t *lshape) {
     if (uly_check_tensor(OP, "kept out", out) || uly_check_tensor(OP, "kept lse", lse)) return -1;
-    if (out->dtype != ULY_DTYPE_F32 || !uly_tensor_is_contiguous(out) || !uly_same_shape(out, q) || uly_dev(out) != uly_dev(q))
-        return uly_set_error("%s: the kept output is %s but must be a contiguous f32 %s on q's device (the output of "
-                             "flash_attention_keep on these q, k, v)", OP, uly_desc(out), uly_desc(q));
+    if (out->dtype != q->dtype || !uly_tensor_is_contiguous(out) || !uly_same_shape(out, q) || uly_dev(out) != uly_dev(q))
+        return uly_set_error("%s: the kept output is %s but must be a contiguous %s %s on q's device (the output of "
+                             "flash_attention_keep on these q, k, v)", OP, uly_desc(out), uly_dtype_name(q->dtype),
+                             uly_desc(q));
     if (lse->dtype != ULY_DTYPE_F32 || !uly_tensor_is_contiguous(lse) || lse->ndim != 3 || lse->shape[0] != lshape[0] ||
         lse->shape[1] != lshape[1] || lse->shape[2] != lshape[2] || uly_dev(lse) != uly_dev(q))
         return uly_set_error("%s: the kept log-sum-exp is %s but must be contiguous f32 [%lld, %lld, %lld] (batch, "
@@ -185,8 +186,8 @@ static uly_tensor *flash_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, 
     int rc;
     uly_tensor *pack = pack_mask(m, B, Tq, Tk, &nbr, &nbc, uly_dev(q), &rc);
     if (rc) return NULL;
-    uly_tensor *qc = backend_operand(q, "q"), *kc = qc ? backend_operand(k, "k") : NULL;
-    uly_tensor *vc = kc ? backend_operand(v, "v") : NULL;
+    uly_tensor *qc = backend_operand(q), *kc = qc ? backend_operand(k) : NULL;
+    uly_tensor *vc = kc ? backend_operand(v) : NULL;
     uly_tensor *lse = NULL, *out = NULL;
     if (vc && kept_out) {   /* a view of the kept output: the node attaches to a tensor of its own */
         uly_tensor_retain(kept_lse);
@@ -209,6 +210,7 @@ static uly_tensor *flash_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, 
                 out = NULL;
             }
             uly_tensor_release(scratch);
+            if (out) uly_result_as(&out, q->dtype);   /* bf16 activations stay bf16 */
         }
         uly_tensor *in[3] = {q, k, v};
         uly_node *n = out ? uly_node_begin(ULY_OP_FLASH_ATTENTION, 3, in) : NULL;

@@ -24,19 +24,28 @@ static int broadcast(const char *op, const uly_tensor *a, const uly_tensor *b, i
     return 0;
 }
 
+/* bf16 operands are read through f32 copies (of their own shape: broadcasting needs no more); the
+ * result is bf16 when both are */
 static uly_tensor *binary_op(const char *op, int kind, int node_op, uly_tensor *a, uly_tensor *b) {
-    if (uly_check_float(op, "a", a) || uly_check_float(op, "b", b) || uly_check_same_device(op, "a", a, "b", b))
+    if (uly_check_floating(op, "a", a) || uly_check_floating(op, "b", b) || uly_check_same_device(op, "a", a, "b", b))
         return NULL;
     int nd = 0;
     int64_t shape[ULY_MAX_DIMS], sa[ULY_MAX_DIMS], sb[ULY_MAX_DIMS];
-    if (broadcast(op, a, b, &nd, shape, sa, sb)) return NULL;
-    uly_tensor *out = uly_new_contiguous(nd, shape, ULY_DTYPE_F32, uly_dev(a));
-    if (!out) return NULL;
-    uly_be(out)->binary_forward(uly_f32(out), uly_f32(a), sa, uly_f32(b), sb, nd, shape, kind);
-    uly_tensor *in[2] = {a, b};
-    uly_node *n = uly_node_begin(node_op, 2, in);
-    if (n && (kind == ULY_BINARY_MUL || kind == ULY_BINARY_DIV)) { uly_node_save(n, a); uly_node_save(n, b); }
-    uly_node_attach(n, out);
+    uly_tensor *af = a->dtype == ULY_DTYPE_F32 ? (uly_tensor_retain(a), a) : uly_contiguous_f32(a);
+    uly_tensor *bf = !af ? NULL : b->dtype == ULY_DTYPE_F32 ? (uly_tensor_retain(b), b) : uly_contiguous_f32(b);
+    uly_tensor *out = NULL;
+    if (bf && !broadcast(op, af, bf, &nd, shape, sa, sb)) out = uly_new_contiguous(nd, shape, ULY_DTYPE_F32, uly_dev(a));
+    if (out) {
+        uly_be(out)->binary_forward(uly_f32(out), uly_f32(af), sa, uly_f32(bf), sb, nd, shape, kind);
+        if (!uly_result_as(&out, uly_result_dtype(a, b))) {
+            uly_tensor *in[2] = {a, b};
+            uly_node *n = uly_node_begin(node_op, 2, in);
+            if (n && (kind == ULY_BINARY_MUL || kind == ULY_BINARY_DIV)) { uly_node_save(n, a); uly_node_save(n, b); }
+            uly_node_attach(n, out);
+        }
+    }
+    uly_tensor_release(af);
+    uly_tensor_release(bf);
     return out;
 }
 
@@ -47,16 +56,20 @@ uly_tensor *uly_div(uly_tensor *a, uly_tensor *b) { return binary_op("div", ULY_
 
 /* ---- tensor-scalar ops ---- */
 static uly_tensor *scalar_op(const char *op, int kind, int node_op, uly_tensor *a, double s) {
-    if (uly_check_float(op, "a", a)) return NULL;
-    uly_tensor *ac = uly_contiguous_raw(a);
+    if (uly_check_floating(op, "a", a)) return NULL;
+    uly_tensor *ac = uly_contiguous_f32(a);
     if (!ac) return NULL;
     uly_tensor *out = uly_new_like(ac);
-    if (out) {
-        uly_be(out)->scalar_forward(uly_f32(out), uly_f32(ac), uly_tensor_numel(ac), kind, (float)s);
+    if (out) uly_be(out)->scalar_forward(uly_f32(out), uly_f32(ac), uly_tensor_numel(ac), kind, (float)s);
+    if (!uly_result_as(&out, a->dtype)) {
         uly_node *n = uly_node_begin(node_op, 1, &a);
         if (n) {
             n->f[0] = s;
-            if (kind == ULY_SCALAR_POW) uly_node_save(n, ac);
+            if (kind == ULY_SCALAR_POW) {
+                uly_tensor *keep = uly_saved_form(a, ac);
+                uly_node_save(n, keep);
+                uly_tensor_release(keep);
+            }
         }
         uly_node_attach(n, out);
     }
@@ -69,9 +82,11 @@ uly_tensor *uly_mul_scalar(uly_tensor *a, double s) { return scalar_op("mul_scal
 uly_tensor *uly_pow_scalar(uly_tensor *a, double e) { return scalar_op("pow", ULY_SCALAR_POW, ULY_OP_POW_SCALAR, a, e); }
 
 /* ---- matmul ---- */
-static int matmul_bf16;
+static int matmul_bf16, activation_bf16;
 int uly_set_matmul_bf16(int on) { int prev = matmul_bf16; matmul_bf16 = on != 0; return prev; }
 int uly_matmul_bf16(void) { return matmul_bf16; }
+int uly_set_activation_bf16(int on) { int prev = activation_bf16; activation_bf16 = on != 0; return prev; }
+int uly_activation_bf16(void) { return activation_bf16; }
 
 /* a contiguous f32 copy of t with every value rounded to bf16 (round to nearest even) */
 uly_tensor *uly_bf16_rounded(const uly_tensor *t) {
@@ -100,8 +115,34 @@ uly_mat uly_as_mat(const uly_tensor *t, int nb) {
     return m;
 }
 
+/* a GEMM operand [rows, cols] (last two dims of t) as the backend multiplies it: t itself where its
+ * strides suit, else a contiguous copy; f32 unless the backend takes bf16 operands (bf16 precision
+ * on a backend with bf16 GEMMs); rounded to bf16 where the precision asks and the backend cannot */
+static uly_tensor *gemm_operand(const uly_backend *be, uly_tensor *t, int64_t rows, int64_t cols) {
+    const int native = matmul_bf16 && be->gemm_batched_bf16;
+    if (t->dtype == ULY_DTYPE_BF16 && !native) return uly_contiguous_f32(t);   /* exact: already bf16 values */
+    if (matmul_bf16 && !native) return uly_bf16_rounded(t);
+    if (be->gemm_operand_ok(rows, cols, t->stride[t->ndim - 2], t->stride[t->ndim - 1])) { t->refcount++; return t; }
+    return uly_contiguous_raw(t);
+}
+
+/* what a matmul saves of operand t (used as op): bf16 t as bf16 (the engine hands backward an f32
+ * copy where the backend needs one), else the operand itself */
+static uly_tensor *gemm_saved(const uly_backend *be, uly_tensor *t, uly_tensor *op, int64_t rows, int64_t cols) {
+    if (t->dtype != ULY_DTYPE_BF16 || op->dtype == ULY_DTYPE_BF16) { op->refcount++; return op; }
+    if (be->gemm_operand_ok(rows, cols, t->stride[t->ndim - 2], t->stride[t->ndim - 1])) { t->refcount++; return t; }
+    return uly_contiguous_raw(t);
+}
+
+static uly_tensor *matmul_as(uly_tensor *a, uly_tensor *b, int out_dtype);
+
+/* the result in a's dtype: bf16 activations stay bf16 (weights may be f32) */
 uly_tensor *uly_matmul(uly_tensor *a, uly_tensor *b) {
-    if (uly_check_float("matmul", "a", a) || uly_check_float("matmul", "b", b) ||
+    return uly_check_tensor("matmul", "a", a) ? NULL : matmul_as(a, b, a->dtype);
+}
+
+static uly_tensor *matmul_as(uly_tensor *a, uly_tensor *b, int out_dtype) {
+    if (uly_check_floating("matmul", "a", a) || uly_check_floating("matmul", "b", b) ||
         uly_check_same_device("matmul", "a", a, "b", b))
         return NULL;
     if (a->ndim < 2 || b->ndim < 2)
@@ -116,7 +157,7 @@ uly_tensor *uly_matmul(uly_tensor *a, uly_tensor *b) {
         int64_t flat[2] = {uly_tensor_numel(a) / (K ? K : 1), K};
         if (K == 0) flat[0] = uly_numel_of(a->ndim - 1, a->shape);
         uly_tensor *a2 = uly_tensor_view(a, 2, flat);
-        uly_tensor *o2 = a2 ? uly_matmul(a2, b) : NULL;
+        uly_tensor *o2 = a2 ? matmul_as(a2, b, out_dtype) : NULL;
         uly_tensor_release(a2);
         if (!o2) return NULL;
         int64_t oshape[ULY_MAX_DIMS];
@@ -138,19 +179,21 @@ uly_tensor *uly_matmul(uly_tensor *a, uly_tensor *b) {
     shape[nb] = M;
     shape[nb + 1] = N;
     const uly_backend *be = uly_be(a);
-    const int round_here = matmul_bf16 && !be->gemm_batched_bf16;  /* the backend cannot: round copies */
-    uly_tensor *ac = !round_here && be->gemm_operand_ok(M, K, a->stride[a->ndim - 2], a->stride[a->ndim - 1])
-                         ? (a->refcount++, a) : (round_here ? uly_bf16_rounded(a) : uly_contiguous_raw(a));
-    uly_tensor *bc = !round_here && be->gemm_operand_ok(K, N, b->stride[b->ndim - 2], b->stride[b->ndim - 1])
-                         ? (b->refcount++, b) : (round_here ? uly_bf16_rounded(b) : uly_contiguous_raw(b));
+    uly_tensor *ac = gemm_operand(be, a, M, K), *bc = ac ? gemm_operand(be, b, K, N) : NULL;
     uly_tensor *out = (ac && bc) ? uly_new_contiguous(nb + 2, shape, ULY_DTYPE_F32, uly_dev(a)) : NULL;
-    if (out) {
-        uly_gemm(be, matmul_bf16, nb, shape, uly_as_mat(ac, nb), uly_as_mat(bc, nb), uly_as_mat(out, nb), M, N, K, 0.0f);
+    if (out) uly_gemm(be, matmul_bf16, nb, shape, uly_as_mat(ac, nb), uly_as_mat(bc, nb), uly_as_mat(out, nb), M, N, K, 0.0f);
+    if (!uly_result_as(&out, out_dtype)) {
         uly_tensor *in[2] = {a, b};
         uly_node *n = uly_node_begin(ULY_OP_MATMUL, 2, in);
-        uly_node_save(n, ac);
-        uly_node_save(n, bc);
-        if (n) n->i[0] = matmul_bf16;  /* the backward GEMMs use the forward's precision */
+        if (n) {
+            uly_tensor *sa = gemm_saved(be, a, ac, M, K), *sb = sa ? gemm_saved(be, b, bc, K, N) : NULL;
+            uly_node_save(n, sa);
+            uly_node_save(n, sb);
+            n->i[0] = matmul_bf16;  /* the backward GEMMs use the forward's precision */
+            if (!sb) { uly_node_release(n); n = NULL; uly_tensor_release(out); out = NULL; }
+            uly_tensor_release(sa);
+            uly_tensor_release(sb);
+        }
         uly_node_attach(n, out);
     }
     uly_tensor_release(ac);
@@ -161,7 +204,7 @@ uly_tensor *uly_matmul(uly_tensor *a, uly_tensor *b) {
 /* ---- addmm: a Linear layer in one op ---- */
 uly_tensor *uly_addmm(uly_tensor *a, uly_tensor *w, uly_tensor *bias) {
     const char *op = "addmm";
-    if (uly_check_float(op, "a", a) || uly_check_float(op, "w", w) || uly_check_float(op, "bias", bias) ||
+    if (uly_check_floating(op, "a", a) || uly_check_floating(op, "w", w) || uly_check_floating(op, "bias", bias) ||
         uly_check_same_device(op, "a", a, "w", w) || uly_check_same_device(op, "a", a, "bias", bias))
         return NULL;
     if (w->ndim != 2 || a->ndim < 1 || a->shape[a->ndim - 1] != w->shape[0] || bias->ndim != 1 ||
@@ -171,10 +214,17 @@ uly_tensor *uly_addmm(uly_tensor *a, uly_tensor *w, uly_tensor *bias) {
     const uly_backend *be = uly_be(a);
     int64_t K = w->shape[0], N = w->shape[1], M = K ? uly_tensor_numel(a) / K : uly_numel_of(a->ndim - 1, a->shape);
     const int round_here = matmul_bf16 && !be->gemm_batched_bf16;
-    if (a->ndim < 2 || !uly_tensor_is_contiguous(a) || round_here) { /* the general path: two ops */
-        uly_tensor *t = uly_matmul(a, w);
+    const int native = matmul_bf16 && be->gemm_batched_bf16;   /* the backend multiplies bf16 operands as they are */
+    if (a->ndim < 2 || !uly_tensor_is_contiguous(a) || round_here || bias->dtype != ULY_DTYPE_F32 ||
+        ((a->dtype == ULY_DTYPE_BF16 || w->dtype == ULY_DTYPE_BF16) && !native)) { /* the general path: two ops */
+        uly_tensor *t = matmul_as(a, w, ULY_DTYPE_F32);   /* rounded once, after the bias */
         uly_tensor *out = t ? uly_add(t, bias) : NULL;
         uly_tensor_release(t);
+        if (out && a->dtype == ULY_DTYPE_BF16 && out->dtype != ULY_DTYPE_BF16) {
+            uly_tensor *o16 = uly_tensor_to_dtype(out, ULY_DTYPE_BF16);
+            uly_tensor_release(out);
+            out = o16;
+        }
         return out;
     }
     uly_tensor *wc = be->gemm_operand_ok(K, N, w->stride[0], w->stride[1]) ? (w->refcount++, w) : uly_contiguous_raw(w);
@@ -183,7 +233,8 @@ uly_tensor *uly_addmm(uly_tensor *a, uly_tensor *w, uly_tensor *bias) {
     oshape[a->ndim - 1] = N;
     uly_tensor *out = wc ? uly_new_contiguous(a->ndim, oshape, ULY_DTYPE_F32, uly_dev(a)) : NULL;
     if (out) {
-        uly_mat A = {.p = uly_f32(a), .rs = K, .cs = 1}, W = uly_as_mat(wc, 0), O = {.p = uly_f32(out), .rs = N, .cs = 1};
+        uly_mat A = {.p = (float *)uly_ptr(a), .rs = K, .cs = 1, .dtype = a->dtype}, W = uly_as_mat(wc, 0),
+                O = {.p = uly_f32(out), .rs = N, .cs = 1};
         /* the backend's GEMM adds the bias (cuBLASLt's epilogue); else every row of out = bias, then out += a w */
         if (!be->gemm_bias || K == 0 || (N > 1 && bias->stride[0] != 1) ||
             be->gemm_bias(A, W, O, M, N, K, uly_f32(bias), matmul_bf16)) {
@@ -193,6 +244,8 @@ uly_tensor *uly_addmm(uly_tensor *a, uly_tensor *w, uly_tensor *bias) {
             be->copy_view(&dv, &sv);
             uly_gemm(be, matmul_bf16, 0, NULL, A, W, O, M, N, K, 1.0f);
         }
+    }
+    if (!uly_result_as(&out, a->dtype)) {   /* bf16 activations stay bf16 */
         uly_tensor *in[3] = {a, w, bias};
         uly_node *n = uly_node_begin(ULY_OP_ADDMM, 3, in);
         if (n) {
@@ -229,7 +282,7 @@ static void reduced_shape(const uly_tensor *t, int dim, int keepdim, int *ndim, 
 /* dim = -1: over everything (result 0-d) */
 static uly_tensor *reduce(const char *op, uly_tensor *t, int dim, int keepdim, int mean, int is_max, uly_tensor **indices) {
     if (indices) *indices = NULL;
-    if (uly_check_float(op, "input", t)) return NULL;
+    if (uly_check_floating(op, "input", t)) return NULL;
     int64_t outer = 1, n = uly_tensor_numel(t), inner = 1, shape[ULY_MAX_DIMS];
     int nd = 0;
     if (dim >= 0 || t->ndim == 0) {
@@ -241,7 +294,7 @@ static uly_tensor *reduce(const char *op, uly_tensor *t, int dim, int keepdim, i
     }
     if (is_max && n == 0)
         return uly_set_error_null("%s: cannot take the max over an empty dimension of %s", op, uly_desc(t));
-    uly_tensor *tc = uly_contiguous_raw(t);
+    uly_tensor *tc = uly_contiguous_f32(t);
     if (!tc) return NULL;
     uly_tensor *out = uly_new_contiguous(nd, shape, ULY_DTYPE_F32, uly_dev(t)), *arg = NULL;
     float scale = mean ? (n ? 1.0f / (float)n : NAN) : 1.0f;
@@ -252,7 +305,7 @@ static uly_tensor *reduce(const char *op, uly_tensor *t, int dim, int keepdim, i
     } else if (out) {
         uly_be(t)->reduce_sum_forward(uly_f32(out), uly_f32(tc), outer, n, inner, scale);
     }
-    if (out) {
+    if (out && !uly_result_as(&out, t->dtype)) {   /* summed in f32, given in t's dtype */
         uly_node *node = uly_node_begin(is_max ? ULY_OP_MAX : ULY_OP_SUM, 1, &t);
         if (node) {
             node->i[0] = outer; node->i[1] = n; node->i[2] = inner;
@@ -301,13 +354,13 @@ static void save_output(uly_node *n, uly_tensor **out) {
 
 /* ---- softmax ---- */
 static uly_tensor *softmax_op(const char *op, uly_tensor *t, int dim, int is_log) {
-    if (uly_check_float(op, "input", t)) return NULL;
+    if (uly_check_floating(op, "input", t)) return NULL;
     int64_t outer = 0, n = 0, inner = 0;
     if (split_dim(op, t, dim, &outer, &n, &inner)) return NULL;
-    uly_tensor *tc = uly_contiguous_raw(t);
+    uly_tensor *tc = uly_contiguous_f32(t);
     uly_tensor *out = tc ? uly_new_like(tc) : NULL;
-    if (out) {
-        uly_be(t)->softmax_forward(uly_f32(out), uly_f32(tc), outer, n, inner, is_log);
+    if (out) uly_be(t)->softmax_forward(uly_f32(out), uly_f32(tc), outer, n, inner, is_log);
+    if (!uly_result_as(&out, t->dtype)) {
         uly_node *node = uly_node_begin(is_log ? ULY_OP_LOG_SOFTMAX : ULY_OP_SOFTMAX, 1, &t);
         if (node) { node->i[0] = outer; node->i[1] = n; node->i[2] = inner; }
         save_output(node, &out);
@@ -322,7 +375,7 @@ uly_tensor *uly_log_softmax(uly_tensor *t, int dim) { return softmax_op("log_sof
 /* ---- normalisation ---- */
 static int check_norm_param(const char *op, const char *arg, const uly_tensor *p, int64_t C) {
     if (!p) return 0;
-    if (uly_check_float(op, arg, p)) return -1;
+    if (uly_check_floating(op, arg, p)) return -1;
     if (p->ndim != 1 || p->shape[0] != C)
         return uly_set_error("%s: '%s' is %s but the normalised (last) dimension has size %lld", op, arg, uly_desc(p),
                              (long long)C);
@@ -330,63 +383,66 @@ static int check_norm_param(const char *op, const char *arg, const uly_tensor *p
 }
 
 uly_tensor *uly_layernorm(uly_tensor *x, uly_tensor *w, uly_tensor *b, double eps) {
-    if (uly_check_float("layernorm", "x", x)) return NULL;
+    if (uly_check_floating("layernorm", "x", x)) return NULL;
     if (x->ndim < 1) return uly_set_error_null("layernorm: input %s needs at least one dimension", uly_desc(x));
     int64_t C = x->shape[x->ndim - 1], rows = C ? uly_tensor_numel(x) / C : 0;
     if (check_norm_param("layernorm", "weight", w, C) || check_norm_param("layernorm", "bias", b, C) ||
         uly_check_same_device("layernorm", "x", x, "weight", w) || uly_check_same_device("layernorm", "x", x, "bias", b))
         return NULL;
-    uly_tensor *xc = uly_contiguous_raw(x), *wc = w ? uly_contiguous_raw(w) : NULL, *bc = b ? uly_contiguous_raw(b) : NULL;
-    uly_tensor *out = uly_new_like(x);
+    uly_tensor *xc = uly_contiguous_f32(x), *wc = w ? uly_contiguous_f32(w) : NULL, *bc = b ? uly_contiguous_f32(b) : NULL;
+    uly_tensor *out = xc ? uly_new_like(xc) : NULL, *xs = xc ? uly_saved_form(x, xc) : NULL;
     uly_tensor *mean = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, uly_dev(x)), *rstd = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, uly_dev(x));
-    if (xc && out && mean && rstd && (!w || wc) && (!b || bc)) {
+    if (xc && xs && out && mean && rstd && (!w || wc) && (!b || bc)) {
         uly_be(x)->layernorm_forward(uly_f32(out), uly_f32(mean), uly_f32(rstd), uly_f32(xc), wc ? uly_f32(wc) : NULL,
                           bc ? uly_f32(bc) : NULL, rows, C, (float)eps);
         uly_tensor *in[3] = {x, w, b};
-        uly_node *n = uly_node_begin(ULY_OP_LAYERNORM, 3, in);
+        uly_node *n = !uly_result_as(&out, x->dtype) ? uly_node_begin(ULY_OP_LAYERNORM, 3, in) : NULL;
         if (n) {
-            uly_node_save(n, xc); uly_node_save(n, mean); uly_node_save(n, rstd);
+            uly_node_save(n, xs); uly_node_save(n, mean); uly_node_save(n, rstd);
             if (wc) uly_node_save(n, wc);
             n->i[0] = rows; n->i[1] = C; n->i[2] = wc != NULL;
         }
         uly_node_attach(n, out);
     } else { uly_tensor_release(out); out = NULL; }
-    uly_tensor_release(xc); uly_tensor_release(wc); uly_tensor_release(bc);
+    uly_tensor_release(xc); uly_tensor_release(xs); uly_tensor_release(wc); uly_tensor_release(bc);
     uly_tensor_release(mean); uly_tensor_release(rstd);
     return out;
 }
 
 uly_tensor *uly_rmsnorm(uly_tensor *x, uly_tensor *w, double eps) {
-    if (uly_check_float("rmsnorm", "x", x)) return NULL;
+    if (uly_check_floating("rmsnorm", "x", x)) return NULL;
     if (x->ndim < 1) return uly_set_error_null("rmsnorm: input %s needs at least one dimension", uly_desc(x));
     int64_t C = x->shape[x->ndim - 1], rows = C ? uly_tensor_numel(x) / C : 0;
     if (check_norm_param("rmsnorm", "weight", w, C) || uly_check_same_device("rmsnorm", "x", x, "weight", w)) return NULL;
-    uly_tensor *xc = uly_contiguous_raw(x), *wc = w ? uly_contiguous_raw(w) : NULL;
-    uly_tensor *out = uly_new_like(x), *rstd = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, uly_dev(x));
-    if (xc && out && rstd && (!w || wc)) {
+    uly_tensor *xc = uly_contiguous_f32(x), *wc = w ? uly_contiguous_f32(w) : NULL;
+    uly_tensor *out = xc ? uly_new_like(xc) : NULL, *rstd = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, uly_dev(x));
+    uly_tensor *xs = xc ? uly_saved_form(x, xc) : NULL;
+    if (xc && xs && out && rstd && (!w || wc)) {
         uly_be(x)->rmsnorm_forward(uly_f32(out), uly_f32(rstd), uly_f32(xc), wc ? uly_f32(wc) : NULL, rows, C, (float)eps);
         uly_tensor *in[2] = {x, w};
-        uly_node *n = uly_node_begin(ULY_OP_RMSNORM, 2, in);
+        uly_node *n = !uly_result_as(&out, x->dtype) ? uly_node_begin(ULY_OP_RMSNORM, 2, in) : NULL;
         if (n) {
-            uly_node_save(n, xc); uly_node_save(n, rstd);
+            uly_node_save(n, xs); uly_node_save(n, rstd);
             if (wc) uly_node_save(n, wc);
             n->i[0] = rows; n->i[1] = C; n->i[2] = wc != NULL;
         }
         uly_node_attach(n, out);
     } else { uly_tensor_release(out); out = NULL; }
-    uly_tensor_release(xc); uly_tensor_release(wc); uly_tensor_release(rstd);
+    uly_tensor_release(xc); uly_tensor_release(xs); uly_tensor_release(wc); uly_tensor_release(rstd);
     return out;
 }
 
 /* ---- activations ---- */
 static uly_tensor *unary_op(const char *op, uly_tensor *x, int kind) {
-    if (uly_check_float(op, "x", x)) return NULL;
-    uly_tensor *xc = uly_contiguous_raw(x);
+    if (uly_check_floating(op, "x", x)) return NULL;
+    uly_tensor *xc = uly_contiguous_f32(x);
     uly_tensor *out = xc ? uly_new_like(xc) : NULL;
-    if (out) {
-        uly_be(x)->unary_forward(uly_f32(out), uly_f32(xc), uly_tensor_numel(xc), kind);
+    if (out) uly_be(x)->unary_forward(uly_f32(out), uly_f32(xc), uly_tensor_numel(xc), kind);
+    if (!uly_result_as(&out, x->dtype)) {
         uly_node *n = uly_node_begin(ULY_OP_UNARY, 1, &x);
-        if (n) { n->i[0] = kind; uly_node_save(n, xc); }
+        uly_tensor *xs = n ? uly_saved_form(x, xc) : NULL;
+        if (n) { n->i[0] = kind; uly_node_save(n, xs); }
+        uly_tensor_release(xs);
         save_output(n, &out);
         if (out) uly_node_attach(n, out);
     }
@@ -403,19 +459,22 @@ uly_tensor *uly_log(uly_tensor *x) { return unary_op("log", x, ULY_UNARY_LOG); }
 uly_tensor *uly_sqrt(uly_tensor *x) { return unary_op("sqrt", x, ULY_UNARY_SQRT); }
 
 uly_tensor *uly_swiglu(uly_tensor *gate, uly_tensor *up) {
-    if (uly_check_float("swiglu", "gate", gate) || uly_check_float("swiglu", "up", up) ||
+    if (uly_check_floating("swiglu", "gate", gate) || uly_check_floating("swiglu", "up", up) ||
         uly_check_same_device("swiglu", "gate", gate, "up", up))
         return NULL;
     if (!uly_same_shape(gate, up))
         return uly_set_error_null("swiglu: gate %s and up %s must have the same shape", uly_desc(gate), uly_desc(up));
-    uly_tensor *gc = uly_contiguous_raw(gate), *uc = uly_contiguous_raw(up);
+    uly_tensor *gc = uly_contiguous_f32(gate), *uc = uly_contiguous_f32(up);
     uly_tensor *out = (gc && uc) ? uly_new_like(gc) : NULL;
-    if (out) {
-        uly_be(out)->swiglu_forward(uly_f32(out), uly_f32(gc), uly_f32(uc), uly_tensor_numel(gc));
+    if (out) uly_be(out)->swiglu_forward(uly_f32(out), uly_f32(gc), uly_f32(uc), uly_tensor_numel(gc));
+    if (!uly_result_as(&out, uly_result_dtype(gate, up))) {
         uly_tensor *in[2] = {gate, up};
         uly_node *n = uly_node_begin(ULY_OP_SWIGLU, 2, in);
-        uly_node_save(n, gc);
-        uly_node_save(n, uc);
+        uly_tensor *gs = n ? uly_saved_form(gate, gc) : NULL, *us = gs ? uly_saved_form(up, uc) : NULL;
+        if (n && !us) { uly_node_release(n); n = NULL; uly_tensor_release(out); out = NULL; }
+        uly_node_save(n, gs);
+        uly_node_save(n, us);
+        uly_tensor_release(gs); uly_tensor_release(us);
         uly_node_attach(n, out);
     }
     uly_tensor_release(gc); uly_tensor_release(uc);
@@ -432,14 +491,14 @@ static int check_index_dtype(const char *op, const char *arg, const uly_tensor *
 }
 
 uly_tensor *uly_embedding(uly_tensor *idx, uly_tensor *weight) {
-    if (check_index_dtype("embedding", "indices", idx) || uly_check_float("embedding", "weight", weight) ||
+    if (check_index_dtype("embedding", "indices", idx) || uly_check_floating("embedding", "weight", weight) ||
         uly_check_same_device("embedding", "weight", weight, "indices", idx))
         return NULL;
     if (weight->ndim != 2)
         return uly_set_error_null("embedding: weight must be [vocab, dim], got %s", uly_desc(weight));
     if (idx->ndim + 1 > ULY_MAX_DIMS) return uly_set_error_null("embedding: indices %s have too many dimensions", uly_desc(idx));
     int64_t V = weight->shape[0], C = weight->shape[1], n = uly_tensor_numel(idx);
-    uly_tensor *ic = uly_contiguous_raw(idx), *wc = uly_contiguous_raw(weight);
+    uly_tensor *ic = uly_contiguous_raw(idx), *wc = uly_contiguous_f32(weight);
     uly_tensor *out = NULL;
     int bytes = (int)uly_dtype_size(idx->dtype);
     if (ic && wc) {
@@ -460,6 +519,10 @@ uly_tensor *uly_embedding(uly_tensor *idx, uly_tensor *weight) {
             out = uly_new_contiguous(idx->ndim + 1, shape, ULY_DTYPE_F32, uly_dev(idx));
             if (out) {
                 uly_be(out)->embedding_forward(uly_f32(out), uly_ptr(ic), bytes, uly_f32(wc), n, C);
+                /* where activations are bf16, they start here */
+                uly_result_as(&out, activation_bf16 || weight->dtype == ULY_DTYPE_BF16 ? ULY_DTYPE_BF16 : ULY_DTYPE_F32);
+            }
+            if (out) {
                 uly_tensor *in[2] = {idx, weight};
                 uly_node *node = uly_node_begin(ULY_OP_EMBEDDING, 2, in);
                 if (node) { uly_node_save(node, ic); node->i[0] = n; node->i[1] = C; }
@@ -473,16 +536,16 @@ uly_tensor *uly_embedding(uly_tensor *idx, uly_tensor *weight) {
 
 /* ---- rotary position embedding ---- */
 uly_tensor *uly_rope(uly_tensor *x, int64_t pos_offset, double theta) {
-    if (uly_check_float("rope", "x", x)) return NULL;
+    if (uly_check_floating("rope", "x", x)) return NULL;
     if (x->ndim != 4 || x->shape[3] % 2)
         return uly_set_error_null("rope: input must be [batch, seq, heads, head_dim] with an even head_dim, got %s",
                                   uly_desc(x));
     if (pos_offset < 0) return uly_set_error_null("rope: position offset %lld is negative", (long long)pos_offset);
     if (!(theta > 0)) return uly_set_error_null("rope: theta must be positive, got %g", theta);
-    uly_tensor *xc = uly_contiguous_raw(x);
+    uly_tensor *xc = uly_contiguous_f32(x);
     uly_tensor *out = xc ? uly_new_like(xc) : NULL;
-    if (out) {
-        uly_be(out)->rope_forward(uly_f32(out), uly_f32(xc), x->shape[0], x->shape[1], x->shape[2], x->shape[3], pos_offset, (float)theta);
+    if (out) uly_be(out)->rope_forward(uly_f32(out), uly_f32(xc), x->shape[0], x->shape[1], x->shape[2], x->shape[3], pos_offset, (float)theta);
+    if (!uly_result_as(&out, x->dtype)) {
         uly_node *n = uly_node_begin(ULY_OP_ROPE, 1, &x);
         if (n) { for (int d = 0; d < 4; d++) n->i[d] = x->shape[d]; n->i[4] = pos_offset; n->f[0] = theta; }
         uly_node_attach(n, out);
@@ -493,15 +556,15 @@ uly_tensor *uly_rope(uly_tensor *x, int64_t pos_offset, double theta) {
 
 /* ---- dropout ---- */
 uly_tensor *uly_dropout(uly_tensor *x, double p, int training) {
-    if (uly_check_float("dropout", "x", x)) return NULL;
+    if (uly_check_floating("dropout", "x", x)) return NULL;
     if (!(p >= 0 && p <= 1)) return uly_set_error_null("dropout: probability p = %g is outside [0, 1]", p);
     if (!training || p == 0) { x->refcount++; return x; }
-    uly_tensor *xc = uly_contiguous_raw(x);
+    uly_tensor *xc = uly_contiguous_f32(x);
     uly_tensor *out = xc ? uly_new_like(xc) : NULL;
-    if (out) {
-        int64_t n = uly_tensor_numel(xc);
-        uint64_t seed = uly_rng_seed(), offset = uly_rng_take((uint64_t)n);
-        uly_be(out)->dropout_forward(uly_f32(out), uly_f32(xc), n, (float)p, seed, offset);
+    int64_t n = xc ? uly_tensor_numel(xc) : 0;
+    uint64_t seed = uly_rng_seed(), offset = out ? uly_rng_take((uint64_t)n) : 0;
+    if (out) uly_be(out)->dropout_forward(uly_f32(out), uly_f32(xc), n, (float)p, seed, offset);
+    if (!uly_result_as(&out, x->dtype)) {
         uly_node *node = uly_node_begin(ULY_OP_DROPOUT, 1, &x);
         if (node) { node->i[0] = (int64_t)seed; node->i[1] = (int64_t)offset; node->f[0] = p; }
         uly_node_attach(node, out);
@@ -512,7 +575,7 @@ uly_tensor *uly_dropout(uly_tensor *x, double p, int training) {
 
 /* ---- cross-entropy ---- */
 uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t ignore_index, int reduction) {
-    if (uly_check_float("cross_entropy", "logits", logits) || check_index_dtype("cross_entropy", "targets", targets) ||
+    if (uly_check_floating("cross_entropy", "logits", logits) || check_index_dtype("cross_entropy", "targets", targets) ||
         uly_check_same_device("cross_entropy", "logits", logits, "targets", targets))
         return NULL;
     if (logits->ndim < 1) return uly_set_error_null("cross_entropy: logits %s need a class dimension", uly_desc(logits));
@@ -522,7 +585,7 @@ uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t i
                                   uly_desc(targets), uly_desc(logits), uly_shape_str(logits->ndim - 1, logits->shape));
     if (reduction < ULY_REDUCTION_MEAN || reduction > ULY_REDUCTION_NONE)
         return uly_set_error_null("cross_entropy: unknown reduction %d (use mean, sum or none)", reduction);
-    uly_tensor *lc = uly_contiguous_raw(logits), *tc = uly_contiguous_raw(targets);
+    uly_tensor *lc = uly_contiguous_f32(logits), *tc = uly_contiguous_raw(targets);
     const int dev = uly_dev(logits);
     const uly_backend *be = uly_be(logits);
     uly_tensor *loss = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, dev), *lse = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, dev);
@@ -563,11 +626,14 @@ uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t i
             if (out) {
                 uly_tensor *in[2] = {logits, targets};
                 uly_node *n = uly_node_begin(ULY_OP_CROSS_ENTROPY, 2, in);
+                uly_tensor *ls = n ? uly_saved_form(logits, lc) : NULL;   /* bf16 logits: kept in bf16 */
+                if (n && !ls) { uly_node_release(n); n = NULL; uly_tensor_release(out); out = NULL; }
                 if (n) {
-                    uly_node_save(n, lc); uly_node_save(n, tc); uly_node_save(n, lse);
+                    uly_node_save(n, ls); uly_node_save(n, tc); uly_node_save(n, lse);
                     n->i[0] = rows; n->i[1] = V; n->i[2] = ignore_index; n->i[3] = reduction; n->f[0] = scale;
                 }
                 uly_node_attach(n, out);
+                uly_tensor_release(ls);
             }
         }
     }
@@ -578,12 +644,24 @@ uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t i
 /* ---- reference attention ---- */
 static uly_tensor *attention_f32(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale, int causal);
 
-/* bf16 q/k/v (a bf16 KV cache, no gradients) are read as f32 copies */
+/* bf16 q/k/v are read through differentiable f32 copies (this reference keeps the whole score
+ * matrix anyway); the output is bf16 when q is */
+static uly_tensor *as_f32(const char *arg, uly_tensor *t) {
+    if (uly_check_floating("attention", arg, t)) return NULL;
+    if (t->dtype == ULY_DTYPE_F32) { uly_tensor_retain(t); return t; }
+    return uly_tensor_to_dtype(t, ULY_DTYPE_F32);
+}
+
 uly_tensor *uly_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale, int causal) {
-    uly_tensor *qf = uly_inference_f32("attention", "q", q), *kf = qf ? uly_inference_f32("attention", "k", k) : NULL;
-    uly_tensor *vf = kf ? uly_inference_f32("attention", "v", v) : NULL;
+    uly_tensor *qf = as_f32("q", q), *kf = qf ? as_f32("k", k) : NULL;
+    uly_tensor *vf = kf ? as_f32("v", v) : NULL;
     uly_tensor *out = vf ? attention_f32(qf, kf, vf, scale, causal) : NULL;
     uly_tensor_release(qf); uly_tensor_release(kf); uly_tensor_release(vf);
+    if (out && q->dtype == ULY_DTYPE_BF16) {
+        uly_tensor *o16 = uly_tensor_to_dtype(out, ULY_DTYPE_BF16);
+        uly_tensor_release(out);
+        out = o16;
+    }
     return out;
 }
 

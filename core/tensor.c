@@ -169,6 +169,44 @@ int uly_check_float(const char *op, const char *arg, const uly_tensor *t) {
     return 0;
 }
 
+/* ops that compute in f32 and keep bf16 activations bf16: t must be f32 or bf16 */
+int uly_check_floating(const char *op, const char *arg, const uly_tensor *t) {
+    if (uly_check_tensor(op, arg, t)) return -1;
+    if (t->dtype != ULY_DTYPE_F32 && t->dtype != ULY_DTYPE_BF16)
+        return uly_set_error("%s: '%s' is %s but the op takes f32 or bf16 values; convert with :float()", op, arg,
+                             uly_desc(t));
+    return 0;
+}
+
+uly_tensor *uly_contiguous_f32(uly_tensor *t) {
+    if (t->dtype == ULY_DTYPE_F32) return uly_contiguous_raw(t);
+    uly_tensor *c = uly_new_contiguous(t->ndim, t->shape, ULY_DTYPE_F32, uly_dev(t));
+    if (c && uly_copy_raw(c, t)) { uly_tensor_release(c); c = NULL; }
+    return c;
+}
+
+uly_tensor *uly_saved_form(uly_tensor *t, uly_tensor *tf) {
+    if (t->dtype == ULY_DTYPE_BF16) return uly_contiguous_raw(t);
+    if (tf) uly_tensor_retain(tf);
+    return tf;
+}
+
+int uly_result_as(uly_tensor **out, int dtype) {
+    uly_tensor *o = *out;
+    if (!o || o->dtype == dtype) return o ? 0 : -1;
+    uly_tensor *c = uly_new_contiguous(o->ndim, o->shape, dtype, uly_dev(o));
+    if (c && uly_copy_raw(c, o)) { uly_tensor_release(c); c = NULL; }
+    uly_tensor_release(o);
+    *out = c;
+    return c ? 0 : -1;
+}
+
+int uly_result_dtype(const uly_tensor *a, const uly_tensor *b) {
+    const int a16 = a->dtype == ULY_DTYPE_BF16, b16 = !b || b->dtype == ULY_DTYPE_BF16;
+    if (a16 && b16) return ULY_DTYPE_BF16;
+    return (a16 || (b && b->dtype == ULY_DTYPE_BF16)) && uly_activation_bf16() ? ULY_DTYPE_BF16 : ULY_DTYPE_F32;
+}
+
 /* an op that reads bf16 inputs for inference only (a bf16 KV cache): t must be f32, or bf16 that
  * needs no gradient (else an error naming op and arg); uly_inference_f32 gives t as f32 (a
  * converted copy, exact, or t itself retained), NULL after such an error */

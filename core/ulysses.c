@@ -143,7 +143,7 @@ static int check_group(const char *op, uly_comm *c) {
 
 uly_tensor *uly_ulysses_qkv_to_heads(uly_comm *c, uly_tensor *qkv, int64_t heads, int64_t kv_heads, int64_t seq_total) {
     const char *op = "ulysses_qkv_to_heads";
-    if (check_group(op, c) || uly_check_float(op, "qkv", qkv)) return NULL;
+    if (check_group(op, c) || uly_check_floating(op, "qkv", qkv)) return NULL;
     if (qkv->ndim != 4 || qkv->shape[2] != heads + 2 * kv_heads)
         return uly_set_error_null("%s: qkv must be [batch, local_seq, heads + 2 kv_heads = %lld, head_dim], got %s", op,
                                   (long long)(heads + 2 * kv_heads), uly_desc(qkv));
@@ -158,12 +158,13 @@ uly_tensor *uly_ulysses_qkv_to_heads(uly_comm *c, uly_tensor *qkv, int64_t heads
         uly_comm_all_to_all_refuse(c, why);
         return NULL;
     }
-    const int xt = uly_matmul_bf16() ? ULY_DTYPE_BF16 : ULY_DTYPE_F32;   /* what crosses */
+    /* what crosses: bf16 in bf16 precision or for bf16 activations; the result in qkv's dtype */
+    const int xt = uly_matmul_bf16() || qkv->dtype == ULY_DTYPE_BF16 ? ULY_DTYPE_BF16 : ULY_DTYPE_F32;
     uly_tensor *src = uly_contiguous_raw(qkv);
     if (src && src != qkv) copies++;
     uly_tensor *send = in_dtype(src, xt);
     int64_t shape[4] = {p.B, p.N, p.w[p.r], p.D};
-    uly_tensor *out = send ? uly_new_contiguous(4, shape, ULY_DTYPE_F32, uly_dev(qkv)) : NULL;
+    uly_tensor *out = send ? uly_new_contiguous(4, shape, qkv->dtype, uly_dev(qkv)) : NULL;
     uly_tensor *recv = out ? receive_buffer(out, xt) : NULL;
     if (out && (!recv || exchange_qkv(c, &p, uly_dev(qkv), uly_ptr(send), uly_ptr(recv), xt) || received(out, recv))) {
         uly_tensor_release(out);
@@ -183,7 +184,7 @@ uly_tensor *uly_ulysses_qkv_to_heads(uly_comm *c, uly_tensor *qkv, int64_t heads
 
 uly_tensor *uly_ulysses_heads_to_seq(uly_comm *c, uly_tensor *o, int64_t heads, int64_t seq_total) {
     const char *op = "ulysses_heads_to_seq";
-    if (check_group(op, c) || uly_check_float(op, "o", o)) return NULL;
+    if (check_group(op, c) || uly_check_floating(op, "o", o)) return NULL;
     if (o->ndim != 4) return uly_set_error_null("%s: o must be [batch, seq, local_heads, head_dim], got %s", op, uly_desc(o));
     plan p;
     if (plan_make(&p, c, o->shape[0], seq_total, heads, 1, o->shape[3])) return NULL;
@@ -196,12 +197,12 @@ uly_tensor *uly_ulysses_heads_to_seq(uly_comm *c, uly_tensor *o, int64_t heads, 
         uly_comm_all_to_all_refuse(c, why);
         return NULL;
     }
-    const int xt = uly_matmul_bf16() ? ULY_DTYPE_BF16 : ULY_DTYPE_F32;
+    const int xt = uly_matmul_bf16() || o->dtype == ULY_DTYPE_BF16 ? ULY_DTYPE_BF16 : ULY_DTYPE_F32;
     uly_tensor *src = uly_contiguous_raw(o);
     if (src && src != o) copies++;
     uly_tensor *send = in_dtype(src, xt);
     int64_t shape[4] = {p.B, p.ntok[p.r], heads, p.D};
-    uly_tensor *out = send ? uly_new_contiguous(4, shape, ULY_DTYPE_F32, uly_dev(o)) : NULL;
+    uly_tensor *out = send ? uly_new_contiguous(4, shape, o->dtype, uly_dev(o)) : NULL;
     uly_tensor *recv = out ? receive_buffer(out, xt) : NULL;
     if (out && (!recv || exchange_out(c, &p, uly_dev(o), uly_ptr(send), uly_ptr(recv), 1, xt) || received(out, recv))) {
         uly_tensor_release(out);

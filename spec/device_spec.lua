@@ -514,6 +514,58 @@ describe('mixed precision (matmul in bf16)', function()
     release_device()
   end)
 
+  -- bf16 activations on the device: the GEMMs read bf16 activations as they are (no rounded copy),
+  -- the fused attention its bf16 q, k, v; each op's result is rounded once, as on the CPU
+  it('bf16 activations: the ops give the CPU\'s numbers, and a Llama step the CPU\'s losses', function()
+    use_device()
+    helpers.reseed(61)
+    local function B(...) return uly.randn(...):bf16():requires_grad_() end
+    local function F(...) return uly.randn(...):requires_grad_() end
+    uly.matmul_precision('bf16')
+    uly.activation_dtype('bf16')
+    local ok, err = pcall(function()
+      -- one rounding of the result, at most a bf16 step apart where the f32 sums' orders differ
+      local tol = { rtol = 1e-2, atol = 1e-2 }
+      same_on_device(function(a, w) return a:matmul(w) end, { B(2, 5, 16), F(16, 8) }, tol)
+      same_on_device(function(a, w, b) return uly.addmm(a, w, b) end, { B(2, 5, 16), F(16, 8), F(8) }, tol)
+      same_on_device(function(x, w) return uly.rmsnorm(x, w) end, { B(3, 32), F(32) }, tol)
+      same_on_device(function(x, w, b) return uly.layernorm(x, w, b) end, { B(3, 32), F(32), F(32) }, tol)
+      same_on_device(function(g, u) return uly.swiglu(g, u) end, { B(4, 8), B(4, 8) }, tol)
+      same_on_device(function(x) return x:rope(2) + x:gelu() end, { B(1, 6, 2, 8) }, tol)
+      same_on_device(function(a, b) return (a * b):softmax(2) end, { B(4, 9), F(9) }, tol)
+      local targets = uly.tensor({ 1, 4, 0, 2 }, { dtype = 'i32' })
+      same_on_device(function(l) return uly.cross_entropy(l, targets:to(l:device())) end, { B(4, 5) }, tol)
+      -- the fused kernels (D 32) read bf16 q, k, v; the CPU's f32 kernel does not round P or dS
+      same_on_device(function(q, k, v) return uly.flash_attention(q, k, v, { causal = true }) end,
+                     { B(1, 40, 4, 32), B(1, 40, 2, 32), B(1, 40, 2, 32) }, { rtol = 3e-2, atol = 3e-2 })
+      local Llama = require 'models.llama'
+      local x = helpers.token_ids(2, 32, 256)
+      local function losses(device)
+        helpers.reseed(5)
+        local m = Llama({ preset = 'tiny', heads = 4, kv_heads = 2, dim = 64, hidden = 96, seq = 32, attention = 'flash',
+                          checkpoint = 'except_attention', tile = 8 }):to(device)
+        local opt = uly.optim.AdamW(m:parameters(), { lr = 1e-2 })
+        local out = {}
+        for s = 1, 3 do
+          opt:zero_grad()
+          local loss = m:loss(x:to(device), x:to(device))
+          loss:backward()
+          opt:step()
+          out[s] = loss:item()
+        end
+        return out
+      end
+      local cpu, dev = losses('cpu'), losses('cuda')
+      for s = 1, 3 do
+        local t = MODE == 'sim' and 10 * RTOL or (s == 1 and 5e-3 or 2e-2)
+        assert.is_true(math.abs(cpu[s] - dev[s]) <= t * cpu[s], ('step %d: %g vs %g'):format(s, cpu[s], dev[s]))
+      end
+    end)
+    uly.activation_dtype('f32')
+    assert(ok, err)
+    release_device()
+  end)
+
   -- cuBLASLt's heuristic is asked once per distinct GEMM problem: a decoding step's small GEMMs
   -- would pay tens of microseconds each time otherwise
   it('asks cuBLASLt for an algorithm once per distinct GEMM, in either precision', function()

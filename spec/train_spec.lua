@@ -90,6 +90,38 @@ describe('train.lua', function()
     helpers.rmtree(b)
   end)
 
+  it('--activations bf16 follows the f32 run within bf16 rounding, holds less, and resumes bit for bit', function()
+    local a, b, c = tmpdir(), tmpdir(), tmpdir()
+    local common = TINY .. '--steps 12 --dropout 0.1 --eval_every 6 --sample 8 --checkpoint 2 '
+    local out, code = run(common .. '--out ' .. a)
+    assert.are.equal(0, code, out)
+    local out16
+    out16, code = run(common .. '--activations bf16 --out ' .. b)
+    assert.are.equal(0, code, out16)
+    assert.truthy(out16:find('activations bf16', 1, true), out16)
+    out, code = run(common .. '--activations bf16 --stop_after 6 --out ' .. c)
+    assert.are.equal(0, code, out)
+    out, code = run(common .. '--activations bf16 --resume auto --out ' .. c)
+    assert.are.equal(0, code, out)
+    local ra, rb, rc = uly.log.read_csv(a .. '/log.csv'), uly.log.read_csv(b .. '/log.csv'), uly.log.read_csv(c .. '/log.csv')
+    assert.are.equal(12, #rc)
+    local differs = false
+    for i = 1, 12 do
+      assert.is_true(math.abs(ra[i].loss - rb[i].loss) <= 2e-2 * ra[i].loss, ('step %d: %s vs %s'):format(i, ra[i].loss, rb[i].loss))
+      assert.are.equal(rb[i].loss, rc[i].loss, 'resumed step ' .. i)
+      differs = differs or ra[i].loss ~= rb[i].loss
+    end
+    assert.is_true(differs, 'bf16 activations changed nothing')
+    local peak = function(o) return tonumber(o:match('peak memory per rank: ([%d.]+) MiB')) end
+    assert.is_true(peak(out16) < peak(run(common .. '--out ' .. a)), 'bf16 activations hold less')
+    out, code = run(common .. '--activations f16 --out ' .. a)
+    assert.are_not.equal(0, code, out)
+    assert.truthy(out:find("--activations must be f32 | bf16, got 'f16'", 1, true), out)
+    helpers.rmtree(a)
+    helpers.rmtree(b)
+    helpers.rmtree(c)
+  end)
+
   -- (the resumed run recomputes its blocks except attention in backward: the same numbers)
   it('resumes bit-for-bit: 10 steps + checkpoint + 10 steps equals 20 steps (with dropout)', function()
     local a, b = tmpdir(), tmpdir()

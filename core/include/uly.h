@@ -137,7 +137,9 @@ void uly_profile_enable(int on);                            /* time every backwa
 void uly_profile_reset(void);
 int64_t uly_profile_report(char *buf, int64_t buflen);      /* "Op calls seconds" lines; returns the length needed */
 
-/* ---- ops (all differentiable; f32; every tensor argument on one device, the result there too) ---- */
+/* ---- ops (all differentiable; f32, or bf16 activations: computed in f32, the result bf16 where the
+ *      inputs are (a matmul's where a is), cross-entropy's loss f32; every tensor argument on one
+ *      device, the result there too) ---- */
 uly_tensor *uly_add(uly_tensor *a, uly_tensor *b);          /* broadcasting */
 uly_tensor *uly_sub(uly_tensor *a, uly_tensor *b);
 uly_tensor *uly_mul(uly_tensor *a, uly_tensor *b);
@@ -151,6 +153,9 @@ uly_tensor *uly_addmm(uly_tensor *a, uly_tensor *w, uly_tensor *bias); /* a [...
 int uly_set_matmul_bf16(int on);  /* mixed precision: matmuls (forward and backward) round their f32 operands to bf16,
                                      accumulate in f32 (tensor cores at the bf16 rate on a GPU); returns the previous setting */
 int uly_matmul_bf16(void);
+int uly_set_activation_bf16(int on); /* bf16 activations: embeddings give bf16, and every op keeps bf16 inputs bf16
+                                        (computing in f32, saving bf16 for backward; gradients stay f32); previous setting */
+int uly_activation_bf16(void);
 uly_tensor *uly_sum(uly_tensor *t, int dim, int keepdim);
 uly_tensor *uly_sum_all(uly_tensor *t);
 uly_tensor *uly_mean(uly_tensor *t, int dim, int keepdim);

@@ -306,7 +306,8 @@ end
 -- mixed precision: uly.matmul_precision('bf16') makes every matmul (forward and backward) round
 -- its f32 operands to bf16 and accumulate in f32 (tensor cores at the bf16 rate on a GPU); 'f32'
 -- (the default) keeps full f32 (TF32 on a GPU). Weights, optimizer state and every other op stay
--- f32. Returns the previous setting; uly.matmul_precision() only reads it.
+-- f32 (activations too, unless uly.activation_dtype('bf16'), below). Returns the previous setting;
+-- uly.matmul_precision() only reads it.
 function uly.matmul_precision(p)
   local prev = C.uly_matmul_bf16() ~= 0 and 'bf16' or 'f32'
   if p ~= nil then
@@ -314,6 +315,24 @@ function uly.matmul_precision(p)
       raise("matmul_precision: expected 'bf16' or 'f32' (TF32 on a GPU, exact f32 on the CPU), got " .. tostring(p))
     end
     C.uly_set_matmul_bf16(p == 'bf16' and 1 or 0)
+  end
+  return prev
+end
+
+-- bf16 activations: uly.activation_dtype('bf16') makes embeddings give bf16 tensors, and every op
+-- keeps bf16 inputs bf16 (a matmul's result takes its left operand's dtype; cross-entropy's loss
+-- stays f32): each op computes in f32 and rounds its result once, ops save bf16 inputs as bf16 for
+-- backward (half the activation memory), and every gradient is f32, so weights, gradients and
+-- optimizer state stay f32. With matmul_precision('bf16') it is Megatron-style mixed precision;
+-- on a GPU the GEMMs and attention then read the bf16 activations as they are. 'f32' (the
+-- default) turns it off. Returns the previous setting; uly.activation_dtype() only reads it.
+function uly.activation_dtype(dt)
+  local prev = C.uly_activation_bf16() ~= 0 and 'bf16' or 'f32'
+  if dt ~= nil then
+    if dt ~= 'bf16' and dt ~= 'f32' then
+      raise("activation_dtype: expected 'bf16' or 'f32', got " .. tostring(dt))
+    end
+    C.uly_set_activation_bf16(dt == 'bf16' and 1 or 0)
   end
   return prev
 end
