@@ -1202,11 +1202,15 @@ describe('memory planner on the CUDA kernels', function()
                    seq = 256, attention = 'flash', device = 'cuda', kernels = 'cuda' }
     for _, extra in ipairs { { precision = 'bf16' }, { precision = 'f32' },
                              { precision = 'bf16', checkpoint = true, tile = 64 },
-                             { precision = 'bf16', checkpoint = 'except_attention', tile = 64 } } do
+                             { precision = 'bf16', checkpoint = 'except_attention', tile = 64 },
+                             { precision = 'bf16', activations = 'bf16' },
+                             { precision = 'bf16', checkpoint = 'except_attention', tile = 64, activations = 'bf16' },
+                             { precision = 'f32', activations = 'bf16' } } do
       local pc = {}
       for k, v in pairs(base) do pc[k] = v end
       for k, v in pairs(extra) do pc[k] = v end
-      local what = ('%s%s'):format(pc.precision, pc.checkpoint and (', checkpoint ' .. tostring(pc.checkpoint) .. ' + tile') or '')
+      local what = ('%s%s%s'):format(pc.precision, pc.checkpoint and (', checkpoint ' .. tostring(pc.checkpoint) .. ' + tile') or '',
+                                     pc.activations and ', bf16 activations' or '')
       helpers.reseed(44)
       local peak, est, temporaries = pm.measure(pc)
       local ratio = est.total / peak

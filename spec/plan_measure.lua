@@ -73,6 +73,7 @@ local function measure(pc, grid)
   jit.off()
   uly.reset_peak_memory(dev)
   if pc.precision then uly.matmul_precision(pc.precision) end
+  if pc.activations then uly.activation_dtype(pc.activations) end
   local cuda_kernels = pc.kernels == 'cuda'
   if cuda_kernels then uly.synchronize(dev); assert(uly.cuda.temporaries_peak(true)) end
   local lo, n = 0, N
@@ -90,6 +91,7 @@ local function measure(pc, grid)
     opt:step()
   end
   uly.matmul_precision('f32')
+  uly.activation_dtype('f32')
   local temporaries = cuda_kernels and assert(uly.cuda.temporaries_peak()) or nil
   local peak = uly.memory(dev).peak - base
   jit.on()

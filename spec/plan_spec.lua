@@ -39,6 +39,17 @@ describe('memory planner', function()
     { what = 'gpt, reference, batch 2, checkpoint + tile', model = 'gpt', preset = 'small', seq = 512, batch = 2,
       attention = 'reference', checkpoint = true, tile = 128 },
     { what = 'gpt, flash, tile', model = 'gpt', preset = 'small', seq = 1024, attention = 'flash', tile = 256 },
+    -- bf16 activations: each op's f32 copies of its bf16 inputs, its f32 result rounded into a
+    -- bf16 one, bf16 saved tensors and the engine's f32 copies of them around each backward rule
+    { what = 'llama, flash, bf16 activations', model = 'llama', preset = 'small', seq = 1024, attention = 'flash',
+      activations = 'bf16' },
+    { what = 'llama, flash window, checkpoint + tile, bf16 activations', model = 'llama', preset = 'small', seq = 2048,
+      attention = 'flash', window = 256, checkpoint = true, tile = 512, activations = 'bf16' },
+    { what = 'llama, flash, checkpoint except attention + tile, bf16 activations', model = 'llama', preset = 'small',
+      seq = 8192, layers = 6, dim = 128, hidden = 344, heads = 2, kv_heads = 1, attention = 'flash',
+      checkpoint = 'except_attention', tile = 1024, activations = 'bf16' },
+    { what = 'gpt, flash, tile, bf16 activations (an f32 bias added in f32)', model = 'gpt', preset = 'small',
+      seq = 1024, attention = 'flash', tile = 256, activations = 'bf16' },
   }
   for _, pc in ipairs(cases) do
     it('estimates the peak of one training step within 10 %: ' .. pc.what, function() check(pc) end)
@@ -48,6 +59,22 @@ describe('memory planner', function()
     local _, est = check({ what = 'llama, reference, 2048', model = 'llama', preset = 'small', seq = 2048,
                            attention = 'reference' })
     assert.is_true(est.parts.attention > 0 and est.untracked > 0)
+  end)
+
+  it('bf16 activations: less memory, and what it does not model refused', function()
+    local base = { model = 'llama', preset = 'small', seq = 4096, attention = 'flash', checkpoint = true, tile = 1024 }
+    local f32 = plan.estimate(base)
+    base.activations = 'bf16'
+    local bf16 = plan.estimate(base)
+    assert.is_true(bf16.total < f32.total, ('%d vs %d'):format(bf16.total, f32.total))
+    assert.is_true(bf16.parts.activations < 0.6 * f32.parts.activations)
+    assert.matches('activations bf16', plan.report(bf16), 1, true)
+    assert.matches("activations must be 'f32' or 'bf16'", helpers.error_of(function()
+      plan.estimate { model = 'llama', activations = 'f16' }
+    end), 1, true)
+    assert.matches('bf16 activations only with --attention flash', helpers.error_of(function()
+      plan.estimate { model = 'llama', attention = 'reference', activations = 'bf16' }
+    end), 1, true)
   end)
 
   it('breaks the total down into parts that add up to it', function()
@@ -101,6 +128,8 @@ describe('memory planner on a device (the simulation: device pools, the CPU kern
       binds = true },
     { what = 'gpt, flash, checkpoint + tile', model = 'gpt', preset = 'small', seq = 1024, attention = 'flash',
       checkpoint = true, tile = 256 },
+    { what = 'llama, flash, checkpoint + tile, bf16 activations', model = 'llama', preset = 'small', seq = 2048,
+      attention = 'flash', checkpoint = true, tile = 512, activations = 'bf16' },
   } do
     it('estimates the device pool\'s peak of one step within 10 %: ' .. pc.what, function()
       pc.device, pc.kernels = 'cuda', 'cpu'
@@ -156,6 +185,8 @@ describe('memory planner under sequence parallelism #mpi', function()
       { what = 'llama reference', model = 'llama', preset = 'small', seq = 1024, attention = 'reference', sp = P },
       { what = 'llama flash ckpt tile', model = 'llama', preset = 'small', seq = 2048, attention = 'flash', sp = P,
         checkpoint = true, tile = 256 },
+      { what = 'llama flash ckpt tile bf16 activations', model = 'llama', preset = 'small', seq = 2048,
+        attention = 'flash', sp = P, checkpoint = true, tile = 256, activations = 'bf16' },
     } do
       pc.what = string.format('%s, P = %d, rank %d', pc.what, P, g.world_group:rank())
       check(pc, g)

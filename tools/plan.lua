@@ -5,6 +5,7 @@
 --   luajit tools/plan.lua --model llama --preset small --seq 65536 --sp 4 --attention flash \
 --     --checkpoint 1 (2: except attention) --tile 1024 [--budget 20GiB] [--window 4096] [--batch 1] [--dim ..]
 --     [--device cuda [--precision bf16] [--gpu-memory 139GiB]]   (one GPU per rank)
+--     [--activations bf16]   (uly.activation_dtype: activations kept in bf16 between ops)
 --     [--dp 2] [--zero 1] [--overlap 1]   (data parallel x sp ranks; ZeroAdamW's sharded state
 --     over all of them; the gradient reduction during backward, train.lua's default)
 --   local plan = require 'tools.plan'
@@ -81,7 +82,8 @@ local function new_sim(c, gc_next)
   return setmetatable({ cur = 0, peak = 0, by = by, at_peak = {}, gc_next = gc_next or GC_MIN_GROWTH,
                         garbage = {}, frame = {}, grad = true, pending = {}, swept = {}, seq = 0, untracked = 0, phase = 'setup',
                         peak_phase = 'setup', device = c.device, device_memory = c.device_memory,
-                        kernels = c.kernels, precision = c.precision }, Sim)
+                        kernels = c.kernels, precision = c.precision, act16 = c.activations == 'bf16',
+                        native16 = c.activations == 'bf16' and c.kernels == 'cuda' and c.precision == 'bf16' }, Sim)
 end
 
 function Sim:mark_peak()
@@ -197,22 +199,26 @@ function Sim:cuda_temporary(bytes)
 end
 
 ---------------------------------------------------------------- tensors and autograd
--- a tensor: { s = storage, b = bytes, node = producing node, rg = requires grad, leaf = bool,
---   contig = bool, param = bool, grad = storage }
+-- a tensor: { s = storage, b = bytes, es = element size (2: bf16 activations; nil: 4), node =
+--   producing node, rg = requires grad, leaf = bool, contig = bool, param = bool, grad = storage }
 local function result(self, bytes, cat)
   local s = self:alloc(bytes, cat)
   self:hold(s)
   return { s = s, b = bytes, contig = true }
 end
 
--- record a node when grad mode is on and an input requires grad; saved storages gain a handle
-function Sim:record(out, inputs, saved, rule, pass)
+-- a tensor's bytes as f32 (its gradient's size)
+local function f32_bytes(t) return t.es == 2 and t.b * 2 or t.b end
+
+-- record a node when grad mode is on and an input requires grad; saved storages gain a handle;
+-- conv: the bytes of the f32 copies the engine makes of bf16 saved tensors around the rule
+function Sim:record(out, inputs, saved, rule, pass, conv)
   if not self.grad then return end
   local any = false
   for _, t in ipairs(inputs) do any = any or t.rg end
   if not any then return end
   self.seq = self.seq + 1
-  local n = { id = self.seq, inputs = inputs, saved = {}, rule = rule, pass = pass, out_b = out.b }
+  local n = { id = self.seq, inputs = inputs, saved = {}, rule = rule, pass = pass, out_f32 = f32_bytes(out), conv = conv }
   for _, s in ipairs(saved or {}) do
     self:ref(s)
     n.saved[#n.saved + 1] = s
@@ -223,7 +229,7 @@ end
 -- a view handle on t's storage (wrapped in Lua unless internal); node passes the gradient through
 function Sim:view(t, bytes, opts)
   opts = opts or {}
-  local v = { s = t.s, b = bytes or t.b, contig = opts.contig ~= false and t.contig }
+  local v = { s = t.s, b = bytes or t.b, es = t.es, contig = opts.contig ~= false and t.contig }
   if not opts.internal then
     self:ref(t.s)
     self:hold(t.s)
@@ -234,20 +240,22 @@ function Sim:view(t, bytes, opts)
 end
 
 -- gradient buffer of input t (core/autograd.c edge_grad)
+-- gradients are f32, whatever the tensor's dtype
 function Sim:edge_grad(t)
+  local gb = f32_bytes(t)
   if t.node then
     local slot = t.node.gout
     if not slot then
-      slot = { s = self:alloc(t.b, 'backward') }
+      slot = { s = self:alloc(gb, 'backward') }
       t.node.gout = slot
     elseif slot.borrowed then
-      local own = self:alloc(t.b, 'backward')
+      local own = self:alloc(gb, 'backward')
       self:unref(slot.s)
       slot.s, slot.borrowed = own, false
     end
     return slot.s
   end
-  if not t.grad then t.grad = self:alloc(t.b, t.param and 'gradients' or 'backward') end
+  if not t.grad then t.grad = self:alloc(gb, t.param and 'gradients' or 'backward') end
   return t.grad
 end
 
@@ -270,13 +278,13 @@ function Sim:backward(root)
   local prev = self.grad
   self.grad = false
   local order = reachable(root)
-  root.node.gout = { s = self:alloc(root.b, 'backward') }
+  root.node.gout = { s = self:alloc(f32_bytes(root), 'backward') }
   for _, n in ipairs(order) do
     if n.gout then
       local gins = {}
       for k, t in ipairs(n.inputs) do
         if t.rg then
-          if n.pass and n.pass[k] and t.node and not t.node.gout and t.b == n.out_b then
+          if n.pass and n.pass[k] and t.node and not t.node.gout and f32_bytes(t) == n.out_f32 then
             self:ref(n.gout.s)
             t.node.gout = { s = n.gout.s, borrowed = true }
           else
@@ -284,7 +292,10 @@ function Sim:backward(root)
           end
         end
       end
+      local conv = {}   -- core/autograd.c saved_as_f32: bf16 saved tensors as f32 copies for the rule
+      for _, b in ipairs(n.conv or {}) do conv[#conv + 1] = self:alloc(b, 'backward') end
       if n.rule then n.rule(self, n, gins) end
+      for _, cs in ipairs(conv) do self:unref(cs) end
       self:unref(n.gout.s)
       n.gout = nil
       for _, s in ipairs(n.saved) do self:unref(s) end
@@ -312,21 +323,48 @@ local function contiguous(self, t, cat)
   return self:alloc(t.b, cat or 'activations')
 end
 
+local function elems(t) return t.b / (t.es or F) end
+
+-- bf16 activations (core/tensor.c): the f32 copy an op's kernel reads of a bf16 input
+-- (uly_contiguous_f32; the caller unrefs it); nil for an f32 input
+local function f32_copy(self, t, cat)
+  if t.es ~= 2 then return nil end
+  return self:alloc(t.b * 2, cat or 'activations')
+end
+local function unref_opt(self, s) if s then self:unref(s) end end
+
+-- an op's result of n elements: computed into f32 (output_begin), then, for bf16 inputs,
+-- rounded into a bf16 result and the f32 one freed (output_end: uly_result_as)
+local function output_begin(self, n, bf16, cat)
+  if not bf16 then return { out = result(self, n * F, cat) } end
+  return { f = self:alloc(n * F, cat), n = n, cat = cat }
+end
+local function output_end(self, o)
+  if o.out then return o.out end
+  local out = result(self, o.n * 2, o.cat)
+  out.es = 2
+  self:unref(o.f)
+  return out
+end
+local function output(self, n, bf16, cat) return output_end(self, output_begin(self, n, bf16, cat)) end
+
 -- the CUDA GEMM's temporaries (kernels/cuda/gemm.cu): in bf16, copies of both operands in the
 -- forward (x [rows, k], w [n, k]); in backward the output gradient is rounded once into the pool
 -- when both GEMMs take it (core/backward.c bf16_once), and each GEMM rounds its other operand
 -- (dx = g w^T: w; dw = x^T g: x); a bias gradient over >= 4096 rows sums partials in doubles
--- (kernels/cuda/elementwise.cu sum_view); returns the backward's rule
-local function gemm_temporaries(self, rows, k, n, bias, x_grad)
+-- (kernels/cuda/elementwise.cu sum_view); returns the backward's rule. x16: x is bf16 already
+-- (bf16 activations), so nothing rounds it
+local function gemm_temporaries(self, rows, k, n, bias, x_grad, x16)
   if self.kernels ~= 'cuda' then return nil end
-  if self.precision == 'bf16' then self:cuda_temporary((rows * k + n * k) * 2) end
+  local xr = x16 and 0 or rows * k   -- x's rounded copy
+  if self.precision == 'bf16' then self:cuda_temporary((xr + n * k) * 2) end
   return function(sim)
     if sim.precision == 'bf16' then
       if x_grad then
         sim:scratch(rows * n * 2, 'backward')
-        sim:cuda_temporary(math.max(n, rows) * k * 2)
+        sim:cuda_temporary(math.max(n * k, xr) * 2)
       else   -- dw = x^T g alone
-        sim:cuda_temporary((rows * k + rows * n) * 2)
+        sim:cuda_temporary((xr + rows * n) * 2)
       end
     end
     if bias and rows >= 4096 and n < 65536 then sim:cuda_temporary(math.min(math.floor(rows / 1024), 128) * n * 8) end
@@ -335,11 +373,36 @@ end
 
 -- x @ w (w a parameter [k, n]); x saved as it is when contiguous, else a copy. nn.Linear with a
 -- bias is one addmm (core/ops.c: the bias seeds the output, one GEMM adds), which saves the same.
+-- bf16 activations: x saved as bf16; where the GEMM cannot read bf16 (CPU kernels, f32
+-- precision) an f32 copy of it for the product, and one for backward's rule; the result rounded
+-- to bf16 (with a bias and no bf16 GEMMs: the f32 product, plus the bias, then a copy node)
 local function matmul(self, x, rows, k, n, w, cat, bias)
+  cat = cat or 'activations'
+  local x16 = x.es == 2
+  local native = x16 and self.native16
   local xs = contiguous(self, x)
-  local out = result(self, rows * n * F, cat or 'activations')
+  local xf = (x16 and not native) and self:alloc(rows * k * F, 'activations') or nil
   local inputs = bias and { x, w, bias } or { x, w }
-  self:record(out, inputs, { xs }, gemm_temporaries(self, rows, k, n, bias ~= nil, x.rg))
+  local conv = (x16 and not native) and { rows * k * F } or nil
+  local rule = gemm_temporaries(self, rows, k, n, bias ~= nil, x.rg, x16)
+  local out
+  if x16 and bias and not native then   -- core/ops.c addmm's general path
+    local t = self:alloc(rows * n * F, cat)
+    self:unref(xf)
+    xf = nil
+    local sum = self:alloc(rows * n * F, cat)
+    self:unref(t)
+    local inner = { s = sum, b = rows * n * F, contig = true }
+    self:record(inner, inputs, { xs }, rule, nil, conv)
+    out = result(self, rows * n * 2, cat)
+    out.es = 2
+    self:unref(sum)
+    self:record(out, { inner })
+  else
+    out = output(self, rows * n, x16, cat)
+    self:record(out, inputs, { xs }, rule, nil, conv)
+  end
+  unref_opt(self, xf)
   self:unref(xs)
   self:wrapped()
   return out
@@ -350,21 +413,28 @@ local function linear(self, x, rows, k, n, lin, cat)
 end
 
 local function add(self, a, b)
-  local out = result(self, math.max(a.b, b.b), 'activations')
+  local af, bf = f32_copy(self, a), f32_copy(self, b)
+  local bf16 = (a.es == 2 and b.es == 2) or ((a.es == 2 or b.es == 2) and self.act16)
+  local out = output(self, math.max(elems(a), elems(b)), bf16, 'activations')
+  unref_opt(self, af); unref_opt(self, bf)
   self:record(out, { a, b }, nil, nil, { true, true })
   self:wrapped()
   return out
 end
 
 local function norm(self, x, rows, kind, mod)
+  local x16 = x.es == 2
+  local xf = f32_copy(self, x)
   local xs = contiguous(self, x)
-  local out = result(self, x.b, 'activations')
+  local o = output_begin(self, elems(x), x16, 'activations')
   local stats = { self:alloc(rows * F, 'activations') }
   if kind == 'layernorm' then stats[2] = self:alloc(rows * F, 'activations') end
+  local out = output_end(self, o)
   local rule = self.kernels == 'cuda' and function(sim)   -- kernels/cuda/rows.cu: per-chunk partial sums
-    sim:cuda_temporary(2 * math.min(rows, 128) * (x.b / F / rows) * 8)
+    sim:cuda_temporary(2 * math.min(rows, 128) * (elems(x) / rows) * 8)
   end or nil
-  self:record(out, { x, mod.weight, mod.bias }, { xs, stats[1], stats[2] }, rule)
+  self:record(out, { x, mod.weight, mod.bias }, { xs, stats[1], stats[2] }, rule, nil, x16 and { elems(x) * F } or nil)
+  unref_opt(self, xf)
   self:unref(xs)
   for _, s in ipairs(stats) do self:unref(s) end
   self:wrapped()
@@ -372,8 +442,8 @@ local function norm(self, x, rows, kind, mod)
 end
 
 local function rope(self, x)
-  local xs = contiguous(self, x)
-  local out = result(self, x.b, 'activations')
+  local xs = x.es == 2 and f32_copy(self, x) or contiguous(self, x)
+  local out = output(self, elems(x), x.es == 2, 'activations')
   self:record(out, { x })
   self:unref(xs)
   self:wrapped()
@@ -381,18 +451,26 @@ local function rope(self, x)
 end
 
 local function unary(self, x)     -- gelu: saves its input and its output
+  local xf = f32_copy(self, x)
+  local out = output(self, elems(x), x.es == 2, 'activations')
   local xs = contiguous(self, x)
-  local out = result(self, x.b, 'activations')
-  self:record(out, { x }, { xs, out.s })
+  self:record(out, { x }, { xs, out.s }, nil, nil, x.es == 2 and { elems(x) * F, elems(x) * F } or nil)
+  unref_opt(self, xf)
   self:unref(xs)
   self:wrapped()
   return out
 end
 
 local function swiglu(self, g, u)
+  local gf, uf = f32_copy(self, g), f32_copy(self, u)
+  local bf16 = (g.es == 2 and u.es == 2) or ((g.es == 2 or u.es == 2) and self.act16)
+  local out = output(self, elems(g), bf16, 'activations')
   local gs, us = contiguous(self, g), contiguous(self, u)
-  local out = result(self, g.b, 'activations')
-  self:record(out, { g, u }, { gs, us })
+  local conv = {}
+  if g.es == 2 then conv[#conv + 1] = elems(g) * F end
+  if u.es == 2 then conv[#conv + 1] = elems(u) * F end
+  self:record(out, { g, u }, { gs, us }, nil, nil, conv)
+  unref_opt(self, gf); unref_opt(self, uf)
   self:unref(gs); self:unref(us)
   self:wrapped()
   return out
@@ -437,7 +515,8 @@ end
 local function cuda_flash_temporaries(a, precision, backward)
   local nq, nk = a.B * a.Tq * a.H * a.D, a.B * a.Tk * a.Hkv * a.D
   local bf16 = precision == 'bf16'
-  local bytes = bf16 and (nq + 2 * nk + (backward and nq or 0)) * 2 or 0
+  local copied = a.qkv16 and 0 or nq + 2 * nk   -- bf16 activations: q, k, v read as they are
+  local bytes = bf16 and (copied + (backward and nq or 0)) * 2 or 0
   if not (bf16 and (a.D == 32 or a.D == 64 or a.D == 128)) then
     local rows = tonumber(os.getenv('ULY_CUDA_ATTN_CHUNK') or '') or math.max(16, math.floor(2 ^ 26 / math.max(a.Tk, 1) / 16) * 16)
     local per = math.min(rows, a.Tq) * math.max(a.Tk, 1)
@@ -451,25 +530,36 @@ M.cuda_flash_temporaries = cuda_flash_temporaries
 -- in a checkpoint_except_attention segment (lua/ulysses/attention_keep.lua) the forward's output
 -- and lse gain a handle on the segment's tape; the replay's call takes them back (a new view of
 -- the output, no forward, no scratch) and the tape's handles become garbage
+-- bf16 activations (core/flash.c): on the CUDA kernels in bf16 q, k, v are read and saved as
+-- they are; elsewhere each is an f32 copy (saved); the output is computed in f32 and rounded to
+-- bf16, and backward's rule gets an f32 copy of it
 local function attention_flash(self, q, k, v, a)
   local nqt, nkt = math.ceil(a.Tq / 64), math.ceil(a.Tk / 64)
   local kt, qt = a.B * a.Hkv * nkt * a.D * 64, a.B * a.H * nqt * a.D * 64
   local cuda = self.kernels == 'cuda'
+  local q16 = q.es == 2
+  a.qkv16 = q16 and self.native16
+  local no = a.B * a.Tq * a.H * a.D
+  local operands = { q.s, k.s, v.s }
+  if q16 and not self.native16 then
+    operands = { f32_copy(self, q), f32_copy(self, k), f32_copy(self, v) }
+  end
   local lse, out
   local tape = self.keep_replaying
   if tape then
     tape.pos = tape.pos + 1
     local item = tape.items[tape.pos]
     tape.items[tape.pos] = nil
-    out = { s = item.out, b = a.B * a.Tq * a.H * a.D * F, contig = true }
+    out = { s = item.out, b = no * (q16 and 2 or F), es = q16 and 2 or nil, contig = true }
     self:ref(out.s); self:hold(out.s)
     lse = item.lse
     self:ref(lse)
     self:forget(item.out); self:forget(item.lse)
   else
     lse = self:alloc(a.B * a.H * a.Tq * F, 'attention')
-    out = result(self, a.B * a.Tq * a.H * a.D * F, 'activations')
+    local o = output_begin(self, no, q16, 'activations')
     self:scratch(cuda and F or kt * F, 'attention')
+    out = output_end(self, o)
     if cuda then self:cuda_temporary(cuda_flash_temporaries(a, self.precision, false)) end
     if self.keep_recording then
       self:ref(out.s); self:ref(lse)
@@ -489,19 +579,23 @@ local function attention_flash(self, q, k, v, a)
     end
     sim:unref(delta)
   end
-  self:record(out, { q, k, v }, { q.s, k.s, v.s, out.s, lse }, rule)
+  self:record(out, { q, k, v }, { operands[1], operands[2], operands[3], out.s, lse }, rule, nil,
+              q16 and { no * F } or nil)
+  if operands[1] ~= q.s then for _, st in ipairs(operands) do self:unref(st) end end
   self:unref(lse)
   self:wrapped()
   return out
 end
 
 local function cross_entropy(self, logits, rows)
+  local lf = f32_copy(self, logits, 'logits')   -- bf16 logits: read as f32, saved as bf16
   local ls = contiguous(self, logits)
   local loss_rows = self:alloc(rows * F, 'logits')
   local lse = self:alloc(rows * F, 'logits')
   local out = result(self, F, 'logits')
   local function rule(sim) sim:scratch(rows * F, 'logits') end
-  self:record(out, { logits }, { ls, lse }, rule)
+  self:record(out, { logits }, { ls, lse }, rule, nil, logits.es == 2 and { elems(logits) * F } or nil)
+  unref_opt(self, lf)
   self:unref(ls); self:unref(loss_rows); self:unref(lse)
   self:wrapped()
   return out
@@ -556,13 +650,16 @@ end
 -- bf16 buffer it receives into (after); on the device also the packed send and receive blocks,
 -- in the exchanged dtype. exchange_begin before the result, exchange_end after it, with the
 -- elements this rank sends and receives.
-local function exchange_begin(sim, send_elems)
-  if sim.precision ~= 'bf16' then return nil end
+-- With bf16 activations what crosses is bf16 whatever the precision, and bf16 data is sent and
+-- received as it is (data16: no copy, no receive buffer).
+local function exchange_begin(sim, send_elems, data16)
+  if sim.precision ~= 'bf16' and not sim.act16 then return nil end
+  if data16 then return nil end
   return sim:alloc(send_elems * 2, 'communication')
 end
 
 local function exchange_end(sim, send_copy, send_elems, recv_elems)
-  local es = sim.precision == 'bf16' and 2 or 4
+  local es = (sim.precision == 'bf16' or sim.act16) and 2 or 4
   local recv = send_copy and sim:alloc(recv_elems * es, 'communication')
   if sim.device == 'cuda' then
     local packed = sim:alloc(math.max(send_elems, 1) * es, 'communication')
@@ -584,10 +681,12 @@ local function self_attention(self, c, blk, x)
   local attend = c.attention == 'flash' and attention_flash or attention_ref
   if c.sp > 1 then
     local N, hq, gk = c.seq_total, c.hq, c.gk
+    local es = qkv.es or F
     local src = contiguous(self, qkv)
     local heads, stage_floats = B * N * (hq + 2 * gk) * D, B * n * c.stage_width * D
-    local send = exchange_begin(self, B * n * (H + 2 * G) * D)
-    local recv = result(self, heads * F, 'communication')
+    local send = exchange_begin(self, B * n * (H + 2 * G) * D, es == 2)
+    local recv = result(self, heads * es, 'communication')
+    recv.es = qkv.es
     exchange_end(self, send, stage_floats, heads)
     self:record(recv, { qkv }, nil, function(sim)
       local stage = sim:alloc(stage_floats * F, 'communication')
@@ -596,17 +695,19 @@ local function self_attention(self, c, blk, x)
     end)
     self:unref(src)
     self:wrapped()
-    local q = self:view(recv, B * N * hq * D * F, { narrow = true, contig = false })
-    local k = self:view(recv, B * N * gk * D * F, { narrow = true, contig = false })
-    local v = self:view(recv, B * N * gk * D * F, { narrow = true, contig = false })
+    local q = self:view(recv, B * N * hq * D * es, { narrow = true, contig = false })
+    local k = self:view(recv, B * N * gk * D * es, { narrow = true, contig = false })
+    local v = self:view(recv, B * N * gk * D * es, { narrow = true, contig = false })
     if c.rope then q, k = rope(self, q), rope(self, k) end
     local o = attend(self, q, k, v, { B = B, Tq = N, Tk = N, H = hq, Hkv = gk, D = D, threads = c.threads })
     local os_ = contiguous(self, o)
     local mine, back = B * N * hq * D, B * n * H * D    -- o's elements, y's elements
-    local send = exchange_begin(self, mine)
-    y = result(self, back * F, 'communication')
+    local oes = o.es or F
+    local send = exchange_begin(self, mine, oes == 2)
+    y = result(self, back * oes, 'communication')
+    y.es = o.es
     exchange_end(self, send, mine, back)
-    local ob = o.b
+    local ob = f32_bytes(o)
     self:record(y, { o }, nil, function(sim)
       local stage = sim:alloc(ob, 'communication')
       exchange_end(sim, exchange_begin(sim, back), back, mine)
@@ -615,9 +716,10 @@ local function self_attention(self, c, blk, x)
     self:unref(os_)
     self:wrapped()
   else
-    local q = self:view(qkv, rows * H * D * F, { narrow = true, contig = false })
-    local k = self:view(qkv, rows * G * D * F, { narrow = true, contig = false })
-    local v = self:view(qkv, rows * G * D * F, { narrow = true, contig = false })
+    local es = qkv.es or F
+    local q = self:view(qkv, rows * H * D * es, { narrow = true, contig = false })
+    local k = self:view(qkv, rows * G * D * es, { narrow = true, contig = false })
+    local v = self:view(qkv, rows * G * D * es, { narrow = true, contig = false })
     if c.rope then q, k = rope(self, q), rope(self, k) end
     y = attend(self, q, k, v, { B = B, Tq = n, Tk = n, H = H, Hkv = G, D = D, threads = c.threads })
   end
@@ -646,7 +748,7 @@ local function chunked(self, c, x, fn, reduce)
   local slices = {}
   for s0 = 1, n, tile do slices[#slices + 1] = math.min(tile, n - s0 + 1) end
   local function slice(t, len)
-    local v = { s = t.s, b = B * len * c.dim * F, contig = B == 1 }
+    local v = { s = t.s, b = B * len * c.dim * (t.es or F), es = t.es, contig = B == 1 }
     self:ref(t.s); self:hold(t.s); self:wrapped()
     return v
   end
@@ -661,7 +763,8 @@ local function chunked(self, c, x, fn, reduce)
       res = result(self, F, 'logits')
       self:wrapped()
     elseif not res then
-      res = result(self, B * n * c.dim * F, 'activations')
+      res = result(self, B * n * c.dim * (y.es or F), 'activations')   -- in y's dtype
+      res.es = y.es
       self:wrapped()
     end
     self:leave(outer, res)
@@ -671,7 +774,7 @@ local function chunked(self, c, x, fn, reduce)
   if not recording then return res end
   self:ref(x.s)                                 -- the replay closure keeps its argument
   self.pending[#self.pending + 1] = x.s
-  local out = { s = res.s, b = res.b, contig = true }
+  local out = { s = res.s, b = res.b, es = res.es, contig = true }
   self:ref(res.s); self:hold(res.s); self:wrapped()
   local function replay(sim, _, gins)
     sim:wrapped()                               -- T.wrap(g_handle)
@@ -679,7 +782,7 @@ local function chunked(self, c, x, fn, reduce)
       local before = sim.cur
       local outer = sim:enter()
       local xs = slice(x, len)
-      local leaf = { s = xs.s, b = xs.b, rg = gins[1] ~= nil, leaf = true, contig = true }
+      local leaf = { s = xs.s, b = xs.b, es = xs.es, rg = gins[1] ~= nil, leaf = true, contig = true }
       if xs.contig then
         sim:ref(xs.s)
       else
@@ -735,12 +838,12 @@ local function checkpointed(self, c, blk, x)
   if self.cur - before > MiB then self:collect() end
   self:ref(x.s) -- the replay closure keeps its argument until the node is freed
   self.pending[#self.pending + 1] = x.s
-  local out = { s = y.s, b = y.b, contig = true }
+  local out = { s = y.s, b = y.b, es = y.es, contig = true }
   self:ref(y.s); self:hold(y.s); self:wrapped()
   local function replay(sim, n_, gins)
     local outer2 = sim:enter()
     local pending_before = #sim.pending
-    local leaf = { s = x.s, b = x.b, rg = gins[1] ~= nil, leaf = true, contig = true }
+    local leaf = { s = x.s, b = x.b, es = x.es, rg = gins[1] ~= nil, leaf = true, contig = true }
     sim:ref(x.s); sim:hold(x.s); sim:wrapped()
     sim.grad = true
     sim.keep_replaying = tape
@@ -781,7 +884,7 @@ end
 -- buffer for x, then hands the layer's grads to the sync: plain, the first one makes its flat
 -- buffer; ZeroAdamW stage 2 frees each grad once copied into its own (held from construction)
 local function mark(self, c, x, params)
-  local v = { s = x.s, b = x.b, contig = x.contig }
+  local v = { s = x.s, b = x.b, es = x.es, contig = x.contig }
   self:ref(x.s)
   self:hold(x.s)
   self:record(v, { x }, nil, function(sim)
@@ -802,7 +905,7 @@ local function forward_loss(self, c, model)
   local B, n, C = c.batch, c.n, c.dim
   local rows = B * n
   local idx = { s = c.ids_s, b = rows * 4, contig = true }
-  local h = result(self, rows * C * F, 'activations')
+  local h = output(self, rows * C, self.act16, 'activations')   -- bf16 activations start here
   self:record(h, { idx, model.embed })
   self:wrapped()
   if c.model == 'gpt' then
@@ -909,6 +1012,11 @@ function M.config(cfg)
   one_of('precision', c.precision, 'f32', 'bf16')
   if c.precision == 'bf16' and c.kernels ~= 'cuda' then   -- the CPU's rounded operand copies are not replayed
     error('plan: bf16 matmuls only with the CUDA kernels (--device cuda); on the CPU plan in f32', 3)
+  end
+  c.activations = cfg.activations or 'f32'   -- uly.activation_dtype, train.lua --activations
+  one_of('activations', c.activations, 'f32', 'bf16')
+  if c.activations == 'bf16' and c.attention == 'reference' then   -- its f32 copies and casts are not replayed
+    error("plan: bf16 activations only with --attention flash (the reference kernel's casts are not replayed)", 3)
   end
   if model == 'llama' then
     c.kv_heads = cfg.kv_heads or preset.kv_heads or c.heads
@@ -1095,6 +1203,7 @@ function M.report(est)
     add('device cuda (%s kernels, %s GiB), matmul precision %s', c.kernels, string.format('%.1f', c.device_memory / GiB),
         c.precision)
   end
+  if c.activations == 'bf16' then add('activations bf16 (computed in f32; weights, gradients and optimizer state f32)') end
   add('peak per rank (in the %s), by part:', est.phase)
   for _, k in ipairs(M.PARTS) do
     add('  %-14s %12s   %s', k, fmt(est.parts[k]), M.PART_HELP[k])
@@ -1138,7 +1247,7 @@ local function main(args)
       end
       cfg[key] = v == '1' or v == 'true'
     elseif key == 'model' or key == 'preset' or key == 'attention' or key == 'device' or key == 'kernels'
-      or key == 'precision' then cfg[key] = v
+      or key == 'precision' or key == 'activations' then cfg[key] = v
     elseif key == 'gpu-memory' then cfg.device_memory = parse_bytes(v)
     elseif numeric[key] then
       local n = tonumber(v)

@@ -157,7 +157,7 @@ return function(nn, U)
           if not out then
             local shape = y:shape()
             shape[dim] = n
-            out = uly.empty(shape, { device = y:device() })
+            out = uly.empty(shape, { device = y:device(), dtype = y:dtype() })
           end
           slice(out, s0):copy_(y)
         end
