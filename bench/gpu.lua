@@ -12,7 +12,8 @@
 --      kept: backward runs no attention forward; --step-checkpoint full recomputes it too), tiled
 --      loss, bf16 matmuls, AdamW, on the tuned attention kernels where tools/tune_attention.lua's
 --      cache has a choice for this GPU; one more step under uly.cuda.profile prints the GPU time by kernel,
---      and one more with the untimed attention variants (128-row forward and dQ, 64-query dK/dV).
+--      and one more with the untimed attention variants (128-row forward and dQ, 64-query dK/dV);
+--      then with bf16 activations, through the bf16 kernels and through converting copies.
 -- Never asserts on time. Each timing is the median of --reps runs after a warm-up, bracketed by
 -- uly.synchronize('cuda'). FLOPs: GEMM 2 M N K; causal attention forward 2 N^2 D H (half of the
 -- dense 4 N^2 D H), backward 2.5x forward; the step counts model FLOPs (6 N_params + 12 L C T per
@@ -366,6 +367,30 @@ if opts.step then
       table.concat(set, ' '), variant_s, 100 * model:flops_per_token(T) * T / variant_s / peak, step_s / variant_s)
   end
   local variant_lines = { variant_step('rows128', 'rows128', '64'), variant_step('rows128', 'rows128', 'rows128') }
+  -- the same step with bf16 activations (uly.activation_dtype): through the kernels that read and
+  -- write bf16, then through converting copies around the f32 kernels (the same bits; what the
+  -- bf16 kernels save in memory traffic); peak memory of each
+  local function activations_step(kernels)
+    uly.matmul_precision('bf16')
+    uly.activation_dtype('bf16')
+    if #tuned > 0 then uly.cuda.apply_tuned() end
+    local prev = uly.cuda.bf16_kernels(kernels)
+    uly.reset_peak_memory('cuda')
+    local s = time(function()
+      opt:zero_grad()
+      model:loss(x, x):backward()
+      opt:step()
+    end, 1, not kernels)   -- the first one after a warm-up step (new block sizes in the pool)
+    local peak_b = uly.memory('cuda').peak
+    uly.cuda.bf16_kernels(prev)
+    uly.activation_dtype('f32')
+    uly.matmul_precision('f32')
+    return ('step with bf16 activations (%s): %.2f s, MFU %.1f%% (%.2fx the step above), peak device memory %.1f GiB'):format(
+      kernels and 'bf16 kernels' or 'converting copies around the f32 kernels', s,
+      100 * model:flops_per_token(T) * T / s / peak, step_s / s, peak_b / 2^30)
+  end
+  variant_lines[#variant_lines + 1] = activations_step(true)
+  variant_lines[#variant_lines + 1] = activations_step(false)
   local a_step = c.layers * (keep and a_both or a_fwd + a_both)
   local attention_line = ('attention at the step\'s shape (%d heads, %d K/V, D %d): %.1f ms forward, %.1f ms backward a layer;'
     .. ' %d layers x (forward + %sbackward) = %.2f s of the step'):format(c.heads, c.kv_heads, hd,

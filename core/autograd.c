@@ -305,13 +305,19 @@ static int writes_fresh(int op, int k) { return op == ULY_OP_MATMUL || (op == UL
 /* bf16 activations: ops save bf16 inputs as bf16, and the rules compute in f32, so each such saved
  * tensor reaches its rule as an f32 copy, made just before and freed just after; except where the
  * rule reads bf16 itself: a custom node's Lua function (it sees what it saved), flash attention's
- * q, k, v (bf16 only where the backend takes them so) and the GEMM operands of a bf16-precision
- * matmul on a backend with bf16 GEMMs */
+ * q, k, v (bf16 only where the backend takes them so), the GEMM operands of a bf16-precision
+ * matmul on a backend with bf16 GEMMs, and the inputs of norms, SwiGLU and cross-entropy on a
+ * backend with their bf16 kernels (uly_backend.h) */
 static int rule_reads_bf16(const uly_node *n, int k) {
+    const uly_backend *be = uly_be(n->saved[k]);
     switch (n->op) {
     case ULY_OP_CUSTOM: return 1;
     case ULY_OP_FLASH_ATTENTION: return k != 3;
-    case ULY_OP_MATMUL: case ULY_OP_ADDMM: return n->i[0] && uly_be(n->saved[k])->gemm_batched_bf16 && k < 2;
+    case ULY_OP_MATMUL: case ULY_OP_ADDMM: return n->i[0] && be->gemm_batched_bf16 && k < 2;
+    case ULY_OP_LAYERNORM: return k == 0 && be->layernorm_backward_bf16;
+    case ULY_OP_RMSNORM: return k == 0 && be->rmsnorm_backward_bf16;
+    case ULY_OP_CROSS_ENTROPY: return k == 0 && be->cross_entropy_backward_bf16;
+    case ULY_OP_SWIGLU: return k < 2 && be->swiglu_backward_bf16 && n->saved[0]->dtype == n->saved[1]->dtype;
     default: return 0;
     }
 }

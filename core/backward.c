@@ -194,16 +194,25 @@ static int bw_softmax(uly_node *n, uly_tensor *g, uly_tensor **gin) {
 /* ---- normalisation, activations ---- */
 static float *opt_f32(const uly_tensor *t) { return t ? uly_f32(t) : NULL; }
 
+/* a saved input still bf16 here is one the backend reads as bf16 (autograd.c rule_reads_bf16) */
 static int bw_layernorm(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    uly_tensor *w = n->i[2] ? n->saved[3] : NULL;
-    uly_be(g)->layernorm_backward(opt_f32(gin[0]), opt_f32(gin[1]), opt_f32(gin[2]), uly_f32(g), uly_f32(n->saved[0]), opt_f32(w),
-                       uly_f32(n->saved[1]), uly_f32(n->saved[2]), n->i[0], n->i[1]);
+    uly_tensor *w = n->i[2] ? n->saved[3] : NULL, *x = n->saved[0];
+    if (x->dtype == ULY_DTYPE_BF16)
+        uly_be(g)->layernorm_backward_bf16(opt_f32(gin[0]), opt_f32(gin[1]), opt_f32(gin[2]), uly_f32(g), uly_ptr(x),
+                                           opt_f32(w), uly_f32(n->saved[1]), uly_f32(n->saved[2]), n->i[0], n->i[1]);
+    else
+        uly_be(g)->layernorm_backward(opt_f32(gin[0]), opt_f32(gin[1]), opt_f32(gin[2]), uly_f32(g), uly_f32(x), opt_f32(w),
+                                      uly_f32(n->saved[1]), uly_f32(n->saved[2]), n->i[0], n->i[1]);
     return 0;
 }
 static int bw_rmsnorm(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    uly_tensor *w = n->i[2] ? n->saved[2] : NULL;
-    uly_be(g)->rmsnorm_backward(opt_f32(gin[0]), opt_f32(gin[1]), uly_f32(g), uly_f32(n->saved[0]), opt_f32(w),
-                     uly_f32(n->saved[1]), n->i[0], n->i[1]);
+    uly_tensor *w = n->i[2] ? n->saved[2] : NULL, *x = n->saved[0];
+    if (x->dtype == ULY_DTYPE_BF16)
+        uly_be(g)->rmsnorm_backward_bf16(opt_f32(gin[0]), opt_f32(gin[1]), uly_f32(g), uly_ptr(x), opt_f32(w),
+                                         uly_f32(n->saved[1]), n->i[0], n->i[1]);
+    else
+        uly_be(g)->rmsnorm_backward(opt_f32(gin[0]), opt_f32(gin[1]), uly_f32(g), uly_f32(x), opt_f32(w),
+                                    uly_f32(n->saved[1]), n->i[0], n->i[1]);
     return 0;
 }
 static int bw_unary(uly_node *n, uly_tensor *g, uly_tensor **gin) {
@@ -211,7 +220,12 @@ static int bw_unary(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     return 0;
 }
 static int bw_swiglu(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    uly_be(g)->swiglu_backward(opt_f32(gin[0]), opt_f32(gin[1]), uly_f32(g), uly_f32(n->saved[0]), uly_f32(n->saved[1]), numel(g));
+    if (n->saved[0]->dtype == ULY_DTYPE_BF16)   /* both bf16, read by the backend */
+        uly_be(g)->swiglu_backward_bf16(opt_f32(gin[0]), opt_f32(gin[1]), uly_f32(g), uly_ptr(n->saved[0]),
+                                        uly_ptr(n->saved[1]), numel(g));
+    else
+        uly_be(g)->swiglu_backward(opt_f32(gin[0]), opt_f32(gin[1]), uly_f32(g), uly_f32(n->saved[0]), uly_f32(n->saved[1]),
+                                   numel(g));
     return 0;
 }
 
@@ -245,8 +259,12 @@ static int bw_cross_entropy(uly_node *n, uly_tensor *g, uly_tensor **gin) {
             return -1;
         }
     }
-    uly_be(g)->cross_entropy_backward(uly_f32(gin[0]), uly_f32(dloss), uly_f32(logits), uly_f32(lse), uly_ptr(targets),
-                           (int)uly_dtype_size(targets->dtype), rows, n->i[1], n->i[2]);
+    if (logits->dtype == ULY_DTYPE_BF16)   /* saved in bf16, on a backend that reads it (autograd.c rule_reads_bf16) */
+        uly_be(g)->cross_entropy_backward_bf16(uly_f32(gin[0]), uly_f32(dloss), uly_ptr(logits), uly_f32(lse),
+                                               uly_ptr(targets), (int)uly_dtype_size(targets->dtype), rows, n->i[1], n->i[2]);
+    else
+        uly_be(g)->cross_entropy_backward(uly_f32(gin[0]), uly_f32(dloss), uly_f32(logits), uly_f32(lse), uly_ptr(targets),
+                                          (int)uly_dtype_size(targets->dtype), rows, n->i[1], n->i[2]);
     uly_tensor_release(dloss);
     return 0;
 }

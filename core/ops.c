@@ -31,6 +31,20 @@ static uly_tensor *binary_op(const char *op, int kind, int node_op, uly_tensor *
         return NULL;
     int nd = 0;
     int64_t shape[ULY_MAX_DIMS], sa[ULY_MAX_DIMS], sb[ULY_MAX_DIMS];
+    const uly_backend *be = uly_be(a);
+    if ((a->dtype == ULY_DTYPE_BF16 || b->dtype == ULY_DTYPE_BF16) && be->binary_forward_typed) {
+        /* the backend reads and writes bf16 itself */
+        if (broadcast(op, a, b, &nd, shape, sa, sb)) return NULL;
+        uly_tensor *out = uly_new_contiguous(nd, shape, uly_result_dtype(a, b), uly_dev(a));
+        if (!out) return NULL;
+        be->binary_forward_typed(uly_ptr(out), out->dtype, uly_ptr(a), a->dtype, sa, uly_ptr(b), b->dtype, sb, nd, shape,
+                                 kind);
+        uly_tensor *in[2] = {a, b};
+        uly_node *n = uly_node_begin(node_op, 2, in);
+        if (n && (kind == ULY_BINARY_MUL || kind == ULY_BINARY_DIV)) { uly_node_save(n, a); uly_node_save(n, b); }
+        uly_node_attach(n, out);
+        return out;
+    }
     uly_tensor *af = a->dtype == ULY_DTYPE_F32 ? (uly_tensor_retain(a), a) : uly_contiguous_f32(a);
     uly_tensor *bf = !af ? NULL : b->dtype == ULY_DTYPE_F32 ? (uly_tensor_retain(b), b) : uly_contiguous_f32(b);
     uly_tensor *out = NULL;
@@ -180,7 +194,10 @@ static uly_tensor *matmul_as(uly_tensor *a, uly_tensor *b, int out_dtype) {
     shape[nb + 1] = N;
     const uly_backend *be = uly_be(a);
     uly_tensor *ac = gemm_operand(be, a, M, K), *bc = ac ? gemm_operand(be, b, K, N) : NULL;
-    uly_tensor *out = (ac && bc) ? uly_new_contiguous(nb + 2, shape, ULY_DTYPE_F32, uly_dev(a)) : NULL;
+    /* a bf16 result straight from a backend's bf16 GEMM (cuBLASLt rounds its f32 accumulators) */
+    const int direct16 = out_dtype == ULY_DTYPE_BF16 && matmul_bf16 && be->gemm_batched_bf16 && K > 0;
+    uly_tensor *out = (ac && bc) ? uly_new_contiguous(nb + 2, shape, direct16 ? ULY_DTYPE_BF16 : ULY_DTYPE_F32, uly_dev(a))
+                                 : NULL;
     if (out) uly_gemm(be, matmul_bf16, nb, shape, uly_as_mat(ac, nb), uly_as_mat(bc, nb), uly_as_mat(out, nb), M, N, K, 0.0f);
     if (!uly_result_as(&out, out_dtype)) {
         uly_tensor *in[2] = {a, b};
@@ -389,12 +406,19 @@ uly_tensor *uly_layernorm(uly_tensor *x, uly_tensor *w, uly_tensor *b, double ep
     if (check_norm_param("layernorm", "weight", w, C) || check_norm_param("layernorm", "bias", b, C) ||
         uly_check_same_device("layernorm", "x", x, "weight", w) || uly_check_same_device("layernorm", "x", x, "bias", b))
         return NULL;
-    uly_tensor *xc = uly_contiguous_f32(x), *wc = w ? uly_contiguous_f32(w) : NULL, *bc = b ? uly_contiguous_f32(b) : NULL;
+    const uly_backend *be = uly_be(x);
+    const int native = x->dtype == ULY_DTYPE_BF16 && be->layernorm_forward_bf16;   /* reads and writes bf16 itself */
+    uly_tensor *xc = native ? uly_contiguous_raw(x) : uly_contiguous_f32(x);
+    uly_tensor *wc = w ? uly_contiguous_f32(w) : NULL, *bc = b ? uly_contiguous_f32(b) : NULL;
     uly_tensor *out = xc ? uly_new_like(xc) : NULL, *xs = xc ? uly_saved_form(x, xc) : NULL;
     uly_tensor *mean = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, uly_dev(x)), *rstd = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, uly_dev(x));
     if (xc && xs && out && mean && rstd && (!w || wc) && (!b || bc)) {
-        uly_be(x)->layernorm_forward(uly_f32(out), uly_f32(mean), uly_f32(rstd), uly_f32(xc), wc ? uly_f32(wc) : NULL,
-                          bc ? uly_f32(bc) : NULL, rows, C, (float)eps);
+        if (native)
+            be->layernorm_forward_bf16(uly_ptr(out), uly_f32(mean), uly_f32(rstd), uly_ptr(xc), wc ? uly_f32(wc) : NULL,
+                                       bc ? uly_f32(bc) : NULL, rows, C, (float)eps);
+        else
+            be->layernorm_forward(uly_f32(out), uly_f32(mean), uly_f32(rstd), uly_f32(xc), wc ? uly_f32(wc) : NULL,
+                                  bc ? uly_f32(bc) : NULL, rows, C, (float)eps);
         uly_tensor *in[3] = {x, w, b};
         uly_node *n = !uly_result_as(&out, x->dtype) ? uly_node_begin(ULY_OP_LAYERNORM, 3, in) : NULL;
         if (n) {
@@ -414,11 +438,14 @@ uly_tensor *uly_rmsnorm(uly_tensor *x, uly_tensor *w, double eps) {
     if (x->ndim < 1) return uly_set_error_null("rmsnorm: input %s needs at least one dimension", uly_desc(x));
     int64_t C = x->shape[x->ndim - 1], rows = C ? uly_tensor_numel(x) / C : 0;
     if (check_norm_param("rmsnorm", "weight", w, C) || uly_check_same_device("rmsnorm", "x", x, "weight", w)) return NULL;
-    uly_tensor *xc = uly_contiguous_f32(x), *wc = w ? uly_contiguous_f32(w) : NULL;
+    const uly_backend *be = uly_be(x);
+    const int native = x->dtype == ULY_DTYPE_BF16 && be->rmsnorm_forward_bf16;   /* reads and writes bf16 itself */
+    uly_tensor *xc = native ? uly_contiguous_raw(x) : uly_contiguous_f32(x), *wc = w ? uly_contiguous_f32(w) : NULL;
     uly_tensor *out = xc ? uly_new_like(xc) : NULL, *rstd = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, uly_dev(x));
     uly_tensor *xs = xc ? uly_saved_form(x, xc) : NULL;
     if (xc && xs && out && rstd && (!w || wc)) {
-        uly_be(x)->rmsnorm_forward(uly_f32(out), uly_f32(rstd), uly_f32(xc), wc ? uly_f32(wc) : NULL, rows, C, (float)eps);
+        if (native) be->rmsnorm_forward_bf16(uly_ptr(out), uly_f32(rstd), uly_ptr(xc), wc ? uly_f32(wc) : NULL, rows, C, (float)eps);
+        else be->rmsnorm_forward(uly_f32(out), uly_f32(rstd), uly_f32(xc), wc ? uly_f32(wc) : NULL, rows, C, (float)eps);
         uly_tensor *in[2] = {x, w};
         uly_node *n = !uly_result_as(&out, x->dtype) ? uly_node_begin(ULY_OP_RMSNORM, 2, in) : NULL;
         if (n) {
@@ -464,9 +491,13 @@ uly_tensor *uly_swiglu(uly_tensor *gate, uly_tensor *up) {
         return NULL;
     if (!uly_same_shape(gate, up))
         return uly_set_error_null("swiglu: gate %s and up %s must have the same shape", uly_desc(gate), uly_desc(up));
-    uly_tensor *gc = uly_contiguous_f32(gate), *uc = uly_contiguous_f32(up);
+    const uly_backend *be = uly_be(gate);
+    const int native = gate->dtype == ULY_DTYPE_BF16 && up->dtype == ULY_DTYPE_BF16 && be->swiglu_forward_bf16;
+    uly_tensor *gc = native ? uly_contiguous_raw(gate) : uly_contiguous_f32(gate);
+    uly_tensor *uc = native ? uly_contiguous_raw(up) : uly_contiguous_f32(up);
     uly_tensor *out = (gc && uc) ? uly_new_like(gc) : NULL;
-    if (out) uly_be(out)->swiglu_forward(uly_f32(out), uly_f32(gc), uly_f32(uc), uly_tensor_numel(gc));
+    if (out && native) be->swiglu_forward_bf16(uly_ptr(out), uly_ptr(gc), uly_ptr(uc), uly_tensor_numel(gc));
+    else if (out) be->swiglu_forward(uly_f32(out), uly_f32(gc), uly_f32(uc), uly_tensor_numel(gc));
     if (!uly_result_as(&out, uly_result_dtype(gate, up))) {
         uly_tensor *in[2] = {gate, up};
         uly_node *n = uly_node_begin(ULY_OP_SWIGLU, 2, in);
@@ -585,9 +616,10 @@ uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t i
                                   uly_desc(targets), uly_desc(logits), uly_shape_str(logits->ndim - 1, logits->shape));
     if (reduction < ULY_REDUCTION_MEAN || reduction > ULY_REDUCTION_NONE)
         return uly_set_error_null("cross_entropy: unknown reduction %d (use mean, sum or none)", reduction);
-    uly_tensor *lc = uly_contiguous_f32(logits), *tc = uly_contiguous_raw(targets);
-    const int dev = uly_dev(logits);
     const uly_backend *be = uly_be(logits);
+    const int native = logits->dtype == ULY_DTYPE_BF16 && be->cross_entropy_forward_bf16;   /* reads bf16 itself */
+    uly_tensor *lc = native ? uly_contiguous_raw(logits) : uly_contiguous_f32(logits), *tc = uly_contiguous_raw(targets);
+    const int dev = uly_dev(logits);
     uly_tensor *loss = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, dev), *lse = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, dev);
     uly_tensor *out = NULL, *th = NULL;  /* th: the targets on the host, for the range check */
     int bytes = (int)uly_dtype_size(targets->dtype);
@@ -608,7 +640,10 @@ uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t i
                           "(and is not the ignore index %lld)", badv, uly_position_str(targets->ndim, targets->shape, bad),
                           uly_desc(targets), (long long)V, (long long)ignore_index);
         } else {
-            int64_t count = be->cross_entropy_forward(uly_f32(loss), uly_f32(lse), uly_f32(lc), uly_ptr(tc), bytes, rows, V, ignore_index);
+            int64_t count = native ? be->cross_entropy_forward_bf16(uly_f32(loss), uly_f32(lse), uly_ptr(lc), uly_ptr(tc), bytes,
+                                                                    rows, V, ignore_index)
+                                   : be->cross_entropy_forward(uly_f32(loss), uly_f32(lse), uly_f32(lc), uly_ptr(tc), bytes,
+                                                               rows, V, ignore_index);
             double scale = reduction == ULY_REDUCTION_MEAN ? (count ? 1.0 / (double)count : 0.0) : 1.0;
             if (reduction == ULY_REDUCTION_NONE) {
                 out = uly_tensor_view(loss, targets->ndim, targets->shape);

@@ -566,6 +566,53 @@ describe('mixed precision (matmul in bf16)', function()
     release_device()
   end)
 
+  -- the kernels that read and write bf16 (norms, SwiGLU, elementwise, cross-entropy) against the
+  -- converting copies around the f32 kernels: the same bits, and they do run (by kernel name)
+  it('bf16 activations: the bf16 kernels give the bits of converting copies around the f32 kernels', function()
+    if not REAL then
+      assert.is_true(uly.cuda.bf16_kernels())   -- without the CUDA library: true, changing nothing
+      return
+    end
+    use_device()
+    local ok, err = pcall(function()
+      uly.matmul_precision('bf16')
+      uly.activation_dtype('bf16')
+      local x = helpers.token_ids(2, 24, 256):cuda()
+      local function step(Model, cfg, native)
+        local prev = uly.cuda.bf16_kernels(native)
+        helpers.reseed(8)
+        local m = Model(cfg):to('cuda')
+        local loss
+        local report = uly.cuda.profile(function()
+          loss = m:loss(x, x)
+          loss:backward()
+        end)
+        uly.cuda.bf16_kernels(prev)
+        local names = {}
+        for _, kern in ipairs(report.kernels) do names[kern.name] = true end
+        local grads = {}
+        for i, p in ipairs(m:parameters()) do grads[i] = p.grad:cpu() end
+        return loss:item(), grads, names
+      end
+      local GPT, Llama = require 'models.gpt', require 'models.llama'
+      for _, c in ipairs({ { GPT, { preset = 'tiny', seq = 24, tile = 8 }, 'norm_fw bf16' },
+                           { Llama, { preset = 'tiny', heads = 4, kv_heads = 2, dim = 32, hidden = 48, seq = 24,
+                                      checkpoint = 'except_attention', tile = 8 }, 'swiglu_fw bf16' } }) do
+        local l1, g1, n1 = step(c[1], c[2], true)
+        local l0, g0, n0 = step(c[1], c[2], false)
+        assert.equal(l0, l1)
+        for i = 1, #g0 do helpers.assert_close(g1[i], g0[i], 0, 0, 'gradient of parameter ' .. i) end
+        assert.truthy(n1[c[3]], c[3] .. ' did not run')
+        assert.is_nil(n0[c[3]], c[3] .. ' ran with the bf16 kernels off')
+      end
+      assert.has_error(function() uly.cuda.bf16_kernels('yes') end)
+    end)
+    uly.activation_dtype('f32')
+    uly.matmul_precision('f32')
+    assert(ok, err)
+    release_device()
+  end)
+
   -- cuBLASLt's heuristic is asked once per distinct GEMM problem: a decoding step's small GEMMs
   -- would pay tens of microseconds each time otherwise
   it('asks cuBLASLt for an algorithm once per distinct GEMM, in either precision', function()
@@ -1339,7 +1386,8 @@ describe('bench/gpu.lua', function()
                     'fused all ws ov', 'fused ov 1-pass', 'fused 128+dkvws',
                     'step with ULY_CUDA_ATTN_FWD=wsov ULY_CUDA_ATTN_DQ=ws ULY_CUDA_ATTN_DKV=ws: ',
                     'step with ULY_CUDA_ATTN_FWD=wsov ULY_CUDA_ATTN_DKV=ws ULY_CUDA_ATTN_BWD=onepass: ',
-                    'attention at the step\'s shape' }
+                    'attention at the step\'s shape', 'step with bf16 activations (bf16 kernels): ',
+                    'step with bf16 activations (converting copies around the f32 kernels): ' }
     if MODE == 'emu' then   -- and raw cuBLAS ran (no n/a), and the profiled step
       for _, w in ipairs({ 'ulysses CUDA emulator', 'GPU time by kernel in one step', 'wall time on the stream' }) do
         wants[#wants + 1] = w

@@ -83,7 +83,8 @@ local function new_sim(c, gc_next)
                         garbage = {}, frame = {}, grad = true, pending = {}, swept = {}, seq = 0, untracked = 0, phase = 'setup',
                         peak_phase = 'setup', device = c.device, device_memory = c.device_memory,
                         kernels = c.kernels, precision = c.precision, act16 = c.activations == 'bf16',
-                        native16 = c.activations == 'bf16' and c.kernels == 'cuda' and c.precision == 'bf16' }, Sim)
+                        native16 = c.activations == 'bf16' and c.kernels == 'cuda' and c.precision == 'bf16',
+                        k16 = c.kernels == 'cuda' }, Sim)
 end
 
 function Sim:mark_peak()
@@ -375,7 +376,8 @@ end
 -- bias is one addmm (core/ops.c: the bias seeds the output, one GEMM adds), which saves the same.
 -- bf16 activations: x saved as bf16; where the GEMM cannot read bf16 (CPU kernels, f32
 -- precision) an f32 copy of it for the product, and one for backward's rule; the result rounded
--- to bf16 (with a bias and no bf16 GEMMs: the f32 product, plus the bias, then a copy node)
+-- to bf16 (by cuBLASLt itself on the CUDA kernels without a bias; with a bias and no bf16 GEMMs:
+-- the f32 product, plus the bias, then a copy node)
 local function matmul(self, x, rows, k, n, w, cat, bias)
   cat = cat or 'activations'
   local x16 = x.es == 2
@@ -398,6 +400,10 @@ local function matmul(self, x, rows, k, n, w, cat, bias)
     out.es = 2
     self:unref(sum)
     self:record(out, { inner })
+  elseif native and not bias then   -- core/ops.c: the bf16 result straight from cuBLASLt
+    out = result(self, rows * n * 2, cat)
+    out.es = 2
+    self:record(out, inputs, { xs }, rule, nil, conv)
   else
     out = output(self, rows * n, x16, cat)
     self:record(out, inputs, { xs }, rule, nil, conv)
@@ -412,11 +418,16 @@ local function linear(self, x, rows, k, n, lin, cat)
   return matmul(self, x, rows, k, n, lin.weight, cat, lin.bias)
 end
 
+-- (k16: the CUDA kernels that read and write bf16 themselves, uly_backend.h: no f32 copies, the
+-- result written in its dtype, and backward's rule reads the bf16 saved input)
 local function add(self, a, b)
-  local af, bf = f32_copy(self, a), f32_copy(self, b)
   local bf16 = (a.es == 2 and b.es == 2) or ((a.es == 2 or b.es == 2) and self.act16)
-  local out = output(self, math.max(elems(a), elems(b)), bf16, 'activations')
-  unref_opt(self, af); unref_opt(self, bf)
+  local direct = self.k16 and (a.es == 2 or b.es == 2)
+  local af, bf = not direct and f32_copy(self, a), not direct and f32_copy(self, b)
+  local n = math.max(elems(a), elems(b))
+  local out = direct and result(self, n * (bf16 and 2 or F), 'activations') or output(self, n, bf16, 'activations')
+  if direct and bf16 then out.es = 2 end
+  unref_opt(self, af or nil); unref_opt(self, bf or nil)
   self:record(out, { a, b }, nil, nil, { true, true })
   self:wrapped()
   return out
@@ -424,16 +435,19 @@ end
 
 local function norm(self, x, rows, kind, mod)
   local x16 = x.es == 2
-  local xf = f32_copy(self, x)
+  local direct = x16 and self.k16
+  local xf = not direct and f32_copy(self, x) or nil
   local xs = contiguous(self, x)
-  local o = output_begin(self, elems(x), x16, 'activations')
+  local o = direct and { out = result(self, x.b, 'activations') } or output_begin(self, elems(x), x16, 'activations')
+  if direct then o.out.es = 2 end
   local stats = { self:alloc(rows * F, 'activations') }
   if kind == 'layernorm' then stats[2] = self:alloc(rows * F, 'activations') end
   local out = output_end(self, o)
   local rule = self.kernels == 'cuda' and function(sim)   -- kernels/cuda/rows.cu: per-chunk partial sums
     sim:cuda_temporary(2 * math.min(rows, 128) * (elems(x) / rows) * 8)
   end or nil
-  self:record(out, { x, mod.weight, mod.bias }, { xs, stats[1], stats[2] }, rule, nil, x16 and { elems(x) * F } or nil)
+  self:record(out, { x, mod.weight, mod.bias }, { xs, stats[1], stats[2] }, rule, nil,
+              (x16 and not direct) and { elems(x) * F } or nil)
   unref_opt(self, xf)
   self:unref(xs)
   for _, s in ipairs(stats) do self:unref(s) end
@@ -462,13 +476,15 @@ local function unary(self, x)     -- gelu: saves its input and its output
 end
 
 local function swiglu(self, g, u)
-  local gf, uf = f32_copy(self, g), f32_copy(self, u)
+  local direct = self.k16 and g.es == 2 and u.es == 2
+  local gs, us, gf, uf
+  if direct then gs, us = contiguous(self, g), contiguous(self, u) else gf, uf = f32_copy(self, g), f32_copy(self, u) end
   local bf16 = (g.es == 2 and u.es == 2) or ((g.es == 2 or u.es == 2) and self.act16)
-  local out = output(self, elems(g), bf16, 'activations')
-  local gs, us = contiguous(self, g), contiguous(self, u)
+  local out = direct and result(self, g.b, 'activations') or output(self, elems(g), bf16, 'activations')
+  if direct then out.es = 2 else gs, us = contiguous(self, g), contiguous(self, u) end
   local conv = {}
-  if g.es == 2 then conv[#conv + 1] = elems(g) * F end
-  if u.es == 2 then conv[#conv + 1] = elems(u) * F end
+  if g.es == 2 and not direct then conv[#conv + 1] = elems(g) * F end
+  if u.es == 2 and not direct then conv[#conv + 1] = elems(u) * F end
   self:record(out, { g, u }, { gs, us }, nil, nil, conv)
   unref_opt(self, gf); unref_opt(self, uf)
   self:unref(gs); self:unref(us)
@@ -588,13 +604,14 @@ local function attention_flash(self, q, k, v, a)
 end
 
 local function cross_entropy(self, logits, rows)
-  local lf = f32_copy(self, logits, 'logits')   -- bf16 logits: read as f32, saved as bf16
+  local direct = self.k16 and logits.es == 2
+  local lf = not direct and f32_copy(self, logits, 'logits') or nil   -- bf16 logits: read as f32, saved as bf16
   local ls = contiguous(self, logits)
   local loss_rows = self:alloc(rows * F, 'logits')
   local lse = self:alloc(rows * F, 'logits')
   local out = result(self, F, 'logits')
   local function rule(sim) sim:scratch(rows * F, 'logits') end
-  self:record(out, { logits }, { ls, lse }, rule, nil, logits.es == 2 and { elems(logits) * F } or nil)
+  self:record(out, { logits }, { ls, lse }, rule, nil, (logits.es == 2 and not direct) and { elems(logits) * F } or nil)
   unref_opt(self, lf)
   self:unref(ls); self:unref(loss_rows); self:unref(lse)
   self:wrapped()

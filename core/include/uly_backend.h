@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define ULY_BACKEND_ABI 9
+#define ULY_BACKEND_ABI 10
 #define ULY_VIEW_MAX_DIMS 8
 
 /* a strided window over backend memory: element [0, ..., 0] at p, strides in elements */
@@ -120,8 +120,9 @@ typedef struct uly_backend {
     void (*optim_scale)(float *x, int64_t n, float s);
 
     /* ---- mixed precision: gemm_batched with A and B rounded to bf16 (round to nearest even),
-     *      products exact, f32 accumulation and output. NULL: the core rounds copies of the
-     *      operands and calls gemm_batched (same numbers, no speed-up). ---- */
+     *      products exact, f32 accumulation and output; a bf16 C (bf16 activations: only with
+     *      K > 0 and beta 0) gets the f32 result rounded to nearest even. NULL: the core rounds
+     *      copies of the operands and calls gemm_batched (same numbers, no speed-up). ---- */
     void (*gemm_batched_bf16)(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N,
                               int64_t K, float beta);
     /* ---- a Linear layer's GEMM adding its bias itself: C = bias + A B (C [M, N] row-major
@@ -169,6 +170,31 @@ typedef struct uly_backend {
      *      that has happened to comm (which the core then never uses again) ---- */
     void (*comm_set_timeout)(double seconds);
     int (*comm_aborted)(void *comm);
+
+    /* ---- bf16 activations: kernels above with their activations in bf16 (void pointers at the
+     *      bits), weights, statistics and gradients f32 as before: each bf16 value read exactly,
+     *      each result rounded once to nearest even (as the converting copies round), the f32
+     *      entry's arithmetic otherwise, so each gives the f32 entry's bits between two
+     *      converting copies. binary_forward_typed: out, a and b each in its own dtype. NULL: the
+     *      core converts around the f32 entry. ---- */
+    void (*binary_forward_typed)(void *out, int out_dtype, const void *a, int a_dtype, const int64_t *a_strides,
+                                 const void *b, int b_dtype, const int64_t *b_strides, int ndim, const int64_t *shape,
+                                 int kind);
+    void (*swiglu_forward_bf16)(void *out, const void *gate, const void *up, int64_t n);
+    void (*swiglu_backward_bf16)(float *dgate, float *dup, const float *dout, const void *gate, const void *up, int64_t n);
+    void (*layernorm_forward_bf16)(void *out, float *mean, float *rstd, const void *inp, const float *weight,
+                                   const float *bias, int64_t rows, int64_t C, float eps);
+    void (*layernorm_backward_bf16)(float *dinp, float *dweight, float *dbias, const float *dout, const void *inp,
+                                    const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t C);
+    void (*rmsnorm_forward_bf16)(void *out, float *rstd, const void *inp, const float *weight, int64_t rows, int64_t C,
+                                 float eps);
+    void (*rmsnorm_backward_bf16)(float *dinp, float *dweight, const float *dout, const void *inp, const float *weight,
+                                  const float *rstd, int64_t rows, int64_t C);
+    int64_t (*cross_entropy_forward_bf16)(float *loss, float *lse, const void *logits, const void *targets,
+                                          int target_bytes, int64_t rows, int64_t V, int64_t ignore_index);
+    void (*cross_entropy_backward_bf16)(float *dlogits, const float *dloss, const void *logits, const float *lse,
+                                        const void *targets, int target_bytes, int64_t rows, int64_t V,
+                                        int64_t ignore_index);
 } uly_backend;
 
 #ifdef __cplusplus

@@ -99,7 +99,7 @@ static const char *cu_take_error(void) {
     return taken;
 }
 
-static const uly_backend table = {
+static uly_backend table = {   /* the bf16-activation entries switch (uly_cuda_bf16_kernels) */
     ULY_BACKEND_ABI, (int64_t)sizeof(uly_backend), "cuda",
     cu_raw_alloc, cu_raw_free, cu_memory_info, cu_copy, cu_memset0, cu_synchronize, cu_take_error,
     cu_copy_view, cu_sum_view, cu_fill_view,
@@ -122,6 +122,9 @@ static const uly_backend table = {
     cu_optim_adamw_multi,
     cu_comm_all_gather_start, cu_comm_reduce_scatter_start,
     cu_comm_set_timeout, cu_comm_aborted,
+    cu_binary_forward_typed, cu_swiglu_forward_bf16, cu_swiglu_backward_bf16,
+    cu_layernorm_forward_bf16, cu_layernorm_backward_bf16, cu_rmsnorm_forward_bf16, cu_rmsnorm_backward_bf16,
+    cu_cross_entropy_forward_bf16, cu_cross_entropy_backward_bf16,
 };
 
 extern "C" int uly_cuda_temporaries_peak(int64_t *bytes, int reset) {
@@ -181,4 +184,21 @@ extern "C" const void *uly_cuda_backend(void) {
     }
     started = 1;
     return &table;
+}
+
+/* bf16 activations through the kernels that read and write bf16 (1, the default) or through
+ * converting copies around the f32 kernels (0): the same bits, the specs check; benchmarks time
+ * both. The core reads the table at each call, so this takes effect at once. Returns the previous. */
+extern "C" int uly_cuda_bf16_kernels(int on) {
+    const int prev = table.binary_forward_typed != NULL;
+    table.binary_forward_typed = on ? cu_binary_forward_typed : NULL;
+    table.swiglu_forward_bf16 = on ? cu_swiglu_forward_bf16 : NULL;
+    table.swiglu_backward_bf16 = on ? cu_swiglu_backward_bf16 : NULL;
+    table.layernorm_forward_bf16 = on ? cu_layernorm_forward_bf16 : NULL;
+    table.layernorm_backward_bf16 = on ? cu_layernorm_backward_bf16 : NULL;
+    table.rmsnorm_forward_bf16 = on ? cu_rmsnorm_forward_bf16 : NULL;
+    table.rmsnorm_backward_bf16 = on ? cu_rmsnorm_backward_bf16 : NULL;
+    table.cross_entropy_forward_bf16 = on ? cu_cross_entropy_forward_bf16 : NULL;
+    table.cross_entropy_backward_bf16 = on ? cu_cross_entropy_backward_bf16 : NULL;
+    return prev;
 }

@@ -26,6 +26,22 @@ static inline unsigned uly_cu_blocks(int64_t n, int threads) {
     return (unsigned)(b > 65535 * 8 ? 65535 * 8 : b);   /* kernels loop grid-stride beyond this */
 }
 
+/* bf16 values as their bits (uint16_t): read exactly; written rounded to nearest even (NaN kept a
+ * NaN). The dtype-converting copies and the bf16-activation kernels share them, so a kernel that
+ * reads and writes bf16 gives the bits of the f32 kernel between two converting copies. */
+__device__ static inline float uly_cu_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+__device__ static inline uint16_t uly_cu_f32_to_bf16(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+/* element i of an f32 or a bf16 array, and a store into either: the kernels templated on T */
+__device__ static inline float uly_cu_ld(const float *p, int64_t i) { return p[i]; }
+__device__ static inline float uly_cu_ld(const uint16_t *p, int64_t i) { return uly_cu_bf16_to_f32(p[i]); }
+__device__ static inline void uly_cu_st(float *p, int64_t i, float v) { p[i] = v; }
+__device__ static inline void uly_cu_st(uint16_t *p, int64_t i, float v) { p[i] = uly_cu_f32_to_bf16(v); }
+
 #define ULY_CU_FOR(i, n) for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
                               i += (int64_t)gridDim.x * blockDim.x)
 
@@ -95,6 +111,10 @@ void cu_dropout_forward(float *out, const float *inp, int64_t n, float p, uint64
 void cu_dropout_backward(float *dinp, const float *dout, int64_t n, float p, uint64_t seed, uint64_t offset);
 void cu_rope_forward(float *out, const float *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off, float theta);
 void cu_rope_backward(float *dinp, const float *dout, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off, float theta);
+void cu_binary_forward_typed(void *out, int ot, const void *a, int at, const int64_t *sa, const void *b, int bt,
+                             const int64_t *sb, int ndim, const int64_t *shape, int kind);
+void cu_swiglu_forward_bf16(void *out, const void *gate, const void *up, int64_t n);
+void cu_swiglu_backward_bf16(float *dgate, float *dup, const float *dout, const void *gate, const void *up, int64_t n);
 void cu_copy_view(const uly_view *dst, const uly_view *src);
 void cu_sum_view(const uly_view *dst, const uly_view *src, float alpha);
 void cu_fill_view(const uly_view *dst, double value);
@@ -112,6 +132,17 @@ void cu_layernorm_backward(float *dinp, float *dw, float *db, const float *dout,
 void cu_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int64_t rows, int64_t C, float eps);
 void cu_rmsnorm_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w, const float *rstd,
                          int64_t rows, int64_t C);
+void cu_layernorm_forward_bf16(void *out, float *mean, float *rstd, const void *inp, const float *w, const float *b,
+                               int64_t rows, int64_t C, float eps);
+void cu_layernorm_backward_bf16(float *dinp, float *dw, float *db, const float *dout, const void *inp, const float *w,
+                                const float *mean, const float *rstd, int64_t rows, int64_t C);
+void cu_rmsnorm_forward_bf16(void *out, float *rstd, const void *inp, const float *w, int64_t rows, int64_t C, float eps);
+void cu_rmsnorm_backward_bf16(float *dinp, float *dw, const float *dout, const void *inp, const float *w,
+                              const float *rstd, int64_t rows, int64_t C);
+int64_t cu_cross_entropy_forward_bf16(float *loss, float *lse, const void *logits, const void *t, int tb, int64_t rows,
+                                      int64_t V, int64_t ignore);
+void cu_cross_entropy_backward_bf16(float *dlogits, const float *dloss, const void *logits, const float *lse,
+                                    const void *t, int tb, int64_t rows, int64_t V, int64_t ignore);
 void cu_embedding_forward(float *out, const void *idx, int ib, const float *w, int64_t n, int64_t C);
 void cu_embedding_backward(float *dw, const float *dout, const void *idx, int ib, int64_t n, int64_t C);
 int64_t cu_embedding_first_bad_index(const void *idx, int ib, int64_t n, int64_t V);

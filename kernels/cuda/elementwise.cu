@@ -10,6 +10,9 @@
 #define LAUNCH(kernel, n, ...) do { \
         if ((n) > 0) ULY_LAUNCH(kernel, uly_cu_blocks((n), THREADS), THREADS, uly_cu_stream)(__VA_ARGS__); \
         ULY_CU_LAUNCHED(#kernel); } while (0)
+#define LAUNCH_AS_(name, kernel, n, ...) do { \
+        if ((n) > 0) ULY_LAUNCH_AS(name, kernel, uly_cu_blocks((n), THREADS), THREADS, uly_cu_stream)(__VA_ARGS__); \
+        ULY_CU_LAUNCHED(name); } while (0)
 
 /* ---- activations ---- */
 __device__ static inline float sigmoidf_(float x) { return 1.0f / (1.0f + __expf(-x)); }
@@ -60,27 +63,40 @@ extern "C" void cu_unary_backward(float *dinp, const float *dout, const float *i
     LAUNCH(unary_bw, n, dinp, dout, inp, out, n, kind);
 }
 
-__global__ static void swiglu_fw(float *out, const float *g, const float *u, int64_t n) {
-    ULY_CU_FOR(i, n) out[i] = g[i] * sigmoidf_(g[i]) * u[i];
-}
-__global__ static void swiglu_bw(float *dg, float *du, const float *d, const float *g, const float *u, int64_t n) {
+/* T: f32, or bf16 bits (bf16 activations: read exactly, the result rounded once) */
+template <typename T> __global__ static void swiglu_fw(T *out, const T *g, const T *u, int64_t n) {
     ULY_CU_FOR(i, n) {
-        float s = sigmoidf_(g[i]), silu = g[i] * s;
-        if (dg) dg[i] += d[i] * u[i] * s * (1.0f + g[i] * (1.0f - s));
+        const float gi = uly_cu_ld(g, i);
+        uly_cu_st(out, i, gi * sigmoidf_(gi) * uly_cu_ld(u, i));
+    }
+}
+template <typename T> __global__ static void swiglu_bw(float *dg, float *du, const float *d, const T *g, const T *u, int64_t n) {
+    ULY_CU_FOR(i, n) {
+        const float gi = uly_cu_ld(g, i), ui = uly_cu_ld(u, i);
+        float s = sigmoidf_(gi), silu = gi * s;
+        if (dg) dg[i] += d[i] * ui * s * (1.0f + gi * (1.0f - s));
         if (du) du[i] += d[i] * silu;
     }
 }
 extern "C" void cu_swiglu_forward(float *out, const float *gate, const float *up, int64_t n) {
-    LAUNCH(swiglu_fw, n, out, gate, up, n);
+    LAUNCH_AS_("swiglu_fw", swiglu_fw<float>, n, out, gate, up, n);
 }
 extern "C" void cu_swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int64_t n) {
-    LAUNCH(swiglu_bw, n, dgate, dup, dout, gate, up, n);
+    LAUNCH_AS_("swiglu_bw", swiglu_bw<float>, n, dgate, dup, dout, gate, up, n);
+}
+extern "C" void cu_swiglu_forward_bf16(void *out, const void *gate, const void *up, int64_t n) {
+    LAUNCH_AS_("swiglu_fw bf16", swiglu_fw<uint16_t>, n, (uint16_t *)out, (const uint16_t *)gate, (const uint16_t *)up, n);
+}
+extern "C" void cu_swiglu_backward_bf16(float *dgate, float *dup, const float *dout, const void *gate, const void *up,
+                                        int64_t n) {
+    LAUNCH_AS_("swiglu_bw bf16", swiglu_bw<uint16_t>, n, dgate, dup, dout, (const uint16_t *)gate, (const uint16_t *)up, n);
 }
 
 /* ---- binary with broadcasting (strides aligned to the output shape, 0 = broadcast) ---- */
 typedef struct { int ndim; int64_t shape[ULY_VIEW_MAX_DIMS], sa[ULY_VIEW_MAX_DIMS], sb[ULY_VIEW_MAX_DIMS]; } bin_geom;
 
-__global__ static void binary_fw(float *out, const float *a, const float *b, bin_geom g, int64_t n, int kind) {
+template <typename TO, typename TA, typename TB>
+__global__ static void binary_fw(TO *out, const TA *a, const TB *b, bin_geom g, int64_t n, int kind) {
     ULY_CU_FOR(i, n) {
         int64_t rem = i, oa = 0, ob = 0;
         for (int d = g.ndim - 1; d >= 0; d--) {
@@ -89,17 +105,46 @@ __global__ static void binary_fw(float *out, const float *a, const float *b, bin
             oa += x * g.sa[d];
             ob += x * g.sb[d];
         }
-        float x = a[oa], y = b[ob];
-        out[i] = kind == ULY_BINARY_ADD ? x + y : kind == ULY_BINARY_SUB ? x - y : kind == ULY_BINARY_MUL ? x * y : x / y;
+        float x = uly_cu_ld(a, oa), y = uly_cu_ld(b, ob);
+        uly_cu_st(out, i, kind == ULY_BINARY_ADD ? x + y : kind == ULY_BINARY_SUB ? x - y : kind == ULY_BINARY_MUL ? x * y : x / y);
     }
+}
+static bin_geom geometry(const int64_t *sa, const int64_t *sb, int ndim, const int64_t *shape, int64_t *n) {
+    bin_geom g;
+    g.ndim = ndim;
+    *n = 1;
+    for (int d = 0; d < ndim; d++) { g.shape[d] = shape[d]; g.sa[d] = sa[d]; g.sb[d] = sb[d]; *n *= shape[d]; }
+    return g;
+}
+template <typename TO, typename TA, typename TB>
+static void binary_launch(TO *out, const TA *a, const TB *b, bin_geom g, int64_t n, int kind) {
+    void (*k)(TO *, const TA *, const TB *, bin_geom, int64_t, int) = binary_fw<TO, TA, TB>;
+    const char *name = sizeof(TO) + sizeof(TA) + sizeof(TB) == 12 ? "binary_fw" : "binary_fw bf16";
+    LAUNCH_AS_(name, k, n, out, a, b, g, n, kind);
 }
 extern "C" void cu_binary_forward(float *out, const float *a, const int64_t *sa, const float *b, const int64_t *sb,
                                   int ndim, const int64_t *shape, int kind) {
-    bin_geom g;
-    g.ndim = ndim;
-    int64_t n = 1;
-    for (int d = 0; d < ndim; d++) { g.shape[d] = shape[d]; g.sa[d] = sa[d]; g.sb[d] = sb[d]; n *= shape[d]; }
-    LAUNCH(binary_fw, n, out, a, b, g, n, kind);
+    int64_t n;
+    bin_geom g = geometry(sa, sb, ndim, shape, &n);
+    binary_launch(out, a, b, g, n, kind);
+}
+/* bf16 activations: each of out, a, b f32 or bf16 (its dtype) */
+template <typename TO, typename TA>
+static void binary_b(TO *out, const TA *a, const void *b, int bt, bin_geom g, int64_t n, int kind) {
+    if (bt == ULY_DTYPE_BF16) binary_launch(out, a, (const uint16_t *)b, g, n, kind);
+    else binary_launch(out, a, (const float *)b, g, n, kind);
+}
+template <typename TO>
+static void binary_a(TO *out, const void *a, int at, const void *b, int bt, bin_geom g, int64_t n, int kind) {
+    if (at == ULY_DTYPE_BF16) binary_b(out, (const uint16_t *)a, b, bt, g, n, kind);
+    else binary_b(out, (const float *)a, b, bt, g, n, kind);
+}
+extern "C" void cu_binary_forward_typed(void *out, int ot, const void *a, int at, const int64_t *sa, const void *b, int bt,
+                                        const int64_t *sb, int ndim, const int64_t *shape, int kind) {
+    int64_t n;
+    bin_geom g = geometry(sa, sb, ndim, shape, &n);
+    if (ot == ULY_DTYPE_BF16) binary_a((uint16_t *)out, a, at, b, bt, g, n, kind);
+    else binary_a((float *)out, a, at, b, bt, g, n, kind);
 }
 
 __global__ static void scalar_fw(float *out, const float *a, int64_t n, int kind, float s) {
@@ -159,13 +204,8 @@ extern "C" void cu_rope_backward(float *dinp, const float *dout, int64_t B, int6
 }
 
 /* ---- strided walks ---- */
-__device__ static inline float bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
-__device__ static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#define bf16_to_f32 uly_cu_bf16_to_f32
+#define f32_to_bf16 uly_cu_f32_to_bf16
 __device__ static inline double load(const char *p, int dtype) {
     switch (dtype) {
     case ULY_DTYPE_F32: return *(const float *)p;

@@ -63,7 +63,7 @@ extern "C" int cu_gemm_init(void) {
  * pointer alignment included; found = 0 remembers a problem cuBLASLt declines */
 typedef struct {
     int64_t m, n, k, lda, ldb, ldc, sa, sb, sc, batches;
-    int ta, tb, in_type, compute, bias, align;
+    int ta, tb, in_type, out_type, compute, bias, align;
 } lt_key;
 typedef struct { lt_key key; int used, found; cublasLtMatmulAlgo_t algo; } lt_entry;
 static lt_entry lt_cache[256];
@@ -82,8 +82,9 @@ static lt_entry *lt_lookup(const lt_key *key) {
  * heuristic's first algorithm (cached per problem), with the workspace. -1 when cuBLASLt has
  * nothing for this problem (or did not start): the caller uses cuBLAS's GemmStridedBatchedEx. */
 static int lt_gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void *A, int64_t lda,
-                   int64_t sa, const void *B, int64_t ldb, int64_t sb, float beta, float *C, int64_t ldc, int64_t sc,
-                   int64_t batches, cudaDataType_t in_type, cublasComputeType_t compute, const float *bias = NULL) {
+                   int64_t sa, const void *B, int64_t ldb, int64_t sb, float beta, void *C, int64_t ldc, int64_t sc,
+                   int64_t batches, cudaDataType_t in_type, cublasComputeType_t compute, const float *bias = NULL,
+                   cudaDataType_t out_type = CUDA_R_32F) {
     if (!lt) return -1;
     /* ULY_CUDA_GEMM=cublas: cuBLAS's GemmEx instead (bench/gpu.lua compares: is cuBLASLt's first
      * heuristic the slower algorithm?) */
@@ -107,7 +108,7 @@ static int lt_gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_
                    CUBLAS_STATUS_SUCCESS;
     ok = ok && cublasLtMatrixLayoutCreate(&lb, in_type, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb) ==
                    CUBLAS_STATUS_SUCCESS;
-    ok = ok && cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, m, n, ldc) == CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatrixLayoutCreate(&lc, out_type, m, n, ldc) == CUBLAS_STATUS_SUCCESS;
     if (ok && batches > 1) {
         const cublasLtMatrixLayout_t ls[3] = {la, lb, lc};
         const int64_t strides[3] = {sa, sb, sc};
@@ -124,7 +125,7 @@ static int lt_gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_
     memset(&key, 0, sizeof key);   /* padding included: keys compare with memcmp */
     key.m = m; key.n = n; key.k = k; key.lda = lda; key.ldb = ldb; key.ldc = ldc;
     key.sa = sa; key.sb = sb; key.sc = sc; key.batches = batches;
-    key.ta = ta; key.tb = tb; key.in_type = in_type; key.compute = compute; key.bias = bias != NULL;
+    key.ta = ta; key.tb = tb; key.in_type = in_type; key.out_type = out_type; key.compute = compute; key.bias = bias != NULL;
     key.align = (int)(((uintptr_t)A | (uintptr_t)B | (uintptr_t)C | (uintptr_t)bias) & 255);
     lt_entry *hit = ok ? lt_lookup(&key) : NULL;
     if (ok && !hit) {
@@ -268,10 +269,15 @@ static int bf16_operands(int nb, const int64_t *bshape, const uly_mat &A, const 
 }
 
 /* mixed precision: the bf16 operands (bf16_operands) multiplied on tensor cores at the bf16 rate,
- * accumulated and written in f32 */
+ * accumulated in f32 and written in f32, or rounded to bf16 where C is bf16 (bf16 activations:
+ * then K > 0 and beta 0, the core's contract) */
 extern "C" void cu_gemm_batched_bf16(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N,
                                      int64_t K, float beta) {
     if (M == 0 || N == 0) return;
+    if (C.dtype == ULY_DTYPE_BF16 && (K == 0 || beta != 0.0f)) {
+        uly_cu_fail_msg("bf16 GEMM output", "needs K > 0 and beta 0 (the core's contract)");
+        return;
+    }
     if (K == 0) { gemm_typed(nb, bshape, A, A.p, B, B.p, C, M, N, K, beta, CUDA_R_32F); return; }
     const void *a16, *b16;
     __nv_bfloat16 *tmp;
@@ -292,6 +298,7 @@ extern "C" int cu_gemm_bias(uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t 
         return -1;
     const cudaDataType_t in_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
     if (!bf16 && (A.dtype == ULY_DTYPE_BF16 || B.dtype == ULY_DTYPE_BF16)) return -1;
+    if (C.dtype == ULY_DTYPE_BF16) return -1;   /* the bias is added to an f32 output */
     const cublasComputeType_t compute = (use_tf32 && !bf16) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     const void *ap = A.p, *bp = B.p;
     __nv_bfloat16 *tmp = NULL;
@@ -316,8 +323,10 @@ static void gemm_typed(int nb, const int64_t *bshape, uly_mat A, const void *ap,
     const float one = 1.0f;
     cublasComputeType_t compute = (use_tf32 && in_type == CUDA_R_32F) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     const size_t es = in_type == CUDA_R_32F ? 4 : 2;
+    const cudaDataType_t out_type = C.dtype == ULY_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+    const size_t ec = out_type == CUDA_R_32F ? 4 : 2;
     cublasOperation_t opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-    if (K == 0) { /* C = beta C for every batch */
+    if (K == 0) { /* C = beta C for every batch (f32 C only: cu_gemm_batched_bf16 refuses a bf16 one) */
         int64_t idx[8] = {0};
         for (int64_t bi = 0; bi < batches; bi++) {
             int64_t oc = 0;
@@ -336,10 +345,11 @@ static void gemm_typed(int nb, const int64_t *bshape, uly_mat A, const void *ap,
     if (uly_cu_prof_on) snprintf(name, sizeof name, "matmul %s %lld x %lld x %lld (cuBLAS)%s", gemm_precision(in_type, compute), (long long)M,
              (long long)N, (long long)K, batches > 1 ? " batched" : "");
     if (regular && (sc != 0 || batches == 1)) {
-        if (lt_gemm(opb, opa, N, M, K, bp, ldb, sb, ap, lda, sa, beta, C.p, ldc, sc, batches, in_type, compute))
+        if (lt_gemm(opb, opa, N, M, K, bp, ldb, sb, ap, lda, sa, beta, C.p, ldc, sc, batches, in_type, compute, NULL,
+                    out_type))
             s = (uly_cu_prof_scope{name, uly_cu_stream},
                  cublasGemmStridedBatchedEx(handle, opb, opa, (int)N, (int)M, (int)K, &one, bp, in_type, (int)ldb, sb,
-                                           ap, in_type, (int)lda, sa, &beta, C.p, CUDA_R_32F, (int)ldc, sc,
+                                           ap, in_type, (int)lda, sa, &beta, C.p, out_type, (int)ldc, sc,
                                            (int)batches, compute, CUBLAS_GEMM_DEFAULT));
     } else {
         int64_t idx[8] = {0};
@@ -353,8 +363,8 @@ static void gemm_typed(int nb, const int64_t *bshape, uly_mat A, const void *ap,
             const float b_eff = first ? beta : 1.0f;
             s = (uly_cu_prof_scope{name, uly_cu_stream},
                  cublasGemmEx(handle, opb, opa, (int)N, (int)M, (int)K, &one, (const char *)bp + ob * es, in_type, (int)ldb,
-                              (const char *)ap + oa * es, in_type, (int)lda, &b_eff, C.p + oc, CUDA_R_32F, (int)ldc, compute,
-                              CUBLAS_GEMM_DEFAULT));
+                              (const char *)ap + oa * es, in_type, (int)lda, &b_eff, (char *)C.p + oc * ec, out_type,
+                              (int)ldc, compute, CUBLAS_GEMM_DEFAULT));
             for (int d = nb - 1; d >= 0; d--) { if (++idx[d] < bshape[d]) break; idx[d] = 0; }
         }
     }

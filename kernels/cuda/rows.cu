@@ -19,6 +19,17 @@
 #define LAUNCH_ROWS(kernel, rows, ...) do { \
         if ((rows) > 0) ULY_LAUNCH(kernel, ROW_BLOCKS(rows), ROWT, uly_cu_stream)(__VA_ARGS__); \
         ULY_CU_LAUNCHED(#kernel); } while (0)
+#define LAUNCH_AS_(name, kernel, n, ...) do { \
+        if ((n) > 0) ULY_LAUNCH_AS(name, kernel, uly_cu_blocks((n), THREADS), THREADS, uly_cu_stream)(__VA_ARGS__); \
+        ULY_CU_LAUNCHED(name); } while (0)
+/* the templated kernels (T: f32, or bf16 bits) under their f32 name, or with " bf16" */
+#define NAMED(name) (sizeof(T) == 2 ? name " bf16" : name)
+#define LAUNCH_T(name, kernel, n, ...) do { \
+        if ((n) > 0) ULY_LAUNCH_AS(NAMED(name), kernel, uly_cu_blocks((n), THREADS), THREADS, uly_cu_stream)(__VA_ARGS__); \
+        ULY_CU_LAUNCHED(NAMED(name)); } while (0)
+#define LAUNCH_ROWS_T(name, kernel, rows, ...) do { \
+        if ((rows) > 0) ULY_LAUNCH_AS(NAMED(name), kernel, ROW_BLOCKS(rows), ROWT, uly_cu_stream)(__VA_ARGS__); \
+        ULY_CU_LAUNCHED(NAMED(name)); } while (0)
 
 extern "C" void *uly_cu_scratch(void);                                   /* backend.cu: 64 KiB of device memory */
 extern "C" int uly_cu_read_back(void *host, const void *dev, int64_t bytes); /* sync copy; 0 on success */
@@ -126,45 +137,49 @@ extern "C" void cu_softmax_backward(float *dinp, const float *dout, const float 
     LAUNCH(softmax_bw, outer * inner, dinp, dout, out, outer, n, inner, is_log);
 }
 
-/* ---- LayerNorm / RMSNorm: a block per row; parameter gradients a thread per column ---- */
-__global__ static void norm_fw(float *out, float *mean, float *rstd, const float *inp, const float *w, const float *b,
+/* ---- LayerNorm / RMSNorm: a block per row; parameter gradients a thread per column ----
+ * T: the input and output, f32 or bf16 bits (bf16 activations: read exactly, rounded once) */
+template <typename T>
+__global__ static void norm_fw(T *out, float *mean, float *rstd, const T *inp, const float *w, const float *b,
                                int64_t rows, int64_t C, float eps, int rms) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float *x = inp + r * C;
+        const T *x = inp + r * C;
         double md = 0.0;
         if (!rms) {
             double s = 0.0;
-            for (int64_t c = threadIdx.x; c < C; c += blockDim.x) s += x[c];
+            for (int64_t c = threadIdx.x; c < C; c += blockDim.x) s += uly_cu_ld(x, c);
             md = uly_cu_block_sum(s) / (double)C;
         }
         double v = 0.0;
-        for (int64_t c = threadIdx.x; c < C; c += blockDim.x) { double d = (double)x[c] - md; v += d * d; }
+        for (int64_t c = threadIdx.x; c < C; c += blockDim.x) { double d = (double)uly_cu_ld(x, c) - md; v += d * d; }
         v = uly_cu_block_sum(v);
         float m = (float)md, rs = (float)(1.0 / sqrt(v / (double)C + (double)eps));
         if (threadIdx.x == 0) { if (mean) mean[r] = m; if (rstd) rstd[r] = rs; }
         for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-            float y = (x[c] - m) * rs;
+            float y = (uly_cu_ld(x, c) - m) * rs;
             if (w) y *= w[c];
             if (b) y += b[c];
-            out[r * C + c] = y;
+            uly_cu_st(out, r * C + c, y);
         }
     }
 }
-__global__ static void norm_bw_input(float *dinp, const float *dout, const float *inp, const float *w, const float *mean,
+template <typename T>
+__global__ static void norm_bw_input(float *dinp, const float *dout, const T *inp, const float *w, const float *mean,
                                      const float *rstd, int64_t rows, int64_t C, int rms) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float *x = inp + r * C, *d = dout + r * C;
+        const T *x = inp + r * C;
+        const float *d = dout + r * C;
         float m = rms ? 0.0f : mean[r], rs = rstd[r];
         double sg = 0.0, sgx = 0.0;
         for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-            float g = d[c] * (w ? w[c] : 1.0f), xh = (x[c] - m) * rs;
+            float g = d[c] * (w ? w[c] : 1.0f), xh = (uly_cu_ld(x, c) - m) * rs;
             sg += g;
             sgx += (double)g * xh;
         }
         float mg = (float)(uly_cu_block_sum(sg) / (double)C), mgx = (float)(uly_cu_block_sum(sgx) / (double)C);
         if (rms) mg = 0.0f;
         for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-            float g = d[c] * (w ? w[c] : 1.0f), xh = (x[c] - m) * rs;
+            float g = d[c] * (w ? w[c] : 1.0f), xh = (uly_cu_ld(x, c) - m) * rs;
             dinp[r * C + c] += rs * (g - mg - xh * mgx);
         }
     }
@@ -173,13 +188,14 @@ __global__ static void norm_bw_input(float *dinp, const float *dout, const float
  * sums (a thread per (chunk, column), coalesced along the columns), then a thread per column adds
  * its chunks in order */
 #define NCHUNK 128
-__global__ static void norm_bw_partial(double *part, const float *dout, const float *inp, const float *mean,
+template <typename T>
+__global__ static void norm_bw_partial(double *part, const float *dout, const T *inp, const float *mean,
                                        const float *rstd, int64_t rows, int64_t C, int64_t nch, int rms) {
     ULY_CU_FOR(e, nch * C) {
         int64_t k = e / C, c = e % C, r0 = rows * k / nch, r1 = rows * (k + 1) / nch;
         double sw = 0.0, sb = 0.0;
         for (int64_t r = r0; r < r1; r++) {
-            float d = dout[r * C + c], xh = (inp[r * C + c] - (rms ? 0.0f : mean[r])) * rstd[r];
+            float d = dout[r * C + c], xh = (uly_cu_ld(inp, r * C + c) - (rms ? 0.0f : mean[r])) * rstd[r];
             sw += (double)d * xh;
             sb += d;
         }
@@ -195,34 +211,71 @@ __global__ static void norm_bw_total(float *dw, float *db, const double *part, i
         if (db) db[c] += (float)sb;
     }
 }
-static void norm_bw_params(float *dw, float *db, const float *dout, const float *inp, const float *mean,
+template <typename T>
+static void norm_bw_params(float *dw, float *db, const float *dout, const T *inp, const float *mean,
                            const float *rstd, int64_t rows, int64_t C, int rms) {
     int64_t nch = rows < NCHUNK ? (rows > 0 ? rows : 1) : NCHUNK;
     double *part = NULL;
     cudaError_t e = cudaMallocAsync((void **)&part, (size_t)(2 * nch * C) * sizeof(double), uly_cu_stream);
     if (e != cudaSuccess) { uly_cu_fail("norm backward scratch", e); return; }
-    LAUNCH(norm_bw_partial, nch * C, part, dout, inp, mean, rstd, rows, C, nch, rms);
+    LAUNCH_T("norm_bw_partial", norm_bw_partial<T>, nch * C, part, dout, inp, mean, rstd, rows, C, nch, rms);
     LAUNCH(norm_bw_total, C, dw, db, part, C, nch);
     cudaFreeAsync(part, uly_cu_stream);
 }
+template <typename T>
+static void layernorm_fw(T *out, float *mean, float *rstd, const T *inp, const float *w, const float *b, int64_t rows,
+                         int64_t C, float eps) {
+    if (C > 0) LAUNCH_ROWS_T("norm_fw", norm_fw<T>, rows, out, mean, rstd, inp, w, b, rows, C, eps, 0);
+}
+template <typename T>
+static void layernorm_bw(float *dinp, float *dw, float *db, const float *dout, const T *inp, const float *w,
+                         const float *mean, const float *rstd, int64_t rows, int64_t C) {
+    if (C <= 0) return;
+    if (dinp) LAUNCH_ROWS_T("norm_bw_input", norm_bw_input<T>, rows, dinp, dout, inp, w, mean, rstd, rows, C, 0);
+    if (dw || db) norm_bw_params(dw, db, dout, inp, mean, rstd, rows, C, 0);
+}
+template <typename T>
+static void rmsnorm_fw(T *out, float *rstd, const T *inp, const float *w, int64_t rows, int64_t C, float eps) {
+    if (C > 0) LAUNCH_ROWS_T("norm_fw", norm_fw<T>, rows, out, (float *)NULL, rstd, inp, w, (const float *)NULL, rows, C, eps, 1);
+}
+template <typename T>
+static void rmsnorm_bw(float *dinp, float *dw, const float *dout, const T *inp, const float *w, const float *rstd,
+                       int64_t rows, int64_t C) {
+    if (C <= 0) return;
+    if (dinp) LAUNCH_ROWS_T("norm_bw_input", norm_bw_input<T>, rows, dinp, dout, inp, w, (const float *)NULL, rstd, rows, C, 1);
+    if (dw) norm_bw_params(dw, (float *)NULL, dout, inp, (const float *)NULL, rstd, rows, C, 1);
+}
 extern "C" void cu_layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w, const float *b,
                                      int64_t rows, int64_t C, float eps) {
-    if (C > 0) LAUNCH_ROWS(norm_fw, rows, out, mean, rstd, inp, w, b, rows, C, eps, 0);
+    layernorm_fw(out, mean, rstd, inp, w, b, rows, C, eps);
 }
 extern "C" void cu_layernorm_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp, const float *w,
                                       const float *mean, const float *rstd, int64_t rows, int64_t C) {
-    if (C <= 0) return;
-    if (dinp) LAUNCH_ROWS(norm_bw_input, rows, dinp, dout, inp, w, mean, rstd, rows, C, 0);
-    if (dw || db) norm_bw_params(dw, db, dout, inp, mean, rstd, rows, C, 0);
+    layernorm_bw(dinp, dw, db, dout, inp, w, mean, rstd, rows, C);
 }
 extern "C" void cu_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int64_t rows, int64_t C, float eps) {
-    if (C > 0) LAUNCH_ROWS(norm_fw, rows, out, (float *)NULL, rstd, inp, w, (const float *)NULL, rows, C, eps, 1);
+    rmsnorm_fw(out, rstd, inp, w, rows, C, eps);
 }
 extern "C" void cu_rmsnorm_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                                     const float *rstd, int64_t rows, int64_t C) {
-    if (C <= 0) return;
-    if (dinp) LAUNCH_ROWS(norm_bw_input, rows, dinp, dout, inp, w, (const float *)NULL, rstd, rows, C, 1);
-    if (dw) norm_bw_params(dw, (float *)NULL, dout, inp, (const float *)NULL, rstd, rows, C, 1);
+    rmsnorm_bw(dinp, dw, dout, inp, w, rstd, rows, C);
+}
+/* bf16 activations: the input and output as bf16 */
+extern "C" void cu_layernorm_forward_bf16(void *out, float *mean, float *rstd, const void *inp, const float *w,
+                                          const float *b, int64_t rows, int64_t C, float eps) {
+    layernorm_fw((uint16_t *)out, mean, rstd, (const uint16_t *)inp, w, b, rows, C, eps);
+}
+extern "C" void cu_layernorm_backward_bf16(float *dinp, float *dw, float *db, const float *dout, const void *inp,
+                                           const float *w, const float *mean, const float *rstd, int64_t rows, int64_t C) {
+    layernorm_bw(dinp, dw, db, dout, (const uint16_t *)inp, w, mean, rstd, rows, C);
+}
+extern "C" void cu_rmsnorm_forward_bf16(void *out, float *rstd, const void *inp, const float *w, int64_t rows, int64_t C,
+                                        float eps) {
+    rmsnorm_fw((uint16_t *)out, rstd, (const uint16_t *)inp, w, rows, C, eps);
+}
+extern "C" void cu_rmsnorm_backward_bf16(float *dinp, float *dw, const float *dout, const void *inp, const float *w,
+                                         const float *rstd, int64_t rows, int64_t C) {
+    rmsnorm_bw(dinp, dw, dout, (const uint16_t *)inp, w, rstd, rows, C);
 }
 
 /* ---- embedding ---- */
@@ -259,7 +312,8 @@ extern "C" int64_t cu_embedding_first_bad_index(const void *idx, int ib, int64_t
 }
 
 /* ---- cross-entropy: a block per row; count of non-ignored rows read back ---- */
-__global__ static void ce_fw(float *loss, float *lse, const float *logits, const void *t, int tb, int64_t rows, int64_t V,
+template <typename T>
+__global__ static void ce_fw(float *loss, float *lse, const T *logits, const void *t, int tb, int64_t rows, int64_t V,
                              int64_t ignore) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int64_t tr = load_idx(t, tb, r);
@@ -267,17 +321,17 @@ __global__ static void ce_fw(float *loss, float *lse, const float *logits, const
             if (threadIdx.x == 0) { loss[r] = 0.0f; lse[r] = 0.0f; }
             continue;
         }
-        const float *x = logits + r * V;
+        const T *x = logits + r * V;
         float m = -INFINITY;
-        for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, x[j]);
+        for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, uly_cu_ld(x, j));
         m = uly_cu_block_max(m);
         double s = 0.0;
-        for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(x[j] - m);
+        for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(uly_cu_ld(x, j) - m);
         s = uly_cu_block_sum(s);
         if (threadIdx.x == 0) {
             float l = m + (float)log(s);
             lse[r] = l;
-            loss[r] = l - x[tr];
+            loss[r] = l - uly_cu_ld(x, tr);
         }
     }
 }
@@ -286,27 +340,41 @@ __global__ static void ce_count(unsigned long long *count, const void *t, int tb
     ULY_CU_FOR(r, rows) mine += load_idx(t, tb, r) != ignore;
     if (mine) atomicAdd(count, mine);   /* integers: order does not matter */
 }
-extern "C" int64_t cu_cross_entropy_forward(float *loss, float *lse, const float *logits, const void *t, int tb, int64_t rows,
-                                            int64_t V, int64_t ignore) {
+template <typename T>
+static int64_t ce_forward(float *loss, float *lse, const T *logits, const void *t, int tb, int64_t rows, int64_t V,
+                          int64_t ignore) {
     if (rows <= 0) return 0;
-    LAUNCH_ROWS(ce_fw, rows, loss, lse, logits, t, tb, rows, V, ignore);
+    LAUNCH_ROWS_T("ce_fw", ce_fw<T>, rows, loss, lse, logits, t, tb, rows, V, ignore);
     unsigned long long *count = (unsigned long long *)uly_cu_scratch(), host = 0;
     cudaMemsetAsync(count, 0, sizeof host, uly_cu_stream);
     LAUNCH(ce_count, rows, count, t, tb, rows, ignore);
     if (uly_cu_read_back(&host, count, sizeof host)) return 0;
     return (int64_t)host;
 }
-__global__ static void ce_bw(float *dl, const float *dloss, const float *logits, const float *lse, const void *t, int tb,
+extern "C" int64_t cu_cross_entropy_forward(float *loss, float *lse, const float *logits, const void *t, int tb, int64_t rows,
+                                            int64_t V, int64_t ignore) {
+    return ce_forward(loss, lse, logits, t, tb, rows, V, ignore);
+}
+extern "C" int64_t cu_cross_entropy_forward_bf16(float *loss, float *lse, const void *logits, const void *t, int tb,
+                                                 int64_t rows, int64_t V, int64_t ignore) {
+    return ce_forward(loss, lse, (const uint16_t *)logits, t, tb, rows, V, ignore);
+}
+template <typename T>
+__global__ static void ce_bw(float *dl, const float *dloss, const T *logits, const float *lse, const void *t, int tb,
                              int64_t rows, int64_t V, int64_t ignore) {
     ULY_CU_FOR(e, rows * V) {
         int64_t r = e / V, j = e % V, tr = load_idx(t, tb, r);
         if (tr == ignore) continue;
-        dl[e] += dloss[r] * (expf(logits[e] - lse[r]) - (j == tr ? 1.0f : 0.0f));
+        dl[e] += dloss[r] * (expf(uly_cu_ld(logits, e) - lse[r]) - (j == tr ? 1.0f : 0.0f));
     }
 }
 extern "C" void cu_cross_entropy_backward(float *dlogits, const float *dloss, const float *logits, const float *lse,
                                           const void *t, int tb, int64_t rows, int64_t V, int64_t ignore) {
-    LAUNCH(ce_bw, rows * V, dlogits, dloss, logits, lse, t, tb, rows, V, ignore);
+    LAUNCH_AS_("ce_bw", ce_bw<float>, rows * V, dlogits, dloss, logits, lse, t, tb, rows, V, ignore);
+}
+extern "C" void cu_cross_entropy_backward_bf16(float *dlogits, const float *dloss, const void *logits, const float *lse,
+                                               const void *t, int tb, int64_t rows, int64_t V, int64_t ignore) {
+    LAUNCH_AS_("ce_bw bf16", ce_bw<uint16_t>, rows * V, dlogits, dloss, (const uint16_t *)logits, lse, t, tb, rows, V, ignore);
 }
 
 /* ---- optimizers ---- */

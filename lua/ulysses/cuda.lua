@@ -157,6 +157,24 @@ function M.tf32(on)
   return prev
 end
 
+-- bf16 activations (uly.activation_dtype('bf16')) through the kernels that read and write bf16
+-- themselves (true, the default: norms, SwiGLU, elementwise, cross-entropy; GEMMs and attention
+-- read bf16 either way) or through converting copies around the f32 kernels (false): the same
+-- bits, half the memory traffic. Returns the previous setting (true without the CUDA library).
+function M.bf16_kernels(on)
+  if on ~= nil and type(on) ~= 'boolean' then
+    error('uly.cuda.bf16_kernels: expected true, false or nothing, got ' .. type(on) .. ' ' .. tostring(on), 2)
+  end
+  local lib = M.lib()
+  if not lib then return true end
+  if on == nil then
+    local prev = lib.uly_cuda_bf16_kernels(1) ~= 0
+    lib.uly_cuda_bf16_kernels(prev and 1 or 0)
+    return prev
+  end
+  return lib.uly_cuda_bf16_kernels(on and 1 or 0) ~= 0
+end
+
 -- a profiler range: ncu or nsys started with --profile-from-start off (or its equivalent) record
 -- the kernels between uly.cuda.profiler(true) and uly.cuda.profiler(false) only
 function M.profiler(on)

@@ -1,8 +1,9 @@
 /* kernels/cuda/emu/cublaslt_emu.cpp — cuBLASLt for the CUDA emulator: matmul descriptors and
  * matrix layouts (column-major, strided batches) recorded as given, one "algorithm" that every
  * heuristic query returns, and cublasLtMatmul as the emulator's GEMM loops per batch, queued on
- * the stream like any other work. D must be C (the only use here); the bias epilogue adds
- * bias[i] to row i of each column-major output, after the product. */
+ * the stream like any other work. D must be C (the only use here), f32 or bf16 (the product in
+ * f32, beta C and the bias added, then rounded to nearest even); the bias epilogue adds bias[i]
+ * to row i of each column-major output, after the product. */
 #include "cuda_emu.h"
 #include "cublasLt.h"
 
@@ -68,7 +69,7 @@ static bool shapes_fit(const uly_emu_lt_desc *d, const uly_emu_lt_layout *a, con
     uint64_t am = d->ta == CUBLAS_OP_N ? a->rows : a->cols, ak = d->ta == CUBLAS_OP_N ? a->cols : a->rows;
     uint64_t bk = d->tb == CUBLAS_OP_N ? b->rows : b->cols, bn = d->tb == CUBLAS_OP_N ? b->cols : b->rows;
     return am == c->rows && bn == c->cols && ak == bk && a->batches == c->batches && b->batches == c->batches &&
-           c->type == CUDA_R_32F && (c->stride != 0 || c->batches == 1);
+           (c->type == CUDA_R_32F || c->type == CUDA_R_16BF) && (c->stride != 0 || c->batches == 1);
 }
 
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t a,
@@ -97,13 +98,25 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const vo
     if (d->epilogue == CUBLASLT_EPILOGUE_BIAS && !bias) return CUBLAS_STATUS_INVALID_VALUE;
     uly_emu::submit(stream, [=]() {
         const size_t ea = la.type == CUDA_R_16BF ? 2 : 4, eb = lb.type == CUDA_R_16BF ? 2 : 4;
+        const bool out16 = lc.type == CUDA_R_16BF;
         for (int32_t i = 0; i < lc.batches; i++) {
-            float *out = (float *)D + i * lc.stride;
+            /* a bf16 output: the product into f32 (beta C read as f32), then rounded */
+            float *out = out16 ? (float *)malloc(sizeof(float) * (size_t)lc.ld * (size_t)(n > 0 ? n : 1))
+                               : (float *)D + i * lc.stride;
+            __nv_bfloat16 *out16p = out16 ? (__nv_bfloat16 *)D + i * lc.stride : NULL;
+            if (out16)
+                for (int j = 0; j < n; j++)
+                    for (int r = 0; r < m; r++) out[r + (int64_t)j * lc.ld] = __bfloat162float(out16p[r + (int64_t)j * lc.ld]);
             uly_emu::gemm(ta, tb, m, n, k, al, (const char *)A + i * la.stride * ea, la.type, (int)la.ld,
                           (const char *)B + i * lb.stride * eb, lb.type, (int)lb.ld, be, out, (int)lc.ld, tf32);
             if (bias)
                 for (int j = 0; j < n; j++)
                     for (int r = 0; r < m; r++) out[r + (int64_t)j * lc.ld] += bias[r];
+            if (out16) {
+                for (int j = 0; j < n; j++)
+                    for (int r = 0; r < m; r++) out16p[r + (int64_t)j * lc.ld] = __float2bfloat16_rn(out[r + (int64_t)j * lc.ld]);
+                free(out);
+            }
         }
     });
     return CUBLAS_STATUS_SUCCESS;

@@ -863,10 +863,21 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
                             const void *alpha, const void *A, cudaDataType_t at, int lda, const void *B, cudaDataType_t bt,
                             int ldb, const void *beta, void *C, cudaDataType_t ct, int ldc, cublasComputeType_t compute,
                             cublasGemmAlgo_t) {
-    if (ct != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (ct != CUDA_R_32F && ct != CUDA_R_16BF) return CUBLAS_STATUS_NOT_SUPPORTED;
     float al = *(const float *)alpha, be = *(const float *)beta;   /* host scalars: read at the call */
     const bool tf32 = compute == CUBLAS_COMPUTE_32F_FAST_TF32;
-    uly_emu::submit(h->stream, [=]() { uly_emu::gemm(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, (float *)C, ldc, tf32); });
+    if (ct == CUDA_R_32F) {
+        uly_emu::submit(h->stream, [=]() { uly_emu::gemm(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, (float *)C, ldc, tf32); });
+        return CUBLAS_STATUS_SUCCESS;
+    }
+    uly_emu::submit(h->stream, [=]() {   /* a bf16 C: in f32, then rounded to nearest even */
+        __nv_bfloat16 *c16 = (__nv_bfloat16 *)C;
+        float *c = (float *)malloc(sizeof(float) * (size_t)ldc * (size_t)(n > 0 ? n : 1));
+        for (int j = 0; j < n; j++) for (int i = 0; i < m; i++) c[i + (size_t)j * ldc] = __bfloat162float(c16[i + (size_t)j * ldc]);
+        uly_emu::gemm(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, c, ldc, tf32);
+        for (int j = 0; j < n; j++) for (int i = 0; i < m; i++) c16[i + (size_t)j * ldc] = __float2bfloat16_rn(c[i + (size_t)j * ldc]);
+        free(c);
+    });
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -878,7 +889,8 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
     size_t ea = at == CUDA_R_16BF ? 2 : 4, eb = bt == CUDA_R_16BF ? 2 : 4;
     for (int i = 0; i < batches; i++) {
         cublasStatus_t s = cublasGemmEx(h, ta, tb, m, n, k, alpha, (const char *)A + i * sa * ea, at, lda,
-                                        (const char *)B + i * sb * eb, bt, ldb, beta, (float *)C + i * sc, ct, ldc,
+                                        (const char *)B + i * sb * eb, bt, ldb, beta,
+                                        (char *)C + i * sc * (ct == CUDA_R_16BF ? 2 : 4), ct, ldc,
                                         compute, algo);
         if (s != CUBLAS_STATUS_SUCCESS) return s;
     }
