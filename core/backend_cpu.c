@@ -28,6 +28,14 @@ static void convert_run(char *a, char *b, int64_t n, int64_t sa, int64_t sb, voi
         for (int64_t i = 0; i < n; i++) *(float *)(a + i * sa) = *(const float *)(b + i * sb);
         return;
     }
+    if (c->da == ULY_DTYPE_F32 && c->db == ULY_DTYPE_BF16) {   /* bf16 activations read as f32 */
+        for (int64_t i = 0; i < n; i++) *(float *)(a + i * sa) = uly_bf16_to_f32(*(const uint16_t *)(b + i * sb));
+        return;
+    }
+    if (c->da == ULY_DTYPE_BF16 && c->db == ULY_DTYPE_F32) {   /* an f32 result rounded to bf16 */
+        for (int64_t i = 0; i < n; i++) *(uint16_t *)(a + i * sa) = uly_f32_to_bf16(*(const float *)(b + i * sb));
+        return;
+    }
     for (int64_t i = 0; i < n; i++) uly_store(a + i * sa, c->da, uly_load(b + i * sb, c->db));
 }
 
@@ -36,6 +44,21 @@ static void cpu_copy_view(const uly_view *dst, const uly_view *src) {
     if (n == 0) return;
     if (dst->dtype == src->dtype && view_contiguous(dst) && view_contiguous(src)) {
         memmove(dst->p, src->p, (size_t)(n * uly_dtype_size(dst->dtype)));
+        return;
+    }
+    /* bf16 activations: whole tensors converted between f32 and bf16, over the threads */
+    const int bf16_f32 = (dst->dtype == ULY_DTYPE_F32 && src->dtype == ULY_DTYPE_BF16) ||
+                         (dst->dtype == ULY_DTYPE_BF16 && src->dtype == ULY_DTYPE_F32);
+    if (bf16_f32 && view_contiguous(dst) && view_contiguous(src)) {
+        float *f = dst->dtype == ULY_DTYPE_F32 ? dst->p : src->p;
+        uint16_t *h = dst->dtype == ULY_DTYPE_BF16 ? dst->p : src->p;
+        if (dst->dtype == ULY_DTYPE_F32) {
+            #pragma omp parallel for schedule(static) if (n >= 65536)
+            for (int64_t i = 0; i < n; i++) f[i] = uly_bf16_to_f32(h[i]);
+        } else {
+            #pragma omp parallel for schedule(static) if (n >= 65536)
+            for (int64_t i = 0; i < n; i++) h[i] = uly_f32_to_bf16(f[i]);
+        }
         return;
     }
     int64_t ds[ULY_MAX_DIMS], ss[ULY_MAX_DIMS];
