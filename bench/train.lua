@@ -12,15 +12,16 @@
 -- otherwise gives large blocks back and faults them in again every step). --checkpoint 0,1,2
 -- times each shape once per activation-checkpointing mode (0 none, 1 every block recomputed in
 -- backward, 2 all but attention; with --tile R the MLP and loss tiled), side by side from one
--- run. It never asserts on time.
+-- run. --activations f32,bf16 times each shape with f32 and with bf16 activations
+-- (uly.activation_dtype; its last column), side by side likewise. It never asserts on time.
 --
 -- Run:  OPENBLAS_CORETYPE=SkylakeX bin/ulysses bench/train.lua [--shapes 256x32,1024x8,4096x2]
 --         [--model gpt|llama] [--preset small] [--steps 10] [--warmup 3] [--threads 2] [--torch]
---         [--torch_alloc jemalloc] [--checkpoint 0[,1,2]] [--tile R]
+--         [--torch_alloc jemalloc] [--checkpoint 0[,1,2]] [--tile R] [--activations f32[,bf16]]
 local uly = require 'ulysses'
 
 local opts = { shapes = '256x32,1024x8,4096x2', model = 'gpt', preset = 'small', steps = 10, warmup = 3,
-               threads = 2, torch = false, torch_alloc = '', corpus = '', checkpoint = '0', tile = 0 }
+               threads = 2, torch = false, torch_alloc = '', corpus = '', checkpoint = '0', tile = 0, activations = 'f32' }
 do
   local i = 1
   while i <= #arg do
@@ -31,7 +32,7 @@ do
     else
       io.stderr:write('usage: bin/ulysses bench/train.lua [--shapes TxB,...] [--model gpt|llama] [--preset P] '
                       .. '[--steps N] [--warmup N] [--threads N] [--torch] [--torch_alloc jemalloc] [--corpus FILE] '
-                      .. '[--checkpoint 0,1,2] [--tile R]\n')
+                      .. '[--checkpoint 0,1,2] [--tile R] [--activations f32,bf16]\n')
       os.exit(2, true)
     end
   end
@@ -48,6 +49,11 @@ for shape in opts.shapes:gmatch('[^,]+') do
   shapes[#shapes + 1] = { tonumber(T), tonumber(B), shape }
 end
 local CHECKPOINT = { ['0'] = false, ['1'] = true, ['2'] = 'except_attention' }
+local acts = {}
+for a in tostring(opts.activations):gmatch('[^,]+') do
+  if a ~= 'f32' and a ~= 'bf16' then fail('bad --activations ' .. a .. ' (want f32 or bf16)') end
+  acts[#acts + 1] = a
+end
 local modes = {}
 for m in tostring(opts.checkpoint):gmatch('[^,]+') do
   if CHECKPOINT[m] == nil then fail('bad --checkpoint ' .. m .. ' (want 0, 1 or 2)') end
@@ -78,7 +84,8 @@ end
 
 local peak = uly.cpu_peak_flops(opts.threads)   -- measured: this CPU's f32 FMA peak over the threads
 
-local function bench_shape(T, B, mode)
+local function bench_shape(T, B, mode, act)
+  uly.activation_dtype(act)
   uly.manual_seed(0)
   math.randomseed(0)
   local model = Model { preset = opts.preset, seq = T, checkpoint = CHECKPOINT[mode],
@@ -103,6 +110,7 @@ local function bench_shape(T, B, mode)
       tt[#tt + 1], tf[#tf + 1], tb[#tb + 1], to[#to + 1] = t3 - t0, t1 - t0, t2 - t1, t3 - t2
     end
   end
+  uly.activation_dtype('f32')
   local med = median(tt)
   local fpt = model:flops_per_token(T)
   local tps = B * T / med
@@ -145,19 +153,21 @@ print('command: OPENBLAS_CORETYPE=' .. (os.getenv('OPENBLAS_CORETYPE') or '(unse
 print('FLOPs/token = 6 N_matmul + 12 L C T (attention over the full T x T); MFU vs '
       .. string.format('%.0f GFLOP/s (the f32 FMA peak of %d threads, measured at start)', peak / 1e9, opts.threads))
 print()
-print(string.format('%-11s %5s %10s %9s %9s %9s %10s %9s %6s %10s', 'T x B', 'ckpt', 'step ms', 'fwd ms', 'bwd ms',
-                    'opt ms', 'tok/s', 'GFLOP/s', 'MFU', 'peak MiB'))
+print(string.format('%-11s %5s %10s %9s %9s %9s %10s %9s %6s %10s %5s', 'T x B', 'ckpt', 'step ms', 'fwd ms', 'bwd ms',
+                    'opt ms', 'tok/s', 'GFLOP/s', 'MFU', 'peak MiB', 'act'))
 local rows = {}
 for _, s in ipairs(shapes) do
   local T, B, shape = unpack(s)
   for _, mode in ipairs(modes) do
-    local r = bench_shape(T, B, mode)
-    if mode == modes[1] then rows[#rows + 1] = r end   -- the PyTorch comparison: the first mode
-    print(string.format('%-11s %5s %10.1f %9.1f %9.1f %9.1f %10.0f %9.1f %5.1f%% %10.0f', shape, mode, r.step_ms, r.fwd_ms,
-                        r.bwd_ms, r.opt_ms, r.tps, r.gflops, 100 * r.mfu, r.peak_mib))
-    io.stdout:flush()
-    collectgarbage()
-    uly.empty_cache()
+    for _, act in ipairs(acts) do
+      local r = bench_shape(T, B, mode, act)
+      if mode == modes[1] and act == acts[1] then rows[#rows + 1] = r end   -- the PyTorch comparison: the first
+      print(string.format('%-11s %5s %10.1f %9.1f %9.1f %9.1f %10.0f %9.1f %5.1f%% %10.0f %5s', shape, mode, r.step_ms,
+                          r.fwd_ms, r.bwd_ms, r.opt_ms, r.tps, r.gflops, 100 * r.mfu, r.peak_mib, act))
+      io.stdout:flush()
+      collectgarbage()
+      uly.empty_cache()
+    end
   end
 end
 
