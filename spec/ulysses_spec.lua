@@ -145,6 +145,20 @@ describe('Ulysses sequence parallelism #mpi', function()
     if not real then helpers.reset_simulated_device() end
   end)
 
+  it('with bf16 activations on device cuda, follows the single-process model (NCCL or host-staged)', function()
+    local real = helpers.use_test_device()
+    local pa, pm = uly.activation_dtype('bf16'), uly.matmul_precision('bf16')
+    local ok, dl, dg, where = pcall(compare, Llama, { preset = 'tiny', heads = 4, kv_heads = 2, dim = 32, hidden = 48,
+                                                      seq = 32, window = 6, checkpoint = 'except_attention', tile = 4 },
+                                    19, { docs = true, device = 'cuda' })
+    uly.activation_dtype(pa)
+    uly.matmul_precision(pm)
+    assert(ok, dl)
+    assert.is_true(dl <= 1e-3, string.format('loss differs by %.3g relative', dl))
+    assert.is_true(dg <= (real and 5e-2 or 3e-2), string.format('gradient of %s differs by %.3g', tostring(where), dg))
+    if not real then helpers.reset_simulated_device() end
+  end)
+
   it('sends and receives exactly the formula per peer per layer, forward and backward', function()
     local g = grid()
     local P, r = g.sp_size, g.sp_rank
