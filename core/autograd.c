@@ -306,8 +306,8 @@ static int writes_fresh(int op, int k) { return op == ULY_OP_MATMUL || (op == UL
  * tensor reaches its rule as an f32 copy, made just before and freed just after; except where the
  * rule reads bf16 itself: a custom node's Lua function (it sees what it saved), flash attention's
  * q, k, v (bf16 only where the backend takes them so), the GEMM operands of a bf16-precision
- * matmul on a backend with bf16 GEMMs, and the inputs of norms, SwiGLU and cross-entropy on a
- * backend with their bf16 kernels (uly_backend.h) */
+ * matmul on a backend with bf16 GEMMs, and the inputs of norms, activations, SwiGLU and
+ * cross-entropy on a backend with their bf16 kernels (uly_backend.h) */
 static int rule_reads_bf16(const uly_node *n, int k) {
     const uly_backend *be = uly_be(n->saved[k]);
     switch (n->op) {
@@ -318,6 +318,7 @@ static int rule_reads_bf16(const uly_node *n, int k) {
     case ULY_OP_RMSNORM: return k == 0 && be->rmsnorm_backward_bf16;
     case ULY_OP_CROSS_ENTROPY: return k == 0 && be->cross_entropy_backward_bf16;
     case ULY_OP_SWIGLU: return k < 2 && be->swiglu_backward_bf16 && n->saved[0]->dtype == n->saved[1]->dtype;
+    case ULY_OP_UNARY: return k < 2 && be->unary_backward_bf16 && n->saved[0]->dtype == n->saved[1]->dtype;
     default: return 0;
     }
 }

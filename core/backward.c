@@ -216,7 +216,12 @@ static int bw_rmsnorm(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     return 0;
 }
 static int bw_unary(uly_node *n, uly_tensor *g, uly_tensor **gin) {
-    uly_be(g)->unary_backward(uly_f32(gin[0]), uly_f32(g), uly_f32(n->saved[0]), uly_f32(n->saved[1]), numel(g), (int)n->i[0]);
+    if (n->saved[0]->dtype == ULY_DTYPE_BF16)   /* input and output bf16, read by the backend */
+        uly_be(g)->unary_backward_bf16(uly_f32(gin[0]), uly_f32(g), uly_ptr(n->saved[0]), uly_ptr(n->saved[1]), numel(g),
+                                       (int)n->i[0]);
+    else
+        uly_be(g)->unary_backward(uly_f32(gin[0]), uly_f32(g), uly_f32(n->saved[0]), uly_f32(n->saved[1]), numel(g),
+                                  (int)n->i[0]);
     return 0;
 }
 static int bw_swiglu(uly_node *n, uly_tensor *g, uly_tensor **gin) {

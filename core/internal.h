@@ -127,13 +127,13 @@ int uly_check_float(const char *op, const char *arg, const uly_tensor *t);      
  * rules f32 copies, autograd.c) */
 int uly_check_floating(const char *op, const char *arg, const uly_tensor *t);      /* non-NULL, f32 or bf16 */
 uly_tensor *uly_contiguous_f32(uly_tensor *t);  /* retained t if contiguous f32, else a (converted) copy */
-uly_tensor *uly_saved_form(uly_tensor *t, uly_tensor *tf); /* what to save of input t (tf: its f32 form): bf16 stays bf16 */
+/* what to save of input t, whose contiguous form the op read is tf (f32, or bf16 where the backend
+ * reads bf16): bf16 stays bf16 (tf itself when it is) */
+uly_tensor *uly_saved_form(uly_tensor *t, uly_tensor *tf);
 int uly_result_as(uly_tensor **out, int dtype);  /* *out converted to dtype (released and NULL on failure: -1) */
 /* bf16 when a (and b, if given) are bf16, or one of them is and activations are bf16
  * (uly_activation_bf16: an f32 weight added into bf16 activations keeps them bf16); else f32 */
 int uly_result_dtype(const uly_tensor *a, const uly_tensor *b);
-int uly_check_inference(const char *op, const char *arg, const uly_tensor *t);   /* f32, or bf16 without grad */
-uly_tensor *uly_inference_f32(const char *op, const char *arg, uly_tensor *t);  /* bf16 without grad -> f32 copy */
 int uly_same_shape(const uly_tensor *a, const uly_tensor *b);
 int uly_check_inplace(const char *op, const uly_tensor *t);  /* refuses leaves requiring grad while grad is on */
 uint64_t uly_rng_take(uint64_t n);  /* reserve n counters of the global generator (library.c) */

@@ -24,8 +24,8 @@ static int broadcast(const char *op, const uly_tensor *a, const uly_tensor *b, i
     return 0;
 }
 
-/* bf16 operands are read through f32 copies (of their own shape: broadcasting needs no more); the
- * result is bf16 when both are */
+/* bf16 operands: the backend's typed kernel reads them as they are, or they are read through f32
+ * copies (of their own shape: broadcasting needs no more); the result's dtype is uly_result_dtype's */
 static uly_tensor *binary_op(const char *op, int kind, int node_op, uly_tensor *a, uly_tensor *b) {
     if (uly_check_floating(op, "a", a) || uly_check_floating(op, "b", b) || uly_check_same_device(op, "a", a, "b", b))
         return NULL;
@@ -462,9 +462,12 @@ uly_tensor *uly_rmsnorm(uly_tensor *x, uly_tensor *w, double eps) {
 /* ---- activations ---- */
 static uly_tensor *unary_op(const char *op, uly_tensor *x, int kind) {
     if (uly_check_floating(op, "x", x)) return NULL;
-    uly_tensor *xc = uly_contiguous_f32(x);
+    const uly_backend *be = uly_be(x);
+    const int native = x->dtype == ULY_DTYPE_BF16 && be->unary_forward_bf16;   /* reads and writes bf16 itself */
+    uly_tensor *xc = native ? uly_contiguous_raw(x) : uly_contiguous_f32(x);
     uly_tensor *out = xc ? uly_new_like(xc) : NULL;
-    if (out) uly_be(x)->unary_forward(uly_f32(out), uly_f32(xc), uly_tensor_numel(xc), kind);
+    if (out && native) be->unary_forward_bf16(uly_ptr(out), uly_ptr(xc), uly_tensor_numel(xc), kind);
+    else if (out) be->unary_forward(uly_f32(out), uly_f32(xc), uly_tensor_numel(xc), kind);
     if (!uly_result_as(&out, x->dtype)) {
         uly_node *n = uly_node_begin(ULY_OP_UNARY, 1, &x);
         uly_tensor *xs = n ? uly_saved_form(x, xc) : NULL;
@@ -573,9 +576,15 @@ uly_tensor *uly_rope(uly_tensor *x, int64_t pos_offset, double theta) {
                                   uly_desc(x));
     if (pos_offset < 0) return uly_set_error_null("rope: position offset %lld is negative", (long long)pos_offset);
     if (!(theta > 0)) return uly_set_error_null("rope: theta must be positive, got %g", theta);
-    uly_tensor *xc = uly_contiguous_f32(x);
+    const uly_backend *be = uly_be(x);
+    const int native = x->dtype == ULY_DTYPE_BF16 && be->rope_forward_bf16;   /* reads and writes bf16 itself */
+    uly_tensor *xc = native ? uly_contiguous_raw(x) : uly_contiguous_f32(x);
     uly_tensor *out = xc ? uly_new_like(xc) : NULL;
-    if (out) uly_be(out)->rope_forward(uly_f32(out), uly_f32(xc), x->shape[0], x->shape[1], x->shape[2], x->shape[3], pos_offset, (float)theta);
+    if (out && native)
+        be->rope_forward_bf16(uly_ptr(out), uly_ptr(xc), x->shape[0], x->shape[1], x->shape[2], x->shape[3], pos_offset,
+                              (float)theta);
+    else if (out)
+        be->rope_forward(uly_f32(out), uly_f32(xc), x->shape[0], x->shape[1], x->shape[2], x->shape[3], pos_offset, (float)theta);
     if (!uly_result_as(&out, x->dtype)) {
         uly_node *n = uly_node_begin(ULY_OP_ROPE, 1, &x);
         if (n) { for (int d = 0; d < 4; d++) n->i[d] = x->shape[d]; n->i[4] = pos_offset; n->f[0] = theta; }

@@ -186,6 +186,7 @@ uly_tensor *uly_contiguous_f32(uly_tensor *t) {
 }
 
 uly_tensor *uly_saved_form(uly_tensor *t, uly_tensor *tf) {
+    if (t->dtype == ULY_DTYPE_BF16 && tf && tf->dtype == ULY_DTYPE_BF16) { uly_tensor_retain(tf); return tf; }
     if (t->dtype == ULY_DTYPE_BF16) return uly_contiguous_raw(t);
     if (tf) uly_tensor_retain(tf);
     return tf;
@@ -205,29 +206,6 @@ int uly_result_dtype(const uly_tensor *a, const uly_tensor *b) {
     const int a16 = a->dtype == ULY_DTYPE_BF16, b16 = !b || b->dtype == ULY_DTYPE_BF16;
     if (a16 && b16) return ULY_DTYPE_BF16;
     return (a16 || (b && b->dtype == ULY_DTYPE_BF16)) && uly_activation_bf16() ? ULY_DTYPE_BF16 : ULY_DTYPE_F32;
-}
-
-/* an op that reads bf16 inputs for inference only (a bf16 KV cache): t must be f32, or bf16 that
- * needs no gradient (else an error naming op and arg); uly_inference_f32 gives t as f32 (a
- * converted copy, exact, or t itself retained), NULL after such an error */
-int uly_check_inference(const char *op, const char *arg, const uly_tensor *t) {
-    if (uly_check_tensor(op, arg, t)) return -1;
-    if (t->dtype == ULY_DTYPE_F32) return 0;
-    if (t->dtype != ULY_DTYPE_BF16)
-        return uly_set_error("%s: '%s' is %s; it takes f32 (or bf16 without gradients); convert with :float()", op, arg,
-                             uly_desc(t));
-    if (uly_grad_enabled() && t->requires_grad)
-        return uly_set_error("%s: '%s' is %s and requires grad, but bf16 inputs take no gradient: compute in f32 "
-                             "(bf16 is for caches read under no_grad)", op, arg, uly_desc(t));
-    return 0;
-}
-
-uly_tensor *uly_inference_f32(const char *op, const char *arg, uly_tensor *t) {
-    if (uly_check_inference(op, arg, t)) return NULL;
-    if (t->dtype == ULY_DTYPE_F32) { uly_tensor_retain(t); return t; }
-    uly_tensor *c = uly_new_contiguous(t->ndim, t->shape, ULY_DTYPE_F32, uly_dev(t));
-    if (c && uly_copy_raw(c, t)) { uly_tensor_release(c); c = NULL; }
-    return c;
 }
 
 int uly_check_inplace(const char *op, const uly_tensor *t) {

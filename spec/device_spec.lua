@@ -75,6 +75,22 @@ local function same_on_device(fn, inputs, opts)
   end
 end
 
+-- three AdamW steps (lr 1e-2) of Model(cfg) on device, on the tokens x: the losses
+local function three_step_losses(Model, cfg, x, device)
+  helpers.reseed(5)
+  local m = Model(cfg):to(device)
+  local opt = uly.optim.AdamW(m:parameters(), { lr = 1e-2 })
+  local out = {}
+  for s = 1, 3 do
+    opt:zero_grad()
+    local loss = m:loss(x:to(device), x:to(device))
+    loss:backward()
+    opt:step()
+    out[s] = loss:item()
+  end
+  return out
+end
+
 describe('device tensors', function()
   setup(use_device)
   teardown(release_device)
@@ -541,19 +557,8 @@ describe('mixed precision (matmul in bf16)', function()
       local Llama = require 'models.llama'
       local x = helpers.token_ids(2, 32, 256)
       local function losses(device)
-        helpers.reseed(5)
-        local m = Llama({ preset = 'tiny', heads = 4, kv_heads = 2, dim = 64, hidden = 96, seq = 32, attention = 'flash',
-                          checkpoint = 'except_attention', tile = 8 }):to(device)
-        local opt = uly.optim.AdamW(m:parameters(), { lr = 1e-2 })
-        local out = {}
-        for s = 1, 3 do
-          opt:zero_grad()
-          local loss = m:loss(x:to(device), x:to(device))
-          loss:backward()
-          opt:step()
-          out[s] = loss:item()
-        end
-        return out
+        return three_step_losses(Llama, { preset = 'tiny', heads = 4, kv_heads = 2, dim = 64, hidden = 96, seq = 32,
+                                          attention = 'flash', checkpoint = 'except_attention', tile = 8 }, x, device)
       end
       local cpu, dev = losses('cpu'), losses('cuda')
       for s = 1, 3 do
@@ -651,18 +656,7 @@ describe('mixed precision (matmul in bf16)', function()
     local x = helpers.token_ids(2, 16, 256)
     local function losses(device, precision)
       uly.matmul_precision(precision)
-      helpers.reseed(5)
-      local m = GPT({ preset = 'tiny' }):to(device)
-      local opt = uly.optim.AdamW(m:parameters(), { lr = 1e-2 })
-      local out = {}
-      for s = 1, 3 do
-        opt:zero_grad()
-        local loss = m:loss(x:to(device), x:to(device))
-        loss:backward()
-        opt:step()
-        out[s] = loss:item()
-      end
-      return out
+      return three_step_losses(GPT, { preset = 'tiny' }, x, device)
     end
     local cpu16, dev16, cpu32 = losses('cpu', 'bf16'), losses('cuda', 'bf16'), losses('cpu', 'f32')
     -- the CUDA backend also runs the attention GEMMs in bf16 (the CPU kernel stays f32), and AdamW

@@ -456,8 +456,10 @@ local function norm(self, x, rows, kind, mod)
 end
 
 local function rope(self, x)
-  local xs = x.es == 2 and f32_copy(self, x) or contiguous(self, x)
-  local out = output(self, elems(x), x.es == 2, 'activations')
+  local direct = self.k16 and x.es == 2
+  local xs = (x.es == 2 and not direct) and f32_copy(self, x) or contiguous(self, x)
+  local out = direct and result(self, x.b, 'activations') or output(self, elems(x), x.es == 2, 'activations')
+  if direct then out.es = 2 end
   self:record(out, { x })
   self:unref(xs)
   self:wrapped()
@@ -465,10 +467,12 @@ local function rope(self, x)
 end
 
 local function unary(self, x)     -- gelu: saves its input and its output
-  local xf = f32_copy(self, x)
-  local out = output(self, elems(x), x.es == 2, 'activations')
-  local xs = contiguous(self, x)
-  self:record(out, { x }, { xs, out.s }, nil, nil, x.es == 2 and { elems(x) * F, elems(x) * F } or nil)
+  local direct = self.k16 and x.es == 2
+  local xf, xs = nil, nil
+  if direct then xs = contiguous(self, x) else xf = f32_copy(self, x) end
+  local out = direct and result(self, x.b, 'activations') or output(self, elems(x), x.es == 2, 'activations')
+  if direct then out.es = 2 else xs = contiguous(self, x) end
+  self:record(out, { x }, { xs, out.s }, nil, nil, (x.es == 2 and not direct) and { elems(x) * F, elems(x) * F } or nil)
   unref_opt(self, xf)
   self:unref(xs)
   self:wrapped()

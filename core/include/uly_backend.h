@@ -195,6 +195,10 @@ typedef struct uly_backend {
     void (*cross_entropy_backward_bf16)(float *dlogits, const float *dloss, const void *logits, const float *lse,
                                         const void *targets, int target_bytes, int64_t rows, int64_t V,
                                         int64_t ignore_index);
+    void (*unary_forward_bf16)(void *out, const void *inp, int64_t n, int kind);
+    void (*unary_backward_bf16)(float *dinp, const float *dout, const void *inp, const void *out, int64_t n, int kind);
+    void (*rope_forward_bf16)(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t pos_offset,
+                              float theta);
 } uly_backend;
 
 #ifdef __cplusplus

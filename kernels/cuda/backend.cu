@@ -125,6 +125,7 @@ static uly_backend table = {   /* the bf16-activation entries switch (uly_cuda_b
     cu_binary_forward_typed, cu_swiglu_forward_bf16, cu_swiglu_backward_bf16,
     cu_layernorm_forward_bf16, cu_layernorm_backward_bf16, cu_rmsnorm_forward_bf16, cu_rmsnorm_backward_bf16,
     cu_cross_entropy_forward_bf16, cu_cross_entropy_backward_bf16,
+    cu_unary_forward_bf16, cu_unary_backward_bf16, cu_rope_forward_bf16,
 };
 
 extern "C" int uly_cuda_temporaries_peak(int64_t *bytes, int reset) {
@@ -200,5 +201,8 @@ extern "C" int uly_cuda_bf16_kernels(int on) {
     table.rmsnorm_backward_bf16 = on ? cu_rmsnorm_backward_bf16 : NULL;
     table.cross_entropy_forward_bf16 = on ? cu_cross_entropy_forward_bf16 : NULL;
     table.cross_entropy_backward_bf16 = on ? cu_cross_entropy_backward_bf16 : NULL;
+    table.unary_forward_bf16 = on ? cu_unary_forward_bf16 : NULL;
+    table.unary_backward_bf16 = on ? cu_unary_backward_bf16 : NULL;
+    table.rope_forward_bf16 = on ? cu_rope_forward_bf16 : NULL;
     return prev;
 }

@@ -114,6 +114,9 @@ void cu_rope_backward(float *dinp, const float *dout, int64_t B, int64_t T, int6
 void cu_binary_forward_typed(void *out, int ot, const void *a, int at, const int64_t *sa, const void *b, int bt,
                              const int64_t *sb, int ndim, const int64_t *shape, int kind);
 void cu_swiglu_forward_bf16(void *out, const void *gate, const void *up, int64_t n);
+void cu_unary_forward_bf16(void *out, const void *inp, int64_t n, int kind);
+void cu_unary_backward_bf16(float *dinp, const float *dout, const void *inp, const void *out, int64_t n, int kind);
+void cu_rope_forward_bf16(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off, float theta);
 void cu_swiglu_backward_bf16(float *dgate, float *dup, const float *dout, const void *gate, const void *up, int64_t n);
 void cu_copy_view(const uly_view *dst, const uly_view *src);
 void cu_sum_view(const uly_view *dst, const uly_view *src, float alpha);

@@ -52,15 +52,25 @@ __device__ static inline float act_grad(float x, float y, int have_y, int kind) 
     }
 }
 
-__global__ static void unary_fw(float *out, const float *inp, int64_t n, int kind) {
-    ULY_CU_FOR(i, n) out[i] = act(inp[i], kind);
+/* T: f32, or bf16 bits (bf16 activations: read exactly, the result rounded once) */
+template <typename T> __global__ static void unary_fw(T *out, const T *inp, int64_t n, int kind) {
+    ULY_CU_FOR(i, n) uly_cu_st(out, i, act(uly_cu_ld(inp, i), kind));
 }
-__global__ static void unary_bw(float *dinp, const float *dout, const float *inp, const float *out, int64_t n, int kind) {
-    ULY_CU_FOR(i, n) dinp[i] += dout[i] * act_grad(inp[i], out ? out[i] : 0.0f, out != NULL, kind);
+template <typename T>
+__global__ static void unary_bw(float *dinp, const float *dout, const T *inp, const T *out, int64_t n, int kind) {
+    ULY_CU_FOR(i, n) dinp[i] += dout[i] * act_grad(uly_cu_ld(inp, i), out ? uly_cu_ld(out, i) : 0.0f, out != NULL, kind);
 }
-extern "C" void cu_unary_forward(float *out, const float *inp, int64_t n, int kind) { LAUNCH(unary_fw, n, out, inp, n, kind); }
+extern "C" void cu_unary_forward(float *out, const float *inp, int64_t n, int kind) {
+    LAUNCH_AS_("unary_fw", unary_fw<float>, n, out, inp, n, kind);
+}
 extern "C" void cu_unary_backward(float *dinp, const float *dout, const float *inp, const float *out, int64_t n, int kind) {
-    LAUNCH(unary_bw, n, dinp, dout, inp, out, n, kind);
+    LAUNCH_AS_("unary_bw", unary_bw<float>, n, dinp, dout, inp, out, n, kind);
+}
+extern "C" void cu_unary_forward_bf16(void *out, const void *inp, int64_t n, int kind) {
+    LAUNCH_AS_("unary_fw bf16", unary_fw<uint16_t>, n, (uint16_t *)out, (const uint16_t *)inp, n, kind);
+}
+extern "C" void cu_unary_backward_bf16(float *dinp, const float *dout, const void *inp, const void *out, int64_t n, int kind) {
+    LAUNCH_AS_("unary_bw bf16", unary_bw<uint16_t>, n, dinp, dout, (const uint16_t *)inp, (const uint16_t *)out, n, kind);
 }
 
 /* T: f32, or bf16 bits (bf16 activations: read exactly, the result rounded once) */
@@ -182,7 +192,8 @@ extern "C" void cu_dropout_backward(float *dinp, const float *dout, int64_t n, f
 }
 
 /* ---- RoPE on [B, T, H, D]: pair i of position pos turns by pos * theta^(-2i/D) (double angle) ---- */
-__global__ static void rope_k(float *out, const float *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off,
+template <typename E>   /* E: f32, or bf16 bits */
+__global__ static void rope_k(E *out, const E *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off,
                               double theta, double sign, int acc) {
     int64_t P = D / 2, n = B * T * H * P;
     ULY_CU_FOR(e, n) {
@@ -190,17 +201,24 @@ __global__ static void rope_k(float *out, const float *inp, int64_t B, int64_t T
         double a = (double)(off + t) * pow(theta, -(double)(2 * i) / (double)D);
         float c = (float)cos(a), s = (float)(sign * sin(a));
         int64_t base = (e / P) * D + 2 * i;
-        float x0 = inp[base], x1 = inp[base + 1];
+        float x0 = uly_cu_ld(inp, base), x1 = uly_cu_ld(inp, base + 1);
         float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
-        if (acc) { out[base] += y0; out[base + 1] += y1; } else { out[base] = y0; out[base + 1] = y1; }
+        if (acc) { y0 += uly_cu_ld(out, base); y1 += uly_cu_ld(out, base + 1); }
+        uly_cu_st(out, base, y0);
+        uly_cu_st(out, base + 1, y1);
     }
 }
 extern "C" void cu_rope_forward(float *out, const float *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off, float theta) {
-    LAUNCH(rope_k, B * T * H * (D / 2), out, inp, B, T, H, D, off, (double)theta, 1.0, 0);
+    LAUNCH_AS_("rope_k", rope_k<float>, B * T * H * (D / 2), out, inp, B, T, H, D, off, (double)theta, 1.0, 0);
 }
 extern "C" void cu_rope_backward(float *dinp, const float *dout, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off,
                                  float theta) {
-    LAUNCH(rope_k, B * T * H * (D / 2), dinp, dout, B, T, H, D, off, (double)theta, -1.0, 1);
+    LAUNCH_AS_("rope_k", rope_k<float>, B * T * H * (D / 2), dinp, dout, B, T, H, D, off, (double)theta, -1.0, 1);
+}
+extern "C" void cu_rope_forward_bf16(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off,
+                                     float theta) {
+    LAUNCH_AS_("rope_k bf16", rope_k<uint16_t>, B * T * H * (D / 2), (uint16_t *)out, (const uint16_t *)inp, B, T, H, D, off,
+               (double)theta, 1.0, 0);
 }
 
 /* ---- strided walks ---- */

@@ -158,7 +158,7 @@ function M.tf32(on)
 end
 
 -- bf16 activations (uly.activation_dtype('bf16')) through the kernels that read and write bf16
--- themselves (true, the default: norms, SwiGLU, elementwise, cross-entropy; GEMMs and attention
+-- themselves (true, the default: norms, SwiGLU, activations, RoPE, elementwise, cross-entropy; GEMMs and attention
 -- read bf16 either way) or through converting copies around the f32 kernels (false): the same
 -- bits, half the memory traffic. Returns the previous setting (true without the CUDA library).
 function M.bf16_kernels(on)
