@@ -605,8 +605,11 @@ describe('mixed precision (matmul in bf16)', function()
                                       checkpoint = 'except_attention', tile = 8 }, 'swiglu_fw bf16' } }) do
         local l1, g1, n1 = step(c[1], c[2], true)
         local l0, g0, n0 = step(c[1], c[2], false)
-        assert.equal(l0, l1)
-        for i = 1, #g0 do helpers.assert_close(g1[i], g0[i], 0, 0, 'gradient of parameter ' .. i) end
+        -- the same arithmetic in both instantiations of each kernel; on a GPU nvcc might still
+        -- contract one of them into an FMA differently, a last bit that backward may grow: 1e-4 there
+        local tol = MODE == 'cuda' and 1e-4 or 0
+        assert.is_true(math.abs(l0 - l1) <= tol * math.abs(l0), ('loss %.9g vs %.9g'):format(l1, l0))
+        for i = 1, #g0 do helpers.assert_close(g1[i], g0[i], tol, tol, 'gradient of parameter ' .. i) end
         assert.truthy(n1[c[3]], c[3] .. ' did not run')
         assert.is_nil(n0[c[3]], c[3] .. ' ran with the bf16 kernels off')
       end
