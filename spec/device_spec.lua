@@ -1247,7 +1247,6 @@ describe('memory planner on the CUDA kernels', function()
     for _, extra in ipairs { { precision = 'bf16' }, { precision = 'f32' },
                              { precision = 'bf16', checkpoint = true, tile = 64 },
                              { precision = 'bf16', checkpoint = 'except_attention', tile = 64 },
-                             { precision = 'bf16', activations = 'bf16' },
                              { precision = 'bf16', checkpoint = 'except_attention', tile = 64, activations = 'bf16' },
                              { precision = 'f32', activations = 'bf16' } } do
       local pc = {}
