@@ -333,6 +333,12 @@ local function f32_copy(self, t, cat)
   return self:alloc(t.b * 2, cat or 'activations')
 end
 local function unref_opt(self, s) if s then self:unref(s) end end
+-- a bf16 result of n elements
+local function result16(self, n, cat)
+  local out = result(self, n * 2, cat)
+  out.es = 2
+  return out
+end
 
 -- an op's result of n elements: computed into f32 (output_begin), then, for bf16 inputs,
 -- rounded into a bf16 result and the f32 one freed (output_end: uly_result_as)
@@ -342,8 +348,7 @@ local function output_begin(self, n, bf16, cat)
 end
 local function output_end(self, o)
   if o.out then return o.out end
-  local out = result(self, o.n * 2, o.cat)
-  out.es = 2
+  local out = result16(self, o.n, o.cat)
   self:unref(o.f)
   return out
 end
@@ -396,13 +401,11 @@ local function matmul(self, x, rows, k, n, w, cat, bias)
     self:unref(t)
     local inner = { s = sum, b = rows * n * F, contig = true }
     self:record(inner, inputs, { xs }, rule, nil, conv)
-    out = result(self, rows * n * 2, cat)
-    out.es = 2
+    out = result16(self, rows * n, cat)
     self:unref(sum)
     self:record(out, { inner })
   elseif native and not bias then   -- core/ops.c: the bf16 result straight from cuBLASLt
-    out = result(self, rows * n * 2, cat)
-    out.es = 2
+    out = result16(self, rows * n, cat)
     self:record(out, inputs, { xs }, rule, nil, conv)
   else
     out = output(self, rows * n, x16, cat)
@@ -423,11 +426,14 @@ end
 local function add(self, a, b)
   local bf16 = (a.es == 2 and b.es == 2) or ((a.es == 2 or b.es == 2) and self.act16)
   local direct = self.k16 and (a.es == 2 or b.es == 2)
-  local af, bf = not direct and f32_copy(self, a), not direct and f32_copy(self, b)
+  local af = not direct and f32_copy(self, a) or nil
+  local bf = not direct and f32_copy(self, b) or nil
   local n = math.max(elems(a), elems(b))
-  local out = direct and result(self, n * (bf16 and 2 or F), 'activations') or output(self, n, bf16, 'activations')
-  if direct and bf16 then out.es = 2 end
-  unref_opt(self, af or nil); unref_opt(self, bf or nil)
+  local out
+  if not direct then out = output(self, n, bf16, 'activations')
+  elseif bf16 then out = result16(self, n, 'activations')
+  else out = result(self, n * F, 'activations') end
+  unref_opt(self, af); unref_opt(self, bf)
   self:record(out, { a, b }, nil, nil, { true, true })
   self:wrapped()
   return out
@@ -438,8 +444,7 @@ local function norm(self, x, rows, kind, mod)
   local direct = x16 and self.k16
   local xf = not direct and f32_copy(self, x) or nil
   local xs = contiguous(self, x)
-  local o = direct and { out = result(self, x.b, 'activations') } or output_begin(self, elems(x), x16, 'activations')
-  if direct then o.out.es = 2 end
+  local o = direct and { out = result16(self, elems(x), 'activations') } or output_begin(self, elems(x), x16, 'activations')
   local stats = { self:alloc(rows * F, 'activations') }
   if kind == 'layernorm' then stats[2] = self:alloc(rows * F, 'activations') end
   local out = output_end(self, o)
@@ -458,8 +463,7 @@ end
 local function rope(self, x)
   local direct = self.k16 and x.es == 2
   local xs = (x.es == 2 and not direct) and f32_copy(self, x) or contiguous(self, x)
-  local out = direct and result(self, x.b, 'activations') or output(self, elems(x), x.es == 2, 'activations')
-  if direct then out.es = 2 end
+  local out = direct and result16(self, elems(x), 'activations') or output(self, elems(x), x.es == 2, 'activations')
   self:record(out, { x })
   self:unref(xs)
   self:wrapped()
@@ -470,8 +474,8 @@ local function unary(self, x)     -- gelu: saves its input and its output
   local direct = self.k16 and x.es == 2
   local xf, xs = nil, nil
   if direct then xs = contiguous(self, x) else xf = f32_copy(self, x) end
-  local out = direct and result(self, x.b, 'activations') or output(self, elems(x), x.es == 2, 'activations')
-  if direct then out.es = 2 else xs = contiguous(self, x) end
+  local out = direct and result16(self, elems(x), 'activations') or output(self, elems(x), x.es == 2, 'activations')
+  if not direct then xs = contiguous(self, x) end
   self:record(out, { x }, { xs, out.s }, nil, nil, (x.es == 2 and not direct) and { elems(x) * F, elems(x) * F } or nil)
   unref_opt(self, xf)
   self:unref(xs)
@@ -484,8 +488,8 @@ local function swiglu(self, g, u)
   local gs, us, gf, uf
   if direct then gs, us = contiguous(self, g), contiguous(self, u) else gf, uf = f32_copy(self, g), f32_copy(self, u) end
   local bf16 = (g.es == 2 and u.es == 2) or ((g.es == 2 or u.es == 2) and self.act16)
-  local out = direct and result(self, g.b, 'activations') or output(self, elems(g), bf16, 'activations')
-  if direct then out.es = 2 else gs, us = contiguous(self, g), contiguous(self, u) end
+  local out = direct and result16(self, elems(g), 'activations') or output(self, elems(g), bf16, 'activations')
+  if not direct then gs, us = contiguous(self, g), contiguous(self, u) end
   local conv = {}
   if g.es == 2 and not direct then conv[#conv + 1] = elems(g) * F end
   if u.es == 2 and not direct then conv[#conv + 1] = elems(u) * F end

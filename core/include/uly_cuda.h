@@ -14,7 +14,8 @@ void uly_cuda_record_error(const char *message);   /* set the text uly_cuda_last
 void uly_cuda_set_tf32(int on);                     /* f32 GEMMs on tensor cores in TF32 (default 1) */
 int uly_cuda_tf32(void);                            /* 1: TF32, 0: full f32 */
 int uly_cuda_bf16_kernels(int on);                  /* bf16 activations read and written by the kernels (1,
-                                                       default) or converted around the f32 ones (0); previous */
+                                                       default) or converted around the f32 ones (0); previous
+                                                       (on < 0: only reads it) */
 int uly_cuda_profiler(int on);                      /* cudaProfilerStart (1) / Stop (0): ncu ranges */
 int uly_cuda_device_name(int dev, char *buf, int len);
 int uly_cuda_device_memory(int dev, int64_t *free_b, int64_t *total_b);

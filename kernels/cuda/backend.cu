@@ -189,9 +189,11 @@ extern "C" const void *uly_cuda_backend(void) {
 
 /* bf16 activations through the kernels that read and write bf16 (1, the default) or through
  * converting copies around the f32 kernels (0): the same bits, the specs check; benchmarks time
- * both. The core reads the table at each call, so this takes effect at once. Returns the previous. */
+ * both. The core reads the table at each call, so this takes effect at once. Returns the previous;
+ * on < 0 only reads it. */
 extern "C" int uly_cuda_bf16_kernels(int on) {
     const int prev = table.binary_forward_typed != NULL;
+    if (on < 0) return prev;   /* only read */
     table.binary_forward_typed = on ? cu_binary_forward_typed : NULL;
     table.swiglu_forward_bf16 = on ? cu_swiglu_forward_bf16 : NULL;
     table.swiglu_backward_bf16 = on ? cu_swiglu_backward_bf16 : NULL;

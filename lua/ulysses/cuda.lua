@@ -167,12 +167,7 @@ function M.bf16_kernels(on)
   end
   local lib = M.lib()
   if not lib then return true end
-  if on == nil then
-    local prev = lib.uly_cuda_bf16_kernels(1) ~= 0
-    lib.uly_cuda_bf16_kernels(prev and 1 or 0)
-    return prev
-  end
-  return lib.uly_cuda_bf16_kernels(on and 1 or 0) ~= 0
+  return lib.uly_cuda_bf16_kernels(on == nil and -1 or on and 1 or 0) ~= 0
 end
 
 -- a profiler range: ncu or nsys started with --profile-from-start off (or its equivalent) record

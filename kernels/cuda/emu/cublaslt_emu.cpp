@@ -2,8 +2,8 @@
  * matrix layouts (column-major, strided batches) recorded as given, one "algorithm" that every
  * heuristic query returns, and cublasLtMatmul as the emulator's GEMM loops per batch, queued on
  * the stream like any other work. D must be C (the only use here), f32 or bf16 (the product in
- * f32, beta C and the bias added, then rounded to nearest even); the bias epilogue adds bias[i]
- * to row i of each column-major output, after the product. */
+ * f32, beta C and the bias added, then rounded to nearest even: uly_emu::gemm); the bias
+ * epilogue adds bias[i] to row i of each column-major output, after the product. */
 #include "cuda_emu.h"
 #include "cublasLt.h"
 
@@ -98,26 +98,11 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const vo
     if (d->epilogue == CUBLASLT_EPILOGUE_BIAS && !bias) return CUBLAS_STATUS_INVALID_VALUE;
     uly_emu::submit(stream, [=]() {
         const size_t ea = la.type == CUDA_R_16BF ? 2 : 4, eb = lb.type == CUDA_R_16BF ? 2 : 4;
-        const bool out16 = lc.type == CUDA_R_16BF;
-        for (int32_t i = 0; i < lc.batches; i++) {
-            /* a bf16 output: the product into f32 (beta C read as f32), then rounded */
-            float *out = out16 ? (float *)malloc(sizeof(float) * (size_t)lc.ld * (size_t)(n > 0 ? n : 1))
-                               : (float *)D + i * lc.stride;
-            __nv_bfloat16 *out16p = out16 ? (__nv_bfloat16 *)D + i * lc.stride : NULL;
-            if (out16)
-                for (int j = 0; j < n; j++)
-                    for (int r = 0; r < m; r++) out[r + (int64_t)j * lc.ld] = __bfloat162float(out16p[r + (int64_t)j * lc.ld]);
+        const size_t ec = lc.type == CUDA_R_16BF ? 2 : 4;
+        for (int32_t i = 0; i < lc.batches; i++)
             uly_emu::gemm(ta, tb, m, n, k, al, (const char *)A + i * la.stride * ea, la.type, (int)la.ld,
-                          (const char *)B + i * lb.stride * eb, lb.type, (int)lb.ld, be, out, (int)lc.ld, tf32);
-            if (bias)
-                for (int j = 0; j < n; j++)
-                    for (int r = 0; r < m; r++) out[r + (int64_t)j * lc.ld] += bias[r];
-            if (out16) {
-                for (int j = 0; j < n; j++)
-                    for (int r = 0; r < m; r++) out16p[r + (int64_t)j * lc.ld] = __float2bfloat16_rn(out[r + (int64_t)j * lc.ld]);
-                free(out);
-            }
-        }
+                          (const char *)B + i * lb.stride * eb, lb.type, (int)lb.ld, be, (char *)D + i * lc.stride * ec,
+                          lc.type, (int)lc.ld, tf32, bias);
     });
     return CUBLAS_STATUS_SUCCESS;
 }

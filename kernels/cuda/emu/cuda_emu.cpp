@@ -840,10 +840,10 @@ static float element(const void *p, cudaDataType_t t, long long i, bool tf32) {
     return tf32 ? to_tf32(((const float *)p)[i]) : ((const float *)p)[i];
 }
 
-/* column-major C = alpha op(A) op(B) + beta C, f32 accumulation in index order */
+/* column-major C = alpha op(A) op(B) + beta C (+ bias), f32 accumulation in index order */
 void uly_emu::gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, float alpha, const void *A,
-                  cudaDataType_t at, int lda, const void *B, cudaDataType_t bt, int ldb, float beta, float *C, int ldc,
-                  bool tf32) {
+                  cudaDataType_t at, int lda, const void *B, cudaDataType_t bt, int ldb, float beta, void *C,
+                  cudaDataType_t ct, int ldc, bool tf32, const float *bias) {
     for (int j = 0; j < n; j++)
         for (int i = 0; i < m; i++) {
             float s = 0.0f;
@@ -854,8 +854,11 @@ void uly_emu::gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int
                                             : element(B, bt, j + (long long)l * ldb, tf32);
                 s += a * b;
             }
-            float *c = C + i + (long long)j * ldc;
-            *c = alpha * s + (beta == 0.0f ? 0.0f : beta * *c);
+            const long long at_c = i + (long long)j * ldc;
+            float v = alpha * s + (beta == 0.0f ? 0.0f : beta * element(C, ct, at_c, false));
+            if (bias) v += bias[i];
+            if (ct == CUDA_R_16BF) ((__nv_bfloat16 *)C)[at_c] = __float2bfloat16_rn(v);
+            else ((float *)C)[at_c] = v;
         }
 }
 
@@ -866,18 +869,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
     if (ct != CUDA_R_32F && ct != CUDA_R_16BF) return CUBLAS_STATUS_NOT_SUPPORTED;
     float al = *(const float *)alpha, be = *(const float *)beta;   /* host scalars: read at the call */
     const bool tf32 = compute == CUBLAS_COMPUTE_32F_FAST_TF32;
-    if (ct == CUDA_R_32F) {
-        uly_emu::submit(h->stream, [=]() { uly_emu::gemm(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, (float *)C, ldc, tf32); });
-        return CUBLAS_STATUS_SUCCESS;
-    }
-    uly_emu::submit(h->stream, [=]() {   /* a bf16 C: in f32, then rounded to nearest even */
-        __nv_bfloat16 *c16 = (__nv_bfloat16 *)C;
-        float *c = (float *)malloc(sizeof(float) * (size_t)ldc * (size_t)(n > 0 ? n : 1));
-        for (int j = 0; j < n; j++) for (int i = 0; i < m; i++) c[i + (size_t)j * ldc] = __bfloat162float(c16[i + (size_t)j * ldc]);
-        uly_emu::gemm(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, c, ldc, tf32);
-        for (int j = 0; j < n; j++) for (int i = 0; i < m; i++) c16[i + (size_t)j * ldc] = __float2bfloat16_rn(c[i + (size_t)j * ldc]);
-        free(c);
-    });
+    uly_emu::submit(h->stream, [=]() { uly_emu::gemm(ta, tb, m, n, k, al, A, at, lda, B, bt, ldb, be, C, ct, ldc, tf32); });
     return CUBLAS_STATUS_SUCCESS;
 }
 

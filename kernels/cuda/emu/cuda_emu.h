@@ -305,11 +305,13 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
                                           const void *beta, void *C, cudaDataType_t ct, int ldc, long long sc, int batches,
                                           cublasComputeType_t compute, cublasGemmAlgo_t algo);
 namespace uly_emu {
-/* column-major C = alpha op(A) op(B) + beta C: f32 accumulation in index order, bf16 inputs read
- * exactly, f32 inputs rounded to TF32 (10 mantissa bits, to nearest) when `tf32` (the compute
- * type CUBLAS_COMPUTE_32F_FAST_TF32, as tensor cores do); what cuBLAS and cuBLASLt stand for
- * here; runs now, the callers queue it on a stream */
+/* column-major C = alpha op(A) op(B) + beta C (+ bias[i] on row i where bias is given): f32
+ * accumulation in index order, bf16 inputs read exactly, f32 inputs rounded to TF32 (10 mantissa
+ * bits, to nearest) when `tf32` (the compute type CUBLAS_COMPUTE_32F_FAST_TF32, as tensor cores
+ * do); C f32 or bf16 (ct: read as f32, each result rounded to nearest even); what cuBLAS and
+ * cuBLASLt stand for here; runs now, the callers queue it on a stream */
 void gemm(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, float alpha, const void *A, cudaDataType_t at,
-          int lda, const void *B, cudaDataType_t bt, int ldb, float beta, float *C, int ldc, bool tf32);
+          int lda, const void *B, cudaDataType_t bt, int ldb, float beta, void *C, cudaDataType_t ct, int ldc, bool tf32,
+          const float *bias = NULL);
 }
 #endif
