@@ -56,7 +56,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'sp', 0, 'ranks per sequence-parallel group under mpirun (0 = all ranks; world / sp groups do data parallelism)' },
   { 'overlap', 1, '1: each layer\'s gradients start their all-reduce during backward (dist.grad_sync); 0: all after backward' },
   { 'zero', 0, '1: shard the AdamW state over the ranks (dist.ZeroAdamW, ZeRO stage 2: gradients reduce-scattered, with --overlap 1 during backward, and freed; parameters all-gathered)' },
-  { 'peak_gflops', 0, 'peak for MFU (0: cpu the f32 FMA peak of the threads, measured at start; cuda 989000, the H200 bf16 dense peak)' },
+  { 'peak_gflops', 0, 'peak for MFU (0: cpu the f32 FMA peak of the threads, measured at start; cuda the GPU\'s dense bf16 peak, by name or estimated)' },
   { 'log_every', 0, 'seconds between progress lines (0 = every step)' },
   { 'sample', 200, 'tokens to generate at the end (0 = none)' },
   { 'prompt', '', 'text prompt for the sample (default: the start of the validation split)' },
@@ -352,10 +352,22 @@ local function main()
 
   local tokens_per_step = cfg.batch * cfg.seq * cfg.accum * (grid and grid.dp_size or 1)
   local threads = uly.get_num_threads() * launched
-  local peak = cfg.peak_gflops > 0 and cfg.peak_gflops * 1e9 or
-    (device == 'cuda' and 989e12 * launched or uly.cpu_peak_flops() * launched)   -- every rank alike
-  local peak_label = cfg.peak_gflops > 0 and 'given peak' or device == 'cuda' and 'H200 bf16 dense peak' or
-    string.format('FMA peak of %d threads, measured', threads)
+  -- MFU's denominator: given, else the GPU's dense bf16 peak (published for its name, or estimated
+  -- from its SMs and clock), else the CPU threads' FMA peak measured now; every rank alike
+  local peak, peak_label
+  if cfg.peak_gflops > 0 then
+    peak, peak_label = cfg.peak_gflops * 1e9, 'given peak'
+  elseif device == 'cuda' then
+    local gpu_peak, label = uly.cuda.peak_flops()
+    if uly.cuda.backend() ~= 'cuda' then label, gpu_peak = 'the device is the host-memory simulation', nil end
+    if not gpu_peak then
+      say('MFU: ' .. tostring(label) .. '; not reported')
+    else
+      peak, peak_label = gpu_peak * launched, label .. (launched > 1 and (' x ' .. launched .. ' ranks') or '')
+    end
+  else
+    peak, peak_label = uly.cpu_peak_flops() * launched, string.format('FMA peak of %d threads, measured', threads)
+  end
   local flops_per_token = model:flops_per_token(cfg.seq)
   local mc = model.config
   local recompute = mc.checkpoint == 'except_attention' and ', blocks recomputed in backward except attention'

@@ -1,5 +1,5 @@
--- bench/gpu.lua — the GPU benchmarks (issue 6): achieved TFLOP/s and MFU against the H200's
--- dense bf16 peak (989 TFLOP/s; --peak to change) for
+-- bench/gpu.lua — the GPU benchmarks (issue 6): achieved TFLOP/s and MFU against the GPU's
+-- dense bf16 peak (uly.cuda.peak_flops: 989 TFLOP/s on an H100 SXM or H200; --peak to change) for
 --   1. GEMM: uly.matmul on device tensors (our dispatch, cuBLAS underneath) vs raw cuBLAS on the
 --      same shapes, f32 (TF32) and mixed precision (bf16 operands, f32 accumulation);
 --   2. attention: uly.flash_attention forward + backward, causal, by N, next to cuDNN's fused
@@ -27,7 +27,7 @@ local uly = require 'ulysses'
 local ffi = require 'ffi'
 local median = require('bench.util').median
 
-local opts = { peak = 989, reps = 3, attn_max = 16384, step_seq = 32768, step_preset = '1b', step = true, quick = false,
+local opts = { peak = nil, reps = 3, attn_max = 16384, step_seq = 32768, step_preset = '1b', step = true, quick = false,
                step_checkpoint = 'except_attention' }
 do
   local args, i = arg or {}, 1
@@ -55,6 +55,12 @@ if not ok then
 end
 local backend = uly.cuda.backend()
 local lib = backend == 'cuda' and uly.cuda.lib() or nil
+local peak_label = 'given'
+if not opts.peak then
+  local flops, label
+  if lib then flops, label = uly.cuda.peak_flops() end
+  opts.peak, peak_label = flops and flops / 1e12 or 989, flops and label or ('989 TFLOP/s assumed: ' .. tostring(label or 'no device'))
+end
 local peak = opts.peak * 1e12
 print(('command: bin/ulysses bench/gpu.lua %s'):format(table.concat(arg or {}, ' ')))
 if lib then
@@ -62,7 +68,7 @@ if lib then
 else
   print('backend: ' .. tostring(backend) .. ' (host-memory simulation: timings mean nothing, the code path runs)')
 end
-print(('MFU against %.0f TFLOP/s (dense bf16 peak)'):format(opts.peak))
+print(('MFU against %.0f TFLOP/s (%s)'):format(opts.peak, peak_label))
 
 -- the tuned attention kernels (tools/tune_attention.lua's cache; ULY_CUDA_TUNED=0 ignores it): the
 -- training step runs on them, as a user's would; the attention tables run the variants as labelled

@@ -125,6 +125,31 @@ describe('uly.cuda without a device', function()
     end
   end)
 
+  it('knows the dense bf16 peaks of data-centre GPUs by name, estimates others, and says when it cannot', function()
+    local peak = require('ulysses.gpu_peak').peak
+    for name, tflops in pairs({ ['NVIDIA H100 80GB HBM3'] = 989, ['NVIDIA H100 PCIe'] = 756, ['NVIDIA H100 NVL'] = 835,
+                                ['NVIDIA H200'] = 989, ['NVIDIA GH200 480GB'] = 989, ['NVIDIA A100-SXM4-80GB'] = 312,
+                                ['NVIDIA A100 80GB PCIe'] = 312, ['NVIDIA L40S'] = 362, ['NVIDIA L4'] = 121, ['NVIDIA B200'] = 2250 }) do
+      -- the name decides, whatever the attributes say
+      local flops, label = peak({ name = name, compute_capability = '7.0', multiprocessors = 1, clock_mhz = 1 })
+      assert.equal(tflops * 1e12, flops, name)
+      assert.truthy(label:find(name .. ' bf16 dense peak (published, ' .. tflops .. ' TFLOP/s)', 1, true), label)
+    end
+    -- unknown names: multiprocessors x clock x the architecture's dense bf16 FLOPs per clock
+    local flops, label = peak({ name = 'Some H-class GPU', compute_capability = '9.0', multiprocessors = 132, clock_mhz = 1830 })
+    assert.equal(132 * 1830e6 * 4096, flops)
+    assert.truthy(label:find('estimated: 132 SMs x 1830 MHz x 4096', 1, true), label)
+    assert.equal(108 * 1410e6 * 2048, (peak({ name = 'x', compute_capability = '8.0', multiprocessors = 108, clock_mhz = 1410 })))
+    -- a name that only contains a known one as part of a word is not that GPU ('GH200' is not 'H20')
+    assert.equal(989e12, (peak({ name = 'NVIDIA GH200 480GB' })))
+    flops, label = peak({ name = 'Old GPU', compute_capability = '7.5', multiprocessors = 40, clock_mhz = 1590 })
+    assert.is_nil(flops)
+    assert.truthy(label:find('no bf16 peak known for Old GPU (compute capability 7.5)', 1, true), label)
+    assert.has_error(function() peak('H100') end, 'gpu_peak.peak: expected a device table (uly.cuda.devices()), got string')
+    assert.has_error(function() uly.cuda.peak_flops('0') end, 'uly.cuda.peak_flops: expected a device index, got string')
+    if uly.cuda.device_count() == 0 then assert.is_nil((uly.cuda.peak_flops())) end
+  end)
+
   it('formats versions', function()
     assert.equal('13.0', uly.cuda.version_string(13000))
     assert.equal('12.4', uly.cuda.version_string(12040))
@@ -147,7 +172,11 @@ describe('uly.cuda on a device #gpu', function()
       assert.is_true(#d.name > 0)
       assert.is_true(d.total_memory > 2 ^ 30)
       assert.is_true(d.free_memory > 0 and d.free_memory <= d.total_memory)
+      assert.matches('^%d+%.%d$', d.compute_capability)
+      assert.is_true(d.multiprocessors >= 1 and d.clock_mhz >= 100, d.multiprocessors .. ' SMs at ' .. d.clock_mhz .. ' MHz')
     end
+    local flops, label = uly.cuda.peak_flops()
+    assert.truthy(flops and flops > 1e13, label)
     assert.is_true(uly.cuda.driver_version() >= uly.cuda.runtime_version())
     assert.is_nil(uly.cuda.why())
   end)

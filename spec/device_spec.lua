@@ -1384,6 +1384,9 @@ describe('bench/gpu.lua', function()
                     'step with ULY_CUDA_ATTN_FWD=wsov ULY_CUDA_ATTN_DKV=ws ULY_CUDA_ATTN_BWD=onepass: ',
                     'attention at the step\'s shape', 'step with bf16 activations (bf16 kernels): ',
                     'step with bf16 activations (converting copies around the f32 kernels): ' }
+    -- MFU's peak: the emulator's estimated from its attributes (132 SMs at 1830 MHz), the simulation's assumed
+    wants[#wants + 1] = MODE == 'emu' and '(ulysses CUDA emulator bf16 dense peak (estimated: 132 SMs x 1830 MHz x '
+                        or 'MFU against 989 TFLOP/s (989 TFLOP/s assumed: '
     if MODE == 'emu' then   -- and raw cuBLAS ran (no n/a), and the profiled step
       for _, w in ipairs({ 'ulysses CUDA emulator', 'GPU time by kernel in one step', 'wall time on the stream' }) do
         wants[#wants + 1] = w
@@ -1460,6 +1463,8 @@ describe('train.lua on device cuda under mpirun', function()
     out, why = run_ranks('bin/ulysses train.lua ' .. args .. '--device cuda --sp 2 --out ' .. dir)
     if not out then pending(why) return end
     assert.truthy(out:find('dp 1 x sp 2', 1, true), out)
+    -- MFU against both ranks' GPUs, each's peak estimated from the emulator's attributes
+    assert.truthy(out:find('bf16 dense peak (estimated: 132 SMs x 1830 MHz x 2048, 495 TFLOP/s) x 2 ranks)', 1, true), out)
     local want, got = losses(ref_dir), losses(dir)
     assert.equal(3, #got)
     for i = 1, 3 do   -- bf16 attention on the GPU rounds more than the CPU's f32 kernel

@@ -81,6 +81,7 @@ describe('train.lua', function()
     assert.truthy(out:match('exit=0%s*$'), out)
     assert.truthy(out:find('resumed from', 1, true), out)
     assert.truthy(out:find('matmul precision bf16', 1, true), out)
+    assert.truthy(out:find('MFU: the device is the host-memory simulation; not reported', 1, true), out)
     local ra, rb = uly.log.read_csv(a .. '/log.csv'), uly.log.read_csv(b .. '/log.csv')
     assert.are.equal(12, #rb)
     for i = 1, 12 do

@@ -19,6 +19,8 @@ int uly_cuda_bf16_kernels(int on);                  /* bf16 activations read and
 int uly_cuda_profiler(int on);                      /* cudaProfilerStart (1) / Stop (0): ncu ranges */
 int uly_cuda_device_name(int dev, char *buf, int len);
 int uly_cuda_device_memory(int dev, int64_t *free_b, int64_t *total_b);
+int uly_cuda_device_attributes(int dev, int *cc_major, int *cc_minor, int *multiprocessors,
+                               int *clock_khz);          /* clock: the peak SM clock in kHz */
 
 /* versions as 1000 * major + 10 * minor (13000 = 13.0); the driver's is 0 without a driver */
 int uly_cuda_runtime_version(void);

@@ -1,6 +1,6 @@
-/* kernels/cuda/device.cu — libulysses_cuda.so's device layer: device count/name/memory, runtime
- * and driver versions, device buffers and host<->device copies, and fill_f32 (the first kernel,
- * the device path's smoke test). Every failure is cleared from the CUDA runtime and kept, with
+/* kernels/cuda/device.cu — libulysses_cuda.so's device layer: device count/name/memory/attributes,
+ * runtime and driver versions, device buffers and host<->device copies, and fill_f32 (the first
+ * kernel, the device path's smoke test). Every failure is cleared from the CUDA runtime and kept, with
  * the operation that met it, for uly_cuda_last_error(). */
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
@@ -62,6 +62,27 @@ int uly_cuda_device_name(int dev, char *buf, int len) {
     cudaError_t err = cudaGetDeviceProperties(&prop, dev);
     if (err != cudaSuccess) return fail("cudaGetDeviceProperties", err);
     snprintf(buf, (size_t)len, "%s", prop.name);
+    return 0;
+}
+
+/* compute capability, multiprocessor count and peak SM clock (kHz): what a peak-FLOP/s estimate needs */
+int uly_cuda_device_attributes(int dev, int *cc_major, int *cc_minor, int *multiprocessors, int *clock_khz) {
+    if (!cc_major || !cc_minor || !multiprocessors || !clock_khz)
+        return fail_msg("uly_cuda_device_attributes", "needs four output pointers");
+    if (check_device("uly_cuda_device_attributes", dev)) return -1;
+    const struct { cudaDeviceAttr attr; int *out; const char *what; } want[] = {
+        { cudaDevAttrComputeCapabilityMajor, cc_major, "compute capability" },
+        { cudaDevAttrComputeCapabilityMinor, cc_minor, "compute capability" },
+        { cudaDevAttrMultiProcessorCount, multiprocessors, "multiprocessor count" },
+        { cudaDevAttrClockRate, clock_khz, "clock rate" } };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        cudaError_t err = cudaDeviceGetAttribute(want[i].out, want[i].attr, dev);
+        if (err != cudaSuccess) {
+            char op[96];
+            snprintf(op, sizeof op, "cudaDeviceGetAttribute (%s)", want[i].what);
+            return fail(op, err);
+        }
+    }
     return 0;
 }
 

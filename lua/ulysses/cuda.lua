@@ -74,20 +74,38 @@ local function check(lib, rc, what)
   if rc ~= 0 then error('uly.cuda.' .. what .. ': ' .. ffi.string(lib.uly_cuda_last_error()), 3) end
 end
 
--- one table per device: { index, name, total_memory, free_memory } (bytes); {} without a device
+-- one table per device: { index, name, total_memory, free_memory (bytes), compute_capability
+-- ('9.0'), multiprocessors, clock_mhz (the peak SM clock) }; {} without a device
 function M.devices()
   local lib = M.lib()
   local list = {}
   if not lib then return list end
   local name = ffi.new('char[256]')
   local free_b, total_b = ffi.new('int64_t[1]'), ffi.new('int64_t[1]')
+  local attr = ffi.new('int[4]')
   for dev = 0, lib.uly_cuda_device_count() - 1 do
     check(lib, lib.uly_cuda_device_name(dev, name, 256), 'devices')
     check(lib, lib.uly_cuda_device_memory(dev, free_b, total_b), 'devices')
+    check(lib, lib.uly_cuda_device_attributes(dev, attr, attr + 1, attr + 2, attr + 3), 'devices')
     list[#list + 1] = { index = dev, name = ffi.string(name),
-                        total_memory = tonumber(total_b[0]), free_memory = tonumber(free_b[0]) }
+                        total_memory = tonumber(total_b[0]), free_memory = tonumber(free_b[0]),
+                        compute_capability = ('%d.%d'):format(attr[0], attr[1]), multiprocessors = attr[2],
+                        clock_mhz = math.floor(attr[3] / 1000 + 0.5) }
   end
   return list
+end
+
+-- the dense bf16 tensor-core peak of device `dev` (default 0) in FLOP/s and a label saying which
+-- device and whether the figure is published or estimated (ulysses/gpu_peak.lua): MFU's
+-- denominator on cuda. nil and why without such a device, or when its peak is not known.
+function M.peak_flops(dev)
+  dev = dev or 0
+  if type(dev) ~= 'number' then error('uly.cuda.peak_flops: expected a device index, got ' .. type(dev), 2) end
+  local lib, reason = M.lib()
+  if not lib then return nil, reason end
+  local info = M.devices()[dev + 1]
+  if not info then return nil, ('no CUDA device %d (%d found)'):format(dev, #M.devices()) end
+  return require('ulysses.gpu_peak').peak(info)
 end
 
 -- CUDA runtime / driver versions as 1000 * major + 10 * minor; 0 without the library (or driver)

@@ -738,6 +738,7 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev) {
     if (cc && sscanf(cc, "%d.%d", &major, &minor) < 1) major = 8;
     switch (attr) {
     case cudaDevAttrMultiProcessorCount: *value = 132; return cudaSuccess;
+    case cudaDevAttrClockRate: *value = 1830000; return cudaSuccess;   /* kHz: an H100 SXM's at its 989 TFLOP/s */
     case cudaDevAttrComputeCapabilityMajor: *value = major; return cudaSuccess;
     case cudaDevAttrComputeCapabilityMinor: *value = minor; return cudaSuccess;
     default: return fail(cudaErrorInvalidValue);

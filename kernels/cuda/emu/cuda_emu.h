@@ -212,8 +212,8 @@ typedef struct cudaDeviceProp { char name[256]; cudaUUID_t uuid; size_t totalGlo
 
 cudaError_t cudaGetDeviceCount(int *n);
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int dev);
-typedef enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16, cudaDevAttrComputeCapabilityMajor = 75,
-                               cudaDevAttrComputeCapabilityMinor = 76 } cudaDeviceAttr;
+typedef enum cudaDeviceAttr { cudaDevAttrClockRate = 13, cudaDevAttrMultiProcessorCount = 16,
+                               cudaDevAttrComputeCapabilityMajor = 75, cudaDevAttrComputeCapabilityMinor = 76 } cudaDeviceAttr;
 cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev);   /* 132 multiprocessors, as an H200 */
 cudaError_t cudaSetDevice(int dev);
 cudaError_t cudaGetDevice(int *dev);
