@@ -133,6 +133,130 @@ describe('device tensors', function()
     assert.same({ 1, 2, 3, 4 }, e[3]:totable())
   end)
 
+  -- the backend's copy: one memcpy for contiguous tensors, vectorised f32 <-> bf16 conversions
+  -- (their last n % 4 elements, misaligned starts), the strided walk over merged dims in 32-bit or
+  -- 64-bit offsets: every path gives the CPU's bits and writes nothing outside the destination view
+  it('copy between views of any layout and dtype pair: the CPU\'s bits, nothing written outside', function()
+    local dtypes = { 'f32', 'bf16', 'i32', 'i64', 'f64' }
+    local function shuffled(n)
+      local p = {}
+      for i = 1, n do p[i] = i end
+      for i = n, 2, -1 do local j = math.random(i); p[i], p[j] = p[j], p[i] end
+      return p
+    end
+    for trial = 1, 60 do
+      local st, dt = dtypes[math.random(#dtypes)], dtypes[math.random(#dtypes)]
+      if trial <= 12 then st, dt = (trial % 2 == 0) and 'f32' or 'bf16', (trial % 2 == 0) and 'bf16' or 'f32' end
+      local nd = math.random(4)
+      local shape, n = {}, 1
+      for d = 1, nd do shape[d] = ({ 1, 2, 3, 5, 8, 33 })[math.random(6)]; n = n * shape[d] end
+      -- the source: a bigger tensor, sliced (a start of 1 misaligns it), permuted, or a dim broadcast
+      local big = {}
+      for d = 1, nd do big[d] = shape[d] + (math.random(3) == 1 and 1 or 0) end
+      local vals, count = {}, 1
+      for d = 1, nd do count = count * big[d] end
+      local ints = st:sub(1, 1) == 'i' or dt:sub(1, 1) == 'i'
+      for i = 1, count do vals[i] = ints and math.random(-300, 300) or (math.random() - 0.5) * 2 ^ math.random(-20, 20) end
+      local host_src = helpers.from_flat(vals, big, { dtype = 'f64' }):to(st)
+      local dev_src = host_src:cuda()
+      local function view_of(t)
+        for d = 1, nd do if big[d] > shape[d] then t = t:narrow(d, 2, shape[d]) end end
+        return t
+      end
+      local hs, ds = view_of(host_src), view_of(dev_src)
+      if nd > 1 and math.random(2) == 1 then
+        local perm = shuffled(nd)
+        hs, ds = hs:permute(unpack(perm)), ds:permute(unpack(perm))
+      end
+      if math.random(4) == 1 then   -- a broadcast source: its first dim of size > 1 read with stride 0
+        local s = hs:shape()
+        for d = 1, #s do if s[d] > 1 then
+          hs, ds = hs:narrow(d, 1, 1):expand(s), ds:narrow(d, 1, 1):expand(s)
+          break
+        end end
+      end
+      -- the destination: contiguous, or a transposed window into a bigger zeroed tensor
+      local s = hs:shape()
+      local host_dst, dev_dst, host_whole, dev_whole
+      if #s > 1 and math.random(2) == 1 then
+        local rs = {}
+        for d = 1, #s do rs[d] = s[#s + 1 - d] + 1 end
+        host_whole, dev_whole = uly.zeros(rs, { dtype = dt }), uly.zeros(rs, { dtype = dt, device = 'cuda' })
+        local function win(t)
+          for d = 1, #s do t = t:narrow(d, 2, s[#s + 1 - d]) end
+          local perm = {}
+          for d = 1, #s do perm[d] = #s + 1 - d end
+          return t:permute(unpack(perm))
+        end
+        host_dst, dev_dst = win(host_whole), win(dev_whole)
+      else
+        host_whole, dev_whole = uly.zeros(s, { dtype = dt }), uly.zeros(s, { dtype = dt, device = 'cuda' })
+        host_dst, dev_dst = host_whole, dev_whole
+      end
+      host_dst:copy_(hs)
+      dev_dst:copy_(ds)
+      local what = ('trial %d: %s <- %s, shape [%s]'):format(trial, dt, st, table.concat(s, ', '))
+      assert.same(helpers.list(host_whole), helpers.list(dev_whole:cpu()), what)
+      -- and as a dtype conversion into a new tensor
+      assert.same(helpers.list(hs:to(dt)), helpers.list(ds:to(dt):cpu()), what .. ' (:to)')
+      -- fills of the destination view: zero bits (a memset where contiguous), -0, a value
+      local value = ({ 0, -0.0, 2.5 })[trial % 3 + 1]
+      host_dst:fill_(value)
+      dev_dst:fill_(value)
+      local hv, dv = helpers.values(host_whole), helpers.values(dev_whole:cpu())
+      for i = 0, host_whole:numel() - 1 do
+        assert.is_true(hv[i] == dv[i] and 1 / hv[i] == 1 / dv[i], what .. ' fill ' .. value .. ' at ' .. i)
+      end
+    end
+  end)
+
+  -- binary ops over merged dims: same shapes (one dim), broadcasts of every pattern, transposed
+  -- operands, f32 and bf16 operands mixed: the CPU's bits
+  it('binary ops broadcast any pattern of dims over any layout: the CPU\'s bits', function()
+    local ops = { function(a, b) return a + b end, function(a, b) return a - b end,
+                  function(a, b) return a * b end, function(a, b) return a / b end }
+    for trial = 1, 40 do
+      local nd = math.random(4)
+      local shape, sa, sb = {}, {}, {}
+      for d = 1, nd do
+        shape[d] = ({ 1, 2, 3, 7, 16 })[math.random(5)]
+        local r = math.random(4)   -- both full, a broadcast, b broadcast, both full
+        sa[d] = r == 2 and 1 or shape[d]
+        sb[d] = r == 3 and 1 or shape[d]
+      end
+      local ta, tb = math.random(3) == 1 and 'bf16' or 'f32', math.random(3) == 1 and 'bf16' or 'f32'
+      local ha, hb = (uly.randn(sa) + 3):to(ta), (uly.randn(sb) + 3):to(tb)
+      local da, db = ha:cuda(), hb:cuda()
+      if nd >= 2 and trial % 3 == 0 then   -- the same values laid out with dims 1 and 2 swapped
+        ha, da = ha:transpose(1, 2):contiguous():transpose(1, 2), da:transpose(1, 2):contiguous():transpose(1, 2)
+      end
+      local op = ops[trial % 4 + 1]
+      local what = ('trial %d: %s[%s] %s[%s], op %d'):format(trial, ta, table.concat(sa, ','), tb, table.concat(sb, ','), trial % 4 + 1)
+      assert.same(helpers.list(op(ha, hb)), helpers.list(op(da, db):cpu()), what)
+    end
+  end)
+
+  -- gradients added into views of a gradient buffer (sum_view summing nothing): contiguous (y += a
+  -- x, vectorised where aligned), or a walk over the merged dims of two overlapping windows
+  it('add gradients into overlapping, permuted and misaligned windows: the CPU\'s bits', function()
+    for trial = 1, 20 do
+      local rows, cols = math.random(2, 9), math.random(2, 40)
+      local vals = {}
+      for i = 1, (rows + 2) * (cols + 3) do vals[i] = math.random() - 0.5 end
+      local function grads(device)
+        local x = helpers.from_flat(vals, { rows + 2, cols + 3 }):to(device):requires_grad_()
+        local a = x:narrow(1, 1, rows):narrow(2, 1 + trial % 3, cols)   -- starts 0..2 elements in
+        local b = x:narrow(1, 3, rows):narrow(2, 4, cols)
+        if trial % 2 == 0 then a, b = a:t(), b:t() end
+        local w = helpers.from_flat({ unpack(vals, 1, rows * cols) }, a:shape()):to(device)
+        local loss = ((a - b) * w):sum()
+        loss:backward()
+        return helpers.list(x.grad:cpu())
+      end
+      assert.same(grads('cpu'), grads('cuda'), ('trial %d: %d x %d'):format(trial, rows, cols))
+    end
+  end)
+
   it('refuse to mix devices in one op, naming both and the fix', function()
     local a, b = uly.randn(2, 3), uly.randn(2, 3):cuda()
     for _, f in ipairs({ function() return a + b end, function() return b:matmul(a:t()) end,
@@ -182,6 +306,9 @@ describe('device tensors', function()
         function() return { uly.rand(30):add(0.5):requires_grad_() } end },
       { 'swiglu', function(g, u) return uly.swiglu(g, u) end, function() return { R(6, 5), R(6, 5) } end },
       { 'rope', function(x) return uly.rope(x, 3) end, function() return { R(2, 5, 3, 8) } end },
+      -- more pairs a row than a block has threads; heads wider than the shared angle table
+      { 'rope, 6 heads of 128', function(x) return uly.rope(x, 1) end, function() return { R(1, 4, 6, 128) } end },
+      { 'rope, a head of 1030', function(x) return uly.rope(x) end, function() return { R(1, 3, 1, 1030) } end },
       { 'views, permutes, narrows, expands, cat', function(a, b)
           return uly.cat({ a:permute(2, 1, 3):narrow(1, 2, 2), b:expand(2, 3, 4) }, 2)
         end, function() return { R(3, 3, 4), R(1, 1, 4) } end },
@@ -505,6 +632,36 @@ describe('mixed precision (matmul in bf16)', function()
     -- and it differs from full f32 (the flag does something)
     local full = a:detach():matmul(b:detach())
     assert.is_true(helpers.values(full)[0] ~= helpers.values(out)[0] or helpers.values(full)[1] ~= helpers.values(out)[1])
+  end)
+
+  -- the compact bf16 operands of the chunked path: rows of 4 moved at once where D, the strides and
+  -- the pointers allow, one element at a time where not (D 6; q, k and v windows of one buffer)
+  it('gives the bf16 attention GEMMs their operands from any layout: close to f32', function()
+    if MODE == 'sim' then return end
+    use_device()
+    helpers.reseed(10)
+    for _, D in ipairs({ 6, 8 }) do
+      local fused = uly.randn(2, 24, 7, D):bf16():float()   -- bf16 values: the rounding is exact
+      local function qkv(t)   -- 2 heads each, from head 1 on: D 6 starts them off 4-element bounds
+        return t:narrow(3, 2, 2), t:narrow(3, 4, 2), t:narrow(3, 6, 2)
+      end
+      local function run(precision)
+        uly.matmul_precision(precision)
+        local q, k, v = qkv(fused:cuda():requires_grad_())
+        local o = uly.flash_attention(q, k, v, { causal = true })
+        local w = uly.randn(o:shape())
+        local loss = (o * w:cuda()):sum()
+        loss:backward()
+        uly.matmul_precision('f32')
+        return o:detach():cpu()
+      end
+      helpers.reseed(11)
+      local o32 = run('f32')
+      helpers.reseed(11)
+      local o16 = run('bf16')
+      helpers.assert_close(o16, o32, 2e-2, 2e-2, 'D ' .. D)
+    end
+    release_device()
   end)
 
   it('runs the CUDA attention GEMMs in bf16 too (the CPU kernel stays f32), close to f32', function()

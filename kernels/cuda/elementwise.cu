@@ -103,56 +103,90 @@ extern "C" void cu_swiglu_backward_bf16(float *dgate, float *dup, const float *d
 }
 
 /* ---- binary with broadcasting (strides aligned to the output shape, 0 = broadcast) ---- */
-typedef struct { int ndim; int64_t shape[ULY_VIEW_MAX_DIMS], sa[ULY_VIEW_MAX_DIMS], sb[ULY_VIEW_MAX_DIMS]; } bin_geom;
+/* the output is contiguous; dims of size 1 are dropped and neighbours merged where a and b both
+ * step through them as one (same-shape operands: one dim, no division), offsets in I (int32_t
+ * where they fit) */
+template <typename I> struct bin_geom { int ndim; I shape[ULY_VIEW_MAX_DIMS], sa[ULY_VIEW_MAX_DIMS], sb[ULY_VIEW_MAX_DIMS]; };
 
-template <typename TO, typename TA, typename TB>
-__global__ static void binary_fw(TO *out, const TA *a, const TB *b, bin_geom g, int64_t n, int kind) {
-    ULY_CU_FOR(i, n) {
-        int64_t rem = i, oa = 0, ob = 0;
-        for (int d = g.ndim - 1; d >= 0; d--) {
-            int64_t x = rem % g.shape[d];
+template <typename TO, typename TA, typename TB, typename I>
+__global__ static void binary_fw(TO *out, const TA *a, const TB *b, bin_geom<I> g, I n, int kind) {
+    for (I i = (I)(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += (I)(gridDim.x * blockDim.x)) {
+        I rem = i, oa = 0, ob = 0;
+        for (int d = g.ndim - 1; d > 0; d--) {
+            const I x = rem % g.shape[d];
             rem /= g.shape[d];
             oa += x * g.sa[d];
             ob += x * g.sb[d];
         }
+        oa += rem * g.sa[0];
+        ob += rem * g.sb[0];
         float x = uly_cu_ld(a, oa), y = uly_cu_ld(b, ob);
         uly_cu_st(out, i, kind == ULY_BINARY_ADD ? x + y : kind == ULY_BINARY_SUB ? x - y : kind == ULY_BINARY_MUL ? x * y : x / y);
     }
 }
-static bin_geom geometry(const int64_t *sa, const int64_t *sb, int ndim, const int64_t *shape, int64_t *n) {
-    bin_geom g;
-    g.ndim = ndim;
+typedef struct { int ndim; int64_t shape[ULY_VIEW_MAX_DIMS], sa[ULY_VIEW_MAX_DIMS], sb[ULY_VIEW_MAX_DIMS]; } bin_dims;
+static bin_dims geometry(const int64_t *sa, const int64_t *sb, int ndim, const int64_t *shape, int64_t *n) {
+    bin_dims g;
+    int nd = 0;
     *n = 1;
-    for (int d = 0; d < ndim; d++) { g.shape[d] = shape[d]; g.sa[d] = sa[d]; g.sb[d] = sb[d]; *n *= shape[d]; }
+    for (int d = 0; d < ndim; d++) {
+        *n *= shape[d];
+        if (shape[d] == 1) continue;
+        if (nd > 0 && g.sa[nd - 1] == sa[d] * shape[d] && g.sb[nd - 1] == sb[d] * shape[d]) {
+            g.shape[nd - 1] *= shape[d];
+            g.sa[nd - 1] = sa[d];
+            g.sb[nd - 1] = sb[d];
+        } else {
+            g.shape[nd] = shape[d];
+            g.sa[nd] = sa[d];
+            g.sb[nd] = sb[d];
+            nd++;
+        }
+    }
+    if (nd == 0) { g.shape[0] = 1; g.sa[0] = g.sb[0] = 0; nd = 1; }
+    g.ndim = nd;
     return g;
 }
-template <typename TO, typename TA, typename TB>
-static void binary_launch(TO *out, const TA *a, const TB *b, bin_geom g, int64_t n, int kind) {
-    void (*k)(TO *, const TA *, const TB *, bin_geom, int64_t, int) = binary_fw<TO, TA, TB>;
+template <typename TO, typename TA, typename TB, typename I>
+static void binary_launch_i(TO *out, const TA *a, const TB *b, const bin_dims &d, int64_t n, int kind) {
+    bin_geom<I> g;
+    g.ndim = d.ndim;
+    for (int k = 0; k < d.ndim; k++) { g.shape[k] = (I)d.shape[k]; g.sa[k] = (I)d.sa[k]; g.sb[k] = (I)d.sb[k]; }
+    void (*k)(TO *, const TA *, const TB *, bin_geom<I>, I, int) = binary_fw<TO, TA, TB, I>;
     const char *name = sizeof(TO) + sizeof(TA) + sizeof(TB) == 12 ? "binary_fw" : "binary_fw bf16";
-    LAUNCH_AS_(name, k, n, out, a, b, g, n, kind);
+    LAUNCH_AS_(name, k, n, out, a, b, g, (I)n, kind);
+}
+template <typename TO, typename TA, typename TB>
+static void binary_launch(TO *out, const TA *a, const TB *b, const bin_dims &d, int64_t n, int kind) {
+    int64_t amax = 0, bmax = 0;
+    for (int k = 0; k < d.ndim; k++) {
+        amax += (d.shape[k] - 1) * (d.sa[k] < 0 ? -d.sa[k] : d.sa[k]);
+        bmax += (d.shape[k] - 1) * (d.sb[k] < 0 ? -d.sb[k] : d.sb[k]);
+    }
+    if (n < INT32_MAX && amax < INT32_MAX && bmax < INT32_MAX) binary_launch_i<TO, TA, TB, int32_t>(out, a, b, d, n, kind);
+    else binary_launch_i<TO, TA, TB, int64_t>(out, a, b, d, n, kind);
 }
 extern "C" void cu_binary_forward(float *out, const float *a, const int64_t *sa, const float *b, const int64_t *sb,
                                   int ndim, const int64_t *shape, int kind) {
     int64_t n;
-    bin_geom g = geometry(sa, sb, ndim, shape, &n);
+    const bin_dims g = geometry(sa, sb, ndim, shape, &n);
     binary_launch(out, a, b, g, n, kind);
 }
 /* bf16 activations: each of out, a, b f32 or bf16 (its dtype) */
 template <typename TO, typename TA>
-static void binary_b(TO *out, const TA *a, const void *b, int bt, bin_geom g, int64_t n, int kind) {
+static void binary_b(TO *out, const TA *a, const void *b, int bt, const bin_dims &g, int64_t n, int kind) {
     if (bt == ULY_DTYPE_BF16) binary_launch(out, a, (const uint16_t *)b, g, n, kind);
     else binary_launch(out, a, (const float *)b, g, n, kind);
 }
 template <typename TO>
-static void binary_a(TO *out, const void *a, int at, const void *b, int bt, bin_geom g, int64_t n, int kind) {
+static void binary_a(TO *out, const void *a, int at, const void *b, int bt, const bin_dims &g, int64_t n, int kind) {
     if (at == ULY_DTYPE_BF16) binary_b(out, (const uint16_t *)a, b, bt, g, n, kind);
     else binary_b(out, (const float *)a, b, bt, g, n, kind);
 }
 extern "C" void cu_binary_forward_typed(void *out, int ot, const void *a, int at, const int64_t *sa, const void *b, int bt,
                                         const int64_t *sb, int ndim, const int64_t *shape, int kind) {
     int64_t n;
-    bin_geom g = geometry(sa, sb, ndim, shape, &n);
+    const bin_dims g = geometry(sa, sb, ndim, shape, &n);
     if (ot == ULY_DTYPE_BF16) binary_a((uint16_t *)out, a, at, b, bt, g, n, kind);
     else binary_a((float *)out, a, at, b, bt, g, n, kind);
 }
@@ -170,11 +204,33 @@ __global__ static void scalar_bw(float *dinp, const float *dout, const float *a,
     }
 }
 __global__ static void axpy(float *y, const float *x, int64_t n, float alpha) { ULY_CU_FOR(i, n) y[i] += alpha * x[i]; }
+/* the same four at a time (16-byte loads and stores; y and x 16-byte aligned) */
+__global__ static void axpy_x4(uint4 *y, const uint4 *x, int64_t n4, float alpha) {
+    ULY_CU_FOR(i, n4) {
+        const uint4 a = x[i];
+        uint4 b = y[i];
+        b.x = __float_as_uint(__uint_as_float(b.x) + alpha * __uint_as_float(a.x));
+        b.y = __float_as_uint(__uint_as_float(b.y) + alpha * __uint_as_float(a.y));
+        b.z = __float_as_uint(__uint_as_float(b.z) + alpha * __uint_as_float(a.z));
+        b.w = __float_as_uint(__uint_as_float(b.w) + alpha * __uint_as_float(a.w));
+        y[i] = b;
+    }
+}
+/* y += alpha x over n contiguous floats: vectorised where both are 16-byte aligned */
+static void launch_axpy(float *y, const float *x, int64_t n, float alpha) {
+    int64_t done = 0;
+    if (((uintptr_t)y & 15) == 0 && ((uintptr_t)x & 15) == 0 && n >= 4) {
+        const int64_t n4 = n / 4;
+        LAUNCH(axpy_x4, n4, (uint4 *)y, (const uint4 *)x, n4, alpha);
+        done = 4 * n4;
+    }
+    if (done < n) LAUNCH(axpy, n - done, y + done, x + done, n - done, alpha);
+}
 extern "C" void cu_scalar_forward(float *out, const float *a, int64_t n, int kind, float s) { LAUNCH(scalar_fw, n, out, a, n, kind, s); }
 extern "C" void cu_scalar_backward(float *dinp, const float *dout, const float *a, int64_t n, int kind, float s) {
     LAUNCH(scalar_bw, n, dinp, dout, a, n, kind, s);
 }
-extern "C" void cu_axpy_accumulate(float *y, const float *x, int64_t n, float alpha) { LAUNCH(axpy, n, y, x, n, alpha); }
+extern "C" void cu_axpy_accumulate(float *y, const float *x, int64_t n, float alpha) { launch_axpy(y, x, n, alpha); }
 
 /* ---- dropout: keep(i) = uniform(seed, offset + i) >= p, kept values scaled by 1 / (1 - p) ---- */
 __global__ static void dropout_k(float *out, const float *inp, int64_t n, float p, uint64_t seed, uint64_t offset, int acc) {
@@ -192,9 +248,39 @@ extern "C" void cu_dropout_backward(float *dinp, const float *dout, int64_t n, f
 }
 
 /* ---- RoPE on [B, T, H, D]: pair i of position pos turns by pos * theta^(-2i/D) (double angle) ---- */
+#define ROPE_MAX_PAIRS 512
+/* a block per (b, t) row at a time: its D / 2 angles' cosines and sines (double, rounded to f32)
+ * once into shared memory, then every head's pairs turned by them: the trigonometry once per
+ * position instead of once per head. D / 2 <= ROPE_MAX_PAIRS. */
 template <typename E>   /* E: f32, or bf16 bits */
-__global__ static void rope_k(E *out, const E *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off,
+__global__ static void rope_k(E *out, const E *inp, int64_t rows, int64_t T, int64_t H, int64_t D, int64_t off,
                               double theta, double sign, int acc) {
+    __shared__ float cs[2 * ROPE_MAX_PAIRS];
+    const int64_t P = D / 2;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const int64_t t = r % T;
+        __syncthreads();   /* the last row's angles are no longer read */
+        for (int64_t i = threadIdx.x; i < P; i += blockDim.x) {
+            const double a = (double)(off + t) * pow(theta, -(double)(2 * i) / (double)D);
+            cs[i] = (float)cos(a);
+            cs[P + i] = (float)(sign * sin(a));
+        }
+        __syncthreads();
+        for (int64_t e = threadIdx.x; e < H * P; e += blockDim.x) {
+            const int64_t i = e % P, base = r * H * D + (e / P) * D + 2 * i;
+            const float c = cs[i], s = cs[P + i];
+            const float x0 = uly_cu_ld(inp, base), x1 = uly_cu_ld(inp, base + 1);
+            float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+            if (acc) { y0 += uly_cu_ld(out, base); y1 += uly_cu_ld(out, base + 1); }
+            uly_cu_st(out, base, y0);
+            uly_cu_st(out, base + 1, y1);
+        }
+    }
+}
+/* the same, a thread per pair with its own angle: for heads wider than 2 x ROPE_MAX_PAIRS */
+template <typename E>
+__global__ static void rope_pairs_k(E *out, const E *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off,
+                                    double theta, double sign, int acc) {
     int64_t P = D / 2, n = B * T * H * P;
     ULY_CU_FOR(e, n) {
         int64_t i = e % P, t = (e / (P * H)) % T;
@@ -208,17 +294,30 @@ __global__ static void rope_k(E *out, const E *inp, int64_t B, int64_t T, int64_
         uly_cu_st(out, base + 1, y1);
     }
 }
+template <typename E>
+static void launch_rope(const char *name, E *out, const E *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off,
+                        float theta, double sign, int acc) {
+    const int64_t rows = B * T, pairs = H * (D / 2);
+    if (rows * pairs <= 0) { ULY_CU_LAUNCHED(name); return; }
+    if (D / 2 > ROPE_MAX_PAIRS) {
+        LAUNCH_AS_(name, rope_pairs_k<E>, rows * pairs, out, inp, B, T, H, D, off, (double)theta, sign, acc);
+        return;
+    }
+    const int threads = pairs >= 256 ? 256 : pairs > 32 ? (int)((pairs + 31) / 32 * 32) : 32;
+    const unsigned blocks = (unsigned)(rows < 65535 * 8 ? rows : 65535 * 8);
+    ULY_LAUNCH_AS(name, rope_k<E>, blocks, threads, uly_cu_stream)(out, inp, rows, T, H, D, off, (double)theta, sign, acc);
+    ULY_CU_LAUNCHED(name);
+}
 extern "C" void cu_rope_forward(float *out, const float *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off, float theta) {
-    LAUNCH_AS_("rope_k", rope_k<float>, B * T * H * (D / 2), out, inp, B, T, H, D, off, (double)theta, 1.0, 0);
+    launch_rope("rope_k", out, inp, B, T, H, D, off, theta, 1.0, 0);
 }
 extern "C" void cu_rope_backward(float *dinp, const float *dout, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off,
                                  float theta) {
-    LAUNCH_AS_("rope_k", rope_k<float>, B * T * H * (D / 2), dinp, dout, B, T, H, D, off, (double)theta, -1.0, 1);
+    launch_rope("rope_k", dinp, dout, B, T, H, D, off, theta, -1.0, 1);
 }
 extern "C" void cu_rope_forward_bf16(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off,
                                      float theta) {
-    LAUNCH_AS_("rope_k bf16", rope_k<uint16_t>, B * T * H * (D / 2), (uint16_t *)out, (const uint16_t *)inp, B, T, H, D, off,
-               (double)theta, 1.0, 0);
+    launch_rope("rope_k bf16", (uint16_t *)out, (const uint16_t *)inp, B, T, H, D, off, theta, 1.0, 0);
 }
 
 /* ---- strided walks ---- */
@@ -254,31 +353,149 @@ __device__ static inline int64_t offset_of(const uly_view &v, int64_t i) {
     return off;
 }
 
-__global__ static void copy_view_k(uly_view dst, uly_view src, int64_t n) {
-    int ds = dsize(dst.dtype), ss = dsize(src.dtype);
-    ULY_CU_FOR(i, n) {
-        const char *s = (const char *)src.p + offset_of(src, i) * ss;
-        char *d = (char *)dst.p + offset_of(dst, i) * ds;
-        if (dst.dtype == src.dtype && ds == 4) *(uint32_t *)d = *(const uint32_t *)s;
-        else if (dst.dtype == src.dtype && ds == 8) *(uint64_t *)d = *(const uint64_t *)s;
-        else if (dst.dtype == src.dtype) *(uint16_t *)d = *(const uint16_t *)s;
-        else store(d, dst.dtype, load(s, src.dtype));
+/* copy_view's geometry made small: size-1 dims dropped, and neighbouring dims merged where both
+ * views step through them as one, so a copy between contiguous tensors is one dim of stride 1 and
+ * a slice of heads keeps only the dims that jump. Element offsets of each view in I (int32_t where
+ * every offset fits: its divisions cost a third of 64-bit ones) */
+template <typename I> struct copy_geom {
+    int nd, dt, st;
+    I shape[ULY_VIEW_MAX_DIMS], dstr[ULY_VIEW_MAX_DIMS], sstr[ULY_VIEW_MAX_DIMS];
+};
+static int collapse_copy(const uly_view *dst, const uly_view *src, int64_t *shape, int64_t *dstr, int64_t *sstr) {
+    int nd = 0;
+    for (int d = 0; d < dst->ndim; d++) {
+        if (dst->shape[d] == 1) continue;
+        if (nd > 0 && dstr[nd - 1] == dst->stride[d] * dst->shape[d] && sstr[nd - 1] == src->stride[d] * dst->shape[d]) {
+            shape[nd - 1] *= dst->shape[d];   /* the outer dim steps as one over the inner: one dim */
+            dstr[nd - 1] = dst->stride[d];
+            sstr[nd - 1] = src->stride[d];
+        } else {
+            shape[nd] = dst->shape[d];
+            dstr[nd] = dst->stride[d];
+            sstr[nd] = src->stride[d];
+            nd++;
+        }
+    }
+    if (nd == 0) { shape[0] = 1; dstr[0] = sstr[0] = 1; nd = 1; }
+    return nd;
+}
+/* whether a copy geometry's offsets all fit in int32_t */
+static bool fits_int32(int nd, const int64_t *shape, const int64_t *dstr, const int64_t *sstr, int64_t n) {
+    int64_t dmax = 0, smax = 0;
+    for (int d = 0; d < nd; d++) {
+        dmax += (shape[d] - 1) * (dstr[d] < 0 ? -dstr[d] : dstr[d]);
+        smax += (shape[d] - 1) * (sstr[d] < 0 ? -sstr[d] : sstr[d]);
+    }
+    return n < INT32_MAX && dmax < INT32_MAX && smax < INT32_MAX;
+}
+
+template <typename I> __global__ static void copy_view_k(char *dst, const char *src, copy_geom<I> g, I n) {
+    const int ds = dsize(g.dt), ss = dsize(g.st);
+    for (I i = (I)(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += (I)(gridDim.x * blockDim.x)) {
+        I rem = i, od = 0, os = 0;
+        for (int d = g.nd - 1; d > 0; d--) {
+            const I x = rem % g.shape[d];
+            rem /= g.shape[d];
+            od += x * g.dstr[d];
+            os += x * g.sstr[d];
+        }
+        od += rem * g.dstr[0];
+        os += rem * g.sstr[0];
+        const char *s = src + (int64_t)os * ss;
+        char *d = dst + (int64_t)od * ds;
+        if (g.dt == g.st && ds == 4) *(uint32_t *)d = *(const uint32_t *)s;
+        else if (g.dt == g.st && ds == 8) *(uint64_t *)d = *(const uint64_t *)s;
+        else if (g.dt == g.st) *(uint16_t *)d = *(const uint16_t *)s;
+        else store(d, g.dt, load(s, g.st));
     }
 }
+/* contiguous conversions, four elements a thread (16-byte f32 side, 8-byte bf16 side), the same
+ * rounding as the strided walk's */
+__global__ static void f32_to_bf16_x4(uint2 *dst, const uint4 *src, int64_t n4) {
+    ULY_CU_FOR(i, n4) {
+        const uint4 v = src[i];
+        dst[i] = make_uint2((uint32_t)f32_to_bf16(__uint_as_float(v.x)) | (uint32_t)f32_to_bf16(__uint_as_float(v.y)) << 16,
+                            (uint32_t)f32_to_bf16(__uint_as_float(v.z)) | (uint32_t)f32_to_bf16(__uint_as_float(v.w)) << 16);
+    }
+}
+__global__ static void bf16_to_f32_x4(uint4 *dst, const uint2 *src, int64_t n4) {
+    ULY_CU_FOR(i, n4) {
+        const uint2 v = src[i];
+        dst[i] = make_uint4(v.x << 16, v.x & 0xffff0000u, v.y << 16, v.y & 0xffff0000u);
+    }
+}
+static int64_t host_dsize(int dtype) {
+    return dtype == ULY_DTYPE_BF16 ? 2 : (dtype == ULY_DTYPE_F32 || dtype == ULY_DTYPE_I32) ? 4 : 8;
+}
+template <typename I> static void launch_copy_view(const uly_view *dst, const uly_view *src, int nd, const int64_t *shape,
+                                                   const int64_t *dstr, const int64_t *sstr, int64_t n) {
+    copy_geom<I> g;
+    g.nd = nd;
+    g.dt = dst->dtype;
+    g.st = src->dtype;
+    for (int d = 0; d < nd; d++) {
+        g.shape[d] = (I)shape[d];
+        g.dstr[d] = (I)dstr[d];
+        g.sstr[d] = (I)sstr[d];
+    }
+    LAUNCH_AS_("copy_view_k", copy_view_k<I>, n, (char *)dst->p, (const char *)src->p, g, (I)n);
+}
+/* dst = src elementwise (dtypes converted): one cudaMemcpyAsync when both are contiguous in one
+ * dtype, a vectorised conversion when f32 <-> bf16 contiguous, else the strided walk over the
+ * collapsed dims */
 extern "C" void cu_copy_view(const uly_view *dst, const uly_view *src) {
     int64_t n = 1;
     for (int d = 0; d < dst->ndim; d++) n *= dst->shape[d];
-    LAUNCH(copy_view_k, n, *dst, *src, n);
+    if (n <= 0) return;
+    int64_t shape[ULY_VIEW_MAX_DIMS], dstr[ULY_VIEW_MAX_DIMS], sstr[ULY_VIEW_MAX_DIMS];
+    const int nd = collapse_copy(dst, src, shape, dstr, sstr);
+    if (nd == 1 && dstr[0] == 1 && sstr[0] == 1) {
+        if (dst->dtype == src->dtype) {
+            const cudaError_t e = cudaMemcpyAsync(dst->p, src->p, (size_t)(n * host_dsize(dst->dtype)),
+                                                  cudaMemcpyDeviceToDevice, uly_cu_stream);
+            if (e != cudaSuccess) uly_cu_fail("copy on the device", e);
+            return;
+        }
+        const bool down = dst->dtype == ULY_DTYPE_BF16 && src->dtype == ULY_DTYPE_F32;
+        const bool up = dst->dtype == ULY_DTYPE_F32 && src->dtype == ULY_DTYPE_BF16;
+        const uintptr_t wide = (uintptr_t)(down ? src->p : dst->p), narrow = (uintptr_t)(down ? dst->p : src->p);
+        if ((down || up) && n >= 4 && wide % 16 == 0 && narrow % 8 == 0) {
+            const int64_t n4 = n / 4;
+            if (down) LAUNCH_AS_("copy_view f32 -> bf16", f32_to_bf16_x4, n4, (uint2 *)dst->p, (const uint4 *)src->p, n4);
+            else LAUNCH_AS_("copy_view bf16 -> f32", bf16_to_f32_x4, n4, (uint4 *)dst->p, (const uint2 *)src->p, n4);
+            if (n4 * 4 == n) return;
+            uly_view d = *dst, s = *src;   /* the last n % 4 elements */
+            d.ndim = s.ndim = 1;
+            d.shape[0] = s.shape[0] = n - 4 * n4;
+            d.stride[0] = s.stride[0] = 1;
+            d.p = (char *)dst->p + 4 * n4 * host_dsize(dst->dtype);
+            s.p = (char *)src->p + 4 * n4 * host_dsize(src->dtype);
+            cu_copy_view(&d, &s);
+            return;
+        }
+    }
+    if (fits_int32(nd, shape, dstr, sstr, n)) launch_copy_view<int32_t>(dst, src, nd, shape, dstr, sstr, n);
+    else launch_copy_view<int64_t>(dst, src, nd, shape, dstr, sstr, n);
 }
 
 __global__ static void fill_view_k(uly_view dst, double value, int64_t n) {
     int ds = dsize(dst.dtype);
     ULY_CU_FOR(i, n) store((char *)dst.p + offset_of(dst, i) * ds, dst.dtype, value);
 }
+/* dst = value: over the collapsed dims; a contiguous run of +0 (zero bits in every dtype) is one
+ * cudaMemsetAsync */
 extern "C" void cu_fill_view(const uly_view *dst, double value) {
     int64_t n = 1;
     for (int d = 0; d < dst->ndim; d++) n *= dst->shape[d];
-    LAUNCH(fill_view_k, n, *dst, value, n);
+    if (n <= 0) return;
+    uly_view v = *dst;
+    v.ndim = collapse_copy(dst, dst, v.shape, v.stride, v.stride);
+    if (v.ndim == 1 && v.stride[0] == 1 && value == 0.0 && !signbit(value)) {
+        const cudaError_t e = cudaMemsetAsync(v.p, 0, (size_t)(n * host_dsize(v.dtype)), uly_cu_stream);
+        if (e != cudaSuccess) uly_cu_fail("fill on the device", e);
+        return;
+    }
+    LAUNCH(fill_view_k, n, v, value, n);
 }
 
 /* dst += alpha * src summed over the dims where dst has stride 0: one thread per kept element,
@@ -335,7 +552,48 @@ __global__ static void sum_view_total(float *dst, const double *part, sum_geom g
         dst[od] += alpha * (float)acc;
     }
 }
+/* dst += alpha * src element for element over the collapsed dims (sum_view summing nothing: a
+ * gradient added into a slice or a broadcast-free view) */
+template <typename I> __global__ static void add_view_k(float *dst, const float *src, copy_geom<I> g, I n, float alpha) {
+    for (I i = (I)(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += (I)(gridDim.x * blockDim.x)) {
+        I rem = i, od = 0, os = 0;
+        for (int d = g.nd - 1; d > 0; d--) {
+            const I x = rem % g.shape[d];
+            rem /= g.shape[d];
+            od += x * g.dstr[d];
+            os += x * g.sstr[d];
+        }
+        dst[od + rem * g.dstr[0]] += alpha * src[os + rem * g.sstr[0]];
+    }
+}
+template <typename I> static void launch_add_view(const uly_view *dst, const uly_view *src, int nd, const int64_t *shape,
+                                                  const int64_t *dstr, const int64_t *sstr, int64_t n, float alpha) {
+    copy_geom<I> g;
+    g.nd = nd;
+    g.dt = g.st = ULY_DTYPE_F32;
+    for (int d = 0; d < nd; d++) {
+        g.shape[d] = (I)shape[d];
+        g.dstr[d] = (I)dstr[d];
+        g.sstr[d] = (I)sstr[d];
+    }
+    LAUNCH_AS_("add_view_k", add_view_k<I>, n, (float *)dst->p, (const float *)src->p, g, (I)n, alpha);
+}
 extern "C" void cu_sum_view(const uly_view *dst, const uly_view *src, float alpha) {
+    bool summed = false;   /* a dim of size > 1 that dst holds once (stride 0) */
+    int64_t n = 1;
+    for (int d = 0; d < src->ndim; d++) {
+        summed = summed || (dst->stride[d] == 0 && src->shape[d] != 1);
+        n *= src->shape[d];
+    }
+    if (!summed) {   /* element for element: contiguous y += a x, else a walk over the merged dims */
+        if (n <= 0) return;
+        int64_t shape[ULY_VIEW_MAX_DIMS], dstr[ULY_VIEW_MAX_DIMS], sstr[ULY_VIEW_MAX_DIMS];
+        const int nd = collapse_copy(src, dst, shape, sstr, dstr);
+        if (nd == 1 && dstr[0] == 1 && sstr[0] == 1) launch_axpy((float *)dst->p, (const float *)src->p, n, alpha);
+        else if (fits_int32(nd, shape, dstr, sstr, n)) launch_add_view<int32_t>(dst, src, nd, shape, dstr, sstr, n, alpha);
+        else launch_add_view<int64_t>(dst, src, nd, shape, dstr, sstr, n, alpha);
+        return;
+    }
     sum_geom g;
     g.nk = g.nr = 0;
     int64_t kept = 1, red = 1;

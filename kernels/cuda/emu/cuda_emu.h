@@ -192,8 +192,11 @@ static inline __nv_bfloat16 __float2bfloat16_rn(float f) {
 }
 static inline float __bfloat162float(__nv_bfloat16 b) { return __uint_as_float((uint32_t)b.x << 16); }
 static inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.x; }
+static inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) { __nv_bfloat16 b; b.x = u; return b; }
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
+static inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { uint4 v = { x, y, z, w }; return v; }
+static inline uint2 make_uint2(unsigned x, unsigned y) { uint2 v = { x, y }; return v; }
 
 /* ---- runtime ---- */
 typedef enum cudaError { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorMemoryAllocation = 2,
