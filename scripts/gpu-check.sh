@@ -130,7 +130,10 @@ LUA_PATH='lua/?.lua;lua/?/init.lua;;' luajit -e '
 # every stage runs under `timeout`, capped by what is left of the whole check's budget
 # (ULY_GPU_CHECK_BUDGET seconds from the start, default 480: a device lease is short), most
 # telling first: specs, device suite, benchmarks, the 2-rank step, then the sanitizer
-budget=${ULY_GPU_CHECK_BUDGET:-480}
+# (a rehearsal on the emulator runs the device suite's kernels on the CPU, ~7 min on 2 cores: it
+# gets 40 min and the suite 15)
+budget=${ULY_GPU_CHECK_BUDGET:-$([ "$emulate" = 1 ] && echo 2400 || echo 480)}
+suite_secs=$([ "$emulate" = 1 ] && echo 900 || echo 180)
 cap() { # cap SECONDS: prints min(SECONDS, what is left less 10 s for the report), 0 when nothing is
   local left=$(( check_start + budget - $(date +%s) - 10 ))
   (( left < $1 )) && echo $(( left > 15 ? left : 0 )) || echo "$1"
@@ -151,7 +154,7 @@ run_stage "#gpu specs" 120 luajit /usr/bin/busted --run=gpu
 summary=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -1)
 
 say "== device suite on the GPU (spec/device_spec.lua, ULY_TEST_DEVICE=$test_device)"
-ULY_TEST_DEVICE=$test_device run_stage "device suite" 180 luajit /usr/bin/busted spec/device_spec.lua
+ULY_TEST_DEVICE=$test_device run_stage "device suite" "$suite_secs" luajit /usr/bin/busted spec/device_spec.lua
 
 if [ -e bench/gpu.lua ] && [ -z "${ULY_GPU_CHECK_NO_BENCH:-}" ]; then   # ULY_GPU_CHECK_NO_BENCH=1: specs only
   # the fused attention kernels' variants measured here, the fastest kept in the report's folder
