@@ -362,7 +362,7 @@ static void launch_to_bf16_4d(__nv_bfloat16 *dst, const T_ *src, int64_t B, int6
                               int64_t st, int64_t sh) {
     const int64_t n = B * T * Hh * D;
     const int64_t reach = (B - 1) * (sb < 0 ? -sb : sb) + (T - 1) * (st < 0 ? -st : st) + (Hh - 1) * (sh < 0 ? -sh : sh) + D;
-    if (n < INT32_MAX && reach < INT32_MAX) launch_to_bf16_4d<T_, int32_t>(dst, src, T, Hh, D, sb, st, sh, n);
+    if (uly_cu_index32(n, reach)) launch_to_bf16_4d<T_, int32_t>(dst, src, T, Hh, D, sb, st, sh, n);
     else launch_to_bf16_4d<T_, int64_t>(dst, src, T, Hh, D, sb, st, sh, n);
 }
 

@@ -3,6 +3,7 @@
  * helpers and the small device math the kernels share. */
 #ifndef ULY_CUDA_COMMON_CUH
 #define ULY_CUDA_COMMON_CUH
+#include <stdlib.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include "uly.h"
@@ -42,6 +43,15 @@ __device__ static inline float uly_cu_ld(const uint16_t *p, int64_t i) { return 
 __device__ static inline void uly_cu_st(float *p, int64_t i, float v) { p[i] = v; }
 __device__ static inline void uly_cu_st(uint16_t *p, int64_t i, float v) { p[i] = uly_cu_f32_to_bf16(v); }
 
+/* a grid-stride loop may count in int32_t up to this n: its last step (at most uly_cu_blocks' cap
+ * of blocks x up to 1024 threads past n) must not overflow */
+#define ULY_CU_I32_LOOP_MAX ((int64_t)INT32_MAX - 65535 * 8 * 1024)
+/* whether a kernel over n elements reaching element offsets up to `reach` may index in int32_t;
+ * ULY_CUDA_INDEX64=1 says no to all (the device specs run the 64-bit paths so) */
+static inline bool uly_cu_index32(int64_t n, int64_t reach) {
+    const char *e = getenv("ULY_CUDA_INDEX64");
+    return !(e && e[0] == '1') && n < ULY_CU_I32_LOOP_MAX && reach < INT32_MAX;
+}
 #define ULY_CU_FOR(i, n) for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
                               i += (int64_t)gridDim.x * blockDim.x)
 

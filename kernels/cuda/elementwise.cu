@@ -163,7 +163,7 @@ static void binary_launch(TO *out, const TA *a, const TB *b, const bin_dims &d, 
         amax += (d.shape[k] - 1) * (d.sa[k] < 0 ? -d.sa[k] : d.sa[k]);
         bmax += (d.shape[k] - 1) * (d.sb[k] < 0 ? -d.sb[k] : d.sb[k]);
     }
-    if (n < INT32_MAX && amax < INT32_MAX && bmax < INT32_MAX) binary_launch_i<TO, TA, TB, int32_t>(out, a, b, d, n, kind);
+    if (uly_cu_index32(n, amax > bmax ? amax : bmax)) binary_launch_i<TO, TA, TB, int32_t>(out, a, b, d, n, kind);
     else binary_launch_i<TO, TA, TB, int64_t>(out, a, b, d, n, kind);
 }
 extern "C" void cu_binary_forward(float *out, const float *a, const int64_t *sa, const float *b, const int64_t *sb,
@@ -379,14 +379,14 @@ static int collapse_copy(const uly_view *dst, const uly_view *src, int64_t *shap
     if (nd == 0) { shape[0] = 1; dstr[0] = sstr[0] = 1; nd = 1; }
     return nd;
 }
-/* whether a copy geometry's offsets all fit in int32_t */
+/* whether a copy geometry's offsets all fit in int32_t, and its n with a grid-stride step to spare */
 static bool fits_int32(int nd, const int64_t *shape, const int64_t *dstr, const int64_t *sstr, int64_t n) {
     int64_t dmax = 0, smax = 0;
     for (int d = 0; d < nd; d++) {
         dmax += (shape[d] - 1) * (dstr[d] < 0 ? -dstr[d] : dstr[d]);
         smax += (shape[d] - 1) * (sstr[d] < 0 ? -sstr[d] : sstr[d]);
     }
-    return n < INT32_MAX && dmax < INT32_MAX && smax < INT32_MAX;
+    return uly_cu_index32(n, dmax > smax ? dmax : smax);
 }
 
 template <typename I> __global__ static void copy_view_k(char *dst, const char *src, copy_geom<I> g, I n) {
@@ -503,27 +503,27 @@ extern "C" void cu_fill_view(const uly_view *dst, double value) {
 typedef struct { int nk, nr; int64_t kshape[ULY_VIEW_MAX_DIMS], kd[ULY_VIEW_MAX_DIMS], ks[ULY_VIEW_MAX_DIMS];
                  int64_t rshape[ULY_VIEW_MAX_DIMS], rs[ULY_VIEW_MAX_DIMS]; } sum_geom;
 
-/* kept element k's offsets in dst and src */
+/* kept element k's offsets in dst and src (the outermost kept dim takes what is left: no division) */
 __device__ static inline void kept_offsets(const sum_geom &g, int64_t k, int64_t *od, int64_t *os) {
     int64_t rem = k, a = 0, b = 0;
-    for (int d = g.nk - 1; d >= 0; d--) {
+    for (int d = g.nk - 1; d > 0; d--) {
         int64_t x = rem % g.kshape[d];
         rem /= g.kshape[d];
         a += x * g.kd[d];
         b += x * g.ks[d];
     }
-    *od = a;
-    *os = b;
+    *od = a + rem * g.kd[0];
+    *os = b + rem * g.ks[0];
 }
 __device__ static inline double sum_range(const sum_geom &g, const float *src, int64_t os, int64_t r0, int64_t r1) {
     double acc = 0.0;   /* long reductions (bias gradients over B x T rows) in double */
     for (int64_t r = r0; r < r1; r++) {
         int64_t rr = r, o = os;
-        for (int d = g.nr - 1; d >= 0; d--) {
+        for (int d = g.nr - 1; d > 0; d--) {
             o += (rr % g.rshape[d]) * g.rs[d];
             rr /= g.rshape[d];
         }
-        acc += src[o];
+        acc += src[o + rr * g.rs[0]];
     }
     return acc;
 }
@@ -594,22 +594,38 @@ extern "C" void cu_sum_view(const uly_view *dst, const uly_view *src, float alph
         else launch_add_view<int64_t>(dst, src, nd, shape, dstr, sstr, n, alpha);
         return;
     }
+    /* the summed dims and the kept ones, each list in order with size-1 dims dropped and
+     * neighbours merged where they step as one (a bias gradient over [B, T] rows sums over one
+     * dim): the same elements added in the same order, fewer divisions */
     sum_geom g;
     g.nk = g.nr = 0;
     int64_t kept = 1, red = 1;
     for (int d = 0; d < src->ndim; d++) {
-        if (dst->stride[d] == 0 && src->shape[d] != 1) {
-            g.rshape[g.nr] = src->shape[d];
-            g.rs[g.nr++] = src->stride[d];
-            red *= src->shape[d];
-        } else {
-            g.kshape[g.nk] = src->shape[d];
-            g.kd[g.nk] = dst->stride[d];
-            g.ks[g.nk++] = src->stride[d];
-            kept *= src->shape[d];
+        const int64_t len = src->shape[d];
+        if (dst->stride[d] == 0 && len != 1) {
+            red *= len;
+            if (g.nr > 0 && g.rs[g.nr - 1] == src->stride[d] * len) {
+                g.rshape[g.nr - 1] *= len;
+                g.rs[g.nr - 1] = src->stride[d];
+            } else {
+                g.rshape[g.nr] = len;
+                g.rs[g.nr++] = src->stride[d];
+            }
+        } else if (len != 1) {
+            kept *= len;
+            if (g.nk > 0 && g.kd[g.nk - 1] == dst->stride[d] * len && g.ks[g.nk - 1] == src->stride[d] * len) {
+                g.kshape[g.nk - 1] *= len;
+                g.kd[g.nk - 1] = dst->stride[d];
+                g.ks[g.nk - 1] = src->stride[d];
+            } else {
+                g.kshape[g.nk] = len;
+                g.kd[g.nk] = dst->stride[d];
+                g.ks[g.nk++] = src->stride[d];
+            }
         }
     }
-    if (red == 0) return;
+    if (g.nk == 0) { g.kshape[0] = 1; g.kd[0] = g.ks[0] = 0; g.nk = 1; }
+    if (red == 0 || kept == 0) return;
     if (red < 4096 || kept >= 65536) {
         LAUNCH(sum_view_k, kept, (float *)dst->p, (const float *)src->p, g, kept, red, alpha);
         return;
