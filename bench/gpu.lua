@@ -6,6 +6,8 @@
 --      attention called through PyTorch (bench/peers/torch_sdpa.py; bf16, as cuDNN requires)
 --      when the GPU machine's python3 has torch; ours three ways: f32 (TF32) and bf16 on the
 --      chunked cuBLAS path, and bf16 on the fused tensor-core kernels (attention_fused.cu);
+--   1b. the step's glue: copies, dtype conversions, binary ops and RoPE at the 1b step's
+--      activation shape, in GB/s and against a contiguous clone (cudaMemcpyAsync);
 --   2b. decoding: one query against a KV cache, with and without splitting the key band;
 --   3. a training step of a Llama-style model (preset 1b: 1.24 B parameters) at 32k tokens:
 --      flash attention, activation checkpointing (by default all but attention, whose outputs are
@@ -134,6 +136,41 @@ for _, s in ipairs(shapes) do
                                                            tf(flops, ex)))
   end
   a, b = nil, nil
+  collectgarbage('collect')
+end
+
+---------------------------------------------------------------- 1b. the step's glue
+-- copies, conversions, binary ops and RoPE on a [T, C] activation (T 32768, C 2048: the 1b step's),
+-- in GB/s moved (each element read and written once) and as a share of a contiguous clone's
+-- (one cudaMemcpyAsync: what the memory does)
+do
+  local T, C, Dh = opts.quick and 64 or 32768, opts.quick and 32 or 2048, opts.quick and 16 or 64
+  print(('\n== the step\'s glue on [%d, %d] (heads of %d): GB/s moved, and against a contiguous clone (cudaMemcpyAsync)'):format(T, C, Dh))
+  print(('%-44s %10s %10s %10s'):format('op', 'ms', 'GB/s', 'of clone'))
+  local x, y = uly.randn(T, C, { device = 'cuda' }), uly.randn(T, C, { device = 'cuda' })
+  local xb, bias = x:bf16(), uly.randn(C, { device = 'cuda' })
+  local fused = uly.randn(T, 3 * C, { device = 'cuda' })
+  local n = T * C
+  local cases = {
+    { 'clone, f32 (cudaMemcpyAsync)', 8 * n, function() return x:clone() end },
+    { 'f32 -> bf16', 6 * n, function() return x:bf16() end },
+    { 'bf16 -> f32', 6 * n, function() return xb:float() end },
+    { 'a column slice of [T, 3C] -> contiguous, f32', 8 * n, function() return fused:narrow(2, C + 1, C):contiguous() end },
+    { '[T, H, D] -> [H, T, D] contiguous, f32', 8 * n,
+      function() return x:view(T, C / Dh, Dh):transpose(1, 2):contiguous() end },
+    { 'a + b, f32, same shape', 12 * n, function() return x + y end },
+    { 'a + bias[C], f32', 8 * n, function() return x + bias end },
+    { 'a + b, bf16 + f32 -> f32', 10 * n, function() return xb + y end },
+    { 'RoPE, f32 [1, T, H, D]', 8 * n, function() return x:view(1, T, C / Dh, Dh):rope() end },
+  }
+  local clone_gbs
+  for _, c in ipairs(cases) do
+    local secs = time(c[3], opts.reps)
+    local gbs = c[2] / secs / 1e9
+    clone_gbs = clone_gbs or gbs
+    print(('%-44s %10.3f %10.1f %9.0f%%'):format(c[1], secs * 1e3, gbs, 100 * gbs / clone_gbs))
+  end
+  x, y, xb, bias, fused = nil, nil, nil, nil, nil
   collectgarbage('collect')
 end
 

@@ -1556,7 +1556,9 @@ describe('bench/gpu.lua', function()
     local out = p:read('*a')
     p:close()
     assert.truthy(out:match('exit=0%s*$'), out)
-    local wants = { '== GEMM', '64 x 48 x 32             f32', '64 x 48 x 32             bf16', '== flash attention',
+    local wants = { '== GEMM', '64 x 48 x 32             f32', '64 x 48 x 32             bf16', '== the step\'s glue on [64, 32]',
+                    'clone, f32 (cudaMemcpyAsync)', 'f32 -> bf16', '[T, H, D] -> [H, T, D] contiguous', 'RoPE, f32 [1, T, H, D]',
+                    '== flash attention',
                     '== decoding', '200      auto', '== training step: Llama tiny', 'checkpoint (except attention)', 'tokens/s',
                     'one step: forward ', 'ULY_CUDA_ATTN_DQ=rows128 ULY_CUDA_ATTN_DKV=64: ',
                     "N 128: fastest fused forward + backward '", "x the default 'bf16 fused'",
