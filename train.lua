@@ -358,8 +358,9 @@ local function main()
   if cfg.peak_gflops > 0 then
     peak, peak_label = cfg.peak_gflops * 1e9, 'given peak'
   elseif device == 'cuda' then
-    local gpu_peak, label = uly.cuda.peak_flops()
-    if uly.cuda.backend() ~= 'cuda' then label, gpu_peak = 'the device is the host-memory simulation', nil end
+    local gpu_peak, label
+    if uly.cuda.backend() == 'cuda' then gpu_peak, label = uly.cuda.peak_flops()
+    else label = 'the device is the host-memory simulation' end
     if not gpu_peak then
       say('MFU: ' .. tostring(label) .. '; not reported')
     else

@@ -4,6 +4,7 @@
  * RNG (the same mask bit for bit), RoPE, and the strided walks of the core (dtype-converting
  * copy, fill, accumulation into a broadcast view). Grid-stride loops on the backend's stream. */
 #include <math.h>
+#include <string.h>
 #include "common.cuh"
 
 #define THREADS 256
@@ -102,91 +103,111 @@ extern "C" void cu_swiglu_backward_bf16(float *dgate, float *dup, const float *d
     LAUNCH_AS_("swiglu_bw bf16", swiglu_bw<uint16_t>, n, dgate, dup, dout, (const uint16_t *)gate, (const uint16_t *)up, n);
 }
 
-/* ---- binary with broadcasting (strides aligned to the output shape, 0 = broadcast) ---- */
-/* the output is contiguous; dims of size 1 are dropped and neighbours merged where a and b both
- * step through them as one (same-shape operands: one dim, no division), offsets in I (int32_t
- * where they fit) */
-template <typename I> struct bin_geom { int ndim; I shape[ULY_VIEW_MAX_DIMS], sa[ULY_VIEW_MAX_DIMS], sb[ULY_VIEW_MAX_DIMS]; };
-
-template <typename TO, typename TA, typename TB, typename I>
-__global__ static void binary_fw(TO *out, const TA *a, const TB *b, bin_geom<I> g, I n, int kind) {
-    for (I i = (I)(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += (I)(gridDim.x * blockDim.x)) {
-        I rem = i, oa = 0, ob = 0;
-        for (int d = g.ndim - 1; d > 0; d--) {
-            const I x = rem % g.shape[d];
-            rem /= g.shape[d];
-            oa += x * g.sa[d];
-            ob += x * g.sb[d];
+/* ---- two strided operands walked over one shape (binary ops, copies, gradients added into views) ----
+ * Size-1 dims dropped and neighbours merged where both operands step through them as one: same-
+ * layout operands are one dim (no division at all), a slice of heads keeps only the dims that
+ * jump. The kernels count in I: int32_t where uly_cu_index32 allows (its divisions cost a third
+ * of 64-bit ones), else int64_t; the outermost dim takes what is left of the index, undivided. */
+typedef struct { int nd; int64_t shape[ULY_VIEW_MAX_DIMS], s0[ULY_VIEW_MAX_DIMS], s1[ULY_VIEW_MAX_DIMS]; } pair_dims;
+static pair_dims merge_dims(int ndim, const int64_t *shape, const int64_t *s0, const int64_t *s1) {
+    pair_dims m;
+    int nd = 0;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] == 1) continue;
+        if (nd > 0 && m.s0[nd - 1] == s0[d] * shape[d] && m.s1[nd - 1] == s1[d] * shape[d]) {
+            m.shape[nd - 1] *= shape[d];   /* the outer dim steps as one over the inner: one dim */
+            m.s0[nd - 1] = s0[d];
+            m.s1[nd - 1] = s1[d];
+        } else {
+            m.shape[nd] = shape[d];
+            m.s0[nd] = s0[d];
+            m.s1[nd] = s1[d];
+            nd++;
         }
-        oa += rem * g.sa[0];
-        ob += rem * g.sb[0];
+    }
+    if (nd == 0) { m.shape[0] = 1; m.s0[0] = m.s1[0] = 1; nd = 1; }
+    m.nd = nd;
+    return m;
+}
+static bool pair_contiguous(const pair_dims &m) { return m.nd == 1 && m.s0[0] == 1 && m.s1[0] == 1; }
+/* whether n elements over m index in int32_t: every offset of both operands fits */
+static bool pair_index32(const pair_dims &m, int64_t n) {
+    int64_t r0 = 0, r1 = 0;
+    for (int d = 0; d < m.nd; d++) {
+        r0 += (m.shape[d] - 1) * (m.s0[d] < 0 ? -m.s0[d] : m.s0[d]);
+        r1 += (m.shape[d] - 1) * (m.s1[d] < 0 ? -m.s1[d] : m.s1[d]);
+    }
+    return uly_cu_index32(n, r0 > r1 ? r0 : r1);
+}
+template <typename I> struct pair_geom { int nd; I shape[ULY_VIEW_MAX_DIMS], s0[ULY_VIEW_MAX_DIMS], s1[ULY_VIEW_MAX_DIMS]; };
+template <typename I> static pair_geom<I> pair_geom_of(const pair_dims &m) {
+    pair_geom<I> g;
+    g.nd = m.nd;
+    for (int d = 0; d < m.nd; d++) { g.shape[d] = (I)m.shape[d]; g.s0[d] = (I)m.s0[d]; g.s1[d] = (I)m.s1[d]; }
+    return g;
+}
+/* element i's offsets in the two operands */
+template <typename I> __device__ static inline void pair_offsets(const pair_geom<I> &g, I i, I &o0, I &o1) {
+    I rem = i, a = 0, b = 0;
+    for (int d = g.nd - 1; d > 0; d--) {
+        const I x = rem % g.shape[d];
+        rem /= g.shape[d];
+        a += x * g.s0[d];
+        b += x * g.s1[d];
+    }
+    o0 = a + rem * g.s0[0];
+    o1 = b + rem * g.s1[0];
+}
+#define PAIR_FOR(I, i, n) for (I i = (I)(blockIdx.x * blockDim.x + threadIdx.x); i < (n); i += (I)(gridDim.x * blockDim.x))
+
+/* ---- binary with broadcasting (strides aligned to the output shape, 0 = broadcast; the output
+ * contiguous): a and b as the pair ---- */
+template <typename TO, typename TA, typename TB, typename I>
+__global__ static void binary_fw(TO *out, const TA *a, const TB *b, pair_geom<I> g, I n, int kind) {
+    PAIR_FOR(I, i, n) {
+        I oa, ob;
+        pair_offsets(g, i, oa, ob);
         float x = uly_cu_ld(a, oa), y = uly_cu_ld(b, ob);
         uly_cu_st(out, i, kind == ULY_BINARY_ADD ? x + y : kind == ULY_BINARY_SUB ? x - y : kind == ULY_BINARY_MUL ? x * y : x / y);
     }
 }
-typedef struct { int ndim; int64_t shape[ULY_VIEW_MAX_DIMS], sa[ULY_VIEW_MAX_DIMS], sb[ULY_VIEW_MAX_DIMS]; } bin_dims;
-static bin_dims geometry(const int64_t *sa, const int64_t *sb, int ndim, const int64_t *shape, int64_t *n) {
-    bin_dims g;
-    int nd = 0;
+static pair_dims geometry(const int64_t *sa, const int64_t *sb, int ndim, const int64_t *shape, int64_t *n) {
     *n = 1;
-    for (int d = 0; d < ndim; d++) {
-        *n *= shape[d];
-        if (shape[d] == 1) continue;
-        if (nd > 0 && g.sa[nd - 1] == sa[d] * shape[d] && g.sb[nd - 1] == sb[d] * shape[d]) {
-            g.shape[nd - 1] *= shape[d];
-            g.sa[nd - 1] = sa[d];
-            g.sb[nd - 1] = sb[d];
-        } else {
-            g.shape[nd] = shape[d];
-            g.sa[nd] = sa[d];
-            g.sb[nd] = sb[d];
-            nd++;
-        }
-    }
-    if (nd == 0) { g.shape[0] = 1; g.sa[0] = g.sb[0] = 0; nd = 1; }
-    g.ndim = nd;
-    return g;
+    for (int d = 0; d < ndim; d++) *n *= shape[d];
+    return merge_dims(ndim, shape, sa, sb);
 }
 template <typename TO, typename TA, typename TB, typename I>
-static void binary_launch_i(TO *out, const TA *a, const TB *b, const bin_dims &d, int64_t n, int kind) {
-    bin_geom<I> g;
-    g.ndim = d.ndim;
-    for (int k = 0; k < d.ndim; k++) { g.shape[k] = (I)d.shape[k]; g.sa[k] = (I)d.sa[k]; g.sb[k] = (I)d.sb[k]; }
-    void (*k)(TO *, const TA *, const TB *, bin_geom<I>, I, int) = binary_fw<TO, TA, TB, I>;
+static void binary_launch_i(TO *out, const TA *a, const TB *b, const pair_dims &m, int64_t n, int kind) {
+    void (*k)(TO *, const TA *, const TB *, pair_geom<I>, I, int) = binary_fw<TO, TA, TB, I>;
     const char *name = sizeof(TO) + sizeof(TA) + sizeof(TB) == 12 ? "binary_fw" : "binary_fw bf16";
-    LAUNCH_AS_(name, k, n, out, a, b, g, (I)n, kind);
+    LAUNCH_AS_(name, k, n, out, a, b, pair_geom_of<I>(m), (I)n, kind);
 }
 template <typename TO, typename TA, typename TB>
-static void binary_launch(TO *out, const TA *a, const TB *b, const bin_dims &d, int64_t n, int kind) {
-    int64_t amax = 0, bmax = 0;
-    for (int k = 0; k < d.ndim; k++) {
-        amax += (d.shape[k] - 1) * (d.sa[k] < 0 ? -d.sa[k] : d.sa[k]);
-        bmax += (d.shape[k] - 1) * (d.sb[k] < 0 ? -d.sb[k] : d.sb[k]);
-    }
-    if (uly_cu_index32(n, amax > bmax ? amax : bmax)) binary_launch_i<TO, TA, TB, int32_t>(out, a, b, d, n, kind);
-    else binary_launch_i<TO, TA, TB, int64_t>(out, a, b, d, n, kind);
+static void binary_launch(TO *out, const TA *a, const TB *b, const pair_dims &m, int64_t n, int kind) {
+    if (pair_index32(m, n)) binary_launch_i<TO, TA, TB, int32_t>(out, a, b, m, n, kind);
+    else binary_launch_i<TO, TA, TB, int64_t>(out, a, b, m, n, kind);
 }
 extern "C" void cu_binary_forward(float *out, const float *a, const int64_t *sa, const float *b, const int64_t *sb,
                                   int ndim, const int64_t *shape, int kind) {
     int64_t n;
-    const bin_dims g = geometry(sa, sb, ndim, shape, &n);
+    const pair_dims g = geometry(sa, sb, ndim, shape, &n);
     binary_launch(out, a, b, g, n, kind);
 }
 /* bf16 activations: each of out, a, b f32 or bf16 (its dtype) */
 template <typename TO, typename TA>
-static void binary_b(TO *out, const TA *a, const void *b, int bt, const bin_dims &g, int64_t n, int kind) {
+static void binary_b(TO *out, const TA *a, const void *b, int bt, const pair_dims &g, int64_t n, int kind) {
     if (bt == ULY_DTYPE_BF16) binary_launch(out, a, (const uint16_t *)b, g, n, kind);
     else binary_launch(out, a, (const float *)b, g, n, kind);
 }
 template <typename TO>
-static void binary_a(TO *out, const void *a, int at, const void *b, int bt, const bin_dims &g, int64_t n, int kind) {
+static void binary_a(TO *out, const void *a, int at, const void *b, int bt, const pair_dims &g, int64_t n, int kind) {
     if (at == ULY_DTYPE_BF16) binary_b(out, (const uint16_t *)a, b, bt, g, n, kind);
     else binary_b(out, (const float *)a, b, bt, g, n, kind);
 }
 extern "C" void cu_binary_forward_typed(void *out, int ot, const void *a, int at, const int64_t *sa, const void *b, int bt,
                                         const int64_t *sb, int ndim, const int64_t *shape, int kind) {
     int64_t n;
-    const bin_dims g = geometry(sa, sb, ndim, shape, &n);
+    const pair_dims g = geometry(sa, sb, ndim, shape, &n);
     if (ot == ULY_DTYPE_BF16) binary_a((uint16_t *)out, a, at, b, bt, g, n, kind);
     else binary_a((float *)out, a, at, b, bt, g, n, kind);
 }
@@ -353,60 +374,18 @@ __device__ static inline int64_t offset_of(const uly_view &v, int64_t i) {
     return off;
 }
 
-/* copy_view's geometry made small: size-1 dims dropped, and neighbouring dims merged where both
- * views step through them as one, so a copy between contiguous tensors is one dim of stride 1 and
- * a slice of heads keeps only the dims that jump. Element offsets of each view in I (int32_t where
- * every offset fits: its divisions cost a third of 64-bit ones) */
-template <typename I> struct copy_geom {
-    int nd, dt, st;
-    I shape[ULY_VIEW_MAX_DIMS], dstr[ULY_VIEW_MAX_DIMS], sstr[ULY_VIEW_MAX_DIMS];
-};
-static int collapse_copy(const uly_view *dst, const uly_view *src, int64_t *shape, int64_t *dstr, int64_t *sstr) {
-    int nd = 0;
-    for (int d = 0; d < dst->ndim; d++) {
-        if (dst->shape[d] == 1) continue;
-        if (nd > 0 && dstr[nd - 1] == dst->stride[d] * dst->shape[d] && sstr[nd - 1] == src->stride[d] * dst->shape[d]) {
-            shape[nd - 1] *= dst->shape[d];   /* the outer dim steps as one over the inner: one dim */
-            dstr[nd - 1] = dst->stride[d];
-            sstr[nd - 1] = src->stride[d];
-        } else {
-            shape[nd] = dst->shape[d];
-            dstr[nd] = dst->stride[d];
-            sstr[nd] = src->stride[d];
-            nd++;
-        }
-    }
-    if (nd == 0) { shape[0] = 1; dstr[0] = sstr[0] = 1; nd = 1; }
-    return nd;
-}
-/* whether a copy geometry's offsets all fit in int32_t, and its n with a grid-stride step to spare */
-static bool fits_int32(int nd, const int64_t *shape, const int64_t *dstr, const int64_t *sstr, int64_t n) {
-    int64_t dmax = 0, smax = 0;
-    for (int d = 0; d < nd; d++) {
-        dmax += (shape[d] - 1) * (dstr[d] < 0 ? -dstr[d] : dstr[d]);
-        smax += (shape[d] - 1) * (sstr[d] < 0 ? -sstr[d] : sstr[d]);
-    }
-    return uly_cu_index32(n, dmax > smax ? dmax : smax);
-}
-
-template <typename I> __global__ static void copy_view_k(char *dst, const char *src, copy_geom<I> g, I n) {
-    const int ds = dsize(g.dt), ss = dsize(g.st);
-    for (I i = (I)(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += (I)(gridDim.x * blockDim.x)) {
-        I rem = i, od = 0, os = 0;
-        for (int d = g.nd - 1; d > 0; d--) {
-            const I x = rem % g.shape[d];
-            rem /= g.shape[d];
-            od += x * g.dstr[d];
-            os += x * g.sstr[d];
-        }
-        od += rem * g.dstr[0];
-        os += rem * g.sstr[0];
+/* dst and src as the pair; the dtypes converted through load/store where they differ */
+template <typename I> __global__ static void copy_view_k(char *dst, const char *src, int dt, int st, pair_geom<I> g, I n) {
+    const int ds = dsize(dt), ss = dsize(st);
+    PAIR_FOR(I, i, n) {
+        I od, os;
+        pair_offsets(g, i, od, os);
         const char *s = src + (int64_t)os * ss;
         char *d = dst + (int64_t)od * ds;
-        if (g.dt == g.st && ds == 4) *(uint32_t *)d = *(const uint32_t *)s;
-        else if (g.dt == g.st && ds == 8) *(uint64_t *)d = *(const uint64_t *)s;
-        else if (g.dt == g.st) *(uint16_t *)d = *(const uint16_t *)s;
-        else store(d, g.dt, load(s, g.st));
+        if (dt == st && ds == 4) *(uint32_t *)d = *(const uint32_t *)s;
+        else if (dt == st && ds == 8) *(uint64_t *)d = *(const uint64_t *)s;
+        else if (dt == st) *(uint16_t *)d = *(const uint16_t *)s;
+        else store(d, dt, load(s, st));
     }
 }
 /* contiguous conversions, four elements a thread (16-byte f32 side, 8-byte bf16 side), the same
@@ -427,18 +406,9 @@ __global__ static void bf16_to_f32_x4(uint4 *dst, const uint2 *src, int64_t n4) 
 static int64_t host_dsize(int dtype) {
     return dtype == ULY_DTYPE_BF16 ? 2 : (dtype == ULY_DTYPE_F32 || dtype == ULY_DTYPE_I32) ? 4 : 8;
 }
-template <typename I> static void launch_copy_view(const uly_view *dst, const uly_view *src, int nd, const int64_t *shape,
-                                                   const int64_t *dstr, const int64_t *sstr, int64_t n) {
-    copy_geom<I> g;
-    g.nd = nd;
-    g.dt = dst->dtype;
-    g.st = src->dtype;
-    for (int d = 0; d < nd; d++) {
-        g.shape[d] = (I)shape[d];
-        g.dstr[d] = (I)dstr[d];
-        g.sstr[d] = (I)sstr[d];
-    }
-    LAUNCH_AS_("copy_view_k", copy_view_k<I>, n, (char *)dst->p, (const char *)src->p, g, (I)n);
+template <typename I> static void launch_copy_view(const uly_view *dst, const uly_view *src, const pair_dims &m, int64_t n) {
+    LAUNCH_AS_("copy_view_k", copy_view_k<I>, n, (char *)dst->p, (const char *)src->p, dst->dtype, src->dtype,
+               pair_geom_of<I>(m), (I)n);
 }
 /* dst = src elementwise (dtypes converted): one cudaMemcpyAsync when both are contiguous in one
  * dtype, a vectorised conversion when f32 <-> bf16 contiguous, else the strided walk over the
@@ -447,9 +417,8 @@ extern "C" void cu_copy_view(const uly_view *dst, const uly_view *src) {
     int64_t n = 1;
     for (int d = 0; d < dst->ndim; d++) n *= dst->shape[d];
     if (n <= 0) return;
-    int64_t shape[ULY_VIEW_MAX_DIMS], dstr[ULY_VIEW_MAX_DIMS], sstr[ULY_VIEW_MAX_DIMS];
-    const int nd = collapse_copy(dst, src, shape, dstr, sstr);
-    if (nd == 1 && dstr[0] == 1 && sstr[0] == 1) {
+    const pair_dims m = merge_dims(dst->ndim, dst->shape, dst->stride, src->stride);
+    if (pair_contiguous(m)) {
         if (dst->dtype == src->dtype) {
             const cudaError_t e = cudaMemcpyAsync(dst->p, src->p, (size_t)(n * host_dsize(dst->dtype)),
                                                   cudaMemcpyDeviceToDevice, uly_cu_stream);
@@ -474,8 +443,8 @@ extern "C" void cu_copy_view(const uly_view *dst, const uly_view *src) {
             return;
         }
     }
-    if (fits_int32(nd, shape, dstr, sstr, n)) launch_copy_view<int32_t>(dst, src, nd, shape, dstr, sstr, n);
-    else launch_copy_view<int64_t>(dst, src, nd, shape, dstr, sstr, n);
+    if (pair_index32(m, n)) launch_copy_view<int32_t>(dst, src, m, n);
+    else launch_copy_view<int64_t>(dst, src, m, n);
 }
 
 __global__ static void fill_view_k(uly_view dst, double value, int64_t n) {
@@ -488,8 +457,11 @@ extern "C" void cu_fill_view(const uly_view *dst, double value) {
     int64_t n = 1;
     for (int d = 0; d < dst->ndim; d++) n *= dst->shape[d];
     if (n <= 0) return;
+    const pair_dims m = merge_dims(dst->ndim, dst->shape, dst->stride, dst->stride);
     uly_view v = *dst;
-    v.ndim = collapse_copy(dst, dst, v.shape, v.stride, v.stride);
+    v.ndim = m.nd;
+    memcpy(v.shape, m.shape, sizeof m.shape);
+    memcpy(v.stride, m.s0, sizeof m.s0);
     if (v.ndim == 1 && v.stride[0] == 1 && value == 0.0 && !signbit(value)) {
         const cudaError_t e = cudaMemsetAsync(v.p, 0, (size_t)(n * host_dsize(v.dtype)), uly_cu_stream);
         if (e != cudaSuccess) uly_cu_fail("fill on the device", e);
@@ -552,32 +524,20 @@ __global__ static void sum_view_total(float *dst, const double *part, sum_geom g
         dst[od] += alpha * (float)acc;
     }
 }
-/* dst += alpha * src element for element over the collapsed dims (sum_view summing nothing: a
+/* dst += alpha * src element for element, dst and src as the pair (sum_view summing nothing: a
  * gradient added into a slice or a broadcast-free view) */
-template <typename I> __global__ static void add_view_k(float *dst, const float *src, copy_geom<I> g, I n, float alpha) {
-    for (I i = (I)(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += (I)(gridDim.x * blockDim.x)) {
-        I rem = i, od = 0, os = 0;
-        for (int d = g.nd - 1; d > 0; d--) {
-            const I x = rem % g.shape[d];
-            rem /= g.shape[d];
-            od += x * g.dstr[d];
-            os += x * g.sstr[d];
-        }
-        dst[od + rem * g.dstr[0]] += alpha * src[os + rem * g.sstr[0]];
+template <typename I> __global__ static void add_view_k(float *dst, const float *src, pair_geom<I> g, I n, float alpha) {
+    PAIR_FOR(I, i, n) {
+        I od, os;
+        pair_offsets(g, i, od, os);
+        dst[od] += alpha * src[os];
     }
 }
-template <typename I> static void launch_add_view(const uly_view *dst, const uly_view *src, int nd, const int64_t *shape,
-                                                  const int64_t *dstr, const int64_t *sstr, int64_t n, float alpha) {
-    copy_geom<I> g;
-    g.nd = nd;
-    g.dt = g.st = ULY_DTYPE_F32;
-    for (int d = 0; d < nd; d++) {
-        g.shape[d] = (I)shape[d];
-        g.dstr[d] = (I)dstr[d];
-        g.sstr[d] = (I)sstr[d];
-    }
-    LAUNCH_AS_("add_view_k", add_view_k<I>, n, (float *)dst->p, (const float *)src->p, g, (I)n, alpha);
+template <typename I> static void launch_add_view(const uly_view *dst, const uly_view *src, const pair_dims &m, int64_t n,
+                                                  float alpha) {
+    LAUNCH_AS_("add_view_k", add_view_k<I>, n, (float *)dst->p, (const float *)src->p, pair_geom_of<I>(m), (I)n, alpha);
 }
+
 extern "C" void cu_sum_view(const uly_view *dst, const uly_view *src, float alpha) {
     bool summed = false;   /* a dim of size > 1 that dst holds once (stride 0) */
     int64_t n = 1;
@@ -587,11 +547,10 @@ extern "C" void cu_sum_view(const uly_view *dst, const uly_view *src, float alph
     }
     if (!summed) {   /* element for element: contiguous y += a x, else a walk over the merged dims */
         if (n <= 0) return;
-        int64_t shape[ULY_VIEW_MAX_DIMS], dstr[ULY_VIEW_MAX_DIMS], sstr[ULY_VIEW_MAX_DIMS];
-        const int nd = collapse_copy(src, dst, shape, sstr, dstr);
-        if (nd == 1 && dstr[0] == 1 && sstr[0] == 1) launch_axpy((float *)dst->p, (const float *)src->p, n, alpha);
-        else if (fits_int32(nd, shape, dstr, sstr, n)) launch_add_view<int32_t>(dst, src, nd, shape, dstr, sstr, n, alpha);
-        else launch_add_view<int64_t>(dst, src, nd, shape, dstr, sstr, n, alpha);
+        const pair_dims m = merge_dims(src->ndim, src->shape, dst->stride, src->stride);
+        if (pair_contiguous(m)) launch_axpy((float *)dst->p, (const float *)src->p, n, alpha);
+        else if (pair_index32(m, n)) launch_add_view<int32_t>(dst, src, m, n, alpha);
+        else launch_add_view<int64_t>(dst, src, m, n, alpha);
         return;
     }
     /* the summed dims and the kept ones, each list in order with size-1 dims dropped and
