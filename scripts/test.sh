@@ -132,7 +132,8 @@ if build build-asan -DCMAKE_BUILD_TYPE=Debug -DULY_SANITIZE=ON -DULY_CUDA=OFF; t
   # a shared-memory read that lacks a __syncthreads (or a cp.async wait) after its write fails;
   # stream work runs only when waited for, so a host read or free without its wait fails too
   if [ -e build-asan/libulysses_cuemu.so ]; then
-    SPEC_ARGS="spec/device_spec.lua" run_specs "CUDA kernels on the emulator + sanitizers, warps one at a time" \
+    # (without the #bench case: bench/gpu.lua --quick as a whole process, run in the Release pass above)
+    SPEC_ARGS="--exclude-tags=mpi,gpu,bench spec/device_spec.lua" run_specs "CUDA kernels on the emulator + sanitizers, warps one at a time" \
       ULY_LIB=build-asan/libulysses.so LD_PRELOAD="$asan" ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 \
       UBSAN_OPTIONS=print_stacktrace=1 ULY_TEST_DEVICE=emu ULY_CUDA_LIB=build-asan/libulysses_cuemu.so \
       ULY_CUDA_ATTN_CHUNK=16 ULY_EMU_ORDER=reverse ULY_EMU_STREAMS=lazy

@@ -362,7 +362,8 @@ __device__ static inline void store(char *p, int dtype, double v) {
     default: *(double *)p = v; break;
     }
 }
-__device__ static inline int dsize(int dtype) {
+/* bytes of one element (host and device) */
+__host__ __device__ static inline int dsize(int dtype) {
     return dtype == ULY_DTYPE_BF16 ? 2 : (dtype == ULY_DTYPE_F32 || dtype == ULY_DTYPE_I32) ? 4 : 8;
 }
 __device__ static inline int64_t offset_of(const uly_view &v, int64_t i) {
@@ -403,9 +404,6 @@ __global__ static void bf16_to_f32_x4(uint4 *dst, const uint2 *src, int64_t n4) 
         dst[i] = make_uint4(v.x << 16, v.x & 0xffff0000u, v.y << 16, v.y & 0xffff0000u);
     }
 }
-static int64_t host_dsize(int dtype) {
-    return dtype == ULY_DTYPE_BF16 ? 2 : (dtype == ULY_DTYPE_F32 || dtype == ULY_DTYPE_I32) ? 4 : 8;
-}
 template <typename I> static void launch_copy_view(const uly_view *dst, const uly_view *src, const pair_dims &m, int64_t n) {
     LAUNCH_AS_("copy_view_k", copy_view_k<I>, n, (char *)dst->p, (const char *)src->p, dst->dtype, src->dtype,
                pair_geom_of<I>(m), (I)n);
@@ -420,7 +418,7 @@ extern "C" void cu_copy_view(const uly_view *dst, const uly_view *src) {
     const pair_dims m = merge_dims(dst->ndim, dst->shape, dst->stride, src->stride);
     if (pair_contiguous(m)) {
         if (dst->dtype == src->dtype) {
-            const cudaError_t e = cudaMemcpyAsync(dst->p, src->p, (size_t)(n * host_dsize(dst->dtype)),
+            const cudaError_t e = cudaMemcpyAsync(dst->p, src->p, (size_t)(n * (int64_t)dsize(dst->dtype)),
                                                   cudaMemcpyDeviceToDevice, uly_cu_stream);
             if (e != cudaSuccess) uly_cu_fail("copy on the device", e);
             return;
@@ -437,8 +435,8 @@ extern "C" void cu_copy_view(const uly_view *dst, const uly_view *src) {
             d.ndim = s.ndim = 1;
             d.shape[0] = s.shape[0] = n - 4 * n4;
             d.stride[0] = s.stride[0] = 1;
-            d.p = (char *)dst->p + 4 * n4 * host_dsize(dst->dtype);
-            s.p = (char *)src->p + 4 * n4 * host_dsize(src->dtype);
+            d.p = (char *)dst->p + 4 * n4 * (int64_t)dsize(dst->dtype);
+            s.p = (char *)src->p + 4 * n4 * (int64_t)dsize(src->dtype);
             cu_copy_view(&d, &s);
             return;
         }
@@ -463,7 +461,7 @@ extern "C" void cu_fill_view(const uly_view *dst, double value) {
     memcpy(v.shape, m.shape, sizeof m.shape);
     memcpy(v.stride, m.s0, sizeof m.s0);
     if (v.ndim == 1 && v.stride[0] == 1 && value == 0.0 && !signbit(value)) {
-        const cudaError_t e = cudaMemsetAsync(v.p, 0, (size_t)(n * host_dsize(v.dtype)), uly_cu_stream);
+        const cudaError_t e = cudaMemsetAsync(v.p, 0, (size_t)(n * (int64_t)dsize(v.dtype)), uly_cu_stream);
         if (e != cudaSuccess) uly_cu_fail("fill on the device", e);
         return;
     }
