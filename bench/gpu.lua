@@ -104,19 +104,25 @@ local function tf(flops, s) return flops / s / 1e12 end
 
 ---------------------------------------------------------------- 1. GEMM
 print('\n== GEMM: ours (uly.matmul, device tensors) vs raw cuBLAS, same shapes')
--- (last column: ours with ULY_CUDA_GEMM=cublas, cuBLAS's GemmEx in place of cuBLASLt's first heuristic)
-print(('%-24s %-5s %10s %10s %10s %8s %7s %12s'):format('M x N x K', 'prec', 'ours ms', 'ours TF/s', 'cuBLAS TF/s', 'ratio',
+-- (last column: ours with ULY_CUDA_GEMM=cublas, cuBLAS's GemmEx in place of cuBLASLt's first heuristic;
+-- prec bf16: f32 tensors rounded to bf16 on the way in, as f32 activations are; bf16 in: bf16
+-- tensors (bf16 activations: nothing rounded on the way in, a bf16 result), against raw cuBLAS's
+-- bf16 operands and f32 result)
+print(('%-24s %-7s %10s %10s %10s %8s %7s %12s'):format('M x N x K', 'prec', 'ours ms', 'ours TF/s', 'cuBLAS TF/s', 'ratio',
                                                         'MFU', 'via GemmEx'))
 local shapes = opts.quick and { { 64, 48, 32 } } or
   { { 4096, 4096, 4096 }, { 8192, 8192, 8192 }, { 32768, 8192, 2048 }, { 32768, 2048, 8192 } }
 for _, s in ipairs(shapes) do
   local M, N, K = s[1], s[2], s[3]
   local a, b = uly.randn(M, K, { device = 'cuda' }), uly.randn(K, N, { device = 'cuda' })
-  for _, prec in ipairs({ 'f32', 'bf16' }) do
-    uly.matmul_precision(prec)
-    local secs = time(function() local c = a:matmul(b) end, opts.reps)
+  local a16, b16 = a:bf16(), b:bf16()
+  for _, prec in ipairs({ 'f32', 'bf16', 'bf16 in' }) do
+    local x, y = a, b
+    if prec == 'bf16 in' then x, y = a16, b16 end
+    uly.matmul_precision(prec == 'f32' and 'f32' or 'bf16')
+    local secs = time(function() local c = x:matmul(y) end, opts.reps)
     ffi.C.setenv('ULY_CUDA_GEMM', 'cublas', 1)
-    local ex = time(function() local c = a:matmul(b) end, opts.reps)
+    local ex = time(function() local c = x:matmul(y) end, opts.reps)
     ffi.C.setenv('ULY_CUDA_GEMM', '', 1)
     uly.matmul_precision('f32')
     local flops = 2 * M * N * K
@@ -124,18 +130,18 @@ for _, s in ipairs(shapes) do
     local ratio = ''
     if lib then
       local out = ffi.new('double[1]')
-      if lib.uly_cuda_cublas_gemm_seconds(M, N, K, prec == 'bf16' and 1 or 0, opts.reps, out) == 0 then
+      if lib.uly_cuda_cublas_gemm_seconds(M, N, K, prec == 'f32' and 0 or 1, opts.reps, out) == 0 then
         ref = ('%.1f'):format(tf(flops, out[0]))
         ratio = ('%.2f'):format(out[0] / secs)
       else
         ref = 'error: ' .. ffi.string(lib.uly_cuda_last_error())
       end
     end
-    print(('%-24s %-5s %10.3f %10.1f %10s %8s %6.1f%% %12.1f'):format(('%d x %d x %d'):format(M, N, K), prec, secs * 1e3,
+    print(('%-24s %-7s %10.3f %10.1f %10s %8s %6.1f%% %12.1f'):format(('%d x %d x %d'):format(M, N, K), prec, secs * 1e3,
                                                            tf(flops, secs), ref, ratio, 100 * flops / secs / peak,
                                                            tf(flops, ex)))
   end
-  a, b = nil, nil
+  a, b, a16, b16 = nil, nil, nil, nil
   collectgarbage('collect')
 end
 

@@ -66,14 +66,16 @@ describe('uly.cuda loading', function()
 
   -- ptxas can silently make a kernel's wgmmas wait for each other (its C7520 note: several times
   -- slower, as the backward kernels were); scripts/sass-check.sh compiles the fused attention
-  -- for sm_90a and fails on it, so this is caught without a GPU (about 30 s)
-  it('compiles the fused attention for Hopper with no wgmma serialised by ptxas', function()
+  -- for sm_90a and fails on it, so this is caught without a GPU (about 30 s). #release_only: it
+  -- checks the compiler's output, not our library, so scripts/test.sh runs it once, not again in
+  -- the sanitizer pass
+  it('compiles the fused attention for Hopper with no wgmma serialised by ptxas #release_only', function()
     if not readable('/usr/local/cuda/bin/nvcc') then
       pending('no nvcc here')
       return
     end
-    -- without the sanitizer run's LD_PRELOAD: it checks the compiler's output, not our library,
-    -- and bash under LeakSanitizer exits 1 on its own leaks
+    -- without a sanitizer's LD_PRELOAD (run by hand under one): bash under LeakSanitizer exits 1
+    -- on its own leaks
     local p = assert(io.popen('env -u LD_PRELOAD scripts/sass-check.sh --quiet 2>&1; echo "exit $?"'))
     local out = p:read('*a')
     p:close()

@@ -1580,9 +1580,9 @@ describe('uly.cuda.profile', function()
   end)
 end)
 
--- #bench: scripts/test.sh leaves it out of the sanitizer pass (a whole benchmark process on the
--- emulated kernels under AddressSanitizer: minutes, for paths the other device specs run there)
-describe('bench/gpu.lua #bench', function()
+-- #release_only: scripts/test.sh leaves it out of the sanitizer pass (a whole benchmark process on
+-- the emulated kernels under AddressSanitizer: minutes, for paths the other device specs run there)
+describe('bench/gpu.lua #release_only', function()
   it('runs its whole code path on the simulation or the emulator (--quick), printing every table', function()
     if MODE == 'cuda' then return end   -- scripts/gpu-check.sh runs the real benchmark
     local env = MODE == 'emu' and ('ULY_CUDA_LIB=' .. helpers.shq(os.getenv('ULY_CUDA_LIB') or '')) or 'ULY_CUDA_SIMULATE=1'
@@ -1590,7 +1590,8 @@ describe('bench/gpu.lua #bench', function()
     local out = p:read('*a')
     p:close()
     assert.truthy(out:match('exit=0%s*$'), out)
-    local wants = { '== GEMM', '64 x 48 x 32             f32', '64 x 48 x 32             bf16', '== the step\'s glue on [64, 32]',
+    local wants = { '== GEMM', '64 x 48 x 32             f32', '64 x 48 x 32             bf16    ',
+                    '64 x 48 x 32             bf16 in', '== the step\'s glue on [64, 32]',
                     'clone, f32 (cudaMemcpyAsync)', 'f32 -> bf16', '[T, H, D] -> [H, T, D] contiguous', 'RoPE, f32 [1, T, H, D]',
                     '== flash attention',
                     '== decoding', '200      auto', '== training step: Llama tiny', 'checkpoint (except attention)', 'tokens/s',
