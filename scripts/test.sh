@@ -125,15 +125,16 @@ fi
 
 if build build-asan -DCMAKE_BUILD_TYPE=Debug -DULY_SANITIZE=ON -DULY_CUDA=OFF; then
   asan=$(gcc -print-file-name=libasan.so)
-  # (#release_only specs check a whole benchmark process or the compiler's output: once, above)
-  SPEC_ARGS="--exclude-tags=mpi,gpu,release_only" run_specs "Debug + sanitizers" ULY_LIB=build-asan/libulysses.so \
-    LD_PRELOAD="$asan" ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1
+  # #release_only specs check a whole benchmark process or the compiler's output: once, above
+  unsanitized=--exclude-tags=mpi,gpu,release_only
+  SPEC_ARGS="$unsanitized" run_specs "Debug + sanitizers" ULY_LIB=build-asan/libulysses.so LD_PRELOAD="$asan" \
+    ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1
   # the CUDA kernels on the emulator under the sanitizers: device memory is host memory there,
   # so an out-of-bounds access in a kernel is caught; warps run one at a time, the last first, so
   # a shared-memory read that lacks a __syncthreads (or a cp.async wait) after its write fails;
   # stream work runs only when waited for, so a host read or free without its wait fails too
   if [ -e build-asan/libulysses_cuemu.so ]; then
-    SPEC_ARGS="--exclude-tags=mpi,gpu,release_only spec/device_spec.lua" run_specs "CUDA kernels on the emulator + sanitizers, warps one at a time" \
+    SPEC_ARGS="$unsanitized spec/device_spec.lua" run_specs "CUDA kernels on the emulator + sanitizers, warps one at a time" \
       ULY_LIB=build-asan/libulysses.so LD_PRELOAD="$asan" ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 \
       UBSAN_OPTIONS=print_stacktrace=1 ULY_TEST_DEVICE=emu ULY_CUDA_LIB=build-asan/libulysses_cuemu.so \
       ULY_CUDA_ATTN_CHUNK=16 ULY_EMU_ORDER=reverse ULY_EMU_STREAMS=lazy
