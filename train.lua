@@ -13,6 +13,9 @@
 local here = debug.getinfo(1, 'S').source:match('^@(.*)/[^/]*$') or '.'
 package.path = here .. '/lua/?.lua;' .. here .. '/lua/?/init.lua;' .. here .. '/?.lua;' .. package.path
 local uly = require 'ulysses'
+-- stdout a line at a time: in a log file (`> log 2>&1`, mpirun's output) the header lines keep
+-- their place beside stderr's warnings and errors (the progress lines flush themselves)
+io.stdout:setvbuf('line')
 
 local FLAGS = { -- name, default, help (the type is the default's; nil default = string)
   { 'config', '', 'Lua file returning a table of these flags' },

@@ -61,6 +61,18 @@ describe('train.lua', function()
     f:close()
   end)
 
+  -- stdout line-buffered: through a pipe or into a log, a header line printed before an error
+  -- comes before it (fully buffered, it came out at exit, after the error)
+  it('keeps its lines in order with its errors in one log', function()
+    local dir = tmpdir()
+    local out, code = helpers.run('ULY_CUDA_LIB=/nonexistent/libulysses_cuda.so bin/ulysses train.lua --device cuda ' ..
+                                  TINY .. '--steps 1 --out ' .. dir)
+    assert.are_not.equal(0, code, out)
+    local data_at, error_at = out:find('data: ', 1, true), out:find("device 'cuda' is not available", 1, true)
+    assert.truthy(data_at and error_at and data_at < error_at, out)
+    helpers.rmtree(dir)
+  end)
+
   it('--device cuda (the simulated device here) follows the CPU run step by step, and resumes', function()
     local a, b = tmpdir(), tmpdir()
     local common = TINY .. '--steps 12 --dropout 0.1 --eval_every 6 --sample 8 '
