@@ -13,15 +13,19 @@
 -- times each shape once per activation-checkpointing mode (0 none, 1 every block recomputed in
 -- backward, 2 all but attention; with --tile R the MLP and loss tiled), side by side from one
 -- run. --activations f32,bf16 times each shape with f32 and with bf16 activations
--- (uly.activation_dtype; its last column), side by side likewise. It never asserts on time.
+-- (uly.activation_dtype; its column 'act'), side by side likewise; --precision f32,bf16 with f32
+-- and with bf16 matmuls (uly.matmul_precision: on the CPU's AMX tiles where it has them,
+-- uly.cpu_amx(); column 'prec'). It never asserts on time.
 --
 -- Run:  OPENBLAS_CORETYPE=SkylakeX bin/ulysses bench/train.lua [--shapes 256x32,1024x8,4096x2]
 --         [--model gpt|llama] [--preset small] [--steps 10] [--warmup 3] [--threads 2] [--torch]
 --         [--torch_alloc jemalloc] [--checkpoint 0[,1,2]] [--tile R] [--activations f32[,bf16]]
+--         [--precision f32[,bf16]]
 local uly = require 'ulysses'
 
 local opts = { shapes = '256x32,1024x8,4096x2', model = 'gpt', preset = 'small', steps = 10, warmup = 3,
-               threads = 2, torch = false, torch_alloc = '', corpus = '', checkpoint = '0', tile = 0, activations = 'f32' }
+               threads = 2, torch = false, torch_alloc = '', corpus = '', checkpoint = '0', tile = 0, activations = 'f32',
+               precision = 'f32' }
 do
   local i = 1
   while i <= #arg do
@@ -32,7 +36,7 @@ do
     else
       io.stderr:write('usage: bin/ulysses bench/train.lua [--shapes TxB,...] [--model gpt|llama] [--preset P] '
                       .. '[--steps N] [--warmup N] [--threads N] [--torch] [--torch_alloc jemalloc] [--corpus FILE] '
-                      .. '[--checkpoint 0,1,2] [--tile R] [--activations f32,bf16]\n')
+                      .. '[--checkpoint 0,1,2] [--tile R] [--activations f32,bf16] [--precision f32,bf16]\n')
       os.exit(2, true)
     end
   end
@@ -53,6 +57,11 @@ local acts = {}
 for a in tostring(opts.activations):gmatch('[^,]+') do
   if a ~= 'f32' and a ~= 'bf16' then fail('bad --activations ' .. a .. ' (want f32 or bf16)') end
   acts[#acts + 1] = a
+end
+local precs = {}
+for p in tostring(opts.precision):gmatch('[^,]+') do
+  if p ~= 'f32' and p ~= 'bf16' then fail('bad --precision ' .. p .. ' (want f32 or bf16)') end
+  precs[#precs + 1] = p
 end
 local modes = {}
 for m in tostring(opts.checkpoint):gmatch('[^,]+') do
@@ -84,8 +93,9 @@ end
 
 local peak = uly.cpu_peak_flops(opts.threads)   -- measured: this CPU's f32 FMA peak over the threads
 
-local function bench_shape(T, B, mode, act)
+local function bench_shape(T, B, mode, act, prec)
   uly.activation_dtype(act)
+  uly.matmul_precision(prec)
   uly.manual_seed(0)
   math.randomseed(0)
   local model = Model { preset = opts.preset, seq = T, checkpoint = CHECKPOINT[mode],
@@ -111,6 +121,7 @@ local function bench_shape(T, B, mode, act)
     end
   end
   uly.activation_dtype('f32')
+  uly.matmul_precision('f32')
   local med = median(tt)
   local fpt = model:flops_per_token(T)
   local tps = B * T / med
@@ -150,23 +161,26 @@ print(string.format('bench/train.lua: %s preset %s (L%d H%d C%d V%d), %d threads
                     opts.warmup, opts.steps))
 print('command: OPENBLAS_CORETYPE=' .. (os.getenv('OPENBLAS_CORETYPE') or '(unset)') .. ' bin/ulysses bench/train.lua '
       .. table.concat(arg, ' '))
+if precs[#precs] == 'bf16' or precs[1] == 'bf16' then print('bf16 matmuls on AMX tiles: ' .. uly.cpu_amx()) end
 print('FLOPs/token = 6 N_matmul + 12 L C T (attention over the full T x T); MFU vs '
       .. string.format('%.0f GFLOP/s (the f32 FMA peak of %d threads, measured at start)', peak / 1e9, opts.threads))
 print()
-print(string.format('%-11s %5s %10s %9s %9s %9s %10s %9s %6s %10s %5s', 'T x B', 'ckpt', 'step ms', 'fwd ms', 'bwd ms',
-                    'opt ms', 'tok/s', 'GFLOP/s', 'MFU', 'peak MiB', 'act'))
+print(string.format('%-11s %5s %10s %9s %9s %9s %10s %9s %6s %10s %5s %5s', 'T x B', 'ckpt', 'step ms', 'fwd ms', 'bwd ms',
+                    'opt ms', 'tok/s', 'GFLOP/s', 'MFU', 'peak MiB', 'act', 'prec'))
 local rows = {}
 for _, s in ipairs(shapes) do
   local T, B, shape = unpack(s)
   for _, mode in ipairs(modes) do
     for _, act in ipairs(acts) do
-      local r = bench_shape(T, B, mode, act)
-      if mode == modes[1] and act == acts[1] then rows[#rows + 1] = r end   -- the PyTorch comparison: the first
-      print(string.format('%-11s %5s %10.1f %9.1f %9.1f %9.1f %10.0f %9.1f %5.1f%% %10.0f %5s', shape, mode, r.step_ms,
-                          r.fwd_ms, r.bwd_ms, r.opt_ms, r.tps, r.gflops, 100 * r.mfu, r.peak_mib, act))
-      io.stdout:flush()
-      collectgarbage()
-      uly.empty_cache()
+      for _, prec in ipairs(precs) do
+        local r = bench_shape(T, B, mode, act, prec)
+        if mode == modes[1] and act == acts[1] and prec == precs[1] then rows[#rows + 1] = r end   -- vs PyTorch: the first
+        print(string.format('%-11s %5s %10.1f %9.1f %9.1f %9.1f %10.0f %9.1f %5.1f%% %10.0f %5s %5s', shape, mode,
+                            r.step_ms, r.fwd_ms, r.bwd_ms, r.opt_ms, r.tps, r.gflops, 100 * r.mfu, r.peak_mib, act, prec))
+        io.stdout:flush()
+        collectgarbage()
+        uly.empty_cache()
+      end
     end
   end
 end

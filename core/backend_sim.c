@@ -187,6 +187,11 @@ static void s_gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, 
     A.p = UF(A.p); B.p = UF(B.p); C.p = UF(C.p);
     gemm_batched(nb, bshape, A, B, C, M, N, K, beta);
 }
+static void s_gemm_batched_rounded(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N,
+                                   int64_t K, float beta) {
+    A.p = UF(A.p); B.p = UF(B.p); C.p = UF(C.p);
+    gemm_batched_rounded(nb, bshape, A, B, C, M, N, K, beta);
+}
 static flash_problem host_problem(const flash_problem *p) {
     flash_problem h = *p;
     h.q.p = UC(p->q.p); h.k.p = UC(p->k.p); h.v.p = UC(p->v.p);
@@ -247,6 +252,7 @@ const uly_backend uly_backend_sim = {
     .attention_forward = s_attention_forward, .attention_backward = s_attention_backward,
     .binary_forward = s_binary_forward, .scalar_forward = s_scalar_forward, .scalar_backward = s_scalar_backward,
     .axpy_accumulate = s_axpy_accumulate, .gemm_operand_ok = gemm_operand_ok, .gemm_batched = s_gemm_batched,
+    .gemm_batched_rounded = s_gemm_batched_rounded, .gemm_rounds_operands = gemm_amx_on,
     .flash_attention_scratch_floats = flash_attention_scratch_floats,
     .flash_attention_forward = s_flash_forward, .flash_attention_backward = s_flash_backward,
     .optim_adamw = s_optim_adamw, .optim_sgd = s_optim_sgd, .optim_sumsq = s_optim_sumsq, .optim_scale = s_optim_scale,

@@ -145,16 +145,26 @@ static int bw_matmul(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     const uly_backend *be = uly_be(g);
     /* in bf16 matmul precision the output gradient is rounded like the operands were (by the
      * backend's bf16 GEMM, or here into a copy) */
-    const int bf16 = (int)n->i[0];
-    uly_tensor *gr = (bf16 && !be->gemm_batched_bf16) ? uly_bf16_rounded(g) : bf16_once(be, bf16, g, gin[0] && gin[1]);
-    if (bf16 && !be->gemm_batched_bf16 && !gr) return -1;
+    const int bf16 = n->i[0] != 0;
+    const int round_here = bf16 && !be->gemm_batched_bf16 && !uly_gemm_rounds(be);
+    uly_tensor *gr = round_here ? uly_bf16_rounded(g) : bf16_once(be, bf16, g, gin[0] && gin[1]);
+    if (round_here && !gr) return -1;
+    uly_tensor *ra = NULL, *rb = NULL;   /* operands saved unrounded, rounded here (uly_gemm_precision) */
+    if (round_here && n->i[0] == 2 &&
+        ((gin[1] && !(ra = uly_bf16_rounded(a))) || (gin[0] && !(rb = uly_bf16_rounded(b))))) {
+        uly_tensor_release(gr);
+        uly_tensor_release(ra);
+        return -1;
+    }
     uly_mat G = uly_as_mat(gr ? gr : g, nb);
     /* a fresh (uninitialised) gradient buffer is written (beta 0), an existing one added into */
-    if (gin[0]) uly_gemm(be, bf16, nb, g->shape, G, transposed(uly_as_mat(b, nb)), uly_as_mat(gin[0], nb), M, K, N,
-                         (n->fresh & 1) ? 0.0f : 1.0f);
-    if (gin[1]) uly_gemm(be, bf16, nb, g->shape, transposed(uly_as_mat(a, nb)), G, uly_as_mat(gin[1], nb), K, N, M,
-                         (n->fresh & 2) ? 0.0f : 1.0f);
+    if (gin[0]) uly_gemm(be, bf16, nb, g->shape, G, transposed(uly_as_mat(rb ? rb : b, nb)), uly_as_mat(gin[0], nb), M,
+                         K, N, (n->fresh & 1) ? 0.0f : 1.0f);
+    if (gin[1]) uly_gemm(be, bf16, nb, g->shape, transposed(uly_as_mat(ra ? ra : a, nb)), G, uly_as_mat(gin[1], nb), K,
+                         N, M, (n->fresh & 2) ? 0.0f : 1.0f);
     uly_tensor_release(gr);
+    uly_tensor_release(ra);
+    uly_tensor_release(rb);
     return 0;
 }
 
@@ -163,7 +173,16 @@ static int bw_addmm(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     uly_tensor *a = n->saved[0], *w = n->saved[1];
     const uly_backend *be = uly_be(g);
     int64_t M = n->i[1], K = w->shape[0], N = w->shape[1];
-    uly_tensor *g16 = bf16_once(be, (int)n->i[0], g, gin[0] && gin[1]);
+    /* saved unrounded (uly_gemm_precision 2) on a backend that no longer rounds: rounded here */
+    const int round_here = n->i[0] == 2 && !uly_gemm_rounds(be);
+    uly_tensor *g16 = round_here ? uly_bf16_rounded(g) : bf16_once(be, (int)n->i[0], g, gin[0] && gin[1]);
+    uly_tensor *ra = round_here && gin[1] ? uly_bf16_rounded(a) : NULL, *rw = round_here && gin[0] ? uly_bf16_rounded(w) : NULL;
+    if (round_here && (!g16 || (gin[1] && !ra) || (gin[0] && !rw))) {
+        uly_tensor_release(g16); uly_tensor_release(ra); uly_tensor_release(rw);
+        return -1;
+    }
+    if (ra) a = ra;
+    if (rw) w = rw;
     uly_tensor *gg = g16 ? g16 : g;
     uly_mat G = {.p = (float *)uly_ptr(gg), .rs = N, .cs = 1, .dtype = gg->dtype},
             A = {.p = (float *)uly_ptr(a), .rs = K, .cs = 1, .dtype = a->dtype}, W = uly_as_mat(w, 0);
@@ -173,6 +192,8 @@ static int bw_addmm(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     }
     if (gin[1]) uly_gemm(be, (int)n->i[0], 0, NULL, transposed(A), G, uly_as_mat(gin[1], 0), K, N, M, (n->fresh & 2) ? 0.0f : 1.0f);
     uly_tensor_release(g16);
+    uly_tensor_release(ra);
+    uly_tensor_release(rw);
     if (gin[2] && uly_sum_to(gin[2], g, 1.0f)) return -1;
     return 0;
 }

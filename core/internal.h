@@ -210,6 +210,8 @@ uly_mat uly_as_mat(const uly_tensor *t, int nb);
 void uly_gemm(const uly_backend *be, int bf16, int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M,
               int64_t N, int64_t K, float beta);
 uly_tensor *uly_bf16_rounded(const uly_tensor *t);
+int uly_gemm_rounds(const uly_backend *be);   /* the backend rounds bf16-precision GEMM operands itself */
+int uly_gemm_precision(const uly_backend *be); /* a matmul node's i[0]: 0 f32, 1 bf16, 2 bf16 saved unrounded */
 /* visit a shape in row-major order, fn gets runs along the last dim (byte strides; tensor.c) */
 typedef void (*uly_walk_fn)(char *a, char *b, int64_t n, int64_t sa, int64_t sb, void *ctx);
 void uly_walk2(int ndim, const int64_t *shape, char *a, const int64_t *sa, char *b, const int64_t *sb,

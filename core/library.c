@@ -59,6 +59,8 @@ int uly_set_num_threads(int n) {
 }
 
 double uly_cpu_peak_flops(int threads) { return cpu_fma_peak(threads); }
+const char *uly_cpu_amx_status(void) { return gemm_amx_status(); }
+int uly_set_cpu_amx(int on) { return gemm_amx_enable(on); }
 
 int uly_get_num_threads(void) {
 #ifdef _OPENMP

@@ -111,11 +111,21 @@ uly_tensor *uly_bf16_rounded(const uly_tensor *t) {
     return out;
 }
 
+/* does the backend round bf16-precision GEMM operands itself (the CPU's AMX GEMM)? */
+int uly_gemm_rounds(const uly_backend *be) {
+    return !be->gemm_batched_bf16 && be->gemm_rounds_operands && be->gemm_rounds_operands();
+}
+
+/* what a matmul node records of its precision: 0 f32, 1 bf16, 2 bf16 with its operands saved
+ * unrounded (the backend rounded them: a backward where it no longer does rounds them itself) */
+int uly_gemm_precision(const uly_backend *be) { return matmul_bf16 ? (uly_gemm_rounds(be) ? 2 : 1) : 0; }
+
 /* a GEMM in the current matmul precision; with bf16 and a backend without native bf16 GEMMs the
- * caller has already rounded A and B */
+ * caller has already rounded A and B, unless the backend rounds them itself (uly_gemm_rounds) */
 void uly_gemm(const uly_backend *be, int bf16, int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M,
               int64_t N, int64_t K, float beta) {
     if (bf16 && be->gemm_batched_bf16) be->gemm_batched_bf16(nb, bshape, A, B, C, M, N, K, beta);
+    else if (bf16 && be->gemm_batched_rounded) be->gemm_batched_rounded(nb, bshape, A, B, C, M, N, K, beta);
     else be->gemm_batched(nb, bshape, A, B, C, M, N, K, beta);
 }
 /* describe the last two dims of t as a matrix, batch dims aligned right to nb dims */
@@ -135,7 +145,7 @@ uly_mat uly_as_mat(const uly_tensor *t, int nb) {
 static uly_tensor *gemm_operand(const uly_backend *be, uly_tensor *t, int64_t rows, int64_t cols) {
     const int native = matmul_bf16 && be->gemm_batched_bf16;
     if (t->dtype == ULY_DTYPE_BF16 && !native) return uly_contiguous_f32(t);   /* exact: already bf16 values */
-    if (matmul_bf16 && !native) return uly_bf16_rounded(t);
+    if (matmul_bf16 && !native && !uly_gemm_rounds(be)) return uly_bf16_rounded(t);
     if (be->gemm_operand_ok(rows, cols, t->stride[t->ndim - 2], t->stride[t->ndim - 1])) { t->refcount++; return t; }
     return uly_contiguous_raw(t);
 }
@@ -206,7 +216,7 @@ static uly_tensor *matmul_as(uly_tensor *a, uly_tensor *b, int out_dtype) {
             uly_tensor *sa = gemm_saved(be, a, ac, M, K), *sb = sa ? gemm_saved(be, b, bc, K, N) : NULL;
             uly_node_save(n, sa);
             uly_node_save(n, sb);
-            n->i[0] = matmul_bf16;  /* the backward GEMMs use the forward's precision */
+            n->i[0] = uly_gemm_precision(be);  /* the backward GEMMs use the forward's precision */
             if (!sb) { uly_node_release(n); n = NULL; uly_tensor_release(out); out = NULL; }
             uly_tensor_release(sa);
             uly_tensor_release(sb);
@@ -230,7 +240,7 @@ uly_tensor *uly_addmm(uly_tensor *a, uly_tensor *w, uly_tensor *bias) {
                                   uly_desc(w), uly_desc(bias));
     const uly_backend *be = uly_be(a);
     int64_t K = w->shape[0], N = w->shape[1], M = K ? uly_tensor_numel(a) / K : uly_numel_of(a->ndim - 1, a->shape);
-    const int round_here = matmul_bf16 && !be->gemm_batched_bf16;
+    const int round_here = matmul_bf16 && !be->gemm_batched_bf16 && !uly_gemm_rounds(be);
     const int native = matmul_bf16 && be->gemm_batched_bf16;   /* the backend multiplies bf16 operands as they are */
     if (a->ndim < 2 || !uly_tensor_is_contiguous(a) || round_here || bias->dtype != ULY_DTYPE_F32 ||
         ((a->dtype == ULY_DTYPE_BF16 || w->dtype == ULY_DTYPE_BF16) && !native)) { /* the general path: two ops */
@@ -268,7 +278,7 @@ uly_tensor *uly_addmm(uly_tensor *a, uly_tensor *w, uly_tensor *bias) {
         if (n) {
             uly_node_save(n, a);
             uly_node_save(n, wc);
-            n->i[0] = matmul_bf16;
+            n->i[0] = uly_gemm_precision(be);
             n->i[1] = M;
         }
         uly_node_attach(n, out);

@@ -3,6 +3,7 @@
 -- clear message and exit 2, and --torch_alloc jemalloc runs the PyTorch peer on jemalloc (where
 -- /usr/bin/python3 has torch, libjemalloc2 is installed and ../shared/peers holds the peer's
 -- script; a clean clone in CI has none of them). Never on time.
+local uly = require 'ulysses'
 local helpers = require 'helpers'
 
 local function run(args) return helpers.run('bin/ulysses bench/train.lua ' .. args) end
@@ -22,8 +23,16 @@ describe('bench/train.lua', function()
     local tps, gf, mfu = row(out, '32x2')
     assert.truthy(tps, 'no row for 32x2 in:\n' .. out)
     assert.is_true(tps > 0 and gf > 0 and mfu > 0, out)
-    local f32_peak, bf16_peak = out:match('\n32x2 .- ([%d.]+)%s+f32\n32x2 .- ([%d.]+)%s+bf16\n')
+    local f32_peak, bf16_peak = out:match('\n32x2 .- ([%d.]+)%s+f32%s+f32\n32x2 .- ([%d.]+)%s+bf16%s+f32\n')
     assert.truthy(f32_peak and bf16_peak, 'no f32 and bf16 rows in:\n' .. out)
+  end)
+
+  it('times a shape with f32 and with bf16 matmuls, saying whether AMX tiles run them', function()
+    local out, code = run('--shapes 32x2 --steps 1 --warmup 0 --preset tiny --precision f32,bf16')
+    assert.equals(0, code, out)
+    assert.truthy(out:find('\nbf16 matmuls on AMX tiles: ' .. uly.cpu_amx() .. '\n', 1, true), out)
+    local f32_tps, bf16_tps = out:match('\n32x2 .- ([%d.]+) .-%s+f32%s+f32\n32x2 .- ([%d.]+) .-%s+f32%s+bf16\n')
+    assert.truthy(f32_tps and bf16_tps, 'no f32 and bf16 precision rows in:\n' .. out)
   end)
 
   it('refuses what it does not know, saying what it knows', function()

@@ -31,6 +31,8 @@ int uly_has_feature(const char *name);     /* "mpi", "hdf5", "cuda", "openmp" ->
 int uly_set_num_threads(int n);            /* kernels and BLAS; n <= 0 restores the default */
 int uly_get_num_threads(void);
 double uly_cpu_peak_flops(int threads);    /* f32 FMA peak of `threads` threads in FLOP/s, measured (~15 ms) */
+const char *uly_cpu_amx_status(void);      /* bf16 matmuls on the CPU's AMX tiles: "on", or "off: why" */
+int uly_set_cpu_amx(int on);               /* use AMX where the CPU has it (default 1); the previous setting */
 const char *uly_dtype_name(int dtype);
 int64_t uly_dtype_size(int dtype);
 

@@ -6,6 +6,8 @@
  * single-threaded sgemm: OpenBLAS's own worker threads spin between calls and took ~20 % of a
  * training step from our OpenMP kernels on 2 cores. */
 #include <cblas.h>
+#include <stdlib.h>
+#include <string.h>
 #include "kernels.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -60,6 +62,25 @@ static void sgemm_split(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int64_t M, int64
     }
 }
 
+/* the batches of a [nb]-dim batch shape in order: offsets of A, B, C for batch index idx, and
+ * whether it is the first batch to reach its block of C (C broadcast over a dim: later ones add) */
+static int batch_offsets(int nb, const int64_t *idx, const uly_mat *A, const uly_mat *B, const uly_mat *C,
+                         int64_t *oa, int64_t *ob, int64_t *oc) {
+    int first = 1;
+    *oa = *ob = *oc = 0;
+    for (int d = 0; d < nb; d++) {
+        *oa += idx[d] * A->bstride[d]; *ob += idx[d] * B->bstride[d]; *oc += idx[d] * C->bstride[d];
+        if (C->bstride[d] == 0 && idx[d] > 0) first = 0;
+    }
+    return first;
+}
+static void next_batch(int nb, const int64_t *bshape, int64_t *idx) {
+    for (int d = nb - 1; d >= 0; d--) {
+        if (++idx[d] < bshape[d]) break;
+        idx[d] = 0;
+    }
+}
+
 void gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
                   int64_t M, int64_t N, int64_t K, float beta) {
     if (M == 0 || N == 0) return;
@@ -70,23 +91,56 @@ void gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C
     layout(M, N, C.rs, C.cs, &tc, &ldc);
     int64_t batches = 1, idx[8] = {0};
     for (int d = 0; d < nb; d++) batches *= bshape[d];
-    for (int64_t bi = 0; bi < batches; bi++) {
-        int64_t oa = 0, ob = 0, oc = 0;
-        int first = 1; /* the first batch to reach this block of C (C broadcast over a dim: later ones add) */
-        for (int d = 0; d < nb; d++) {
-            oa += idx[d] * A.bstride[d]; ob += idx[d] * B.bstride[d]; oc += idx[d] * C.bstride[d];
-            if (C.bstride[d] == 0 && idx[d] > 0) first = 0;
-        }
-        float b = first ? beta : 1.0f;
+    for (int64_t bi = 0; bi < batches; bi++, next_batch(nb, bshape, idx)) {
+        int64_t oa, ob, oc;
+        float b = batch_offsets(nb, idx, &A, &B, &C, &oa, &ob, &oc) ? beta : 1.0f;
         if (K == 0) {
             for (int64_t i = 0; i < M; i++)
                 for (int64_t j = 0; j < N; j++) C.p[oc + i * ldc + j] = b == 0.0f ? 0.0f : C.p[oc + i * ldc + j] * b;
         } else {
             sgemm_split(ta, tb, M, N, K, A.p + oa, lda, B.p + ob, ldb, b, C.p + oc, ldc);
         }
-        for (int d = nb - 1; d >= 0; d--) {
-            if (++idx[d] < bshape[d]) break;
-            idx[d] = 0;
+    }
+}
+
+/* rows x cols at p (strides rs, cs) rounded to bf16 (nearest even) into a new contiguous f32
+ * matrix, NULL without memory */
+static float *rounded_copy(const float *p, int64_t rows, int64_t cols, int64_t rs, int64_t cs) {
+    float *out = malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof(float));
+    if (!out) return NULL;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j++) {
+            uint32_t u;
+            float f = p[i * rs + j * cs];
+            memcpy(&u, &f, 4);
+            if ((u & 0x7fffffffu) > 0x7f800000u) u |= 0x00400000u;   /* NaN: kept, quiet */
+            else u += 0x7fffu + ((u >> 16) & 1u);
+            u &= 0xffff0000u;
+            memcpy(&out[i * cols + j], &u, 4);
         }
+    return out;
+}
+
+/* gemm_batched for bf16 precision (kernels.h): with AMX on, the AMX GEMM rounds the operands as
+ * it packs them (a batch it does not take: OpenBLAS on rounded copies); with AMX off, OpenBLAS on
+ * the operands as given (the core rounded them: gemm_rounds_operands is gemm_amx_on) */
+void gemm_batched_rounded(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
+                          int64_t M, int64_t N, int64_t K, float beta) {
+    if (M == 0 || N == 0) return;
+    if (K == 0 || !gemm_amx_on()) { gemm_batched(nb, bshape, A, B, C, M, N, K, beta); return; }
+    int64_t batches = 1, idx[8] = {0};
+    for (int d = 0; d < nb; d++) batches *= bshape[d];
+    for (int64_t bi = 0; bi < batches; bi++, next_batch(nb, bshape, idx)) {
+        int64_t oa, ob, oc;
+        float b = batch_offsets(nb, idx, &A, &B, &C, &oa, &ob, &oc) ? beta : 1.0f;
+        if (!gemm_amx_2d(M, N, K, A.p + oa, A.rs, A.cs, B.p + ob, B.rs, B.cs, b, C.p + oc, C.rs, C.cs)) continue;
+        float *ra = rounded_copy(A.p + oa, M, K, A.rs, A.cs), *rb = ra ? rounded_copy(B.p + ob, K, N, B.rs, B.cs) : NULL;
+        uly_mat a1 = {.p = ra, .rs = K, .cs = 1}, b1 = {.p = rb, .rs = N, .cs = 1}, c1 = C;
+        c1.p += oc;
+        if (rb) gemm_batched(0, NULL, a1, b1, c1, M, N, K, b);
+        else gemm_batched(0, NULL, (uly_mat){.p = A.p + oa, .rs = A.rs, .cs = A.cs},
+                          (uly_mat){.p = B.p + ob, .rs = B.rs, .cs = B.cs}, c1, M, N, K, b);   /* no memory: unrounded */
+        free(ra);
+        free(rb);
     }
 }

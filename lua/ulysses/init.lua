@@ -357,6 +357,13 @@ function uly.blas_corename() return ffi.string(C.uly_blas_corename()) end
 -- this CPU's f32 FMA peak in FLOP/s over `threads` threads (default: the current count), measured
 -- by running vector FMAs for ~15 ms: the denominator of MFU on the CPU
 function uly.cpu_peak_flops(threads) return C.uly_cpu_peak_flops(threads or uly.get_num_threads()) end
+-- bf16 matmuls on the CPU (uly.matmul_precision('bf16')) run on its AMX tiles where it has them:
+-- "on", or "off: " and why; uly.cpu_amx(false) switches them to OpenBLAS (the rounded operands in
+-- f32, the same products), uly.cpu_amx(true) back; returns the status after the switch
+function uly.cpu_amx(on)
+  if on ~= nil then C.uly_set_cpu_amx(on and 1 or 0) end
+  return ffi.string(C.uly_cpu_amx_status())
+end
 function uly.has(feature) return C.uly_has_feature(feature) ~= 0 end
 
 -- wall-clock seconds from a monotonic clock (for progress lines and benchmarks)

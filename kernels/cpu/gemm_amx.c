@@ -1,0 +1,363 @@
+/* kernels/cpu/gemm_amx.c — bf16 GEMM on Intel AMX tiles (TDPBF16PS) for bf16 mixed precision on
+ * the CPU: C (f32) = beta C + A B with A and B rounded to bf16 (nearest even) on the way in,
+ * products exact, f32 accumulation (FTZ/DAZ, as AMX and the AVX-512 BF16 conversions work).
+ *
+ * Blocking: B is packed once per (NC columns, KC rows) panel into 32-column strips of bf16 pairs
+ * (the VNNI layout TDPBF16PS reads: a row per pair of K, a 32-bit word per column), A per
+ * thread into MC x KC blocks of bf16 rows; a 32 x 32 block of C is four 16 x 16 f32 tiles fed by
+ * two A and two B tiles a step of 32 in K, then added into C with its strides. Panels are padded
+ * with zeros to whole tiles, so any M, N, K work; A and B need a unit stride along their rows or
+ * their columns (a 16 x 16 transpose of bf16 pairs packs the transposed operands of the backward
+ * GEMMs), C along its rows, else OpenBLAS takes the GEMM. Work is split over OpenMP threads by (row block, column strip), each C
+ * element summed over K in the same order at any thread count.
+ *
+ * AMX is used where the CPU has AMX-BF16 and AVX512-BF16 and Linux grants the tile state
+ * (arch_prctl ARCH_REQ_XCOMP_PERM), unless ULY_CPU_AMX=0; gemm_amx_status() says which. */
+#include "kernels.h"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__x86_64__) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define AMX_BUILT 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+static int amx_state = -1;         /* -1 undecided, 0 off, 1 on */
+static int amx_wanted = 1;         /* gemm_amx_enable */
+static char amx_reason[160] = "undecided";
+
+#ifdef AMX_BUILT
+#define MR 32                      /* a C block: 2 x 2 tiles of 16 x 16 */
+#define NR 32
+#ifndef KC
+#define KC 512                     /* K per packed panel (a multiple of 32) */
+#endif
+#ifndef NC
+#define NC 512                     /* columns per packed B panel (a multiple of NR) */
+#endif
+#ifndef MC
+#define MC 64                      /* rows per packed A block (a multiple of MR) */
+#endif
+#define SPLIT_MIN_MACS (1LL << 21) /* multiply-adds below which one thread does the GEMM */
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int decide(void) {
+    const char *env = getenv("ULY_CPU_AMX");
+    if (env && strcmp(env, "0") == 0) {
+        snprintf(amx_reason, sizeof amx_reason, "off: ULY_CPU_AMX=0");
+        return 0;
+    }
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22)) || !(b & (1u << 16)) ||
+        !(b & (1u << 30))) {
+        snprintf(amx_reason, sizeof amx_reason, "off: this CPU has no AMX-BF16 tiles");
+        return 0;
+    }
+    unsigned a1 = 0, b1, c1, d1;
+    if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) || !(a1 & (1u << 5))) {
+        snprintf(amx_reason, sizeof amx_reason, "off: this CPU has AMX but not AVX512-BF16");
+        return 0;
+    }
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & 0xE6u) != 0xE6u || !(lo & (1u << 17))) {
+        snprintf(amx_reason, sizeof amx_reason, "off: the OS has not enabled AVX-512 or AMX state (XCR0 %#x)", lo);
+        return 0;
+    }
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) {
+        snprintf(amx_reason, sizeof amx_reason, "off: Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
+        return 0;
+    }
+    snprintf(amx_reason, sizeof amx_reason, "on");
+    return 1;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
+
+/* 16 f32 (masked lanes 0) as 16 bf16 in the low halves of 32-bit words */
+static inline __m512i bf16_words(__m512 v) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)); }
+/* pairs: lo in the low, hi in the high half of each word */
+static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+    return _mm512_or_si512(bf16_words(lo), _mm512_slli_epi32(bf16_words(hi), 16));
+}
+/* 32 f32 as 32 consecutive bf16 (= 16 pair words): element 2q low, 2q + 1 high */
+static inline __m512i bf16_run(__m512 first16, __m512 next16) {
+    return (__m512i)_mm512_cvtne2ps_pbh(next16, first16);
+}
+
+/* the 16 x 16 transpose of 32-bit words: four stages, each swapping bit s of the row and the lane */
+static void transpose16(__m512i r[16]) {
+    for (int d = 8; d >= 1; d >>= 1) {
+        int lo_idx[16], hi_idx[16];
+        for (int l = 0; l < 16; l++) {
+            int blk = l / (2 * d) * 2 * d, off = l % (2 * d);
+            lo_idx[l] = off < d ? blk + off : 16 + blk + off - d;
+            hi_idx[l] = off < d ? blk + d + off : 16 + blk + off;
+        }
+        __m512i il = _mm512_loadu_si512(lo_idx), ih = _mm512_loadu_si512(hi_idx);
+        for (int i = 0; i < 16; i++) {
+            if (i & d) continue;
+            __m512i x = r[i], y = r[i + d];
+            r[i] = _mm512_permutex2var_epi32(x, il, y);
+            r[i + d] = _mm512_permutex2var_epi32(x, ih, y);
+        }
+    }
+}
+
+static inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* A rows [i0, i0 + mcp) x K [k0, k0 + kcp) into dst (mcp rows of kcp bf16); zeros past M and K */
+static void pack_a(uint16_t *dst, const float *a, int64_t rs, int64_t cs, int64_t M, int64_t K, int64_t i0,
+                   int64_t k0, int64_t mcp, int64_t kcp) {
+    if (cs == 1) {
+        for (int64_t i = 0; i < mcp; i++) {
+            uint16_t *row = dst + i * kcp;
+            const float *src = a + (i0 + i) * rs;
+            for (int64_t k = 0; k < kcp; k += 32) {
+                int64_t left = i0 + i < M ? K - (k0 + k) : 0;
+                __m512 x = _mm512_maskz_loadu_ps(lanes(left), src + k0 + k);
+                __m512 y = _mm512_maskz_loadu_ps(lanes(left - 16), src + k0 + k + 16);
+                _mm512_storeu_si512(row + k, bf16_run(x, y));
+            }
+        }
+    } else {   /* rs == 1, a transposed operand: 16 rows lie along memory for each k */
+        __m512i w[16];
+        for (int64_t i = 0; i < mcp; i += 16) {
+            __mmask16 rows = lanes(M - (i0 + i));
+            for (int64_t k = 0; k < kcp; k += 32) {
+                for (int q = 0; q < 16; q++) {
+                    int64_t kk = k0 + k + 2 * q;
+                    __m512 lo = kk < K ? _mm512_maskz_loadu_ps(rows, a + kk * cs + i0 + i) : _mm512_setzero_ps();
+                    __m512 hi = kk + 1 < K ? _mm512_maskz_loadu_ps(rows, a + (kk + 1) * cs + i0 + i) : _mm512_setzero_ps();
+                    w[q] = bf16_pairs(lo, hi);
+                }
+                transpose16(w);
+                for (int r = 0; r < 16; r++) _mm512_storeu_si512(dst + (i + r) * kcp + k, w[r]);
+            }
+        }
+    }
+}
+
+/* B rows [k0, k0 + kcp) x columns [j0, j0 + ncp) into 32-column strips: strip s holds kcp / 2
+ * rows of 32 words, word (p, c) = (B[k0 + 2p][j], B[k0 + 2p + 1][j]) for j = j0 + 32 s + c */
+static void pack_b_strip(uint32_t *dst, const float *b, int64_t rs, int64_t cs, int64_t K, int64_t N, int64_t k0,
+                         int64_t j, int64_t kcp) {
+    if (cs == 1) {
+        for (int64_t p = 0; p < kcp / 2; p++) {
+            int64_t k = k0 + 2 * p;
+            for (int h = 0; h < 2; h++) {
+                __mmask16 cols = lanes(N - (j + 16 * h));
+                __m512 lo = k < K ? _mm512_maskz_loadu_ps(cols, b + k * rs + j + 16 * h) : _mm512_setzero_ps();
+                __m512 hi = k + 1 < K ? _mm512_maskz_loadu_ps(cols, b + (k + 1) * rs + j + 16 * h) : _mm512_setzero_ps();
+                _mm512_storeu_si512(dst + p * NR + 16 * h, bf16_pairs(lo, hi));
+            }
+        }
+    } else {   /* rs == 1, a transposed operand: each column's K values lie along memory */
+        __m512i w[16];
+        for (int64_t p = 0; p < kcp / 2; p += 16) {
+            int64_t k = k0 + 2 * p;
+            for (int h = 0; h < 2; h++) {
+                for (int c = 0; c < 16; c++) {
+                    int64_t jj = j + 16 * h + c;
+                    if (jj >= N) { w[c] = _mm512_setzero_si512(); continue; }
+                    const float *col = b + jj * cs + k;
+                    __m512 x = _mm512_maskz_loadu_ps(lanes(K - k), col);
+                    __m512 y = _mm512_maskz_loadu_ps(lanes(K - k - 16), col + 16);
+                    w[c] = bf16_run(x, y);
+                }
+                transpose16(w);
+                for (int r = 0; r < 16; r++) _mm512_storeu_si512(dst + (p + r) * NR + 16 * h, w[r]);
+            }
+        }
+    }
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void load_tile_config(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+/* out (32 x 32 f32, row stride ld floats) = in + the packed A rows (32 of kcp bf16) times the
+ * strip (kcp / 2 rows of 32 words); in NULL: zeros (in may be out: C added into in place) */
+static void micro_kernel(float *out, const float *in, int64_t ld, const uint16_t *a, const uint32_t *strip,
+                         int64_t kcp) {
+    if (in) {
+        _tile_loadd(0, in, ld * 4);
+        _tile_loadd(1, in + 16, ld * 4);
+        _tile_loadd(2, in + 16 * ld, ld * 4);
+        _tile_loadd(3, in + 16 * ld + 16, ld * 4);
+    } else {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    }
+    const int64_t astride = kcp * 2;
+    for (int64_t k = 0; k < kcp; k += 32) {
+        _tile_loadd(4, a + k, astride);
+        _tile_loadd(5, a + 16 * kcp + k, astride);
+        _tile_loadd(6, strip + (k / 2) * NR, NR * 4);
+        _tile_loadd(7, strip + (k / 2) * NR + 16, NR * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, out, ld * 4);
+    _tile_stored(1, out + 16, ld * 4);
+    _tile_stored(2, out + 16 * ld, ld * 4);
+    _tile_stored(3, out + 16 * ld + 16, ld * 4);
+}
+
+/* C's [mr x nr] block (at c, row stride rs, unit column stride) = beta C + acc (beta 0: C not read) */
+static void add_block(float *c, int64_t rs, const float *acc, int64_t mr, int64_t nr, float beta) {
+    for (int64_t r = 0; r < mr; r++) {
+        float *row = c + r * rs;
+        const float *src = acc + r * NR;
+        for (int h = 0; h < 2; h++) {
+            __mmask16 m = lanes(nr - 16 * h);
+            if (!m) break;
+            __m512 v = _mm512_loadu_ps(src + 16 * h);
+            if (beta != 0.0f) v = _mm512_fmadd_ps(_mm512_set1_ps(beta), _mm512_maskz_loadu_ps(m, row + 16 * h), v);
+            _mm512_mask_storeu_ps(row + 16 * h, m, v);
+        }
+    }
+}
+
+static struct {           /* packing buffers, grown and kept (first-touch faults are slow) */
+    uint32_t *b;
+    int64_t b_words;
+    uint16_t *a[64];
+    int64_t a_elems[64];
+} bufs;
+
+static int grow(void **p, int64_t *have, int64_t need, size_t es) {
+    if (*have >= need) return 0;
+    free(*p);
+    *p = aligned_alloc(64, (size_t)((need * (int64_t)es + 63) / 64 * 64));
+    *have = *p ? need : 0;
+    return *p ? 0 : -1;
+}
+
+static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* one GEMM, no batches, C with unit column stride, A and B each with a unit row or column stride;
+ * -1 when the packing buffers cannot be had (the caller falls back) */
+static int amx_gemm(int64_t M, int64_t N, int64_t K, const float *a, int64_t ars, int64_t acs, const float *b,
+                    int64_t brs, int64_t bcs, float beta, float *c, int64_t crs) {
+    int T = 1;
+#ifdef _OPENMP
+    if (omp_in_parallel()) return -1;   /* the packing buffers are the process's: OpenBLAS takes it */
+    if (M * N * K >= SPLIT_MIN_MACS) T = omp_get_max_threads();
+#endif
+    if (T > 64) T = 64;
+    const int64_t ncmax = round_up(N < NC ? N : NC, NR), kcmax = round_up(K < KC ? K : KC, 32);
+    const int64_t mcmax = round_up(M < MC ? M : MC, MR);
+    if (grow((void **)&bufs.b, &bufs.b_words, ncmax * kcmax / 2, 4)) return -1;
+    for (int t = 0; t < T; t++)
+        if (grow((void **)&bufs.a[t], &bufs.a_elems[t], mcmax * kcmax, 2)) return -1;
+    for (int64_t jc = 0; jc < N; jc += NC) {
+        const int64_t nc = N - jc < NC ? N - jc : NC, strips = round_up(nc, NR) / NR;
+        for (int64_t pc = 0; pc < K; pc += KC) {
+            const int64_t kcp = round_up(K - pc < KC ? K - pc : KC, 32);
+            const float bt = pc == 0 ? beta : 1.0f;
+            const int64_t mblocks = (M + MC - 1) / MC, items = mblocks * strips;
+            #pragma omp parallel num_threads(T)
+            {
+                int t = 0, nt = 1;
+#ifdef _OPENMP
+                t = omp_get_thread_num();
+                nt = omp_get_num_threads();
+#endif
+                #pragma omp for schedule(static)
+                for (int64_t s = 0; s < strips; s++)
+                    pack_b_strip(bufs.b + s * (kcp / 2) * NR, b, brs, bcs, K, N, pc, jc + s * NR, kcp);
+                load_tile_config();
+                float acc[MR * NR] __attribute__((aligned(64)));
+                int64_t packed = -1;
+                /* (row block, strip) items in row-block order, a contiguous share a thread */
+                for (int64_t it = items * t / nt; it < items * (t + 1) / nt; it++) {
+                    const int64_t ib = it / strips, s = it % strips, i0 = ib * MC;
+                    const int64_t mc = M - i0 < MC ? M - i0 : MC, mcp = round_up(mc, MR);
+                    if (packed != ib) {
+                        pack_a(bufs.a[t], a, ars, acs, M, K, i0, pc, mcp, kcp);
+                        packed = ib;
+                    }
+                    const int64_t j = jc + s * NR, nr = N - j < NR ? N - j : NR;
+                    for (int64_t ir = 0; ir < mcp; ir += MR) {
+                        const int64_t mr = mc - ir < MR ? mc - ir : MR;
+                        const uint16_t *ap = bufs.a[t] + ir * kcp;
+                        const uint32_t *bp = bufs.b + s * (kcp / 2) * NR;
+                        float *cp = c + (i0 + ir) * crs + j;
+                        if (mr == MR && nr == NR && (bt == 0.0f || bt == 1.0f)) {   /* tiles to and from C */
+                            micro_kernel(cp, bt == 0.0f ? NULL : cp, crs, ap, bp, kcp);
+                        } else {
+                            micro_kernel(acc, NULL, NR, ap, bp, kcp);
+                            add_block(cp, crs, acc, mr, nr, bt);
+                        }
+                    }
+                }
+                _tile_release();
+            }
+        }
+    }
+    return 0;
+}
+#pragma GCC pop_options
+#endif /* AMX_BUILT */
+
+int gemm_amx_on(void) {
+    if (amx_state < 0) {
+#ifdef AMX_BUILT
+        amx_state = decide();
+#else
+        snprintf(amx_reason, sizeof amx_reason, "off: built without AMX support (needs x86-64 Linux, gcc >= 11 or clang >= 12)");
+        amx_state = 0;
+#endif
+    }
+    return amx_state && amx_wanted;
+}
+
+const char *gemm_amx_status(void) {
+    gemm_amx_on();
+    return amx_state && !amx_wanted ? "off: switched off (uly.cpu_amx(false))" : amx_reason;
+}
+
+int gemm_amx_enable(int on) {
+    int prev = amx_wanted;
+    amx_wanted = on != 0;
+    return prev;
+}
+
+int gemm_amx_2d(int64_t M, int64_t N, int64_t K, const float *a, int64_t ars, int64_t acs, const float *b,
+                int64_t brs, int64_t bcs, float beta, float *c, int64_t crs, int64_t ccs) {
+#ifdef AMX_BUILT
+    /* a row or a column of A or B with one element has any stride there: read it as unit */
+    if (K == 1) acs = brs = 1;
+    if (M == 1) ars = 1;
+    if (N == 1) { bcs = 1; ccs = 1; }
+    if (gemm_amx_on() && K > 0 && M > 0 && N > 0 && ccs == 1 && (acs == 1 || ars == 1) && (bcs == 1 || brs == 1))
+        return amx_gemm(M, N, K, a, ars, acs, b, brs, bcs, beta, c, crs);
+#else
+    (void)M; (void)N; (void)K; (void)a; (void)ars; (void)acs; (void)b; (void)brs; (void)bcs; (void)beta; (void)c;
+    (void)crs; (void)ccs;
+#endif
+    return -1;
+}

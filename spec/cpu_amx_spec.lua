@@ -1,0 +1,148 @@
+-- spec/cpu_amx_spec.lua — bf16 matmuls on the CPU's AMX tiles (kernels/cpu/gemm_amx.c) against
+-- OpenBLAS on the same rounded operands (uly.cpu_amx(false)): odd sizes that leave partial
+-- tiles and panels, transposed operands (the backward's GEMMs), batches, a broadcast weight
+-- gradient summed over batches, Linear layers adding into their bias, and a training step. Where
+-- the CPU has no AMX-BF16 (or Linux withholds the tile state) the comparisons are pending, with
+-- the reason uly.cpu_amx() gives.
+local uly = require 'ulysses'
+local helpers = require 'helpers'
+
+local status = uly.cpu_amx()
+local on = status == 'on'
+
+-- fn's results (a list of tensors) with AMX on and off, bf16 matmuls both times
+local function both_ways(fn)
+  local prev = uly.matmul_precision()
+  uly.matmul_precision('bf16')
+  uly.cpu_amx(true)
+  local amx = fn()
+  uly.cpu_amx(false)
+  local blas = fn()
+  uly.cpu_amx(true)
+  uly.matmul_precision(prev)
+  return amx, blas
+end
+
+-- close within f32 summation-order error: |d| <= tol * (largest |value| of the reference)
+local function assert_agree(amx, blas, tol, what)
+  local vb, n = helpers.values(blas)
+  local va, na = helpers.values(amx)
+  assert.are.equal(n, na, what)
+  local scale, worst = 0, 0
+  for i = 0, n - 1 do
+    scale = math.max(scale, math.abs(vb[i]))
+    worst = math.max(worst, math.abs(va[i] - vb[i]))
+  end
+  assert(worst <= tol * math.max(scale, 1e-30),
+         ('%s: AMX differs from OpenBLAS by %.3g (largest value %.3g)'):format(what, worst, scale))
+end
+
+describe('bf16 matmuls on AMX tiles', function()
+  it('say whether they run, and why not', function()
+    assert.is_true(on or status:match('^off: ') ~= nil, status)
+    if on then
+      assert.are.equal('off: switched off (uly.cpu_amx(false))', uly.cpu_amx(false))
+      assert.are.equal('on', uly.cpu_amx(true))
+    end
+  end)
+
+  if not on then
+    pending('the rest: ' .. status)
+    return
+  end
+
+  it('run there: a denormal operand is flushed to zero, as AMX does (OpenBLAS keeps it)', function()
+    local a, b = uly.tensor({ { 1e-39 } }), uly.tensor({ { 1e30 } })
+    local amx, blas = both_ways(function() return { uly.matmul(a, b) } end)
+    assert.are.equal(0, amx[1]:item())
+    assert.is_true(blas[1]:item() > 1e-10)
+  end)
+
+  it('agree with OpenBLAS on odd sizes, transposed operands and K past one panel', function()
+    helpers.reseed(1)
+    local sizes = { { 1, 1, 1 }, { 5, 7, 3 }, { 16, 16, 32 }, { 31, 33, 35 }, { 33, 65, 1 }, { 1, 40, 70 },
+                    { 70, 1, 40 }, { 100, 70, 600 }, { 129, 530, 47 }, { 40, 30, 1100 } }
+    for _, s in ipairs(sizes) do
+      local M, N, K = s[1], s[2], s[3]
+      for _, ta in ipairs { false, true } do
+        for _, tb in ipairs { false, true } do
+          local a = ta and uly.randn(K, M):t() or uly.randn(M, K)
+          local b = tb and uly.randn(N, K):t() or uly.randn(K, N)
+          local amx, blas = both_ways(function() return { uly.matmul(a, b) } end)
+          assert_agree(amx[1], blas[1], 1e-5, ('%d x %d x %d%s%s'):format(M, N, K, ta and ' A^T' or '', tb and ' B^T' or ''))
+        end
+      end
+    end
+  end)
+
+  it('agree on batches, broadcast batch dims and their gradients (a weight gradient summed over batches)', function()
+    helpers.reseed(2)
+    local x = uly.randn(3, 37, 2, 45):transpose(2, 3)   -- [3, 2, 37, 45], not contiguous: batched GEMMs
+    local w = uly.randn(45, 21)
+    local g = uly.randn(3, 2, 37, 21)
+    local amx, blas = both_ways(function()
+      local xs, ws = x:clone():requires_grad_(), w:clone():requires_grad_()
+      uly.matmul(xs, ws):backward(g)
+      return { uly.matmul(xs, ws), xs.grad, ws.grad }
+    end)
+    for i, what in ipairs { 'output', 'dx', 'dw' } do assert_agree(amx[i], blas[i], 2e-5, what) end
+  end)
+
+  it('agree on a Linear layer (bias added into) and its gradients', function()
+    helpers.reseed(3)
+    local x, g = uly.randn(4, 50, 96), uly.randn(4, 50, 80)
+    local lin = uly.nn.Linear(96, 80)
+    local amx, blas = both_ways(function()
+      lin:zero_grad()
+      local xs = x:clone():requires_grad_()
+      local y = lin(xs)
+      y:backward(g)
+      return { y, xs.grad, lin.weight.grad:clone(), lin.bias.grad:clone() }
+    end)
+    for i, what in ipairs { 'output', 'dx', 'dweight', 'dbias' } do assert_agree(amx[i], blas[i], 2e-5, what) end
+  end)
+
+  it('give the same gradients when switched between forward and backward (operands rounded either way)', function()
+    helpers.reseed(5)
+    local x, w, bias, g = uly.randn(64, 48), uly.randn(48, 40), uly.randn(40), uly.randn(64, 40)
+    local prev = uly.matmul_precision('bf16')
+    for _, op in ipairs { 'matmul', 'addmm' } do
+      local grads = {}
+      for _, order in ipairs { { true, true }, { true, false }, { false, true }, { false, false } } do
+        local xs, ws = x:clone():requires_grad_(), w:clone():requires_grad_()
+        uly.cpu_amx(order[1])
+        local y = op == 'matmul' and uly.matmul(xs, ws) or uly.addmm(xs, ws, bias)
+        uly.cpu_amx(order[2])
+        y:backward(g)
+        grads[#grads + 1] = { xs.grad, ws.grad }
+      end
+      for i = 2, #grads do
+        assert_agree(grads[i][1], grads[1][1], 1e-5, op .. ' dx, order ' .. i)
+        assert_agree(grads[i][2], grads[1][2], 1e-5, op .. ' dw, order ' .. i)
+      end
+    end
+    uly.cpu_amx(true)
+    uly.matmul_precision(prev)
+  end)
+
+  it('train a GPT step to the same loss and gradients as OpenBLAS', function()
+    local GPT = require 'models.gpt'
+    helpers.reseed(4)
+    local ids = helpers.token_ids(2, 64, 256)
+    local amx, blas = both_ways(function()
+      uly.manual_seed(7)
+      local model = GPT { preset = 'tiny', seq = 64 }
+      local loss = model:loss(ids, ids)
+      loss:backward()
+      local out = { loss }
+      for _, p in ipairs(model:parameters()) do out[#out + 1] = p.grad end
+      return out
+    end)
+    assert.are.equal(#amx, #blas)
+    local la, lb = amx[1]:item(), blas[1]:item()
+    assert(math.abs(la - lb) <= 1e-3 * math.abs(lb), ('loss %.9g with AMX, %.9g with OpenBLAS'):format(la, lb))
+    -- an activation that sums a hair differently can round to the next bf16 at the following
+    -- matmul (2^-8 apart): the step's values agree to bf16's precision, a wrong tile is off by O(1)
+    for i = 2, #amx do assert_agree(amx[i], blas[i], 1e-2, 'gradient ' .. (i - 1)) end
+  end)
+end)
