@@ -44,6 +44,25 @@ describe('ffi surface', function()
     assert.is_true(uly.get_num_threads() >= 1)
   end)
 
+  it('picks the OpenBLAS kernels a CPU runs best where the user has not (OPENBLAS_CORETYPE)', function()
+    assert.are.equal('SkylakeX', lib.blas_coretype_for('fpu sse2 avx2 fma avx512f avx512dq avx512cd avx512bw avx512vl'))
+    assert.are.equal('Haswell', lib.blas_coretype_for('fpu sse2 avx avx2 fma avx512f'))   -- AVX-512 F alone: not enough
+    assert.is_nil(lib.blas_coretype_for('fpu sse2 avx'))
+    local helpers = require 'helpers'
+    local ulysses = lib.root .. '/bin/ulysses'
+    local function corename(env)
+      local out = helpers.run(env .. ' ' .. helpers.shq(ulysses) .. " -e 'print(\"core=\" .. uly.blas_corename())'")
+      return out:match('core=(%S+)'), out
+    end
+    local want = lib.blas_coretype_for(lib.cpu_flags() or '')
+    if want then
+      local got, out = corename('env -u OPENBLAS_CORETYPE')
+      assert.are.equal(want, got, out)
+    end
+    local got, out = corename('OPENBLAS_CORETYPE=Prescott')   -- the user's choice stands
+    assert.are.equal('Prescott', got, out)
+  end)
+
   -- the MFU denominator on the CPU: loose physical bounds only (never a timing threshold): more
   -- than 1 GFLOP/s a thread, and no more than 16 lanes x 2 FLOPs x 2 FMA units at 6 GHz a thread
   -- (a wrong FLOP count per round would break one bound or the other)

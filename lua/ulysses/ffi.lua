@@ -62,6 +62,39 @@ if ffi.os ~= 'Windows' then
     end
   end
 end
+
+-- The OpenBLAS kernel family for a CPU's flags (/proc/cpuinfo), or nil: the widest it runs.
+-- OpenBLAS 0.3.21 (Debian 12) picks old kernels on CPUs newer than itself: Prescott (SSE3) on
+-- Sapphire / Emerald Rapids, a third of SkylakeX's sgemm rate there; Haswell-class ones on Zen 4
+-- and 5, about half. Set before the library loads (OpenBLAS reads it then), only where the user
+-- has not chosen; kept for child processes, so a peer benchmark runs on the same kernels.
+function M.blas_coretype_for(flags)
+  local has = {}
+  for f in tostring(flags):gmatch('%S+') do has[f] = true end
+  if has.avx512f and has.avx512bw and has.avx512dq and has.avx512vl and has.avx512cd then return 'SkylakeX' end
+  if has.avx2 and has.fma then return 'Haswell' end
+  return nil
+end
+function M.cpu_flags()
+  local f = io.open('/proc/cpuinfo', 'r')
+  if not f then return nil end
+  local flags
+  for line in f:lines() do
+    flags = line:match('^flags%s*:%s*(.*)$')
+    if flags then break end
+  end
+  f:close()
+  return flags
+end
+M.blas_coretype_chosen = nil   -- what was set here, if anything
+if ffi.os == 'Linux' and (os.getenv('OPENBLAS_CORETYPE') or '') == '' then
+  local core = M.blas_coretype_for(M.cpu_flags() or '')
+  if core then
+    ffi.C.setenv('OPENBLAS_CORETYPE', core, 1)
+    M.blas_coretype_chosen = core
+  end
+end
+
 ffi.cdef(M.header)
 M.C = ffi.load(M.library_path)
 -- Pin the library (and so libgomp/OpenBLAS) for the life of the process: lua_close would
