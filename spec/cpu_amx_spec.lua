@@ -1,7 +1,8 @@
 -- spec/cpu_amx_spec.lua — bf16 matmuls on the CPU's AMX tiles (kernels/cpu/gemm_amx.c) against
 -- OpenBLAS on the same rounded operands (uly.cpu_amx(false)): odd sizes that leave partial
 -- tiles and panels, transposed operands (the backward's GEMMs), batches, a broadcast weight
--- gradient summed over batches, Linear layers adding into their bias, and a training step. Where
+-- gradient summed over batches, Linear layers adding into their bias, switching between forward
+-- and backward, flash attention's tile products, and a training step. Where
 -- the CPU has no AMX-BF16 (or Linux withholds the tile state) the comparisons are pending, with
 -- the reason uly.cpu_amx() gives.
 local uly = require 'ulysses'
@@ -123,6 +124,47 @@ describe('bf16 matmuls on AMX tiles', function()
     end
     uly.cpu_amx(true)
     uly.matmul_precision(prev)
+  end)
+
+  -- flash attention's tile products (kernels/cpu/flash_attention.c) in bf16 precision: Q, K, V, P,
+  -- dO and dS rounded to bf16 for them, as the GPU's fused kernels round them
+  it('run flash attention\'s tile products in bf16 precision, within bf16\'s precision of f32', function()
+    local doc = uly.tensor({ { 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
+                              3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3,
+                              3, 3, 3, 3, 3, 3, 3 } }, { dtype = 'i32' })
+    local cases = {
+      { 'causal, GQA, D 64', 1, 100, 4, 2, 64, { causal = true } },
+      { 'two sequences, D 32', 2, 130, 2, 2, 32, { causal = true } },
+      { 'not causal, D 48 (a partial strip)', 1, 77, 2, 1, 48, {} },
+      { 'a sliding window', 1, 300, 2, 2, 64, { causal = true, window = 40 } },
+      { 'documents', 1, 70, 2, 2, 16, { causal = true, doc = doc } },
+    }
+    for _, c in ipairs(cases) do
+      local what, B, T, H, Hk, D, opts = unpack(c)
+      helpers.reseed(6)
+      local q, k, v, g = uly.randn(B, T, H, D), uly.randn(B, T, Hk, D), uly.randn(B, T, Hk, D), uly.randn(B, T, H, D)
+      local function run(prec, amx)
+        local p = uly.matmul_precision(prec)
+        uly.cpu_amx(amx)
+        local qs, ks, vs = q:clone():requires_grad_(), k:clone():requires_grad_(), v:clone():requires_grad_()
+        local o = uly.flash_attention(qs, ks, vs, opts)
+        o:backward(g)
+        uly.matmul_precision(p)
+        uly.cpu_amx(true)
+        return { o, qs.grad, ks.grad, vs.grad }
+      end
+      local f32, amx, blas = run('f32', true), run('bf16', true), run('bf16', false)
+      for i, name in ipairs { 'output', 'dq', 'dk', 'dv' } do
+        -- bf16 operands (8 bits) in products of f32 sums: a few 2^-8 of the largest value; a wrong tile is O(1)
+        assert_agree(amx[i], f32[i], 3e-2, what .. ' ' .. name .. ' (AMX bf16 vs f32)')
+        helpers.assert_close(blas[i], f32[i], 0, 0, what .. ' ' .. name .. ' (no AMX: f32 as it is)')
+      end
+      local differs = false
+      local va, n = helpers.values(amx[1])
+      local vf = helpers.values(f32[1])
+      for i = 0, n - 1 do differs = differs or va[i] ~= vf[i] end
+      assert.is_true(differs, what .. ': the AMX output equals f32 to the bit: were the products rounded?')
+    end
   end)
 
   it('train a GPT step to the same loss and gradients as OpenBLAS', function()

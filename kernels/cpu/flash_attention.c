@@ -27,6 +27,7 @@
 #pragma GCC target("prefer-vector-width=512") /* the exp / scaling loops in 16 lanes */
 #endif
 #include "flash_attention.h"
+#include "kernels.h"
 #include "vecmath.h"
 #include <math.h>
 #include <stdlib.h>
@@ -181,7 +182,16 @@ typedef struct fctx {
     const flash_problem *p;
     int64_t Dp, rep, off, L, R, nqt, nkt;
     int32_t *qdr, *kdr; /* document id [min, max] per (b, query tile) and (b, key tile) */
+    int amx;            /* bf16 precision on AMX tiles (kernels/cpu/gemm_amx.c) */
 } fctx;
+
+/* a tile product in the problem's precision: bf16 operands on AMX tiles where the CPU has them
+ * and the precision is bf16 (P and dS rounded as the GPU's fused kernels round them), else f32 */
+static void tile_mm(const fctx *c, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *Bm,
+                    int64_t ldb, float *C, int64_t ldc, int acc) {
+    if (c->amx && !tile_gemm_amx(M, N, K, A, lda, Bm, ldb, C, ldc, acc)) return;
+    tile_gemm(M, N, K, A, lda, Bm, ldb, C, ldc, acc);
+}
 
 /* keys [*lo, *hi] that the causal/window bounds let rows [i0, i0 + mr) see (empty: lo > hi) */
 static void key_span(const fctx *c, int64_t i0, int64_t mr, int64_t *lo, int64_t *hi) {
@@ -308,6 +318,7 @@ static int ctx_init(fctx *c, const flash_problem *p) {
     c->R = p->causal ? 0 : (p->right >= 0 ? p->right : BIG);
     c->nqt = (p->Tq + BR - 1) / BR;
     c->nkt = (p->Tk + BC - 1) / BC;
+    c->amx = p->bf16 && gemm_amx_on();
     if (!p->q_doc) return 0;
     c->qdr = malloc((size_t)(2 * p->B * (c->nqt + c->nkt) + 2) * sizeof(int32_t));
     if (!c->qdr) return -1;
@@ -373,10 +384,10 @@ static void fwd_item(const fctx *c, float *ws, const float *KT, float *out, floa
         (*ntiles)++;
         const float *Kt = KT + ((b * p->Hkv + g) * c->nkt + kt) * D * BC;
         pack_rows(Vs, Dp, BC, vb, p->v.st, j0, nc, D, 1.0f);
-        tile_gemm(BR, BC, D, Qs, Dp, Kt, BC, S, BC, 0);
+        tile_mm(c, BR, BC, D, Qs, Dp, Kt, BC, S, BC, 0);
         if (cls == TILE_PARTIAL || nc < BC) mask_rows(c, b, S, i0, mr, j0, nc, cls == TILE_FULL);
         online_softmax(S, m, l, acc, mr, Dp);
-        tile_gemm(BR, Dp, nc, S, BC, Vs, Dp, acc, Dp, 1);
+        tile_mm(c, BR, Dp, nc, S, BC, Vs, Dp, acc, Dp, 1);
     }
     for (int64_t r = 0; r < mr; r++) {
         const int64_t i = i0 + r;
@@ -456,19 +467,19 @@ static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *
                 lr[r] = r < mr ? lse_for_p(lh[i0 + r]) : INFINITY;
                 dr[r] = r < mr ? dh[i0 + r] : 0.0f;
             }
-            tile_gemm(BC, BR, D, Ks, Dp, Qt, BR, St, BR, 0);            /* S^T = K Q^T (scaled) */
+            tile_mm(c, BC, BR, D, Ks, Dp, Qt, BR, St, BR, 0);            /* S^T = K Q^T (scaled) */
             if (cls == TILE_PARTIAL || nc < BC) mask_cols(c, b, St, i0, mr, j0, nc, cls == TILE_FULL);
             for (int64_t x = 0; x < BC; x++)                              /* P^T */
                 for (int64_t r = 0; r < BR; r++) St[x * BR + r] = uly_expf(St[x * BR + r] - lr[r]);
-            tile_gemm(BC, Dp, mr, St, BR, dOs, Dp, dVa, Dp, 1);          /* dV += P^T dO */
-            tile_gemm(BC, BR, D, Vs, Dp, dOt, BR, dPt, BR, 0);           /* dP^T = V dO^T */
+            tile_mm(c, BC, Dp, mr, St, BR, dOs, Dp, dVa, Dp, 1);          /* dV += P^T dO */
+            tile_mm(c, BC, BR, D, Vs, Dp, dOt, BR, dPt, BR, 0);           /* dP^T = V dO^T */
             for (int64_t x = 0; x < BC; x++)                              /* dS^T = P^T (dP^T - delta) */
                 for (int64_t r = 0; r < BR; r++) dPt[x * BR + r] = St[x * BR + r] * (dPt[x * BR + r] - dr[r]);
-            tile_gemm(BC, Dp, mr, dPt, BR, Qs, Dp, dKa, Dp, 1);          /* dK += dS^T (scale Q) */
+            tile_mm(c, BC, Dp, mr, dPt, BR, Qs, Dp, dKa, Dp, 1);          /* dK += dS^T (scale Q) */
             if (dqg) {                                                    /* dQ_group += dS K */
                 for (int64_t r = 0; r < BR; r++)
                     for (int64_t x = 0; x < BC; x++) dSs[r * BC + x] = dPt[x * BR + r];
-                tile_gemm(BR, Dp, BC, dSs, BC, Ks, Dp, dqg + ((b * p->H + h) * c->nqt * BR + i0) * Dp, Dp, 1);
+                tile_mm(c, BR, Dp, BC, dSs, BC, Ks, Dp, dqg + ((b * p->H + h) * c->nqt * BR + i0) * Dp, Dp, 1);
             }
         }
     }

@@ -40,7 +40,7 @@ typedef struct flash_problem {
     int64_t bs, nbr, nbc;
     const int32_t *q_doc, *k_doc; /* both NULL or both set */
     int bf16;                    /* mixed precision: a backend doing attention with GEMMs may round their operands
-                                    to bf16 (the CUDA one does); the CPU kernels compute in f32 */
+                                    to bf16 (the CUDA one does; the CPU's on AMX tiles, else in f32) */
 } flash_problem;
 
 /* scratch: flash_attention_scratch_floats(p, 0 / 1) floats (the transposed K tiles; backward also

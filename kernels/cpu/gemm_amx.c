@@ -85,11 +85,12 @@ static int decide(void) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
 
-/* 16 f32 (masked lanes 0) as 16 bf16 in the low halves of 32-bit words */
-static inline __m512i bf16_words(__m512 v) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)); }
-/* pairs: lo in the low, hi in the high half of each word */
+/* pairs: lo in the low, hi in the high half of each word (both rounded in one conversion, then
+ * interleaved by one permute: word w = (lo[w], hi[w])) */
 static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
-    return _mm512_or_si512(bf16_words(lo), _mm512_slli_epi32(bf16_words(hi), 16));
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                                21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 /* 32 f32 as 32 consecutive bf16 (= 16 pair words): element 2q low, 2q + 1 high */
 static inline __m512i bf16_run(__m512 first16, __m512 next16) {
@@ -320,8 +321,49 @@ static int amx_gemm(int64_t M, int64_t N, int64_t K, const float *a, int64_t ars
     }
     return 0;
 }
+
+/* the small GEMM of the flash-attention kernels (tile_gemm_amx, kernels.h): its panels in buffers
+ * of the calling thread (it runs inside their parallel regions) */
+static __thread uint16_t *tile_a;
+static __thread uint32_t *tile_b;
+static __thread int64_t tile_a_elems, tile_b_words;
+
+static int tile_gemm_amx_on(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                            float *C, int64_t ldc, int acc) {
+    const int64_t mp = round_up(M, MR), np = round_up(N, NR), kp = round_up(K, 32);
+    if (grow((void **)&tile_a, &tile_a_elems, mp * kp, 2) || grow((void **)&tile_b, &tile_b_words, np * kp / 2, 4))
+        return -1;
+    pack_a(tile_a, A, lda, 1, M, K, 0, 0, mp, kp);
+    for (int64_t s = 0; s < np / NR; s++) pack_b_strip(tile_b + s * (kp / 2) * NR, B, ldb, 1, K, N, 0, s * NR, kp);
+    load_tile_config();
+    float buf[MR * NR] __attribute__((aligned(64)));
+    for (int64_t s = 0; s < np / NR; s++) {
+        const int64_t j = s * NR, nr = N - j < NR ? N - j : NR;
+        for (int64_t i = 0; i < mp; i += MR) {
+            const int64_t mr = M - i < MR ? M - i : MR;
+            float *cp = C + i * ldc + j;
+            if (mr == MR && nr == NR) {
+                micro_kernel(cp, acc ? cp : NULL, ldc, tile_a + i * kp, tile_b + s * (kp / 2) * NR, kp);
+            } else {
+                micro_kernel(buf, NULL, NR, tile_a + i * kp, tile_b + s * (kp / 2) * NR, kp);
+                add_block(cp, ldc, buf, mr, nr, acc ? 1.0f : 0.0f);
+            }
+        }
+    }
+    return 0;
+}
 #pragma GCC pop_options
 #endif /* AMX_BUILT */
+
+int tile_gemm_amx(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
+                  int64_t ldc, int acc) {
+#ifdef AMX_BUILT
+    if (gemm_amx_on() && M > 0 && N > 0 && K > 0) return tile_gemm_amx_on(M, N, K, A, lda, B, ldb, C, ldc, acc);
+#else
+    (void)M; (void)N; (void)K; (void)A; (void)lda; (void)B; (void)ldb; (void)C; (void)ldc; (void)acc;
+#endif
+    return -1;
+}
 
 int gemm_amx_on(void) {
     if (amx_state < 0) {
