@@ -54,12 +54,12 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'seed', 1337, 'seed for initialisation, data order and dropout' },
   { 'threads', 0, 'threads for kernels and BLAS (0 = all cores; under mpirun: cores / ranks)' },
   { 'device', 'cpu', 'cpu | cuda (ULY_CUDA_SIMULATE=1 runs the cuda code path in host memory)' },
-  { 'precision', 'auto', 'f32 | bf16 (matmul operands rounded to bf16, f32 accumulation, master weights and optimizer); auto: bf16 on cuda, f32 on cpu' },
+  { 'precision', 'auto', 'f32 | bf16 (matmul operands rounded to bf16, f32 accumulation, master weights and optimizer; on a CPU with AMX-BF16 on its tiles); auto: bf16 on cuda, f32 on cpu' },
   { 'activations', 'f32', 'f32 | bf16 (activations kept in bf16 between ops, each op computing in f32: half the activation memory; weights, gradients and optimizer stay f32)' },
   { 'sp', 0, 'ranks per sequence-parallel group under mpirun (0 = all ranks; world / sp groups do data parallelism)' },
   { 'overlap', 1, '1: each layer\'s gradients start their all-reduce during backward (dist.grad_sync); 0: all after backward' },
   { 'zero', 0, '1: shard the AdamW state over the ranks (dist.ZeroAdamW, ZeRO stage 2: gradients reduce-scattered, with --overlap 1 during backward, and freed; parameters all-gathered)' },
-  { 'peak_gflops', 0, 'peak for MFU (0: cpu the f32 FMA peak of the threads, measured at start; cuda the GPU\'s dense bf16 peak, by name or estimated)' },
+  { 'peak_gflops', 0, 'peak for MFU (0: cpu the f32 FMA peak of the threads, or with bf16 on AMX tiles their bf16 peak, measured at start; cuda the GPU\'s dense bf16 peak, by name or estimated)' },
   { 'log_every', 0, 'seconds between progress lines (0 = every step)' },
   { 'sample', 200, 'tokens to generate at the end (0 = none)' },
   { 'prompt', '', 'text prompt for the sample (default: the start of the validation split)' },
@@ -356,7 +356,8 @@ local function main()
   local tokens_per_step = cfg.batch * cfg.seq * cfg.accum * (grid and grid.dp_size or 1)
   local threads = uly.get_num_threads() * launched
   -- MFU's denominator: given, else the GPU's dense bf16 peak (published for its name, or estimated
-  -- from its SMs and clock), else the CPU threads' FMA peak measured now; every rank alike
+  -- from its SMs and clock), else the CPU threads' peak measured now: their AMX tiles' bf16 peak
+  -- for bf16 matmuls on them, else the f32 FMA peak; every rank alike
   local peak, peak_label
   if cfg.peak_gflops > 0 then
     peak, peak_label = cfg.peak_gflops * 1e9, 'given peak'
@@ -369,6 +370,8 @@ local function main()
     else
       peak, peak_label = gpu_peak * launched, label .. (launched > 1 and (' x ' .. launched .. ' ranks') or '')
     end
+  elseif cfg.precision == 'bf16' and uly.cpu_amx() == 'on' then
+    peak, peak_label = uly.cpu_amx_peak_flops() * launched, string.format('AMX bf16 peak of %d threads, measured', threads)
   else
     peak, peak_label = uly.cpu_peak_flops() * launched, string.format('FMA peak of %d threads, measured', threads)
   end
@@ -388,8 +391,9 @@ local function main()
                     grid and string.format(' x dp %d; %d ranks = dp %d x sp %d', grid.dp_size, grid.world, grid.dp_size,
                                            grid.sp_size) or '',
                     cfg.lr, cfg.schedule, threads, uly.blas_corename()))
-  say(string.format('device: %s%s, matmul precision %s, activations %s', device,
+  say(string.format('device: %s%s, matmul precision %s%s, activations %s', device,
                     device == 'cuda' and (' (backend ' .. tostring(uly.cuda.backend()) .. ')') or '', cfg.precision,
+                    (device == 'cpu' and cfg.precision == 'bf16') and (' (AMX tiles: ' .. uly.cpu_amx() .. ')') or '',
                     cfg.activations))
   local head_dim = mc.dim / mc.heads
   if device == 'cuda' and cfg.precision == 'bf16' and (head_dim == 64 or head_dim == 128) and uly.cuda.backend() == 'cuda' then

@@ -9,7 +9,9 @@
 --   dense causal   flash, reference (while its probabilities B H N^2 4 bytes stay <= 4 GB), and
 --                  PyTorch (/work/shared/peers/torch_attn_bench.py, manual variant: it
 --                  materialises T x T like ours) when /usr/bin/python3 can import torch;
---   sliding window flash with causal + window (512 keys back), up to longer N: linear in N.
+--   sliding window flash with causal + window (512 keys back), up to longer N: linear in N;
+--   with --bf16, dense causal flash in bf16 precision too (uly.matmul_precision('bf16'): its
+--                  tile products on AMX tiles where the CPU has them, uly.cpu_amx()).
 -- FLOPs counted: dense forward 4 N^2 D H (two N x N x D matmuls), halved for causal; a window
 -- counts 4 N (w + 1) D H, minus the triangle at the start; backward 2.5x forward (5 matmuls;
 -- ours recomputes 2 more for determinism, not counted).
@@ -18,11 +20,11 @@
 -- (~12 us per 4 KiB page), and the caching allocator hands the same blocks back afterwards.
 --
 -- Run:  bin/ulysses bench/attention.lua [--max N] [--window-max N] [--heads H] [--dim D]
---       [--window W] [--no-torch]      (OPENBLAS_CORETYPE=SkylakeX for AVX-512 sgemm)
+--       [--window W] [--no-torch] [--bf16]
 local uly = require 'ulysses'
 
 local args = arg or {}
-local opts = { max = 16384, window_max = 131072, heads = 4, dim = 64, window = 512, torch = true }
+local opts = { max = 16384, window_max = 131072, heads = 4, dim = 64, window = 512, torch = true, bf16 = false }
 do
   local i = 1
   local keys = { ['--max'] = 'max', ['--window-max'] = 'window_max', ['--heads'] = 'heads', ['--dim'] = 'dim',
@@ -33,8 +35,9 @@ do
       opts[keys[a]] = tonumber(args[i + 1]) or error('bench/attention.lua: ' .. a .. ' needs a number', 0)
       i = i + 2
     elseif a == '--no-torch' then opts.torch = false; i = i + 1
+    elseif a == '--bf16' then opts.bf16 = true; i = i + 1
     elseif a == '-h' or a == '--help' then
-      print('usage: bin/ulysses bench/attention.lua [--max N] [--window-max N] [--heads H] [--dim D] [--window W] [--no-torch]')
+      print('usage: bin/ulysses bench/attention.lua [--max N] [--window-max N] [--heads H] [--dim D] [--window W] [--no-torch] [--bf16]')
       return
     else error('bench/attention.lua: unknown argument ' .. tostring(a) .. ' (try --help)', 0) end
   end
@@ -45,6 +48,7 @@ local REF_LIMIT = 4e9 -- bytes of reference probabilities
 print(string.format('command: %s bench/attention.lua %s', arg and arg[-1] or 'luajit', table.concat(args, ' ')))
 print(string.format('blas core: %s   threads: %d   OPENBLAS_CORETYPE=%s   B 1, H %d, D %d', uly.blas_corename(),
                     uly.get_num_threads(), os.getenv('OPENBLAS_CORETYPE') or '(unset)', H, D))
+if opts.bf16 then print('bf16 precision on AMX tiles: ' .. uly.cpu_amx()) end
 
 ---------------------------------------------------------------- sgemm throughput
 local function gemm_rate(M, N, K)
@@ -135,6 +139,12 @@ while N <= opts.max do
   local reps = N <= 4096 and 3 or 2 -- the best of reps: the first run also faults in fresh pages
   local fr = run(N, function(q, k, v) return uly.flash_attention(q, k, v, { causal = true }) end, reps)
   row('flash', N, fr, flops_causal(N))
+  if opts.bf16 then
+    local prev = uly.matmul_precision('bf16')
+    local br = run(N, function(q, k, v) return uly.flash_attention(q, k, v, { causal = true }) end, reps)
+    uly.matmul_precision(prev)
+    row('flash bf16', N, br, flops_causal(N), string.format('   %.2fx the f32 flash\'s speed', (fr.f + fr.b) / (br.f + br.b)))
+  end
   local rr
   if H * N * N * 4 <= REF_LIMIT then
     rr = run(N, function(q, k, v) return uly.attention(q, k, v, { causal = true }) end, reps)

@@ -15,7 +15,8 @@
 -- run. --activations f32,bf16 times each shape with f32 and with bf16 activations
 -- (uly.activation_dtype; its column 'act'), side by side likewise; --precision f32,bf16 with f32
 -- and with bf16 matmuls (uly.matmul_precision: on the CPU's AMX tiles where it has them,
--- uly.cpu_amx(); column 'prec'). It never asserts on time.
+-- uly.cpu_amx(); column 'prec'); with bf16 first, --torch runs the peer under torch.autocast in
+-- bf16 (bench/peers/torch_autocast.py). It never asserts on time.
 --
 -- Run:  OPENBLAS_CORETYPE=SkylakeX bin/ulysses bench/train.lua [--shapes 256x32,1024x8,4096x2]
 --         [--model gpt|llama] [--preset small] [--steps 10] [--warmup 3] [--threads 2] [--torch]
@@ -92,6 +93,8 @@ local function random_tokens(B, T, V)
 end
 
 local peak = uly.cpu_peak_flops(opts.threads)   -- measured: this CPU's f32 FMA peak over the threads
+-- bf16 rows on AMX tiles: MFU against the tiles' bf16 peak, measured likewise (0 where AMX is off)
+local amx_peak = uly.cpu_amx_peak_flops(opts.threads)
 
 local function bench_shape(T, B, mode, act, prec)
   uly.activation_dtype(act)
@@ -127,7 +130,7 @@ local function bench_shape(T, B, mode, act, prec)
   local tps = B * T / med
   return { T = T, B = B, step_ms = med * 1e3, fwd_ms = median(tf) * 1e3, bwd_ms = median(tb) * 1e3,
            opt_ms = median(to) * 1e3, tps = tps, gflops = fpt * tps / 1e9,
-           mfu = fpt * tps / peak, peak_mib = uly.memory().peak / 2 ^ 20,
+           mfu = fpt * tps / ((prec == 'bf16' and amx_peak > 0) and amx_peak or peak), peak_mib = uly.memory().peak / 2 ^ 20,
            params = model:num_parameters(), fpt = fpt }
 end
 
@@ -143,6 +146,10 @@ local function run_torch(T, B)
     end
   end
   local c = model_cfg
+  -- bf16 matmuls first in --precision: the peer under torch.autocast (bench/peers/torch_autocast.py)
+  if precs[1] == 'bf16' then
+    script = (require 'ulysses.ffi').root .. '/bench/peers/torch_autocast.py ' .. script
+  end
   local cmd = string.format(require('bench.util').peer_env() .. peer_alloc .. 'CORPUS=%s /usr/bin/python3 %s %d %d %d %d %d %d %d %d 2>&1', corpus, script, T, B,
                             opts.steps, opts.warmup, c.layers, c.heads, c.dim, c.vocab)
   local p = io.popen(cmd)
@@ -152,7 +159,7 @@ local function run_torch(T, B)
   if not line then return nil, out:sub(-400) end
   return { tps = tonumber(line:match('tokens/s=([%d%.]+)')), gflops = tonumber(line:match('GFLOP/s=([%d%.]+)')),
            step_ms = tonumber(line:match('median_step_ms=([%d%.]+)')), rss = tonumber(line:match('peak_rss_MB=(%d+)')),
-           version = line:match('torch=(%S+)') }
+           version = line:match('torch=(%S+)'), autocast = out:find('autocast: cpu bfloat16', 1, true) ~= nil }
 end
 
 local c = model_cfg
@@ -161,7 +168,11 @@ print(string.format('bench/train.lua: %s preset %s (L%d H%d C%d V%d), %d threads
                     opts.warmup, opts.steps))
 print('command: OPENBLAS_CORETYPE=' .. (os.getenv('OPENBLAS_CORETYPE') or '(unset)') .. ' bin/ulysses bench/train.lua '
       .. table.concat(arg, ' '))
-if precs[#precs] == 'bf16' or precs[1] == 'bf16' then print('bf16 matmuls on AMX tiles: ' .. uly.cpu_amx()) end
+if precs[#precs] == 'bf16' or precs[1] == 'bf16' then
+  print('bf16 matmuls on AMX tiles: ' .. uly.cpu_amx() .. (amx_peak > 0 and
+        string.format('; MFU of bf16 rows vs %.0f GFLOP/s (the tiles\' bf16 peak of %d threads, measured at start)',
+                      amx_peak / 1e9, opts.threads) or ''))
+end
 print('FLOPs/token = 6 N_matmul + 12 L C T (attention over the full T x T); MFU vs '
       .. string.format('%.0f GFLOP/s (the f32 FMA peak of %d threads, measured at start)', peak / 1e9, opts.threads))
 print()
@@ -194,7 +205,8 @@ if opts.torch then
       print(string.format('%dx%d: PyTorch run failed: %s', r.T, r.B, err))
     else
       print(string.format('%-11s %12.0f %12.0f %9.2fx %12.1f %8d  (torch %s%s)', r.T .. 'x' .. r.B, r.tps, t.tps,
-                          r.tps / t.tps, t.gflops, t.rss or 0, t.version, peer_alloc ~= '' and ', jemalloc' or ''))
+                          r.tps / t.tps, t.gflops, t.rss or 0, t.version, (peer_alloc ~= '' and ', jemalloc' or '')
+                          .. (t.autocast and ', autocast bf16' or '')))
     end
     io.stdout:flush()
   end

@@ -61,6 +61,7 @@ int uly_set_num_threads(int n) {
 double uly_cpu_peak_flops(int threads) { return cpu_fma_peak(threads); }
 const char *uly_cpu_amx_status(void) { return gemm_amx_status(); }
 int uly_set_cpu_amx(int on) { return gemm_amx_enable(on); }
+double uly_cpu_amx_peak_flops(int threads) { return gemm_amx_peak(threads); }
 
 int uly_get_num_threads(void) {
 #ifdef _OPENMP

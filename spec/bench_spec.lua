@@ -1,5 +1,6 @@
 -- spec/bench_spec.lua — bench/train.lua, the training-step benchmark the README's tables come
--- from: it runs a shape and prints its row (step time, tokens/s, GFLOP/s, MFU), bad flags give a
+-- from (and bench/attention.lua's rows, briefly): it runs a shape and prints its row (step time,
+-- tokens/s, GFLOP/s, MFU, with f32 or bf16 activations and matmuls), bad flags give a
 -- clear message and exit 2, and --torch_alloc jemalloc runs the PyTorch peer on jemalloc (where
 -- /usr/bin/python3 has torch, libjemalloc2 is installed and ../shared/peers holds the peer's
 -- script; a clean clone in CI has none of them). Never on time.
@@ -30,7 +31,8 @@ describe('bench/train.lua', function()
   it('times a shape with f32 and with bf16 matmuls, saying whether AMX tiles run them', function()
     local out, code = run('--shapes 32x2 --steps 1 --warmup 0 --preset tiny --precision f32,bf16')
     assert.equals(0, code, out)
-    assert.truthy(out:find('\nbf16 matmuls on AMX tiles: ' .. uly.cpu_amx() .. '\n', 1, true), out)
+    local amx = uly.cpu_amx()
+    assert.truthy(out:find('\nbf16 matmuls on AMX tiles: ' .. amx .. (amx == 'on' and '; MFU of bf16 rows vs ' or '\n'), 1, true), out)
     local f32_tps, bf16_tps = out:match('\n32x2 .- ([%d.]+) .-%s+f32%s+f32\n32x2 .- ([%d.]+) .-%s+f32%s+bf16\n')
     assert.truthy(f32_tps and bf16_tps, 'no f32 and bf16 precision rows in:\n' .. out)
   end)
@@ -62,5 +64,28 @@ describe('bench/train.lua', function()
     assert.equals(0, code, out)
     local ours, theirs = out:match('\n32x2%s+(%d+)%s+(%d+)%s+[%d.]+x[^\n]*, jemalloc%)')
     assert.truthy(ours and tonumber(theirs) > 0, 'no jemalloc peer row in:\n' .. out)
+  end)
+end)
+
+describe('bench/train.lua --precision bf16 --torch', function()
+  it('runs the PyTorch peer under autocast in bf16 (where torch and the peer script are)', function()
+    local script = require('ulysses.ffi').root .. '/../shared/peers/torch_gpt_bench.py'
+    if not (has_torch() and helpers.exists(script)) then return end
+    local out, code = run('--shapes 32x2 --steps 1 --warmup 0 --preset tiny --precision bf16 --torch')
+    assert.equals(0, code, out)
+    assert.truthy(out:match('\n32x2%s+%d+%s+%d+%s+[%d.]+x[^\n]*, autocast bf16%)'), 'no autocast peer row in:\n' .. out)
+  end)
+end)
+
+describe('bench/attention.lua', function()
+  it('prints flash, reference and (with --bf16) bf16 flash rows, and sliding-window rows', function()
+    local out, code = helpers.run('bin/ulysses bench/attention.lua --max 1024 --window-max 1024 --no-torch --bf16')
+    assert.equals(0, code, out)
+    assert.truthy(out:find('\nbf16 precision on AMX tiles: ' .. uly.cpu_amx() .. '\n', 1, true), out)
+    for _, label in ipairs { 'flash', 'reference', 'flash bf16' } do
+      assert.truthy(out:find('\n' .. label .. '%s+1024%s+[%d.]+%s+[%d.]+%s+[%d.]+%s+[%d.]+%s+[%d.]+'), label .. ' row missing:\n' .. out)
+    end
+    assert.truthy(out:find("flash bf16 .- [%d.]+x the f32 flash's speed"), out)
+    assert.truthy(out:find('== sliding window', 1, true) and out:find('us/token', 1, true), out)
   end)
 end)

@@ -74,6 +74,20 @@ describe('ffi surface', function()
     end
   end)
 
+  -- the AMX tiles' bf16 peak: above the f32 FMA peak, below 1024 FLOP a cycle a thread at 6 GHz
+  -- (one 16 x 16 x 32 tile product per 16 cycles); 0 where AMX is off
+  it('measures the AMX bf16 peak within physical bounds, or 0 without AMX', function()
+    if uly.cpu_amx() ~= 'on' then
+      assert.are.equal(0, uly.cpu_amx_peak_flops(1))
+      return
+    end
+    for _, threads in ipairs({ 1, 2 }) do
+      local peak = uly.cpu_amx_peak_flops(threads)
+      assert.is_true(peak > uly.cpu_peak_flops(threads), ('%d threads: %g FLOP/s'):format(threads, peak))
+      assert.is_true(peak < 1024 * 6e9 * threads, ('%d threads: %g FLOP/s'):format(threads, peak))
+    end
+  end)
+
   it('dtype names and sizes agree with the Lua side', function()
     local C = lib.C
     local expect = { [0] = { 'f32', 4 }, { 'bf16', 2 }, { 'i32', 4 }, { 'i64', 8 }, { 'f64', 8 } }

@@ -33,6 +33,7 @@ int uly_get_num_threads(void);
 double uly_cpu_peak_flops(int threads);    /* f32 FMA peak of `threads` threads in FLOP/s, measured (~15 ms) */
 const char *uly_cpu_amx_status(void);      /* bf16 matmuls on the CPU's AMX tiles: "on", or "off: why" */
 int uly_set_cpu_amx(int on);               /* use AMX where the CPU has it (default 1); the previous setting */
+double uly_cpu_amx_peak_flops(int threads); /* the AMX tiles' bf16 peak in FLOP/s, measured; 0 where AMX is off */
 const char *uly_dtype_name(int dtype);
 int64_t uly_dtype_size(int dtype);
 

@@ -155,6 +155,8 @@ void gemm_batched_rounded(int nb, const int64_t *bshape, uly_mat A, uly_mat B, u
 int gemm_amx_2d(int64_t M, int64_t N, int64_t K, const float *a, int64_t ars, int64_t acs, const float *b,
                 int64_t brs, int64_t bcs, float beta, float *c, int64_t crs, int64_t ccs);
 int gemm_amx_on(void);
+/* the AMX tiles' bf16 peak of `threads` threads in FLOP/s, measured (~10 ms); 0 where AMX is off */
+double gemm_amx_peak(int threads);
 /* C[M][N] (+= where acc) A[M][K] B[K][N], row-major with leading dims, operands rounded to bf16:
  * the flash-attention kernels' tile products in bf16 precision; callable inside a parallel
  * region (its panels are the calling thread's); -1 when it did nothing (AMX off, no memory) */

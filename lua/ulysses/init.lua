@@ -364,6 +364,9 @@ function uly.cpu_amx(on)
   if on ~= nil then C.uly_set_cpu_amx(on and 1 or 0) end
   return ffi.string(C.uly_cpu_amx_status())
 end
+-- the AMX tiles' bf16 peak in FLOP/s over `threads` threads (default: the current count),
+-- measured (~10 ms): the denominator of MFU for bf16 matmuls on them; 0 where AMX is off
+function uly.cpu_amx_peak_flops(threads) return C.uly_cpu_amx_peak_flops(threads or uly.get_num_threads()) end
 function uly.has(feature) return C.uly_has_feature(feature) ~= 0 end
 
 -- wall-clock seconds from a monotonic clock (for progress lines and benchmarks)
