@@ -8,8 +8,10 @@
  * two A and two B tiles a step of 32 in K, then added into C with its strides. Panels are padded
  * with zeros to whole tiles, so any M, N, K work; A and B need a unit stride along their rows or
  * their columns (a 16 x 16 transpose of bf16 pairs packs the transposed operands of the backward
- * GEMMs), C along its rows, else OpenBLAS takes the GEMM. Work is split over OpenMP threads by (row block, column strip), each C
- * element summed over K in the same order at any thread count.
+ * GEMMs), C along its rows, else OpenBLAS takes the GEMM. Work is split over OpenMP threads by
+ * (row block, column strip), each C element summed over K in the same order at any thread count.
+ * Also here: tile_gemm_amx, flash attention's small tile products on the same micro-kernel, and
+ * gemm_amx_peak, the tiles' measured bf16 peak (MFU's denominator for bf16 on them).
  *
  * AMX is used where the CPU has AMX-BF16 and AVX512-BF16 and Linux grants the tile state
  * (arch_prctl ARCH_REQ_XCOMP_PERM), unless ULY_CPU_AMX=0; gemm_amx_status() says which. */

@@ -143,18 +143,22 @@ typedef struct uly_mat { float *p; int64_t bstride[8]; int64_t rs, cs; int dtype
 int gemm_operand_ok(int64_t rows, int64_t cols, int64_t rs, int64_t cs);
 void gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
                   int64_t M, int64_t N, int64_t K, float beta);
-/* gemm_batched on f32 operands the core has rounded to bf16 (bf16 precision): on AMX tiles where
- * the CPU has them (gemm_amx.c: bf16 products, exact, summed in f32), else gemm_batched */
+/* gemm_batched for bf16 precision: with AMX on (gemm_amx_on, the backend's gemm_rounds_operands)
+ * the AMX GEMM rounds the f32 operands to bf16 as it packs them (bf16 products, exact, summed in
+ * f32); else OpenBLAS on operands the core has rounded */
 void gemm_batched_rounded(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
                           int64_t M, int64_t N, int64_t K, float beta);
 /* ---- the AMX GEMM (gemm_amx.c) ----
- * gemm_amx_2d: C = beta C + A B, operands rounded to bf16 on the way in, any strides; -1 when it
- * did nothing (AMX off, called inside a parallel region, no memory for its panels).
+ * gemm_amx_2d: C = beta C + A B, operands rounded to bf16 on the way in; A and B with a unit row
+ * or column stride, C with unit column stride; -1 when it did nothing (AMX off, other strides,
+ * called inside a parallel region, no memory for its panels).
  * gemm_amx_on: whether AMX is in use; gemm_amx_status: "on" or "off: why"; gemm_amx_enable: a
  * switch (the previous setting), for comparisons */
 int gemm_amx_2d(int64_t M, int64_t N, int64_t K, const float *a, int64_t ars, int64_t acs, const float *b,
                 int64_t brs, int64_t bcs, float beta, float *c, int64_t crs, int64_t ccs);
 int gemm_amx_on(void);
+const char *gemm_amx_status(void);
+int gemm_amx_enable(int on);
 /* the AMX tiles' bf16 peak of `threads` threads in FLOP/s, measured (~10 ms); 0 where AMX is off */
 double gemm_amx_peak(int threads);
 /* C[M][N] (+= where acc) A[M][K] B[K][N], row-major with leading dims, operands rounded to bf16:
@@ -162,8 +166,6 @@ double gemm_amx_peak(int threads);
  * region (its panels are the calling thread's); -1 when it did nothing (AMX off, no memory) */
 int tile_gemm_amx(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
                   int64_t ldc, int acc);
-const char *gemm_amx_status(void);
-int gemm_amx_enable(int on);
 
 /* ==== optimizers (optim.c) — begin ==========================================================
  * In place over ONE contiguous f32 parameter of n elements; g is its gradient, m / v / buf its
