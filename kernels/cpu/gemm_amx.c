@@ -441,8 +441,15 @@ int gemm_amx_2d(int64_t M, int64_t N, int64_t K, const float *a, int64_t ars, in
     if (K == 1) acs = brs = 1;
     if (M == 1) ars = 1;
     if (N == 1) { bcs = 1; ccs = 1; }
-    if (gemm_amx_on() && K > 0 && M > 0 && N > 0 && ccs == 1 && (acs == 1 || ars == 1) && (bcs == 1 || brs == 1))
-        return amx_gemm(M, N, K, a, ars, acs, b, brs, bcs, beta, c, crs);
+    if (!gemm_amx_on() || K <= 0 || M <= 0 || N <= 0 || ccs != 1 || (acs != 1 && ars != 1) || (bcs != 1 && brs != 1))
+        return -1;
+    /* the packing buffers are the process's: a second caller at the same time (another host
+     * thread) leaves the GEMM to OpenBLAS */
+    static int busy;
+    if (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE)) return -1;
+    int rc = amx_gemm(M, N, K, a, ars, acs, b, brs, bcs, beta, c, crs);
+    __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
+    return rc;
 #else
     (void)M; (void)N; (void)K; (void)a; (void)ars; (void)acs; (void)b; (void)brs; (void)bcs; (void)beta; (void)c;
     (void)crs; (void)ccs;
