@@ -283,9 +283,21 @@ static float row_sum(const float *s) {
     return t;
 }
 
+/* x rounded to the nearest bf16 (even on ties), kept in f32; x finite */
+static inline float round_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
 /* online softmax over the masked score tile S (rows < mr): S becomes P = exp(S - m_new), the
- * running max m, sum l and accumulator rows (Dp wide) are updated */
-static void online_softmax(float *S, float *m, float *l, float *acc, int64_t mr, int64_t Dp) {
+ * running max m, sum l and accumulator rows (Dp wide) are updated. With bf16 products (amx) P is
+ * rounded to bf16 here, so l sums the weights P V multiplies and O stays a weighted mean of V's
+ * rows (a row's sum of unrounded P scaled its O by the rounding; where one key dominates a row,
+ * dQ through delta = dO . O was off by a third on the GPU before the same fix) */
+static void online_softmax(float *S, float *m, float *l, float *acc, int64_t mr, int64_t Dp, int amx) {
     for (int64_t r = 0; r < mr; r++) {
         float *s = S + r * BC;
         const float mx = row_max(s, m[r]);
@@ -295,6 +307,8 @@ static void online_softmax(float *S, float *m, float *l, float *acc, int64_t mr,
         }
         const float alpha = uly_expf(m[r] - mx);
         for (int x = 0; x < BC; x++) s[x] = uly_expf(s[x] - mx);
+        if (amx)
+            for (int x = 0; x < BC; x++) s[x] = round_bf16(s[x]);
         l[r] = l[r] * alpha + row_sum(s);
         m[r] = mx;
         if (alpha != 1.0f) {
@@ -386,7 +400,7 @@ static void fwd_item(const fctx *c, float *ws, const float *KT, float *out, floa
         pack_rows(Vs, Dp, BC, vb, p->v.st, j0, nc, D, 1.0f);
         tile_mm(c, BR, BC, D, Qs, Dp, Kt, BC, S, BC, 0);
         if (cls == TILE_PARTIAL || nc < BC) mask_rows(c, b, S, i0, mr, j0, nc, cls == TILE_FULL);
-        online_softmax(S, m, l, acc, mr, Dp);
+        online_softmax(S, m, l, acc, mr, Dp, c->amx);
         tile_mm(c, BR, Dp, nc, S, BC, Vs, Dp, acc, Dp, 1);
     }
     for (int64_t r = 0; r < mr; r++) {
@@ -512,12 +526,15 @@ int flash_attention_backward(float *dq, float *dk, float *dv, const float *dout,
     {
         float *mine = ws + (size_t)thread_id() * (size_t)ws_floats;
         #pragma omp for schedule(static)
-        for (int64_t bi = 0; bi < rows; bi++) { /* delta = rowsum(dO * O) */
+        for (int64_t bi = 0; bi < rows; bi++) { /* delta = rowsum(dO * O), dO as dP's product reads it */
             const int64_t b = bi / Tq, i = bi % Tq;
             for (int64_t h = 0; h < H; h++) {
                 const float *o = out + (bi * H + h) * D, *g = dout + (bi * H + h) * D;
                 float s = 0.0f;
-                for (int64_t d = 0; d < D; d++) s += o[d] * g[d];
+                if (c.amx)
+                    for (int64_t d = 0; d < D; d++) s += o[d] * round_bf16(g[d]);
+                else
+                    for (int64_t d = 0; d < D; d++) s += o[d] * g[d];
                 delta[(b * H + h) * Tq + i] = s;
             }
         }
