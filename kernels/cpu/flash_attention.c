@@ -283,15 +283,6 @@ static float row_sum(const float *s) {
     return t;
 }
 
-/* x rounded to the nearest bf16 (even on ties), kept in f32; x finite */
-static inline float round_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
 /* online softmax over the masked score tile S (rows < mr): S becomes P = exp(S - m_new), the
  * running max m, sum l and accumulator rows (Dp wide) are updated. With bf16 products (amx) P is
  * rounded to bf16 here, so l sums the weights P V multiplies and O stays a weighted mean of V's
@@ -308,7 +299,7 @@ static void online_softmax(float *S, float *m, float *l, float *acc, int64_t mr,
         const float alpha = uly_expf(m[r] - mx);
         for (int x = 0; x < BC; x++) s[x] = uly_expf(s[x] - mx);
         if (amx)
-            for (int x = 0; x < BC; x++) s[x] = round_bf16(s[x]);
+            for (int x = 0; x < BC; x++) s[x] = f32_round_bf16(s[x]);
         l[r] = l[r] * alpha + row_sum(s);
         m[r] = mx;
         if (alpha != 1.0f) {
@@ -532,7 +523,7 @@ int flash_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                 const float *o = out + (bi * H + h) * D, *g = dout + (bi * H + h) * D;
                 float s = 0.0f;
                 if (c.amx)
-                    for (int64_t d = 0; d < D; d++) s += o[d] * round_bf16(g[d]);
+                    for (int64_t d = 0; d < D; d++) s += o[d] * f32_round_bf16(g[d]);
                 else
                     for (int64_t d = 0; d < D; d++) s += o[d] * g[d];
                 delta[(b * H + h) * Tq + i] = s;

@@ -244,6 +244,18 @@ static void add_block(float *c, int64_t rs, const float *acc, int64_t mr, int64_
     }
 }
 
+/* C's [mr x nr] block at c (row stride ld) = beta C + the packed A rows times the strip: a whole
+ * block with beta 0 or 1 goes through the tiles straight to and from C, others through buf */
+static void c_block(float *c, int64_t ld, int64_t mr, int64_t nr, float beta, const uint16_t *a,
+                    const uint32_t *strip, int64_t kcp, float *buf) {
+    if (mr == MR && nr == NR && (beta == 0.0f || beta == 1.0f)) {
+        micro_kernel(c, beta == 0.0f ? NULL : c, ld, a, strip, kcp);
+    } else {
+        micro_kernel(buf, NULL, NR, a, strip, kcp);
+        add_block(c, ld, buf, mr, nr, beta);
+    }
+}
+
 static struct {           /* packing buffers, grown and kept (first-touch faults are slow) */
     uint32_t *b;
     int64_t b_words;
@@ -304,18 +316,9 @@ static int amx_gemm(int64_t M, int64_t N, int64_t K, const float *a, int64_t ars
                         packed = ib;
                     }
                     const int64_t j = jc + s * NR, nr = N - j < NR ? N - j : NR;
-                    for (int64_t ir = 0; ir < mcp; ir += MR) {
-                        const int64_t mr = mc - ir < MR ? mc - ir : MR;
-                        const uint16_t *ap = bufs.a[t] + ir * kcp;
-                        const uint32_t *bp = bufs.b + s * (kcp / 2) * NR;
-                        float *cp = c + (i0 + ir) * crs + j;
-                        if (mr == MR && nr == NR && (bt == 0.0f || bt == 1.0f)) {   /* tiles to and from C */
-                            micro_kernel(cp, bt == 0.0f ? NULL : cp, crs, ap, bp, kcp);
-                        } else {
-                            micro_kernel(acc, NULL, NR, ap, bp, kcp);
-                            add_block(cp, crs, acc, mr, nr, bt);
-                        }
-                    }
+                    for (int64_t ir = 0; ir < mcp; ir += MR)
+                        c_block(c + (i0 + ir) * crs + j, crs, mc - ir < MR ? mc - ir : MR, nr, bt, bufs.a[t] + ir * kcp,
+                                bufs.b + s * (kcp / 2) * NR, kcp, acc);
                 }
                 _tile_release();
             }
@@ -341,16 +344,9 @@ static int tile_gemm_amx_on(int64_t M, int64_t N, int64_t K, const float *A, int
     float buf[MR * NR] __attribute__((aligned(64)));
     for (int64_t s = 0; s < np / NR; s++) {
         const int64_t j = s * NR, nr = N - j < NR ? N - j : NR;
-        for (int64_t i = 0; i < mp; i += MR) {
-            const int64_t mr = M - i < MR ? M - i : MR;
-            float *cp = C + i * ldc + j;
-            if (mr == MR && nr == NR) {
-                micro_kernel(cp, acc ? cp : NULL, ldc, tile_a + i * kp, tile_b + s * (kp / 2) * NR, kp);
-            } else {
-                micro_kernel(buf, NULL, NR, tile_a + i * kp, tile_b + s * (kp / 2) * NR, kp);
-                add_block(cp, ldc, buf, mr, nr, acc ? 1.0f : 0.0f);
-            }
-        }
+        for (int64_t i = 0; i < mp; i += MR)
+            c_block(C + i * ldc + j, ldc, M - i < MR ? M - i : MR, nr, acc ? 1.0f : 0.0f, tile_a + i * kp,
+                    tile_b + s * (kp / 2) * NR, kp, buf);
     }
     return 0;
 }

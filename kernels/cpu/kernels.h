@@ -14,6 +14,15 @@
 #define ULY_KERNELS_CPU_H
 #include <stdint.h>
 
+/* x rounded to the nearest bf16 (even on ties), kept in f32; a NaN stays a (quiet) NaN */
+static inline float f32_round_bf16(float x) {
+    union { float f; uint32_t u; } v = {x};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) v.u |= 0x00400000u;
+    else v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    v.u &= 0xffff0000u;
+    return v.f;
+}
+
 /* ---- elementwise unary (unary.c) ---- */
 enum uly_unary_kind {
     ULY_UNARY_GELU_TANH = 0, /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */

@@ -7,7 +7,6 @@
  * training step from our OpenMP kernels on 2 cores. */
 #include <cblas.h>
 #include <stdlib.h>
-#include <string.h>
 #include "kernels.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -109,15 +108,7 @@ static float *rounded_copy(const float *p, int64_t rows, int64_t cols, int64_t r
     float *out = malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof(float));
     if (!out) return NULL;
     for (int64_t i = 0; i < rows; i++)
-        for (int64_t j = 0; j < cols; j++) {
-            uint32_t u;
-            float f = p[i * rs + j * cs];
-            memcpy(&u, &f, 4);
-            if ((u & 0x7fffffffu) > 0x7f800000u) u |= 0x00400000u;   /* NaN: kept, quiet */
-            else u += 0x7fffu + ((u >> 16) & 1u);
-            u &= 0xffff0000u;
-            memcpy(&out[i * cols + j], &u, 4);
-        }
+        for (int64_t j = 0; j < cols; j++) out[i * cols + j] = f32_round_bf16(p[i * rs + j * cs]);
     return out;
 }
 
