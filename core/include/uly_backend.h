@@ -200,7 +200,7 @@ typedef struct uly_backend {
     void (*rope_forward_bf16)(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t pos_offset,
                               float theta);
     /* ---- bf16 precision where gemm_batched_bf16 is NULL: gemm_batched_rounded is gemm_batched
-     *      for it, free to multiply at a bf16 rate (the CPU's AMX tiles); while
+     *      for it, free to multiply at a bf16 rate (the simulated device: the AMX tiles); while
      *      gemm_rounds_operands() says 1 it rounds f32 operands to bf16 itself (nearest even) and
      *      the core hands them over as they are, else the core rounds copies first (rounding
      *      twice changes nothing). NULL: gemm_batched on copies the core rounded. ---- */

@@ -155,23 +155,33 @@ static void tile_gemm(int64_t M, int64_t N, int64_t K, const float *A, int64_t l
 }
 
 /* ---- packing (strided rows in, zero-padded tiles out) ---- */
-/* dst[r][d] = s * src row t0 + r, for r < n (rows n..rows-1 and columns D..ld-1 zero) */
-static void pack_rows(float *dst, int64_t ld, int64_t rows, const float *base, int64_t st, int64_t t0, int64_t n,
-                      int64_t D, float s) {
+/* element i of an operand row: f32, or bf16 (bf16 q, k, v: read exactly) */
+static inline float elem(const void *base, int bf16, int64_t i) {
+    return bf16 ? bf16_bits_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+/* dst[r][d] = s * src row t0 + r, for r < n (rows n..rows-1 and columns D..ld-1 zero); src f32,
+ * or bf16 where bf16 */
+static void pack_rows(float *dst, int64_t ld, int64_t rows, const void *base, int bf16, int64_t st, int64_t t0,
+                      int64_t n, int64_t D, float s) {
     for (int64_t r = 0; r < n; r++) {
-        const float *src = base + (t0 + r) * st;
         float *d = dst + r * ld;
-        for (int64_t x = 0; x < D; x++) d[x] = s * src[x];
+        if (bf16) {
+            const uint16_t *src = (const uint16_t *)base + (t0 + r) * st;
+            for (int64_t x = 0; x < D; x++) d[x] = s * bf16_bits_f32(src[x]);
+        } else {
+            const float *src = (const float *)base + (t0 + r) * st;
+            for (int64_t x = 0; x < D; x++) d[x] = s * src[x];
+        }
         for (int64_t x = D; x < ld; x++) d[x] = 0.0f;
     }
     if (rows > n) memset(dst + n * ld, 0, (size_t)((rows - n) * ld) * sizeof(float));
 }
 /* dst[d][c] = s * src row t0 + c, for c < n (columns n..ld-1 zero); D rows */
-static void pack_cols(float *dst, int64_t ld, const float *base, int64_t st, int64_t t0, int64_t n, int64_t D,
-                      float s) {
+static void pack_cols(float *dst, int64_t ld, const void *base, int bf16, int64_t st, int64_t t0, int64_t n,
+                      int64_t D, float s) {
     for (int64_t c = 0; c < n; c++) {
-        const float *src = base + (t0 + c) * st;
-        for (int64_t x = 0; x < D; x++) dst[x * ld + c] = s * src[x];
+        const int64_t row = (t0 + c) * st;
+        for (int64_t x = 0; x < D; x++) dst[x * ld + c] = s * elem(base, bf16, row + x);
     }
     if (ld > n)
         for (int64_t x = 0; x < D; x++) memset(dst + x * ld + n, 0, (size_t)(ld - n) * sizeof(float));
@@ -348,17 +358,21 @@ static int ctx_init(fctx *c, const flash_problem *p) {
 }
 static void ctx_free(fctx *c) { free(c->qdr); }
 
-static const float *head_ptr(const flash_operand *o, int64_t b, int64_t h) { return o->p + b * o->sb + h * o->sh; }
+static int is16(const flash_operand *o) { return o->dtype == KDT_BF16; }
+static const void *head_ptr(const flash_operand *o, int64_t b, int64_t h) {
+    return (const char *)o->p + (b * o->sb + h * o->sh) * (is16(o) ? 2 : 4);
+}
 
 /* every tile of every (b, head) of x [B, T, heads, D] transposed: dst[b][head][tile][D][width],
  * zero-padded to the tile width; one pass, so the tile loops read K^T, V^T, Q^T, dO^T as is */
-static void pack_all_transposed(float *dst, const float *base, int64_t sb, int64_t st, int64_t sh, int64_t B,
+static void pack_all_transposed(float *dst, const void *base, int bf16, int64_t sb, int64_t st, int64_t sh, int64_t B,
                                 int64_t heads, int64_t T, int64_t width, int64_t D, float s) {
     const int64_t nt = (T + width - 1) / width;
     #pragma omp for schedule(static)
     for (int64_t it = 0; it < B * heads * nt; it++) {
         const int64_t bh = it / nt, t = it % nt, b = bh / heads, h = bh % heads;
-        pack_cols(dst + it * D * width, width, base + b * sb + h * sh, st, t * width, min64(width, T - t * width), D, s);
+        pack_cols(dst + it * D * width, width, (const char *)base + (b * sb + h * sh) * (bf16 ? 2 : 4), bf16, st,
+                  t * width, min64(width, T - t * width), D, s);
     }
 }
 
@@ -376,8 +390,8 @@ static void fwd_item(const fctx *c, float *ws, const float *KT, float *out, floa
     const int64_t D = p->D, Dp = c->Dp, i0 = qt * BR, mr = min64(BR, p->Tq - i0), g = h / c->rep;
     float *Qs = ws, *Vs = Qs + BR * Dp, *S = Vs + BC * Dp, *acc = S + BR * BC;
     float *m = acc + BR * Dp, *l = m + BR;
-    const float *vb = head_ptr(&p->v, b, g);
-    pack_rows(Qs, Dp, BR, head_ptr(&p->q, b, h), p->q.st, i0, mr, D, p->scale);
+    const void *vb = head_ptr(&p->v, b, g);
+    pack_rows(Qs, Dp, BR, head_ptr(&p->q, b, h), is16(&p->q), p->q.st, i0, mr, D, p->scale);
     memset(acc, 0, (size_t)(BR * Dp) * sizeof(float));
     for (int64_t r = 0; r < BR; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
     int64_t lo, hi;
@@ -388,7 +402,7 @@ static void fwd_item(const fctx *c, float *ws, const float *KT, float *out, floa
         if (cls == TILE_SKIP) continue;
         (*ntiles)++;
         const float *Kt = KT + ((b * p->Hkv + g) * c->nkt + kt) * D * BC;
-        pack_rows(Vs, Dp, BC, vb, p->v.st, j0, nc, D, 1.0f);
+        pack_rows(Vs, Dp, BC, vb, is16(&p->v), p->v.st, j0, nc, D, 1.0f);
         tile_mm(c, BR, BC, D, Qs, Dp, Kt, BC, S, BC, 0);
         if (cls == TILE_PARTIAL || nc < BC) mask_rows(c, b, S, i0, mr, j0, nc, cls == TILE_FULL);
         online_softmax(S, m, l, acc, mr, Dp, c->amx);
@@ -423,7 +437,7 @@ int flash_attention_forward(float *out, float *lse, float *scratch, const flash_
     #pragma omp parallel if (par) reduction(+ : total)
     {
         float *mine = ws + (size_t)thread_id() * (size_t)ws_floats;
-        pack_all_transposed(scratch, p->k.p, p->k.sb, p->k.st, p->k.sh, p->B, p->Hkv, p->Tk, BC, p->D, 1.0f);
+        pack_all_transposed(scratch, p->k.p, is16(&p->k), p->k.sb, p->k.st, p->k.sh, p->B, p->Hkv, p->Tk, BC, p->D, 1.0f);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             const int64_t bh = it / c.nqt;
@@ -453,12 +467,13 @@ static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *
     int64_t lo, hi;
     query_span(c, j0, nc, &lo, &hi);
     if (lo > hi) return;
-    pack_rows(Ks, Dp, BC, head_ptr(&p->k, b, g), p->k.st, j0, nc, D, 1.0f);
-    pack_rows(Vs, Dp, BC, head_ptr(&p->v, b, g), p->v.st, j0, nc, D, 1.0f);
+    pack_rows(Ks, Dp, BC, head_ptr(&p->k, b, g), is16(&p->k), p->k.st, j0, nc, D, 1.0f);
+    pack_rows(Vs, Dp, BC, head_ptr(&p->v, b, g), is16(&p->v), p->v.st, j0, nc, D, 1.0f);
     memset(dKa, 0, (size_t)(2 * BC * Dp) * sizeof(float)); /* dKa and dVa */
     const int64_t ldo = p->H * D;
     for (int64_t h = g * c->rep; h < (g + 1) * c->rep; h++) {
-        const float *qb = head_ptr(&p->q, b, h), *ob = dout + (b * p->Tq * p->H + h) * D;
+        const void *qb = head_ptr(&p->q, b, h);
+        const float *ob = dout + (b * p->Tq * p->H + h) * D;
         const float *lh = lse + (b * p->H + h) * p->Tq, *dh = delta + (b * p->H + h) * p->Tq;
         for (int64_t qt = lo / BR; qt <= hi / BR; qt++) {
             const int64_t i0 = qt * BR, mr = min64(BR, p->Tq - i0);
@@ -466,8 +481,8 @@ static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *
             if (cls == TILE_SKIP) continue;
             const float *Qt = QT + ((b * p->H + h) * c->nqt + qt) * D * BR;
             const float *dOt = OT + ((b * p->H + h) * c->nqt + qt) * D * BR;
-            pack_rows(Qs, Dp, BR, qb, p->q.st, i0, mr, D, p->scale);
-            pack_rows(dOs, Dp, BR, ob, ldo, i0, mr, D, 1.0f);
+            pack_rows(Qs, Dp, BR, qb, is16(&p->q), p->q.st, i0, mr, D, p->scale);
+            pack_rows(dOs, Dp, BR, ob, 0, ldo, i0, mr, D, 1.0f);
             for (int64_t r = 0; r < BR; r++) {
                 lr[r] = r < mr ? lse_for_p(lh[i0 + r]) : INFINITY;
                 dr[r] = r < mr ? dh[i0 + r] : 0.0f;
@@ -534,8 +549,8 @@ int flash_attention_backward(float *dq, float *dk, float *dv, const float *dout,
             for (int64_t k = 0; k < DQ_GROUPS * p->B * H * c.nqt; k++)
                 memset(dqg + k * BR * Dp, 0, (size_t)(BR * Dp) * sizeof(float));
         }
-        pack_all_transposed(QT, p->q.p, p->q.sb, p->q.st, p->q.sh, p->B, H, Tq, BR, D, p->scale);
-        pack_all_transposed(OT, dout, Tq * H * D, H * D, D, p->B, H, Tq, BR, D, 1.0f);
+        pack_all_transposed(QT, p->q.p, is16(&p->q), p->q.sb, p->q.st, p->q.sh, p->B, H, Tq, BR, D, p->scale);
+        pack_all_transposed(OT, dout, 0, Tq * H * D, H * D, D, p->B, H, Tq, BR, D, 1.0f);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < p->B * p->Hkv * DQ_GROUPS; it++) {
             const int64_t grp = it % DQ_GROUPS, bg = it / DQ_GROUPS;

@@ -26,8 +26,8 @@
 typedef struct flash_operand {
     const float *p;              /* element [0, 0, 0, 0] */
     int64_t sb, st, sh;          /* element strides of the batch, sequence and head dims */
-    int dtype;                   /* ULY_DTYPE_F32 (0): always, for the CPU kernels; ULY_DTYPE_BF16 (p then
-                                    points at bf16) only for a backend with bf16 GEMMs, in bf16 precision */
+    int dtype;                   /* ULY_DTYPE_F32 (0), or ULY_DTYPE_BF16 (1: p then points at bf16, read
+                                    exactly) in bf16 precision on a backend with bf16 GEMMs (the CPU's) */
 } flash_operand;
 
 typedef struct flash_problem {

@@ -120,17 +120,26 @@ static void transpose16(__m512i r[16]) {
 
 static inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 
-/* A rows [i0, i0 + mcp) x K [k0, k0 + kcp) into dst (mcp rows of kcp bf16); zeros past M and K */
-static void pack_a(uint16_t *dst, const float *a, int64_t rs, int64_t cs, int64_t M, int64_t K, int64_t i0,
+/* up to 16 consecutive elements at element offset i of x (f32, or bf16 where bf16), as f32 (a
+ * bf16 value exactly; converting it back to bf16 gives its bits); lanes outside m zero */
+static inline __m512 load16(const void *x, int bf16, int64_t i, __mmask16 m) {
+    if (!bf16) return _mm512_maskz_loadu_ps(m, (const float *)x + i);
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* A rows [i0, i0 + mcp) x K [k0, k0 + kcp) into dst (mcp rows of kcp bf16); zeros past M and K;
+ * a holds f32, or bf16 where a16 */
+static void pack_a(uint16_t *dst, const void *a, int a16, int64_t rs, int64_t cs, int64_t M, int64_t K, int64_t i0,
                    int64_t k0, int64_t mcp, int64_t kcp) {
     if (cs == 1) {
         for (int64_t i = 0; i < mcp; i++) {
             uint16_t *row = dst + i * kcp;
-            const float *src = a + (i0 + i) * rs;
+            const int64_t src = (i0 + i) * rs + k0;
             for (int64_t k = 0; k < kcp; k += 32) {
                 int64_t left = i0 + i < M ? K - (k0 + k) : 0;
-                __m512 x = _mm512_maskz_loadu_ps(lanes(left), src + k0 + k);
-                __m512 y = _mm512_maskz_loadu_ps(lanes(left - 16), src + k0 + k + 16);
+                __m512 x = load16(a, a16, src + k, lanes(left));
+                __m512 y = load16(a, a16, src + k + 16, lanes(left - 16));
                 _mm512_storeu_si512(row + k, bf16_run(x, y));
             }
         }
@@ -141,8 +150,8 @@ static void pack_a(uint16_t *dst, const float *a, int64_t rs, int64_t cs, int64_
             for (int64_t k = 0; k < kcp; k += 32) {
                 for (int q = 0; q < 16; q++) {
                     int64_t kk = k0 + k + 2 * q;
-                    __m512 lo = kk < K ? _mm512_maskz_loadu_ps(rows, a + kk * cs + i0 + i) : _mm512_setzero_ps();
-                    __m512 hi = kk + 1 < K ? _mm512_maskz_loadu_ps(rows, a + (kk + 1) * cs + i0 + i) : _mm512_setzero_ps();
+                    __m512 lo = kk < K ? load16(a, a16, kk * cs + i0 + i, rows) : _mm512_setzero_ps();
+                    __m512 hi = kk + 1 < K ? load16(a, a16, (kk + 1) * cs + i0 + i, rows) : _mm512_setzero_ps();
                     w[q] = bf16_pairs(lo, hi);
                 }
                 transpose16(w);
@@ -153,16 +162,17 @@ static void pack_a(uint16_t *dst, const float *a, int64_t rs, int64_t cs, int64_
 }
 
 /* B rows [k0, k0 + kcp) x columns [j0, j0 + ncp) into 32-column strips: strip s holds kcp / 2
- * rows of 32 words, word (p, c) = (B[k0 + 2p][j], B[k0 + 2p + 1][j]) for j = j0 + 32 s + c */
-static void pack_b_strip(uint32_t *dst, const float *b, int64_t rs, int64_t cs, int64_t K, int64_t N, int64_t k0,
-                         int64_t j, int64_t kcp) {
+ * rows of 32 words, word (p, c) = (B[k0 + 2p][j], B[k0 + 2p + 1][j]) for j = j0 + 32 s + c; b
+ * holds f32, or bf16 where b16 */
+static void pack_b_strip(uint32_t *dst, const void *b, int b16, int64_t rs, int64_t cs, int64_t K, int64_t N,
+                         int64_t k0, int64_t j, int64_t kcp) {
     if (cs == 1) {
         for (int64_t p = 0; p < kcp / 2; p++) {
             int64_t k = k0 + 2 * p;
             for (int h = 0; h < 2; h++) {
                 __mmask16 cols = lanes(N - (j + 16 * h));
-                __m512 lo = k < K ? _mm512_maskz_loadu_ps(cols, b + k * rs + j + 16 * h) : _mm512_setzero_ps();
-                __m512 hi = k + 1 < K ? _mm512_maskz_loadu_ps(cols, b + (k + 1) * rs + j + 16 * h) : _mm512_setzero_ps();
+                __m512 lo = k < K ? load16(b, b16, k * rs + j + 16 * h, cols) : _mm512_setzero_ps();
+                __m512 hi = k + 1 < K ? load16(b, b16, (k + 1) * rs + j + 16 * h, cols) : _mm512_setzero_ps();
                 _mm512_storeu_si512(dst + p * NR + 16 * h, bf16_pairs(lo, hi));
             }
         }
@@ -174,9 +184,8 @@ static void pack_b_strip(uint32_t *dst, const float *b, int64_t rs, int64_t cs, 
                 for (int c = 0; c < 16; c++) {
                     int64_t jj = j + 16 * h + c;
                     if (jj >= N) { w[c] = _mm512_setzero_si512(); continue; }
-                    const float *col = b + jj * cs + k;
-                    __m512 x = _mm512_maskz_loadu_ps(lanes(K - k), col);
-                    __m512 y = _mm512_maskz_loadu_ps(lanes(K - k - 16), col + 16);
+                    __m512 x = load16(b, b16, jj * cs + k, lanes(K - k));
+                    __m512 y = load16(b, b16, jj * cs + k + 16, lanes(K - k - 16));
                     w[c] = bf16_run(x, y);
                 }
                 transpose16(w);
@@ -244,11 +253,26 @@ static void add_block(float *c, int64_t rs, const float *acc, int64_t mr, int64_
     }
 }
 
+/* C's [mr x nr] block (bf16 at c, row stride rs) = acc rounded to bf16 (nearest even) */
+static void store_block_bf16(uint16_t *c, int64_t rs, const float *acc, int64_t mr, int64_t nr) {
+    for (int64_t r = 0; r < mr; r++)
+        for (int h = 0; h < 2; h++) {
+            __mmask16 m = lanes(nr - 16 * h);
+            if (!m) break;
+            __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * NR + 16 * h));
+            _mm256_mask_storeu_epi16(c + r * rs + 16 * h, m, v);
+        }
+}
+
 /* C's [mr x nr] block at c (row stride ld) = beta C + the packed A rows times the strip: a whole
- * block with beta 0 or 1 goes through the tiles straight to and from C, others through buf */
-static void c_block(float *c, int64_t ld, int64_t mr, int64_t nr, float beta, const uint16_t *a,
+ * f32 block with beta 0 or 1 goes through the tiles straight to and from C, others through buf;
+ * a bf16 C (c16: beta 0) gets the f32 block rounded */
+static void c_block(void *c, int c16, int64_t ld, int64_t mr, int64_t nr, float beta, const uint16_t *a,
                     const uint32_t *strip, int64_t kcp, float *buf) {
-    if (mr == MR && nr == NR && (beta == 0.0f || beta == 1.0f)) {
+    if (c16) {
+        micro_kernel(buf, NULL, NR, a, strip, kcp);
+        store_block_bf16(c, ld, buf, mr, nr);
+    } else if (mr == MR && nr == NR && (beta == 0.0f || beta == 1.0f)) {
         micro_kernel(c, beta == 0.0f ? NULL : c, ld, a, strip, kcp);
     } else {
         micro_kernel(buf, NULL, NR, a, strip, kcp);
@@ -274,9 +298,10 @@ static int grow(void **p, int64_t *have, int64_t need, size_t es) {
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 /* one GEMM, no batches, C with unit column stride, A and B each with a unit row or column stride;
- * -1 when the packing buffers cannot be had (the caller falls back) */
-static int amx_gemm(int64_t M, int64_t N, int64_t K, const float *a, int64_t ars, int64_t acs, const float *b,
-                    int64_t brs, int64_t bcs, float beta, float *c, int64_t crs) {
+ * each of A, B, C f32 or bf16 (a16, b16, c16; a bf16 C only with K <= KC and beta 0: its blocks
+ * are rounded once, whole); -1 when the packing buffers cannot be had (the caller falls back) */
+static int amx_gemm(int64_t M, int64_t N, int64_t K, const void *a, int a16, int64_t ars, int64_t acs, const void *b,
+                    int b16, int64_t brs, int64_t bcs, float beta, void *c, int c16, int64_t crs) {
     int T = 1;
 #ifdef _OPENMP
     if (omp_in_parallel()) return -1;   /* the packing buffers are the process's: OpenBLAS takes it */
@@ -303,7 +328,7 @@ static int amx_gemm(int64_t M, int64_t N, int64_t K, const float *a, int64_t ars
 #endif
                 #pragma omp for schedule(static)
                 for (int64_t s = 0; s < strips; s++)
-                    pack_b_strip(bufs.b + s * (kcp / 2) * NR, b, brs, bcs, K, N, pc, jc + s * NR, kcp);
+                    pack_b_strip(bufs.b + s * (kcp / 2) * NR, b, b16, brs, bcs, K, N, pc, jc + s * NR, kcp);
                 load_tile_config();
                 float acc[MR * NR] __attribute__((aligned(64)));
                 int64_t packed = -1;
@@ -312,13 +337,13 @@ static int amx_gemm(int64_t M, int64_t N, int64_t K, const float *a, int64_t ars
                     const int64_t ib = it / strips, s = it % strips, i0 = ib * MC;
                     const int64_t mc = M - i0 < MC ? M - i0 : MC, mcp = round_up(mc, MR);
                     if (packed != ib) {
-                        pack_a(bufs.a[t], a, ars, acs, M, K, i0, pc, mcp, kcp);
+                        pack_a(bufs.a[t], a, a16, ars, acs, M, K, i0, pc, mcp, kcp);
                         packed = ib;
                     }
                     const int64_t j = jc + s * NR, nr = N - j < NR ? N - j : NR;
                     for (int64_t ir = 0; ir < mcp; ir += MR)
-                        c_block(c + (i0 + ir) * crs + j, crs, mc - ir < MR ? mc - ir : MR, nr, bt, bufs.a[t] + ir * kcp,
-                                bufs.b + s * (kcp / 2) * NR, kcp, acc);
+                        c_block((char *)c + ((i0 + ir) * crs + j) * (c16 ? 2 : 4), c16, crs, mc - ir < MR ? mc - ir : MR,
+                                nr, bt, bufs.a[t] + ir * kcp, bufs.b + s * (kcp / 2) * NR, kcp, acc);
                 }
                 _tile_release();
             }
@@ -338,14 +363,14 @@ static int tile_gemm_amx_on(int64_t M, int64_t N, int64_t K, const float *A, int
     const int64_t mp = round_up(M, MR), np = round_up(N, NR), kp = round_up(K, 32);
     if (grow((void **)&tile_a, &tile_a_elems, mp * kp, 2) || grow((void **)&tile_b, &tile_b_words, np * kp / 2, 4))
         return -1;
-    pack_a(tile_a, A, lda, 1, M, K, 0, 0, mp, kp);
-    for (int64_t s = 0; s < np / NR; s++) pack_b_strip(tile_b + s * (kp / 2) * NR, B, ldb, 1, K, N, 0, s * NR, kp);
+    pack_a(tile_a, A, 0, lda, 1, M, K, 0, 0, mp, kp);
+    for (int64_t s = 0; s < np / NR; s++) pack_b_strip(tile_b + s * (kp / 2) * NR, B, 0, ldb, 1, K, N, 0, s * NR, kp);
     load_tile_config();
     float buf[MR * NR] __attribute__((aligned(64)));
     for (int64_t s = 0; s < np / NR; s++) {
         const int64_t j = s * NR, nr = N - j < NR ? N - j : NR;
         for (int64_t i = 0; i < mp; i += MR)
-            c_block(C + i * ldc + j, ldc, M - i < MR ? M - i : MR, nr, acc ? 1.0f : 0.0f, tile_a + i * kp,
+            c_block(C + i * ldc + j, 0, ldc, M - i < MR ? M - i : MR, nr, acc ? 1.0f : 0.0f, tile_a + i * kp,
                     tile_b + s * (kp / 2) * NR, kp, buf);
     }
     return 0;
@@ -430,25 +455,49 @@ int gemm_amx_enable(int on) {
     return prev;
 }
 
-int gemm_amx_2d(int64_t M, int64_t N, int64_t K, const float *a, int64_t ars, int64_t acs, const float *b,
-                int64_t brs, int64_t bcs, float beta, float *c, int64_t crs, int64_t ccs) {
+#ifdef AMX_BUILT
+/* a bf16 C over K > KC: the f32 sums in this buffer (grown, kept), rounded into C at the end */
+static float *csum;
+static int64_t csum_elems;
+
+static int amx_gemm_bf16_out(int64_t M, int64_t N, int64_t K, const void *a, int a16, int64_t ars, int64_t acs,
+                             const void *b, int b16, int64_t brs, int64_t bcs, uint16_t *c, int64_t crs) {
+    if (K <= KC) return amx_gemm(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, 0.0f, c, 1, crs);
+    if (grow((void **)&csum, &csum_elems, M * N, 4) ||
+        amx_gemm(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, 0.0f, csum, 0, N))
+        return -1;
+    #pragma omp parallel for schedule(static) if (M * N >= (1 << 16))
+    for (int64_t i = 0; i < M; i++) {
+        const float *src = csum + i * N;
+        uint16_t *dst = c + i * crs;
+        for (int64_t j = 0; j < N; j++) dst[j] = f32_bf16_bits(src[j]);
+    }
+    return 0;
+}
+#endif
+
+int gemm_amx_2d(int64_t M, int64_t N, int64_t K, const void *a, int adt, int64_t ars, int64_t acs, const void *b,
+                int bdt, int64_t brs, int64_t bcs, float beta, void *c, int cdt, int64_t crs, int64_t ccs) {
 #ifdef AMX_BUILT
     /* a row or a column of A or B with one element has any stride there: read it as unit */
     if (K == 1) acs = brs = 1;
     if (M == 1) ars = 1;
     if (N == 1) { bcs = 1; ccs = 1; }
-    if (!gemm_amx_on() || K <= 0 || M <= 0 || N <= 0 || ccs != 1 || (acs != 1 && ars != 1) || (bcs != 1 && brs != 1))
+    const int a16 = adt == KDT_BF16, b16 = bdt == KDT_BF16, c16 = cdt == KDT_BF16;
+    if (!gemm_amx_on() || K <= 0 || M <= 0 || N <= 0 || ccs != 1 || (acs != 1 && ars != 1) || (bcs != 1 && brs != 1) ||
+        (c16 && beta != 0.0f))
         return -1;
     /* the packing buffers are the process's: a second caller at the same time (another host
      * thread) leaves the GEMM to OpenBLAS */
     static int busy;
     if (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE)) return -1;
-    int rc = amx_gemm(M, N, K, a, ars, acs, b, brs, bcs, beta, c, crs);
+    int rc = c16 ? amx_gemm_bf16_out(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, c, crs)
+                 : amx_gemm(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, beta, c, 0, crs);
     __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
     return rc;
 #else
-    (void)M; (void)N; (void)K; (void)a; (void)ars; (void)acs; (void)b; (void)brs; (void)bcs; (void)beta; (void)c;
-    (void)crs; (void)ccs;
+    (void)M; (void)N; (void)K; (void)a; (void)adt; (void)ars; (void)acs; (void)b; (void)bdt; (void)brs; (void)bcs;
+    (void)beta; (void)c; (void)cdt; (void)crs; (void)ccs;
 #endif
     return -1;
 }

@@ -22,6 +22,15 @@ static inline float f32_round_bf16(float x) {
     v.u &= 0xffff0000u;
     return v.f;
 }
+/* the bits of x rounded to bf16 (as f32_round_bf16), and a bf16's value */
+static inline uint16_t f32_bf16_bits(float x) {
+    union { float f; uint32_t u; } v = {f32_round_bf16(x)};
+    return (uint16_t)(v.u >> 16);
+}
+static inline float bf16_bits_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
 
 /* ---- elementwise unary (unary.c) ---- */
 enum uly_unary_kind {
@@ -152,19 +161,29 @@ typedef struct uly_mat { float *p; int64_t bstride[8]; int64_t rs, cs; int dtype
 int gemm_operand_ok(int64_t rows, int64_t cols, int64_t rs, int64_t cs);
 void gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
                   int64_t M, int64_t N, int64_t K, float beta);
-/* gemm_batched for bf16 precision: with AMX on (gemm_amx_on, the backend's gemm_rounds_operands)
- * the AMX GEMM rounds the f32 operands to bf16 as it packs them (bf16 products, exact, summed in
- * f32); else OpenBLAS on operands the core has rounded */
+/* the dtype codes kernels are handed (uly_mat.dtype, flash_operand.dtype): ULY_DTYPE_F32, ULY_DTYPE_BF16 */
+#define KDT_F32 0
+#define KDT_BF16 1
+/* the backend's gemm_batched_bf16 (uly_backend.h): A and B f32 or bf16, rounded to bf16 (nearest
+ * even), products exact, f32 sums; C f32, or bf16 (K > 0, beta 0) holding the f32 result rounded
+ * once. On AMX tiles where gemm_amx_on (the operands rounded as they are packed), else OpenBLAS
+ * on rounded f32 copies */
+void gemm_batched_bf16(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
+                       int64_t M, int64_t N, int64_t K, float beta);
+/* gemm_batched for bf16 precision on f32 operands, for a backend whose core rounds them while
+ * gemm_amx_on() says 0 (the simulated device's gemm_batched_rounded, gemm_rounds_operands):
+ * gemm_batched_bf16 with AMX on, else gemm_batched on the operands as given */
 void gemm_batched_rounded(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
                           int64_t M, int64_t N, int64_t K, float beta);
 /* ---- the AMX GEMM (gemm_amx.c) ----
- * gemm_amx_2d: C = beta C + A B, operands rounded to bf16 on the way in; A and B with a unit row
- * or column stride, C with unit column stride; -1 when it did nothing (AMX off, other strides,
- * called inside a parallel region, no memory for its panels).
+ * gemm_amx_2d: C = beta C + A B, operands rounded to bf16 on the way in; A and B (each f32 or
+ * bf16: adt, bdt) with a unit row or column stride, C (f32, or bf16 with beta 0: cdt) with unit
+ * column stride; -1 when it did nothing (AMX off, other strides, called inside a parallel region
+ * or while another thread runs it, no memory for its panels).
  * gemm_amx_on: whether AMX is in use; gemm_amx_status: "on" or "off: why"; gemm_amx_enable: a
  * switch (the previous setting), for comparisons */
-int gemm_amx_2d(int64_t M, int64_t N, int64_t K, const float *a, int64_t ars, int64_t acs, const float *b,
-                int64_t brs, int64_t bcs, float beta, float *c, int64_t crs, int64_t ccs);
+int gemm_amx_2d(int64_t M, int64_t N, int64_t K, const void *a, int adt, int64_t ars, int64_t acs, const void *b,
+                int bdt, int64_t brs, int64_t bcs, float beta, void *c, int cdt, int64_t crs, int64_t ccs);
 int gemm_amx_on(void);
 const char *gemm_amx_status(void);
 int gemm_amx_enable(int on);

@@ -102,36 +102,97 @@ void gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C
     }
 }
 
-/* rows x cols at p (strides rs, cs) rounded to bf16 (nearest even) into a new contiguous f32
- * matrix, NULL without memory */
-static float *rounded_copy(const float *p, int64_t rows, int64_t cols, int64_t rs, int64_t cs) {
-    float *out = malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof(float));
-    if (!out) return NULL;
+/* element `off` of a GEMM operand, f32 or bf16 */
+static void *elem(uly_mat m, int64_t off) { return (char *)m.p + off * (m.dtype == KDT_BF16 ? 2 : 4); }
+
+/* rows x cols at p (f32 or bf16: dt; strides rs, cs) rounded to bf16 (nearest even) into dst,
+ * contiguous f32 */
+static void rounded_copy(float *dst, const void *p, int dt, int64_t rows, int64_t cols, int64_t rs, int64_t cs) {
+    #pragma omp parallel for schedule(static) if (rows * cols >= (1 << 16))
     for (int64_t i = 0; i < rows; i++)
-        for (int64_t j = 0; j < cols; j++) out[i * cols + j] = f32_round_bf16(p[i * rs + j * cs]);
-    return out;
+        for (int64_t j = 0; j < cols; j++)
+            dst[i * cols + j] = dt == KDT_BF16 ? bf16_bits_f32(((const uint16_t *)p)[i * rs + j * cs])
+                                                : f32_round_bf16(((const float *)p)[i * rs + j * cs]);
 }
 
-/* gemm_batched for bf16 precision (kernels.h): with AMX on, the AMX GEMM rounds the operands as
- * it packs them (a batch it does not take: OpenBLAS on rounded copies); with AMX off, OpenBLAS on
- * the operands as given (the core rounded them: gemm_rounds_operands is gemm_amx_on) */
-void gemm_batched_rounded(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
-                          int64_t M, int64_t N, int64_t K, float beta) {
+/* the fallback's buffers (rounded A and B, an f32 C for a bf16 one), grown and kept: first-touch
+ * faults are slow; a second host thread in here at the same time gets buffers of its own */
+static struct { float *p[3]; int64_t n[3]; } spare;
+static int spare_busy;
+
+static float *take(float **own, int k, int mine, int64_t n) {
+    if (!mine) return *own = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    if (spare.n[k] < n) {
+        free(spare.p[k]);
+        spare.p[k] = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+        spare.n[k] = spare.p[k] ? n : 0;
+    }
+    return spare.p[k];
+}
+
+/* one batch of gemm_batched_bf16 through OpenBLAS: the operands rounded into f32 copies, a bf16
+ * C computed in f32 and rounded once; -1 without memory */
+static int rounded_sgemm(uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N, int64_t K, float beta) {
+    const int mine = !__atomic_exchange_n(&spare_busy, 1, __ATOMIC_ACQUIRE), c16 = C.dtype == KDT_BF16;
+    float *own[3] = {NULL, NULL, NULL};
+    float *ra = take(&own[0], 0, mine, M * K), *rb = take(&own[1], 1, mine, K * N);
+    float *cf = c16 ? take(&own[2], 2, mine, M * N) : NULL;
+    const int ok = ra && rb && (!c16 || cf);
+    if (ok) {
+        rounded_copy(ra, A.p, A.dtype, M, K, A.rs, A.cs);
+        rounded_copy(rb, B.p, B.dtype, K, N, B.rs, B.cs);
+        uly_mat a1 = {.p = ra, .rs = K, .cs = 1}, b1 = {.p = rb, .rs = N, .cs = 1};
+        uly_mat c1 = c16 ? (uly_mat){.p = cf, .rs = N, .cs = 1} : C;
+        gemm_batched(0, NULL, a1, b1, c1, M, N, K, c16 ? 0.0f : beta);
+        if (c16) {
+            #pragma omp parallel for schedule(static) if (M * N >= (1 << 16))
+            for (int64_t i = 0; i < M; i++)
+                for (int64_t j = 0; j < N; j++) ((uint16_t *)C.p)[i * C.rs + j * C.cs] = f32_bf16_bits(cf[i * N + j]);
+        }
+    }
+    for (int k = 0; k < 3; k++) free(own[k]);
+    if (mine) __atomic_store_n(&spare_busy, 0, __ATOMIC_RELEASE);
+    return ok ? 0 : -1;
+}
+
+/* the same product without any memory of its own (the fallback's last resort): plain loops */
+static void rounded_loops(uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N, int64_t K, float beta) {
+    #define VAL(m, i, j) ((m).dtype == KDT_BF16 ? bf16_bits_f32(((const uint16_t *)(m).p)[(i) * (m).rs + (j) * (m).cs]) \
+                                              : f32_round_bf16((m).p[(i) * (m).rs + (j) * (m).cs]))
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < K; k++) s += VAL(A, i, k) * VAL(B, k, j);
+            if (C.dtype == KDT_BF16) ((uint16_t *)C.p)[i * C.rs + j * C.cs] = f32_bf16_bits(s);
+            else C.p[i * C.rs + j * C.cs] = beta == 0.0f ? s : beta * C.p[i * C.rs + j * C.cs] + s;
+        }
+    #undef VAL
+}
+
+void gemm_batched_bf16(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
+                       int64_t M, int64_t N, int64_t K, float beta) {
     if (M == 0 || N == 0) return;
-    if (K == 0 || !gemm_amx_on()) { gemm_batched(nb, bshape, A, B, C, M, N, K, beta); return; }
+    if (K == 0 && C.dtype != KDT_BF16 && A.dtype != KDT_BF16 && B.dtype != KDT_BF16) {
+        gemm_batched(nb, bshape, A, B, C, M, N, K, beta);   /* C = beta C */
+        return;
+    }
     int64_t batches = 1, idx[8] = {0};
     for (int d = 0; d < nb; d++) batches *= bshape[d];
     for (int64_t bi = 0; bi < batches; bi++, next_batch(nb, bshape, idx)) {
         int64_t oa, ob, oc;
         float b = batch_offsets(nb, idx, &A, &B, &C, &oa, &ob, &oc) ? beta : 1.0f;
-        if (!gemm_amx_2d(M, N, K, A.p + oa, A.rs, A.cs, B.p + ob, B.rs, B.cs, b, C.p + oc, C.rs, C.cs)) continue;
-        float *ra = rounded_copy(A.p + oa, M, K, A.rs, A.cs), *rb = ra ? rounded_copy(B.p + ob, K, N, B.rs, B.cs) : NULL;
-        uly_mat a1 = {.p = ra, .rs = K, .cs = 1}, b1 = {.p = rb, .rs = N, .cs = 1}, c1 = C;
-        c1.p += oc;
-        if (rb) gemm_batched(0, NULL, a1, b1, c1, M, N, K, b);
-        else gemm_batched(0, NULL, (uly_mat){.p = A.p + oa, .rs = A.rs, .cs = A.cs},
-                          (uly_mat){.p = B.p + ob, .rs = B.rs, .cs = B.cs}, c1, M, N, K, b);   /* no memory: unrounded */
-        free(ra);
-        free(rb);
+        uly_mat a1 = A, b1 = B, c1 = C;
+        a1.p = elem(A, oa);
+        b1.p = elem(B, ob);
+        c1.p = elem(C, oc);
+        if (!gemm_amx_2d(M, N, K, a1.p, A.dtype, A.rs, A.cs, b1.p, B.dtype, B.rs, B.cs, b, c1.p, C.dtype, C.rs, C.cs))
+            continue;
+        if (rounded_sgemm(a1, b1, c1, M, N, K, b)) rounded_loops(a1, b1, c1, M, N, K, b);
     }
+}
+
+void gemm_batched_rounded(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
+                          int64_t M, int64_t N, int64_t K, float beta) {
+    if (gemm_amx_on()) gemm_batched_bf16(nb, bshape, A, B, C, M, N, K, beta);
+    else gemm_batched(nb, bshape, A, B, C, M, N, K, beta);
 }
