@@ -7,12 +7,17 @@
 --     the LuaJIT FFI on the data pointers of the same tensors, for the shapes of a small GPT
 --     (C = 256, 8192 tokens), squares 512/1024/2048 and transposed operands (views, no copies);
 --     forward counts 2*M*N*K flops, forward+backward 3x that (backward is two GEMMs);
---  3. per-call overhead in microseconds of tiny ops (a + b, matmul, sum, view) from Lua and as
+--  3. bf16 precision (uly.matmul_precision('bf16'): on the AMX tiles where the CPU has them,
+--     uly.cpu_amx(), else OpenBLAS on rounded copies) at the GPT shapes, forward: f32 operands
+--     with an f32 result, and bf16 operands with a bf16 result (bf16 activations), next to our
+--     f32 matmul (OpenBLAS, over our threads), with the largest difference from the f32 product
+--     relative to its largest value (bf16 operands: ~2^-8);
+--  4. per-call overhead in microseconds of tiny ops (a + b, matmul, sum, view) from Lua and as
 --     raw C calls through the FFI, with and without requires_grad, and the memory peak.
 -- Each number is the median of several timed repetitions (after warm-up) sized to ~0.3 s per
 -- measurement; ours and raw repetitions alternate so drift affects both alike.
 --
--- Run:  bin/ulysses bench/matmul.lua [--threads N] [--seconds S]
+-- Run:  bin/ulysses bench/matmul.lua [--threads N] [--seconds S] [--only bf16]
 --       OPENBLAS_CORETYPE=Haswell  bin/ulysses bench/matmul.lua     (AVX2 kernels)
 --       OPENBLAS_CORETYPE=SkylakeX bin/ulysses bench/matmul.lua     (AVX-512 kernels)
 local ffi = require 'ffi'
@@ -21,15 +26,18 @@ local C = uly.C
 
 ---------------------------------------------------------------- options
 local args = arg or {}
-local opts = { threads = nil, seconds = 0.3 }
+local opts = { threads = nil, seconds = 0.3, only = nil }
 do
   local i = 1
   while i <= #args do
     local a = args[i]
     if a == '--threads' then opts.threads = tonumber(args[i + 1]); i = i + 2
     elseif a == '--seconds' then opts.seconds = tonumber(args[i + 1]); i = i + 2
+    elseif a == '--only' then
+      opts.only = args[i + 1]; i = i + 2
+      if opts.only ~= 'bf16' then error('bench/matmul.lua: --only takes bf16 (the bf16 table alone)', 0) end
     elseif a == '-h' or a == '--help' then
-      print('usage: bin/ulysses bench/matmul.lua [--threads N] [--seconds S per measurement, default 0.3]')
+      print('usage: bin/ulysses bench/matmul.lua [--threads N] [--seconds S per measurement, default 0.3] [--only bf16]')
       return
     else error('bench/matmul.lua: unknown argument ' .. tostring(a) .. ' (try --help)', 0) end
     if (a == '--threads' or a == '--seconds') and not opts[a:sub(3)] then
@@ -262,33 +270,89 @@ local cases = {
   { T_, C_, 3 * C_, 'nt', 'B^T  [8192,256]@[768,256]:t()' },
 }
 
-print('matmul, f32: GFLOP/s (forward 2*M*N*K flops, forward+backward 6*M*N*K), ours/raw = ours GFLOP/s / raw')
-print('  ours = a:matmul(b) [then out:backward(g)];  raw = cblas_sgemm on the same buffers [3 sgemm calls]')
-local hdr = string.format('  %-34s | %7s %7s %8s | %7s %7s %8s | %4s | %s',
-                          'shape', 'fwd', 'raw', 'ours/raw', 'fwd+bwd', 'raw', 'ours/raw', 'reps', 'max|ours-raw|')
-print(hdr)
-print('  ' .. string.rep('-', #hdr - 2))
-local results = {}
-for _, spec in ipairs(cases) do
-  local M, K, N, kind, label = unpack(spec)
-  local case = matmul_case(M, K, N, kind)
-  local flops = 2 * M * N * K
-  local tf, reps1 = measure({ case.fwd_ours, case.fwd_raw })
-  case.prepare_grads()
-  local tb, reps2 = measure({ case.fwdbwd_ours, case.fwdbwd_raw })
-  local diff = case.check()
-  case.free()
-  local r = {
-    label = label, fo = flops / tf[1] * 1e-9, fr = flops / tf[2] * 1e-9,
-    bo = 3 * flops / tb[1] * 1e-9, br = 3 * flops / tb[2] * 1e-9,
-  }
-  results[#results + 1] = r
-  print(string.format('  %-34s | %7.1f %7.1f %8.3f | %7.1f %7.1f %8.3f | %2d/%-2d| %.3g',
-                      label, r.fo, r.fr, r.fo / r.fr, r.bo, r.br, r.bo / r.br, reps1, reps2, diff))
-  io.stdout:flush()
-  collectgarbage()
+if opts.only ~= 'bf16' then
+  print('matmul, f32: GFLOP/s (forward 2*M*N*K flops, forward+backward 6*M*N*K), ours/raw = ours GFLOP/s / raw')
+  print('  ours = a:matmul(b) [then out:backward(g)];  raw = cblas_sgemm on the same buffers [3 sgemm calls]')
+  local hdr = string.format('  %-34s | %7s %7s %8s | %7s %7s %8s | %4s | %s',
+                            'shape', 'fwd', 'raw', 'ours/raw', 'fwd+bwd', 'raw', 'ours/raw', 'reps', 'max|ours-raw|')
+  print(hdr)
+  print('  ' .. string.rep('-', #hdr - 2))
+  local results = {}
+  for _, spec in ipairs(cases) do
+    local M, K, N, kind, label = unpack(spec)
+    local case = matmul_case(M, K, N, kind)
+    local flops = 2 * M * N * K
+    local tf, reps1 = measure({ case.fwd_ours, case.fwd_raw })
+    case.prepare_grads()
+    local tb, reps2 = measure({ case.fwdbwd_ours, case.fwdbwd_raw })
+    local diff = case.check()
+    case.free()
+    local r = {
+      label = label, fo = flops / tf[1] * 1e-9, fr = flops / tf[2] * 1e-9,
+      bo = 3 * flops / tb[1] * 1e-9, br = 3 * flops / tb[2] * 1e-9,
+    }
+    results[#results + 1] = r
+    print(string.format('  %-34s | %7.1f %7.1f %8.3f | %7.1f %7.1f %8.3f | %2d/%-2d| %.3g',
+                        label, r.fo, r.fr, r.fo / r.fr, r.bo, r.br, r.bo / r.br, reps1, reps2, diff))
+    io.stdout:flush()
+    collectgarbage()
+  end
+  print()
 end
-print()
+
+---------------------------------------------------------------- matmul in bf16 precision
+-- forward only, GPT shapes: ours in bf16 precision on f32 operands (f32 result) and on bf16
+-- operands (bf16 result), ours in f32 beside; the error against the f32 product
+local function rel_err(x, ref)
+  local xf, rf = x:float():contiguous(), ref:contiguous()
+  local px, pr, worst, scale = fptr(xf), fptr(rf), 0, 0
+  for i = 0, rf:numel() - 1 do
+    worst = math.max(worst, math.abs(px[i] - pr[i]))
+    scale = math.max(scale, math.abs(pr[i]))
+  end
+  return worst / math.max(scale, 1e-30)
+end
+
+local function bf16_table()
+  local amx = uly.cpu_amx()
+  local peak = uly.cpu_amx_peak_flops()
+  print('matmul, bf16 precision (forward, 2*M*N*K flops): GFLOP/s; bf16 matmuls on AMX tiles: ' .. amx ..
+        (peak > 0 and string.format(' (their bf16 peak: %.0f GFLOP/s, measured)', peak / 1e9) or ''))
+  print('  f32 in = f32 operands, f32 result; bf16 in = bf16 operands, bf16 result; f32 = our matmul in f32 precision')
+  local h = string.format('  %-34s | %8s %8s %8s | %9s %9s | %9s %9s', 'shape', 'f32 in', 'bf16 in', 'f32',
+                          'f32in/f32', 'bf16in/f32', 'err f32in', 'err bf16in')
+  print(h)
+  print('  ' .. string.rep('-', #h - 2))
+  for k = 1, 4 do
+    local M, K, N, _, label = unpack(cases[k])
+    local A, B = uly.randn(M, K), uly.randn(K, N)
+    local A16, B16 = A:bf16(), B:bf16()
+    local prev = uly.matmul_precision()
+    local function precision(p, fn) return function(n) uly.matmul_precision(p); fn(n) end end
+    local t = measure({
+      precision('bf16', function(n) for _ = 1, n do A:matmul(B):free() end end),
+      precision('bf16', function(n) for _ = 1, n do A16:matmul(B16):free() end end),
+      precision('f32', function(n) for _ = 1, n do A:matmul(B):free() end end),
+    })
+    uly.matmul_precision('f32')
+    local Cr = A:matmul(B)
+    uly.matmul_precision('bf16')
+    local y32, y16 = A:matmul(B), A16:matmul(B16)
+    uly.matmul_precision(prev)
+    local e32, e16 = rel_err(y32, Cr), rel_err(y16, Cr)
+    local flops = 2 * M * N * K
+    local g = { flops / t[1] * 1e-9, flops / t[2] * 1e-9, flops / t[3] * 1e-9 }
+    print(string.format('  %-34s | %8.1f %8.1f %8.1f | %9.2f %9.2f | %9.2g %9.2g', label, g[1], g[2], g[3],
+                        g[1] / g[3], g[2] / g[3], e32, e16))
+    io.stdout:flush()
+    for _, x in ipairs({ A, B, Cr, A16, B16, y32, y16 }) do x:free() end
+    collectgarbage()
+  end
+  print()
+end
+
+bf16_table()
+if opts.only == 'bf16' then return end
 
 ---------------------------------------------------------------- per-op overhead on tiny tensors
 -- Lua columns: the package as a user writes it (results are reclaimed by the GC, as in user

@@ -89,3 +89,22 @@ describe('bench/attention.lua', function()
     assert.truthy(out:find('== sliding window', 1, true) and out:find('us/token', 1, true), out)
   end)
 end)
+
+describe('bench/matmul.lua', function()
+  it('prints the bf16 table (--only bf16): f32 and bf16 operands within bf16\'s precision of the f32 product', function()
+    local out, code = helpers.run('bin/ulysses bench/matmul.lua --only bf16 --seconds 0.01')
+    assert.equals(0, code, out)
+    assert.truthy(out:find('bf16 matmuls on AMX tiles: ' .. uly.cpu_amx(), 1, true), out)
+    local rows = 0
+    for e32, e16 in out:gmatch('\n  [^\n]-|%s+[%d.]+%s+[%d.]+%s+[%d.]+ |%s+[%d.]+%s+[%d.]+ |%s+(%S+)%s+(%S+)') do
+      rows = rows + 1
+      -- operands rounded to 8 bits (and a bf16 result): a few 2^-9 of the largest value; a wrong
+      -- product is O(1), an f32 one below 1e-5
+      for _, e in ipairs { tonumber(e32), tonumber(e16) } do assert.is_true(e > 1e-5 and e < 2e-2, out) end
+    end
+    assert.equals(4, rows, out)
+    assert.is_nil(out:find('per-op overhead', 1, true), '--only bf16 printed the other tables:\n' .. out)
+    local _, bad = helpers.run('bin/ulysses bench/matmul.lua --only f16')
+    assert.equals(1, bad)
+  end)
+end)
