@@ -214,7 +214,7 @@ const uly_backend uly_backend_cpu = {
     .attention_forward = attention_forward, .attention_backward = attention_backward,
     .binary_forward = binary_forward, .scalar_forward = scalar_forward, .scalar_backward = scalar_backward,
     .axpy_accumulate = axpy_accumulate, .gemm_operand_ok = gemm_operand_ok, .gemm_batched = gemm_batched,
-    .gemm_batched_bf16 = gemm_batched_bf16,
+    .gemm_batched_bf16 = gemm_batched_bf16, .gemm_bias = gemm_bias,
     .flash_attention_scratch_floats = flash_attention_scratch_floats,
     .flash_attention_forward = flash_attention_forward, .flash_attention_backward = flash_attention_backward,
     .optim_adamw = optim_adamw, .optim_sgd = optim_sgd, .optim_sumsq = optim_sumsq, .optim_scale = optim_scale,

@@ -258,13 +258,18 @@ uly_tensor *uly_addmm(uly_tensor *a, uly_tensor *w, uly_tensor *bias) {
     int64_t oshape[ULY_MAX_DIMS];
     memcpy(oshape, a->shape, sizeof oshape);
     oshape[a->ndim - 1] = N;
-    uly_tensor *out = wc ? uly_new_contiguous(a->ndim, oshape, ULY_DTYPE_F32, uly_dev(a)) : NULL;
-    if (out) {
-        uly_mat A = {.p = (float *)uly_ptr(a), .rs = K, .cs = 1, .dtype = a->dtype}, W = uly_as_mat(wc, 0),
-                O = {.p = uly_f32(out), .rs = N, .cs = 1};
+    uly_mat A = {.p = (float *)uly_ptr(a), .rs = K, .cs = 1, .dtype = a->dtype}, W = wc ? uly_as_mat(wc, 0) : (uly_mat){0};
+    const int bias_here = be->gemm_bias && K > 0 && (N <= 1 || bias->stride[0] == 1);
+    uly_tensor *out = NULL;
+    if (wc && bias_here && a->dtype == ULY_DTYPE_BF16) {   /* bf16 activations: a bf16 result straight from the GEMM */
+        out = uly_new_contiguous(a->ndim, oshape, ULY_DTYPE_BF16, uly_dev(a));
+        uly_mat O = {.p = out ? (float *)uly_ptr(out) : NULL, .rs = N, .cs = 1, .dtype = ULY_DTYPE_BF16};
+        if (out && be->gemm_bias(A, W, O, M, N, K, uly_f32(bias), matmul_bf16)) { uly_tensor_release(out); out = NULL; }
+    }
+    if (!out && wc && (out = uly_new_contiguous(a->ndim, oshape, ULY_DTYPE_F32, uly_dev(a)))) {
+        uly_mat O = {.p = uly_f32(out), .rs = N, .cs = 1};
         /* the backend's GEMM adds the bias (cuBLASLt's epilogue); else every row of out = bias, then out += a w */
-        if (!be->gemm_bias || K == 0 || (N > 1 && bias->stride[0] != 1) ||
-            be->gemm_bias(A, W, O, M, N, K, uly_f32(bias), matmul_bf16)) {
+        if (!bias_here || be->gemm_bias(A, W, O, M, N, K, uly_f32(bias), matmul_bf16)) {
             uly_view dv = {.p = uly_f32(out), .dtype = ULY_DTYPE_F32, .ndim = 2, .shape = {M, N}, .stride = {N, 1}};
             uly_view sv = {.p = uly_f32(bias), .dtype = ULY_DTYPE_F32, .ndim = 2, .shape = {M, N},
                            .stride = {0, bias->stride[0]}};

@@ -89,18 +89,26 @@ describe('bf16 matmuls on AMX tiles', function()
     for i, what in ipairs { 'output', 'dx', 'dw' } do assert_agree(amx[i], blas[i], 2e-5, what) end
   end)
 
+  -- the tiles add the bias themselves (the backend's gemm_bias): seeded into whole 32 x 32
+  -- blocks, added after partial ones (rows and columns past a multiple of 32, more than 16 of them)
   it('agree on a Linear layer (bias added into) and its gradients', function()
     helpers.reseed(3)
-    local x, g = uly.randn(4, 50, 96), uly.randn(4, 50, 80)
-    local lin = uly.nn.Linear(96, 80)
-    local amx, blas = both_ways(function()
-      lin:zero_grad()
-      local xs = x:clone():requires_grad_()
-      local y = lin(xs)
-      y:backward(g)
-      return { y, xs.grad, lin.weight.grad:clone(), lin.bias.grad:clone() }
-    end)
-    for i, what in ipairs { 'output', 'dx', 'dweight', 'dbias' } do assert_agree(amx[i], blas[i], 2e-5, what) end
+    for _, s in ipairs { { 4, 50, 96, 80 }, { 3, 37, 45, 50 }, { 2, 8, 600, 7 } } do
+      local B, T, K, N = unpack(s)
+      local x, g = uly.randn(B, T, K), uly.randn(B, T, N)
+      local lin = uly.nn.Linear(K, N)
+      uly.no_grad(function() lin.bias:copy_(uly.randn(N) * 10) end)
+      local amx, blas = both_ways(function()
+        lin:zero_grad()
+        local xs = x:clone():requires_grad_()
+        local y = lin(xs)
+        y:backward(g)
+        return { y, xs.grad, lin.weight.grad:clone(), lin.bias.grad:clone() }
+      end)
+      for i, what in ipairs { 'output', 'dx', 'dweight', 'dbias' } do
+        assert_agree(amx[i], blas[i], 2e-5, ('[%d, %d, %d] x [%d, %d] %s'):format(B, T, K, K, N, what))
+      end
+    end
   end)
 
   -- on the CPU the backend rounds bf16 operands itself either way (gemm_batched_bf16); the

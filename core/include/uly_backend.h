@@ -126,9 +126,10 @@ typedef struct uly_backend {
     void (*gemm_batched_bf16)(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N,
                               int64_t K, float beta);
     /* ---- a Linear layer's GEMM adding its bias itself: C = bias + A B (C [M, N] row-major
-     *      contiguous, bias [N] contiguous, A and B as in gemm_batched, no batches, K > 0), with
-     *      bf16 operands when bf16. 0, or -1 when it does not take this problem (nothing was done:
-     *      the core then seeds C with the bias and calls the GEMM with beta 1). NULL: never. ---- */
+     *      contiguous, f32, or bf16 for bf16 activations: the f32 result rounded once; bias [N]
+     *      contiguous, A and B as in gemm_batched, no batches, K > 0), with bf16 operands when
+     *      bf16. 0, or -1 when it does not take this problem (nothing was done: the core then
+     *      seeds an f32 C with the bias and calls the GEMM with beta 1). NULL: never. ---- */
     int (*gemm_bias)(uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N, int64_t K, const float *bias, int bf16);
 
     /* ---- exchanges of device buffers (core/comm_exchange.c): a layout's elements (uly_comm_layout, in

@@ -209,15 +209,16 @@ static void load_tile_config(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* out (32 x 32 f32, row stride ld floats) = in + the packed A rows (32 of kcp bf16) times the
- * strip (kcp / 2 rows of 32 words); in NULL: zeros (in may be out: C added into in place) */
-static void micro_kernel(float *out, const float *in, int64_t ld, const uint16_t *a, const uint32_t *strip,
+/* out (32 x 32 f32, row stride ld floats) = in (row stride ild floats: 0 repeats one row, a
+ * bias) + the packed A rows (32 of kcp bf16) times the strip (kcp / 2 rows of 32 words); in NULL:
+ * zeros (in may be out: C added into in place) */
+static void micro_kernel(float *out, int64_t ld, const float *in, int64_t ild, const uint16_t *a, const uint32_t *strip,
                          int64_t kcp) {
     if (in) {
-        _tile_loadd(0, in, ld * 4);
-        _tile_loadd(1, in + 16, ld * 4);
-        _tile_loadd(2, in + 16 * ld, ld * 4);
-        _tile_loadd(3, in + 16 * ld + 16, ld * 4);
+        _tile_loadd(0, in, ild * 4);
+        _tile_loadd(1, in + 16, ild * 4);
+        _tile_loadd(2, in + 16 * ild, ild * 4);
+        _tile_loadd(3, in + 16 * ild + 16, ild * 4);
     } else {
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     }
@@ -238,8 +239,9 @@ static void micro_kernel(float *out, const float *in, int64_t ld, const uint16_t
     _tile_stored(3, out + 16 * ld + 16, ld * 4);
 }
 
-/* C's [mr x nr] block (at c, row stride rs, unit column stride) = beta C + acc (beta 0: C not read) */
-static void add_block(float *c, int64_t rs, const float *acc, int64_t mr, int64_t nr, float beta) {
+/* C's [mr x nr] block (at c, row stride rs, unit column stride) = beta C + acc (beta 0: C not
+ * read), or acc + bias (a row of nr) where bias */
+static void add_block(float *c, int64_t rs, const float *acc, int64_t mr, int64_t nr, float beta, const float *bias) {
     for (int64_t r = 0; r < mr; r++) {
         float *row = c + r * rs;
         const float *src = acc + r * NR;
@@ -247,7 +249,8 @@ static void add_block(float *c, int64_t rs, const float *acc, int64_t mr, int64_
             __mmask16 m = lanes(nr - 16 * h);
             if (!m) break;
             __m512 v = _mm512_loadu_ps(src + 16 * h);
-            if (beta != 0.0f) v = _mm512_fmadd_ps(_mm512_set1_ps(beta), _mm512_maskz_loadu_ps(m, row + 16 * h), v);
+            if (bias) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, bias + 16 * h), v);
+            else if (beta != 0.0f) v = _mm512_fmadd_ps(_mm512_set1_ps(beta), _mm512_maskz_loadu_ps(m, row + 16 * h), v);
             _mm512_mask_storeu_ps(row + 16 * h, m, v);
         }
     }
@@ -264,19 +267,23 @@ static void store_block_bf16(uint16_t *c, int64_t rs, const float *acc, int64_t 
         }
 }
 
-/* C's [mr x nr] block at c (row stride ld) = beta C + the packed A rows times the strip: a whole
- * f32 block with beta 0 or 1 goes through the tiles straight to and from C, others through buf;
- * a bf16 C (c16: beta 0) gets the f32 block rounded */
-static void c_block(void *c, int c16, int64_t ld, int64_t mr, int64_t nr, float beta, const uint16_t *a,
-                    const uint32_t *strip, int64_t kcp, float *buf) {
-    if (c16) {
-        micro_kernel(buf, NULL, NR, a, strip, kcp);
+/* C's [mr x nr] block at c (row stride ld) = beta C + the packed A rows times the strip, or bias
+ * (a row of nr, C not read) + them where bias: a whole f32 block goes through the tiles straight
+ * to C (from C with beta 1, from the bias row repeated with a bias), others through buf, the bias
+ * added after (as the core's fallback, the bias seeded into C and beta 1, adds them: the same
+ * bits); a bf16 C (c16: beta 0) gets the f32 block rounded */
+static void c_block(void *c, int c16, int64_t ld, int64_t mr, int64_t nr, float beta, const float *bias,
+                    const uint16_t *a, const uint32_t *strip, int64_t kcp, float *buf) {
+    const int whole = mr == MR && nr == NR;
+    if (!c16 && whole && (bias || beta == 0.0f || beta == 1.0f)) {
+        micro_kernel(c, ld, bias ? bias : beta == 0.0f ? NULL : c, bias ? 0 : ld, a, strip, kcp);
+    } else if (c16) {
+        micro_kernel(buf, NR, bias && whole ? bias : NULL, 0, a, strip, kcp);
+        if (bias && !whole) add_block(buf, NR, buf, mr, nr, 0.0f, bias);
         store_block_bf16(c, ld, buf, mr, nr);
-    } else if (mr == MR && nr == NR && (beta == 0.0f || beta == 1.0f)) {
-        micro_kernel(c, beta == 0.0f ? NULL : c, ld, a, strip, kcp);
     } else {
-        micro_kernel(buf, NULL, NR, a, strip, kcp);
-        add_block(c, ld, buf, mr, nr, beta);
+        micro_kernel(buf, NR, NULL, 0, a, strip, kcp);
+        add_block(c, ld, buf, mr, nr, beta, bias);
     }
 }
 
@@ -301,7 +308,7 @@ static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
  * each of A, B, C f32 or bf16 (a16, b16, c16; a bf16 C only with K <= KC and beta 0: its blocks
  * are rounded once, whole); -1 when the packing buffers cannot be had (the caller falls back) */
 static int amx_gemm(int64_t M, int64_t N, int64_t K, const void *a, int a16, int64_t ars, int64_t acs, const void *b,
-                    int b16, int64_t brs, int64_t bcs, float beta, void *c, int c16, int64_t crs) {
+                    int b16, int64_t brs, int64_t bcs, float beta, const float *bias, void *c, int c16, int64_t crs) {
     int T = 1;
 #ifdef _OPENMP
     if (omp_in_parallel()) return -1;   /* the packing buffers are the process's: OpenBLAS takes it */
@@ -343,7 +350,8 @@ static int amx_gemm(int64_t M, int64_t N, int64_t K, const void *a, int a16, int
                     const int64_t j = jc + s * NR, nr = N - j < NR ? N - j : NR;
                     for (int64_t ir = 0; ir < mcp; ir += MR)
                         c_block((char *)c + ((i0 + ir) * crs + j) * (c16 ? 2 : 4), c16, crs, mc - ir < MR ? mc - ir : MR,
-                                nr, bt, bufs.a[t] + ir * kcp, bufs.b + s * (kcp / 2) * NR, kcp, acc);
+                                nr, bt, bias && pc == 0 ? bias + j : NULL, bufs.a[t] + ir * kcp,
+                                bufs.b + s * (kcp / 2) * NR, kcp, acc);
                 }
                 _tile_release();
             }
@@ -370,7 +378,7 @@ static int tile_gemm_amx_on(int64_t M, int64_t N, int64_t K, const float *A, int
     for (int64_t s = 0; s < np / NR; s++) {
         const int64_t j = s * NR, nr = N - j < NR ? N - j : NR;
         for (int64_t i = 0; i < mp; i += MR)
-            c_block(C + i * ldc + j, 0, ldc, M - i < MR ? M - i : MR, nr, acc ? 1.0f : 0.0f, tile_a + i * kp,
+            c_block(C + i * ldc + j, 0, ldc, M - i < MR ? M - i : MR, nr, acc ? 1.0f : 0.0f, NULL, tile_a + i * kp,
                     tile_b + s * (kp / 2) * NR, kp, buf);
     }
     return 0;
@@ -461,10 +469,11 @@ static float *csum;
 static int64_t csum_elems;
 
 static int amx_gemm_bf16_out(int64_t M, int64_t N, int64_t K, const void *a, int a16, int64_t ars, int64_t acs,
-                             const void *b, int b16, int64_t brs, int64_t bcs, uint16_t *c, int64_t crs) {
-    if (K <= KC) return amx_gemm(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, 0.0f, c, 1, crs);
+                             const void *b, int b16, int64_t brs, int64_t bcs, const float *bias, uint16_t *c,
+                             int64_t crs) {
+    if (K <= KC) return amx_gemm(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, 0.0f, bias, c, 1, crs);
     if (grow((void **)&csum, &csum_elems, M * N, 4) ||
-        amx_gemm(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, 0.0f, csum, 0, N))
+        amx_gemm(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, 0.0f, bias, csum, 0, N))
         return -1;
     #pragma omp parallel for schedule(static) if (M * N >= (1 << 16))
     for (int64_t i = 0; i < M; i++) {
@@ -477,7 +486,8 @@ static int amx_gemm_bf16_out(int64_t M, int64_t N, int64_t K, const void *a, int
 #endif
 
 int gemm_amx_2d(int64_t M, int64_t N, int64_t K, const void *a, int adt, int64_t ars, int64_t acs, const void *b,
-                int bdt, int64_t brs, int64_t bcs, float beta, void *c, int cdt, int64_t crs, int64_t ccs) {
+                int bdt, int64_t brs, int64_t bcs, float beta, const float *bias, void *c, int cdt, int64_t crs,
+                int64_t ccs) {
 #ifdef AMX_BUILT
     /* a row or a column of A or B with one element has any stride there: read it as unit */
     if (K == 1) acs = brs = 1;
@@ -485,19 +495,19 @@ int gemm_amx_2d(int64_t M, int64_t N, int64_t K, const void *a, int adt, int64_t
     if (N == 1) { bcs = 1; ccs = 1; }
     const int a16 = adt == KDT_BF16, b16 = bdt == KDT_BF16, c16 = cdt == KDT_BF16;
     if (!gemm_amx_on() || K <= 0 || M <= 0 || N <= 0 || ccs != 1 || (acs != 1 && ars != 1) || (bcs != 1 && brs != 1) ||
-        (c16 && beta != 0.0f))
+        (c16 && beta != 0.0f && !bias))
         return -1;
     /* the packing buffers are the process's: a second caller at the same time (another host
      * thread) leaves the GEMM to OpenBLAS */
     static int busy;
     if (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE)) return -1;
-    int rc = c16 ? amx_gemm_bf16_out(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, c, crs)
-                 : amx_gemm(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, beta, c, 0, crs);
+    int rc = c16 ? amx_gemm_bf16_out(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, bias, c, crs)
+                 : amx_gemm(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, beta, bias, c, 0, crs);
     __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
     return rc;
 #else
     (void)M; (void)N; (void)K; (void)a; (void)adt; (void)ars; (void)acs; (void)b; (void)bdt; (void)brs; (void)bcs;
-    (void)beta; (void)c; (void)cdt; (void)crs; (void)ccs;
+    (void)beta; (void)bias; (void)c; (void)cdt; (void)crs; (void)ccs;
 #endif
     return -1;
 }

@@ -176,14 +176,20 @@ void gemm_batched_bf16(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_
 void gemm_batched_rounded(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
                           int64_t M, int64_t N, int64_t K, float beta);
 /* ---- the AMX GEMM (gemm_amx.c) ----
- * gemm_amx_2d: C = beta C + A B, operands rounded to bf16 on the way in; A and B (each f32 or
- * bf16: adt, bdt) with a unit row or column stride, C (f32, or bf16 with beta 0: cdt) with unit
- * column stride; -1 when it did nothing (AMX off, other strides, called inside a parallel region
- * or while another thread runs it, no memory for its panels).
+ * gemm_amx_2d: C = beta C + A B, or bias + A B where bias (a row of N: beta then ignored, C not
+ * read), operands rounded to bf16 on the way in; A and B (each f32 or bf16: adt, bdt) with a
+ * unit row or column stride, C (f32, or bf16 with beta 0 or a bias: cdt) with unit column stride;
+ * -1 when it did nothing (AMX off, other strides, called inside a parallel region or while
+ * another thread runs it, no memory for its panels).
  * gemm_amx_on: whether AMX is in use; gemm_amx_status: "on" or "off: why"; gemm_amx_enable: a
  * switch (the previous setting), for comparisons */
 int gemm_amx_2d(int64_t M, int64_t N, int64_t K, const void *a, int adt, int64_t ars, int64_t acs, const void *b,
-                int bdt, int64_t brs, int64_t bcs, float beta, void *c, int cdt, int64_t crs, int64_t ccs);
+                int bdt, int64_t brs, int64_t bcs, float beta, const float *bias, void *c, int cdt, int64_t crs,
+                int64_t ccs);
+/* the backend's gemm_bias (uly_backend.h): C = bias + A B for a Linear layer in bf16 precision on
+ * the AMX tiles (C f32, or bf16 rounded once); -1 otherwise (f32 precision, AMX off: the core
+ * seeds C with the bias and adds the GEMM into it, the same bits) */
+int gemm_bias(uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N, int64_t K, const float *bias, int bf16);
 int gemm_amx_on(void);
 const char *gemm_amx_status(void);
 int gemm_amx_enable(int on);

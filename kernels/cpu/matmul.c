@@ -185,7 +185,8 @@ void gemm_batched_bf16(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_
         a1.p = elem(A, oa);
         b1.p = elem(B, ob);
         c1.p = elem(C, oc);
-        if (!gemm_amx_2d(M, N, K, a1.p, A.dtype, A.rs, A.cs, b1.p, B.dtype, B.rs, B.cs, b, c1.p, C.dtype, C.rs, C.cs))
+        if (!gemm_amx_2d(M, N, K, a1.p, A.dtype, A.rs, A.cs, b1.p, B.dtype, B.rs, B.cs, b, NULL, c1.p, C.dtype, C.rs,
+                         C.cs))
             continue;
         if (rounded_sgemm(a1, b1, c1, M, N, K, b)) rounded_loops(a1, b1, c1, M, N, K, b);
     }
@@ -195,4 +196,9 @@ void gemm_batched_rounded(int nb, const int64_t *bshape, uly_mat A, uly_mat B, u
                           int64_t M, int64_t N, int64_t K, float beta) {
     if (gemm_amx_on()) gemm_batched_bf16(nb, bshape, A, B, C, M, N, K, beta);
     else gemm_batched(nb, bshape, A, B, C, M, N, K, beta);
+}
+
+int gemm_bias(uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N, int64_t K, const float *bias, int bf16) {
+    if (!bf16) return -1;
+    return gemm_amx_2d(M, N, K, A.p, A.dtype, A.rs, A.cs, B.p, B.dtype, B.rs, B.cs, 0.0f, bias, C.p, C.dtype, C.rs, C.cs);
 }
