@@ -20,7 +20,6 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <omp.h>
 
 #define PAR_MIN 32768 /* elements below which a twin stays on one thread */
 
