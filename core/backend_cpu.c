@@ -194,7 +194,8 @@ static int cpu_memset0(void *p, int64_t bytes) { if (bytes > 0) memset(p, 0, (si
 static int cpu_synchronize(void) { return 0; }
 static const char *cpu_take_error(void) { return NULL; }
 
-const uly_backend uly_backend_cpu = {
+/* mutable: uly_cpu_bf16_kernels sets and clears the bf16-activation entries */
+uly_backend uly_backend_cpu = {
     .abi = ULY_BACKEND_ABI, .size = sizeof(uly_backend), .name = "cpu",
     .raw_alloc = cpu_raw_alloc, .raw_free = cpu_raw_free, .memory_info = NULL, .copy = cpu_copy,
     .memset0 = cpu_memset0, .synchronize = cpu_synchronize, .take_error = cpu_take_error,
@@ -219,4 +220,35 @@ const uly_backend uly_backend_cpu = {
     .flash_attention_forward = flash_attention_forward, .flash_attention_backward = flash_attention_backward,
     .optim_adamw = optim_adamw, .optim_sgd = optim_sgd, .optim_sumsq = optim_sumsq, .optim_scale = optim_scale,
     .pack_layout = cpu_pack_layout, .unpack_layout = cpu_unpack_layout,
+    .binary_forward_typed = binary_forward_typed, .swiglu_forward_bf16 = swiglu_forward_bf16,
+    .swiglu_backward_bf16 = swiglu_backward_bf16, .layernorm_forward_bf16 = layernorm_forward_bf16,
+    .layernorm_backward_bf16 = layernorm_backward_bf16, .rmsnorm_forward_bf16 = rmsnorm_forward_bf16,
+    .rmsnorm_backward_bf16 = rmsnorm_backward_bf16, .cross_entropy_forward_bf16 = cross_entropy_forward_bf16,
+    .cross_entropy_backward_bf16 = cross_entropy_backward_bf16, .unary_forward_bf16 = unary_forward_bf16,
+    .unary_backward_bf16 = unary_backward_bf16, .rope_forward_bf16 = rope_forward_bf16,
 };
+
+/* bf16 activations through the twins that read and write bf16 (1, the default:
+ * kernels/cpu/bf16_twins.c) or through converting copies around the f32 kernels (0): the same
+ * bits, which the specs check; benchmarks time both. The core reads the table at each call, so
+ * this takes effect at once. Returns the previous setting; on < 0 only reads it. */
+int uly_cpu_bf16_kernels(int on) {
+    uly_backend *t = &uly_backend_cpu;
+    const int prev = t->binary_forward_typed != NULL;
+    if (on < 0) return prev;
+    t->binary_forward_typed = on ? binary_forward_typed : NULL;
+    t->swiglu_forward_bf16 = on ? swiglu_forward_bf16 : NULL;
+    t->swiglu_backward_bf16 = on ? swiglu_backward_bf16 : NULL;
+    t->layernorm_forward_bf16 = on ? layernorm_forward_bf16 : NULL;
+    t->layernorm_backward_bf16 = on ? layernorm_backward_bf16 : NULL;
+    t->rmsnorm_forward_bf16 = on ? rmsnorm_forward_bf16 : NULL;
+    t->rmsnorm_backward_bf16 = on ? rmsnorm_backward_bf16 : NULL;
+    t->cross_entropy_forward_bf16 = on ? cross_entropy_forward_bf16 : NULL;
+    t->cross_entropy_backward_bf16 = on ? cross_entropy_backward_bf16 : NULL;
+    t->unary_forward_bf16 = on ? unary_forward_bf16 : NULL;
+    t->unary_backward_bf16 = on ? unary_backward_bf16 : NULL;
+    t->rope_forward_bf16 = on ? rope_forward_bf16 : NULL;
+    return prev;
+}
+
+int64_t uly_cpu_bf16_kernel_calls(void) { return bf16_twin_calls(); }

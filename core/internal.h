@@ -33,7 +33,7 @@ int uly_device_pool_in_use(int device);
 
 /* ---- devices (device.c): the backend table of each device (NULL: none registered) ---- */
 extern const uly_backend *uly_backends[ULY_DEVICE_COUNT];
-extern const uly_backend uly_backend_cpu;   /* backend_cpu.c */
+extern uly_backend uly_backend_cpu;         /* backend_cpu.c (its bf16 entries switch: uly_cpu_bf16_kernels) */
 extern const uly_backend uly_backend_sim;   /* backend_sim.c */
 /* the first failure a device backend kept since the last check, as an error naming `op`; 0 if none */
 int uly_device_check(const char *op, int device);

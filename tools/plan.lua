@@ -84,7 +84,9 @@ local function new_sim(c, gc_next)
                         peak_phase = 'setup', device = c.device, device_memory = c.device_memory,
                         kernels = c.kernels, precision = c.precision, act16 = c.activations == 'bf16',
                         native16 = c.activations == 'bf16' and c.kernels == 'cuda' and c.precision == 'bf16',
-                        k16 = c.kernels == 'cuda' }, Sim)
+                        -- bf16-activation kernels: the CUDA library's, and the CPU's own on the host
+                        -- (kernels/cpu/bf16_twins.c; the simulated device has none)
+                        k16 = c.kernels == 'cuda' or c.device == 'cpu' }, Sim)
 end
 
 function Sim:mark_peak()
@@ -421,8 +423,8 @@ local function linear(self, x, rows, k, n, lin, cat)
   return matmul(self, x, rows, k, n, lin.weight, cat, lin.bias)
 end
 
--- (k16: the CUDA kernels that read and write bf16 themselves, uly_backend.h: no f32 copies, the
--- result written in its dtype, and backward's rule reads the bf16 saved input)
+-- (k16: kernels that read and write bf16 themselves, uly_backend.h, the CUDA ones or the CPU's: no
+-- f32 copies, the result written in its dtype, and backward's rule reads the bf16 saved input)
 local function add(self, a, b)
   local bf16 = (a.es == 2 and b.es == 2) or ((a.es == 2 or b.es == 2) and self.act16)
   local direct = self.k16 and (a.es == 2 or b.es == 2)

@@ -32,6 +32,27 @@ static inline float bf16_bits_f32(uint16_t h) {
     return v.f;
 }
 
+/* ---- how a row kernel reads its activations and writes its results ----
+ * The row kernels (norms, cross-entropy, RoPE) take an io: NULL for f32 arrays (pointers into
+ * them), or the bf16 twins' (bf16_twins.c), which convert elements [off, off + n) of a bf16
+ * array into a per-thread f32 buffer (in), hand out another for the f32 results of elements
+ * [off, off + n) (out) and round those into the bf16 array (put). The same compiled arithmetic
+ * serves both. */
+typedef struct uly_row_io {
+    const float *(*in)(const void *src, int64_t off, int64_t n);
+    float *(*out)(int64_t off, int64_t n);
+    void (*put)(void *dst, int64_t off, int64_t n, const float *f);
+} uly_row_io;
+static inline const float *row_in(const uly_row_io *io, const void *src, int64_t off, int64_t n) {
+    return io ? io->in(src, off, n) : (const float *)src + off;
+}
+static inline float *row_out(const uly_row_io *io, void *dst, int64_t off, int64_t n) {
+    return io ? io->out(off, n) : (float *)dst + off;
+}
+static inline void row_put(const uly_row_io *io, void *dst, int64_t off, int64_t n, const float *f) {
+    if (io) io->put(dst, off, n, f);
+}
+
 /* ---- elementwise unary (unary.c) ---- */
 enum uly_unary_kind {
     ULY_UNARY_GELU_TANH = 0, /* 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
@@ -49,10 +70,17 @@ enum uly_unary_kind {
 void unary_forward(float *out, const float *inp, int64_t n, int kind);
 /* dinp[i] += dout[i] * f'(inp[i]); `out` is the forward output (may be used, e.g. exp/tanh/sigmoid/sqrt) */
 void unary_backward(float *dinp, const float *dout, const float *inp, const float *out, int64_t n, int kind);
+/* the elementwise kernels cut n into blocks of ULY_EW_BLOCK elements (from element 0); the
+ * *_block forms run one block (n <= ULY_EW_BLOCK) on the calling thread, as the kernels do */
+#define ULY_EW_BLOCK 4096
+void unary_forward_block(float *out, const float *inp, int64_t n, int kind);
+void unary_backward_block(float *dinp, const float *dout, const float *inp, const float *out, int64_t n, int kind);
 
 /* swiglu: out = silu(gate) * up, all [n] */
 void swiglu_forward(float *out, const float *gate, const float *up, int64_t n);
 void swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int64_t n);
+void swiglu_forward_block(float *out, const float *gate, const float *up, int64_t n);
+void swiglu_backward_block(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int64_t n);
 
 /* ---- reductions over the middle axis of a contiguous [outer, n, inner] view (reduce.c) ---- */
 /* out[o, i] = scale * sum_j inp[o, j, i]   (out is [outer, inner]) ; mean = sum with scale 1/n */
@@ -82,6 +110,16 @@ void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *
 void rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight, int64_t rows, int64_t C, float eps);
 void rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
                       const float *rstd, int64_t rows, int64_t C);
+/* the same with out / inp read and written through io (uly_row_io; NULL: f32) */
+void layernorm_forward_io(const uly_row_io *io, void *out, float *mean, float *rstd, const void *inp,
+                          const float *weight, const float *bias, int64_t rows, int64_t C, float eps);
+void layernorm_backward_io(const uly_row_io *io, float *dinp, float *dweight, float *dbias, const float *dout,
+                           const void *inp, const float *weight, const float *mean, const float *rstd, int64_t rows,
+                           int64_t C);
+void rmsnorm_forward_io(const uly_row_io *io, void *out, float *rstd, const void *inp, const float *weight,
+                        int64_t rows, int64_t C, float eps);
+void rmsnorm_backward_io(const uly_row_io *io, float *dinp, float *dweight, const float *dout, const void *inp,
+                         const float *weight, const float *rstd, int64_t rows, int64_t C);
 
 /* ---- embedding (embedding.c); idx_bytes is 4 (int32) or 8 (int64); indices already range-checked ---- */
 /* out[i, :] = weight[idx[i], :]  for i < n; weight is [V, C] */
@@ -100,6 +138,9 @@ void rope_forward(float *out, const float *inp, int64_t B, int64_t T, int64_t H,
 /* dinp += rotation by -angle of dout */
 void rope_backward(float *dinp, const float *dout, int64_t B, int64_t T, int64_t H, int64_t D,
                    int64_t pos_offset, float theta);
+/* rope_forward with out / inp through io (uly_row_io; NULL: f32) */
+void rope_forward_io(const uly_row_io *io, void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D,
+                     int64_t pos_offset, float theta);
 
 /* ---- dropout with a counter-based RNG (dropout.c) ----
  * element i is kept iff uniform(seed, offset + i) >= p; kept elements are scaled by 1/(1-p).
@@ -119,6 +160,12 @@ int64_t cross_entropy_forward(float *loss, float *lse, const float *logits, cons
 /* dlogits[r, j] += dloss[r] * (exp(logits[r, j] - lse[r]) - [j == t_r]) for non-ignored rows */
 void cross_entropy_backward(float *dlogits, const float *dloss, const float *logits, const float *lse,
                             const void *targets, int target_bytes, int64_t rows, int64_t V, int64_t ignore_index);
+/* the same with logits read through io (uly_row_io; NULL: f32) */
+int64_t cross_entropy_forward_io(const uly_row_io *io, float *loss, float *lse, const void *logits,
+                                 const void *targets, int target_bytes, int64_t rows, int64_t V, int64_t ignore_index);
+void cross_entropy_backward_io(const uly_row_io *io, float *dlogits, const float *dloss, const void *logits,
+                               const float *lse, const void *targets, int target_bytes, int64_t rows, int64_t V,
+                               int64_t ignore_index);
 
 /* ---- reference attention (attention_ref.c), materialises the full score matrix ----
  * q [B, Tq, H, D], k and v [B, Tk, Hkv, D], out [B, Tq, H, D], all contiguous; H % Hkv == 0 and
@@ -200,6 +247,34 @@ double gemm_amx_peak(int threads);
  * region (its panels are the calling thread's); -1 when it did nothing (AMX off, no memory) */
 int tile_gemm_amx(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
                   int64_t ldc, int acc);
+
+/* ---- bf16 twins (bf16_twins.c): the kernels above with their activations in bf16 (uint16_t
+ * bits; weights, statistics and gradients f32), the uly_backend entries of the same names
+ * (core/include/uly_backend.h: each gives the f32 kernel's bits between two converting copies).
+ * binary_forward_typed: out, a and b each f32 or bf16 (dtype ULY_DTYPE_F32 / ULY_DTYPE_BF16). ---- */
+void binary_forward_typed(void *out, int out_dtype, const void *a, int a_dtype, const int64_t *a_strides,
+                          const void *b, int b_dtype, const int64_t *b_strides, int ndim, const int64_t *shape,
+                          int kind);
+void swiglu_forward_bf16(void *out, const void *gate, const void *up, int64_t n);
+void swiglu_backward_bf16(float *dgate, float *dup, const float *dout, const void *gate, const void *up, int64_t n);
+void layernorm_forward_bf16(void *out, float *mean, float *rstd, const void *inp, const float *weight,
+                            const float *bias, int64_t rows, int64_t C, float eps);
+void layernorm_backward_bf16(float *dinp, float *dweight, float *dbias, const float *dout, const void *inp,
+                             const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t C);
+void rmsnorm_forward_bf16(void *out, float *rstd, const void *inp, const float *weight, int64_t rows, int64_t C,
+                          float eps);
+void rmsnorm_backward_bf16(float *dinp, float *dweight, const float *dout, const void *inp, const float *weight,
+                           const float *rstd, int64_t rows, int64_t C);
+int64_t cross_entropy_forward_bf16(float *loss, float *lse, const void *logits, const void *targets, int target_bytes,
+                                   int64_t rows, int64_t V, int64_t ignore_index);
+void cross_entropy_backward_bf16(float *dlogits, const float *dloss, const void *logits, const float *lse,
+                                 const void *targets, int target_bytes, int64_t rows, int64_t V, int64_t ignore_index);
+void unary_forward_bf16(void *out, const void *inp, int64_t n, int kind);
+void unary_backward_bf16(float *dinp, const float *dout, const void *inp, const void *out, int64_t n, int kind);
+void rope_forward_bf16(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t pos_offset,
+                       float theta);
+/* how many times a twin above has been called in this process (specs: the twins did run) */
+int64_t bf16_twin_calls(void);
 
 /* ==== optimizers (optim.c) — begin ==========================================================
  * In place over ONE contiguous f32 parameter of n elements; g is its gradient, m / v / buf its

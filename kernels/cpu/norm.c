@@ -15,6 +15,8 @@
  *   each chunk sums its rows in order into a float partial (malloc'ed), then the partials
  *   are added in chunk order in double. If malloc fails, the same chunk sums are formed
  *   column-block-wise instead (same result).
+ *   The *_io forms read inp and write out through a uly_row_io (kernels.h): the bf16 twins
+ *   (bf16_twins.c) run this same code on per-thread f32 copies of each row.
  */
 #include "kernels.h"
 #include "vecmath.h"
@@ -29,14 +31,14 @@
 
 /* ---------------- LayerNorm ---------------- */
 
-void layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *weight,
-                       const float *bias, int64_t rows, int64_t C, float eps)
+void layernorm_forward_io(const uly_row_io *io, void *out, float *mean, float *rstd, const void *inp,
+                          const float *weight, const float *bias, int64_t rows, int64_t C, float eps)
 {
     if (rows <= 0 || C <= 0) return;
 #pragma omp parallel for schedule(static) if (rows * C > PAR_MIN && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
-        const float *x = inp + r * C;
-        float *y = out + r * C;
+        const float *x = row_in(io, inp, r * C, C);
+        float *y = row_out(io, out, r * C, C);
         double s = 0.0;
 #pragma omp simd reduction(+ : s)
         for (int64_t c = 0; c < C; c++) s += (double)x[c];
@@ -64,7 +66,14 @@ void layernorm_forward(float *out, float *mean, float *rstd, const float *inp, c
 #pragma omp simd
             for (int64_t c = 0; c < C; c++) y[c] = (x[c] - m) * rs;
         }
+        row_put(io, out, r * C, C, y);
     }
+}
+
+void layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *weight,
+                       const float *bias, int64_t rows, int64_t C, float eps)
+{
+    layernorm_forward_io(NULL, out, mean, rstd, inp, weight, bias, rows, C, eps);
 }
 
 /* dinp row of layernorm (weight may be NULL) */
@@ -136,8 +145,9 @@ static void combine_partials(float *dst, const float *part, int64_t nch, int64_t
     }
 }
 
-void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
-                        const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t C)
+void layernorm_backward_io(const uly_row_io *io, float *dinp, float *dweight, float *dbias, const float *dout,
+                           const void *inp, const float *weight, const float *mean, const float *rstd, int64_t rows,
+                           int64_t C)
 {
     if (rows <= 0 || C <= 0) return;
     const int par = rows * C > PAR_MIN;
@@ -159,7 +169,7 @@ void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *
         const int64_t r1 = min64(rows, (k + 1) * chunk);
         float *pwk = pw ? pw + k * C : NULL, *pbk = pb ? pb + k * C : NULL;
         for (int64_t r = k * chunk; r < r1; r++) {
-            const float *dy = dout + r * C, *x = inp + r * C;
+            const float *dy = dout + r * C, *x = row_in(io, inp, r * C, C);
             if (dinp) ln_dinp_row(dinp + r * C, dy, x, weight, mean[r], rstd[r], C);
             if (pwk || pbk) ln_param_row(pwk, pbk, dy, x, mean[r], rstd[r], C);
         }
@@ -183,7 +193,8 @@ void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *
                 memset(cb, 0, sizeof cb);
                 float *pwk = dweight ? cw : NULL, *pbk = dbias ? cb : NULL;
                 for (int64_t r = k * chunk; r < min64(rows, (k + 1) * chunk); r++)
-                    ln_param_row(pwk, pbk, dout + r * C + c0, inp + r * C + c0, mean[r], rstd[r], c1 - c0);
+                    ln_param_row(pwk, pbk, dout + r * C + c0, row_in(io, inp, r * C + c0, c1 - c0), mean[r], rstd[r],
+                                 c1 - c0);
                 for (int64_t c = 0; c < c1 - c0; c++) {
                     aw[c] += (double)cw[c];
                     ab[c] += (double)cb[c];
@@ -197,16 +208,22 @@ void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *
     }
 }
 
+void layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout, const float *inp,
+                        const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t C)
+{
+    layernorm_backward_io(NULL, dinp, dweight, dbias, dout, inp, weight, mean, rstd, rows, C);
+}
+
 /* ---------------- RMSNorm ---------------- */
 
-void rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight, int64_t rows, int64_t C,
-                     float eps)
+void rmsnorm_forward_io(const uly_row_io *io, void *out, float *rstd, const void *inp, const float *weight,
+                        int64_t rows, int64_t C, float eps)
 {
     if (rows <= 0 || C <= 0) return;
 #pragma omp parallel for schedule(static) if (rows * C > PAR_MIN && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
-        const float *x = inp + r * C;
-        float *y = out + r * C;
+        const float *x = row_in(io, inp, r * C, C);
+        float *y = row_out(io, out, r * C, C);
         double s = 0.0;
 #pragma omp simd reduction(+ : s)
         for (int64_t c = 0; c < C; c++) s += (double)x[c] * (double)x[c];
@@ -219,7 +236,14 @@ void rmsnorm_forward(float *out, float *rstd, const float *inp, const float *wei
 #pragma omp simd
             for (int64_t c = 0; c < C; c++) y[c] = x[c] * rs;
         }
+        row_put(io, out, r * C, C, y);
     }
+}
+
+void rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight, int64_t rows, int64_t C,
+                     float eps)
+{
+    rmsnorm_forward_io(NULL, out, rstd, inp, weight, rows, C, eps);
 }
 
 static inline void rms_dinp_row(float *dx, const float *dy, const float *x, const float *w, float rs, int64_t C)
@@ -248,8 +272,8 @@ static inline void rms_param_row(float *pw, const float *dy, const float *x, flo
     for (int64_t c = 0; c < len; c++) pw[c] += dy[c] * (x[c] * rs);
 }
 
-void rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
-                      const float *rstd, int64_t rows, int64_t C)
+void rmsnorm_backward_io(const uly_row_io *io, float *dinp, float *dweight, const float *dout, const void *inp,
+                         const float *weight, const float *rstd, int64_t rows, int64_t C)
 {
     if (rows <= 0 || C <= 0) return;
     const int par = rows * C > PAR_MIN;
@@ -264,7 +288,7 @@ void rmsnorm_backward(float *dinp, float *dweight, const float *dout, const floa
         const int64_t r1 = min64(rows, (k + 1) * chunk);
         float *pwk = pw ? pw + k * C : NULL;
         for (int64_t r = k * chunk; r < r1; r++) {
-            const float *dy = dout + r * C, *x = inp + r * C;
+            const float *dy = dout + r * C, *x = row_in(io, inp, r * C, C);
             if (dinp) rms_dinp_row(dinp + r * C, dy, x, weight, rstd[r], C);
             if (pwk) rms_param_row(pwk, dy, x, rstd[r], C);
         }
@@ -283,10 +307,16 @@ void rmsnorm_backward(float *dinp, float *dweight, const float *dout, const floa
             for (int64_t k = 0; k < nch; k++) {
                 memset(cw, 0, sizeof cw);
                 for (int64_t r = k * chunk; r < min64(rows, (k + 1) * chunk); r++)
-                    rms_param_row(cw, dout + r * C + c0, inp + r * C + c0, rstd[r], c1 - c0);
+                    rms_param_row(cw, dout + r * C + c0, row_in(io, inp, r * C + c0, c1 - c0), rstd[r], c1 - c0);
                 for (int64_t c = 0; c < c1 - c0; c++) aw[c] += (double)cw[c];
             }
             for (int64_t c = c0; c < c1; c++) dweight[c] += (float)aw[c - c0];
         }
     }
+}
+
+void rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
+                      const float *rstd, int64_t rows, int64_t C)
+{
+    rmsnorm_backward_io(NULL, dinp, dweight, dout, inp, weight, rstd, rows, C);
 }

@@ -9,7 +9,8 @@
  * Angles are formed and reduced in double (pos * freq, then sin/cos), so positions in the
  * millions keep full float accuracy; cos/sin are computed once per (t, i) and shared by the
  * B*H vectors at that t. Parallel over t; every output element is computed independently,
- * so results do not depend on the thread count.
+ * so results do not depend on the thread count. rope_forward_io reads and writes through a
+ * uly_row_io (kernels.h): the bf16 twin (bf16_twins.c) runs this same code on f32 copies.
  */
 #include "kernels.h"
 #include <math.h>
@@ -19,8 +20,8 @@
 #define ROPE_PAR_MIN 16384 /* elements below which threads are not worth starting */
 
 /* apply the rotation (sign = +1 forward, -1 backward) for all b, h at sequence index t */
-static void rope_row(float *out, const float *inp, int accumulate, int64_t B, int64_t T, int64_t H,
-                     int64_t D, int64_t t, double pos, const double *freq, double th, double sign) {
+static void rope_row(const uly_row_io *io, void *out, const void *inp, int accumulate, int64_t B, int64_t T,
+                     int64_t H, int64_t D, int64_t t, double pos, const double *freq, double th, double sign) {
     float cs[ROPE_CHUNK], sn[ROPE_CHUNK];
     int64_t P = D / 2;
     for (int64_t i0 = 0; i0 < P; i0 += ROPE_CHUNK) {
@@ -35,8 +36,8 @@ static void rope_row(float *out, const float *inp, int accumulate, int64_t B, in
         for (int64_t b = 0; b < B; b++) {
             for (int64_t h = 0; h < H; h++) {
                 int64_t base = ((b * T + t) * H + h) * D + 2 * i0;
-                const float *x = inp + base;
-                float *o = out + base;
+                const float *x = row_in(io, inp, base, 2 * np);
+                float *o = row_out(io, out, base, 2 * np);
                 if (accumulate) {
                     for (int64_t j = 0; j < np; j++) {
                         float x0 = x[2 * j], x1 = x[2 * j + 1];
@@ -50,13 +51,14 @@ static void rope_row(float *out, const float *inp, int accumulate, int64_t B, in
                         o[2 * j + 1] = x0 * sn[j] + x1 * cs[j];
                     }
                 }
+                row_put(io, out, base, 2 * np, o);
             }
         }
     }
 }
 
-static void rope_apply(float *out, const float *inp, int accumulate, int64_t B, int64_t T, int64_t H,
-                       int64_t D, int64_t pos_offset, float theta, double sign) {
+static void rope_apply(const uly_row_io *io, void *out, const void *inp, int accumulate, int64_t B, int64_t T,
+                       int64_t H, int64_t D, int64_t pos_offset, float theta, double sign) {
     if (B <= 0 || T <= 0 || H <= 0 || D < 2) return;
     int64_t P = D / 2;
     /* inverse frequencies, shared by all t; on allocation failure they are recomputed inline */
@@ -65,17 +67,22 @@ static void rope_apply(float *out, const float *inp, int accumulate, int64_t B, 
         for (int64_t i = 0; i < P; i++) freq[i] = pow((double)theta, -(double)(2 * i) / (double)D);
     #pragma omp parallel for schedule(static) if (B * T * H * D >= ROPE_PAR_MIN && T > 1)
     for (int64_t t = 0; t < T; t++)
-        rope_row(out, inp, accumulate, B, T, H, D, t, (double)pos_offset + (double)t, freq, (double)theta, sign);
+        rope_row(io, out, inp, accumulate, B, T, H, D, t, (double)pos_offset + (double)t, freq, (double)theta, sign);
     free(freq);
+}
+
+void rope_forward_io(const uly_row_io *io, void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D,
+                     int64_t pos_offset, float theta) {
+    rope_apply(io, out, inp, 0, B, T, H, D, pos_offset, theta, 1.0);
 }
 
 void rope_forward(float *out, const float *inp, int64_t B, int64_t T, int64_t H, int64_t D,
                   int64_t pos_offset, float theta) {
-    rope_apply(out, inp, 0, B, T, H, D, pos_offset, theta, 1.0);
+    rope_apply(NULL, out, inp, 0, B, T, H, D, pos_offset, theta, 1.0);
 }
 
 void rope_backward(float *dinp, const float *dout, int64_t B, int64_t T, int64_t H, int64_t D,
                    int64_t pos_offset, float theta) {
     if (!dinp) return;
-    rope_apply(dinp, dout, 1, B, T, H, D, pos_offset, theta, -1.0);
+    rope_apply(NULL, dinp, dout, 1, B, T, H, D, pos_offset, theta, -1.0);
 }

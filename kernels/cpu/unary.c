@@ -19,7 +19,9 @@
  *
  * Threading: the range is cut into fixed blocks of EW_BLOCK elements (independent of the
  * thread count) and every element is computed by the same code whatever the number of
- * threads, so results are bit-identical for any OMP_NUM_THREADS.
+ * threads, so results are bit-identical for any OMP_NUM_THREADS. The *_block forms run one
+ * block's function on the calling thread: the bf16 twins (bf16_twins.c) call them on f32 copies
+ * of each block.
  */
 #include "kernels.h"
 #include "vecmath.h"
@@ -27,7 +29,7 @@
 #include <stddef.h>
 #include <omp.h>
 
-#define EW_BLOCK 4096
+#define EW_BLOCK ULY_EW_BLOCK
 /* parallelise only above these sizes (thread start-up would dominate below) */
 #define PAR_CHEAP 131072 /* memory-bound: relu, sqrt */
 #define PAR_EXP 32768    /* exp-based, vectorised */
@@ -132,44 +134,72 @@ EW_FN(bw_log, { o0[i] += b[i] / a[i]; })
 EW_FN(bw_sqrt_out, { o0[i] += b[i] * 0.5f / c[i]; })
 EW_FN_LIBM(bw_sqrt_in, { o0[i] += b[i] * 0.5f / sqrtf(a[i]); })
 
+/* the forward block function of `kind` and the size above which it runs on several threads */
+static ew_fn forward_fn(int kind, int64_t *par)
+{
+    switch (kind) {
+    case ULY_UNARY_GELU_TANH: *par = PAR_EXP; return fw_gelu_tanh;
+    case ULY_UNARY_GELU_EXACT: *par = PAR_LIBM; return fw_gelu_exact;
+    case ULY_UNARY_SILU: *par = PAR_EXP; return fw_silu;
+    case ULY_UNARY_RELU: *par = PAR_CHEAP; return fw_relu;
+    case ULY_UNARY_TANH: *par = PAR_LIBM; return fw_tanh;
+    case ULY_UNARY_SIGMOID: *par = PAR_EXP; return fw_sigmoid;
+    case ULY_UNARY_EXP: *par = PAR_EXP; return fw_exp;
+    case ULY_UNARY_LOG: *par = PAR_LIBM; return fw_log;
+    case ULY_UNARY_SQRT: *par = PAR_CHEAP; return fw_sqrt;
+    default: return NULL;
+    }
+}
+
+/* the backward block function of `kind` (have_out: the forward output is given) and its size threshold */
+static ew_fn backward_fn(int kind, int have_out, int64_t *par)
+{
+    switch (kind) {
+    case ULY_UNARY_GELU_TANH: *par = PAR_EXP; return bw_gelu_tanh;
+    case ULY_UNARY_GELU_EXACT: *par = PAR_LIBM; return bw_gelu_exact;
+    case ULY_UNARY_SILU: *par = PAR_EXP; return bw_silu;
+    case ULY_UNARY_RELU: *par = PAR_CHEAP; return bw_relu;
+    case ULY_UNARY_TANH: *par = have_out ? PAR_CHEAP : PAR_LIBM; return have_out ? bw_tanh_out : bw_tanh_in;
+    case ULY_UNARY_SIGMOID: *par = have_out ? PAR_CHEAP : PAR_EXP; return have_out ? bw_sigmoid_out : bw_sigmoid_in;
+    case ULY_UNARY_EXP: *par = have_out ? PAR_CHEAP : PAR_EXP; return have_out ? bw_exp_out : bw_exp_in;
+    case ULY_UNARY_LOG: *par = PAR_CHEAP; return bw_log;
+    case ULY_UNARY_SQRT: *par = PAR_CHEAP; return have_out ? bw_sqrt_out : bw_sqrt_in;
+    default: return NULL;
+    }
+}
+
 void unary_forward(float *out, const float *inp, int64_t n, int kind)
 {
     ew_args p = { .o0 = out, .a = inp };
-    switch (kind) {
-    case ULY_UNARY_GELU_TANH: ew_run(fw_gelu_tanh, &p, n, PAR_EXP); break;
-    case ULY_UNARY_GELU_EXACT: ew_run(fw_gelu_exact, &p, n, PAR_LIBM); break;
-    case ULY_UNARY_SILU: ew_run(fw_silu, &p, n, PAR_EXP); break;
-    case ULY_UNARY_RELU: ew_run(fw_relu, &p, n, PAR_CHEAP); break;
-    case ULY_UNARY_TANH: ew_run(fw_tanh, &p, n, PAR_LIBM); break;
-    case ULY_UNARY_SIGMOID: ew_run(fw_sigmoid, &p, n, PAR_EXP); break;
-    case ULY_UNARY_EXP: ew_run(fw_exp, &p, n, PAR_EXP); break;
-    case ULY_UNARY_LOG: ew_run(fw_log, &p, n, PAR_LIBM); break;
-    case ULY_UNARY_SQRT: ew_run(fw_sqrt, &p, n, PAR_CHEAP); break;
-    default: break;
-    }
+    int64_t par = 0;
+    const ew_fn fn = forward_fn(kind, &par);
+    if (fn) ew_run(fn, &p, n, par);
 }
 
 void unary_backward(float *dinp, const float *dout, const float *inp, const float *out, int64_t n, int kind)
 {
     if (!dinp) return;
     ew_args p = { .o0 = dinp, .a = inp, .b = dout, .c = out };
-    const int have_out = out != NULL;
-    switch (kind) {
-    case ULY_UNARY_GELU_TANH: ew_run(bw_gelu_tanh, &p, n, PAR_EXP); break;
-    case ULY_UNARY_GELU_EXACT: ew_run(bw_gelu_exact, &p, n, PAR_LIBM); break;
-    case ULY_UNARY_SILU: ew_run(bw_silu, &p, n, PAR_EXP); break;
-    case ULY_UNARY_RELU: ew_run(bw_relu, &p, n, PAR_CHEAP); break;
-    case ULY_UNARY_TANH:
-        ew_run(have_out ? bw_tanh_out : bw_tanh_in, &p, n, have_out ? PAR_CHEAP : PAR_LIBM);
-        break;
-    case ULY_UNARY_SIGMOID:
-        ew_run(have_out ? bw_sigmoid_out : bw_sigmoid_in, &p, n, have_out ? PAR_CHEAP : PAR_EXP);
-        break;
-    case ULY_UNARY_EXP: ew_run(have_out ? bw_exp_out : bw_exp_in, &p, n, have_out ? PAR_CHEAP : PAR_EXP); break;
-    case ULY_UNARY_LOG: ew_run(bw_log, &p, n, PAR_CHEAP); break;
-    case ULY_UNARY_SQRT: ew_run(have_out ? bw_sqrt_out : bw_sqrt_in, &p, n, PAR_CHEAP); break;
-    default: break;
-    }
+    int64_t par = 0;
+    const ew_fn fn = backward_fn(kind, out != NULL, &par);
+    if (fn) ew_run(fn, &p, n, par);
+}
+
+/* one block on the calling thread (the bf16 twins: bf16_twins.c) */
+void unary_forward_block(float *out, const float *inp, int64_t n, int kind)
+{
+    ew_args p = { .o0 = out, .a = inp };
+    int64_t par = 0;
+    const ew_fn fn = forward_fn(kind, &par);
+    if (fn && n > 0) fn(&p, 0, n);
+}
+
+void unary_backward_block(float *dinp, const float *dout, const float *inp, const float *out, int64_t n, int kind)
+{
+    ew_args p = { .o0 = dinp, .a = inp, .b = dout, .c = out };
+    int64_t par = 0;
+    const ew_fn fn = dinp ? backward_fn(kind, out != NULL, &par) : NULL;
+    if (fn && n > 0) fn(&p, 0, n);
 }
 
 /* ---- SwiGLU ---- */
@@ -194,10 +224,28 @@ void swiglu_forward(float *out, const float *gate, const float *up, int64_t n)
     ew_run(fw_swiglu, &p, n, PAR_EXP);
 }
 
+/* the backward block function for the gradients asked for (NULL: none) */
+static ew_fn swiglu_backward_fn(const float *dgate, const float *dup)
+{
+    return dgate && dup ? bw_swiglu_both : dgate ? bw_swiglu_gate : dup ? bw_swiglu_up : NULL;
+}
+
 void swiglu_backward(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int64_t n)
 {
     ew_args p = { .o0 = dgate, .o1 = dup, .a = gate, .b = up, .c = dout };
-    if (dgate && dup) ew_run(bw_swiglu_both, &p, n, PAR_EXP);
-    else if (dgate) ew_run(bw_swiglu_gate, &p, n, PAR_EXP);
-    else if (dup) ew_run(bw_swiglu_up, &p, n, PAR_EXP);
+    const ew_fn fn = swiglu_backward_fn(dgate, dup);
+    if (fn) ew_run(fn, &p, n, PAR_EXP);
+}
+
+void swiglu_forward_block(float *out, const float *gate, const float *up, int64_t n)
+{
+    ew_args p = { .o0 = out, .a = gate, .b = up };
+    if (n > 0) fw_swiglu(&p, 0, n);
+}
+
+void swiglu_backward_block(float *dgate, float *dup, const float *dout, const float *gate, const float *up, int64_t n)
+{
+    ew_args p = { .o0 = dgate, .o1 = dup, .a = gate, .b = up, .c = dout };
+    const ew_fn fn = swiglu_backward_fn(dgate, dup);
+    if (fn && n > 0) fn(&p, 0, n);
 }

@@ -367,6 +367,18 @@ end
 -- the AMX tiles' bf16 peak in FLOP/s over `threads` threads (default: the current count),
 -- measured (~10 ms): the denominator of MFU for bf16 matmuls on them; 0 where AMX is off
 function uly.cpu_amx_peak_flops(threads) return C.uly_cpu_amx_peak_flops(threads or uly.get_num_threads()) end
+-- bf16 activations (uly.activation_dtype('bf16')) on the CPU: norms, SwiGLU, activations, RoPE,
+-- elementwise ops and cross-entropy read and write bf16 themselves (true, the default) or run the
+-- f32 kernels between converting copies (false): the same bits, half the bytes moved. Returns the
+-- previous setting (nothing given: only reads it).
+function uly.cpu_bf16_kernels(on)
+  if on ~= nil and type(on) ~= 'boolean' then
+    raise('uly.cpu_bf16_kernels: expected true, false or nothing, got ' .. type(on) .. ' ' .. tostring(on))
+  end
+  return C.uly_cpu_bf16_kernels(on == nil and -1 or on and 1 or 0) ~= 0
+end
+-- how many times a CPU bf16 kernel (uly.cpu_bf16_kernels) has run in this process
+function uly.cpu_bf16_kernel_calls() return tonumber(C.uly_cpu_bf16_kernel_calls()) end
 function uly.has(feature) return C.uly_has_feature(feature) ~= 0 end
 
 -- wall-clock seconds from a monotonic clock (for progress lines and benchmarks)
