@@ -40,7 +40,8 @@ static char amx_reason[160] = "undecided";
 #define MR 32                      /* a C block: 2 x 2 tiles of 16 x 16 */
 #define NR 32
 #ifndef KC
-#define KC 512                     /* K per packed panel (a multiple of 32) */
+#define KC 1024                    /* K per packed panel (a multiple of 32; 1024 ran the GEMMs of a
+                                      step as fast as 512 or faster, up to 1.3x on [8192, 768] x [768, 256]) */
 #endif
 #ifndef NC
 #define NC 512                     /* columns per packed B panel (a multiple of NR) */
