@@ -186,6 +186,47 @@ describe('bf16 matmuls on AMX tiles', function()
     end
   end)
 
+  -- with D a multiple of 32 the kernel packs K, V, Q and dO for the tiles once, not per product
+  -- (ULY_FLASH_PREPACK=0: per product): the same bits, under every mask kind, Tq ~= Tk, GQA
+  it('give flash attention the same bits with its operands packed once as packed per product', function()
+    local ffi = require 'ffi'
+    pcall(ffi.cdef, 'int setenv(const char *, const char *, int);')
+    local T = 150
+    local doc = {}
+    for i = 1, T do doc[i] = math.floor((i - 1) / 37) end
+    local cases = {
+      { 'causal, GQA, D 64', 2, 130, 130, 4, 2, 64, { causal = true } },
+      { 'not causal, Tq < Tk, D 32', 1, 70, 150, 2, 1, 32, {} },
+      { 'window, D 128', 1, 200, 200, 2, 2, 128, { causal = true, window = 50 } },
+      { 'block-sparse, D 32', 1, T, T, 2, 2, 32,
+        { block_layout = uly.attention_layouts.local_strided(T, 16, 2, 3, 1), block_size = 16, causal = true } },
+      { 'documents, D 64', 1, T, T, 2, 1, 64, { causal = true, doc = uly.tensor({ doc }, { dtype = 'i32' }) } },
+    }
+    local prev = uly.matmul_precision('bf16')
+    local ok, err = pcall(function()
+      for _, c in ipairs(cases) do
+        local what, B, Tq, Tk, H, Hk, D, opts = unpack(c)
+        helpers.reseed(9)
+        local q, k, v = uly.randn(B, Tq, H, D), uly.randn(B, Tk, Hk, D), uly.randn(B, Tk, Hk, D)
+        local g = uly.randn(B, Tq, H, D)
+        local function run(prepack)
+          ffi.C.setenv('ULY_FLASH_PREPACK', prepack, 1)
+          local qs, ks, vs = q:clone():requires_grad_(), k:clone():requires_grad_(), v:clone():requires_grad_()
+          local o = uly.flash_attention(qs, ks, vs, opts)
+          o:backward(g)
+          return { o, qs.grad, ks.grad, vs.grad }
+        end
+        local once, each = run('1'), run('0')
+        for i, name in ipairs { 'output', 'dq', 'dk', 'dv' } do
+          helpers.assert_close(once[i], each[i], 0, 0, what .. ' ' .. name)
+        end
+      end
+    end)
+    ffi.C.setenv('ULY_FLASH_PREPACK', '1', 1)
+    uly.matmul_precision(prev)
+    assert(ok, err)
+  end)
+
   -- a row where one key dominates (large logits): dQ = dS K with dS = P (dP - delta) cancels, so
   -- dP (dO rounded for its product) and delta must read the same dO, and O must be the weighted
   -- mean of V under P as rounded; either unmatched put dQ off by a third of its largest value

@@ -17,6 +17,11 @@
  * added in order, so results do not depend on the thread count (no atomics on floats), with 5
  * tile GEMMs per visible tile pair and DQ_GROUPS x [B, H, T, D] floats of scratch.
  *
+ * bf16 precision on AMX tiles (fctx.amx): the tile products round their operands to bf16; with
+ * D % 32 == 0 (fctx.pre) K and V (forward) or Q and dO (backward) are packed for the tiles once
+ * into the scratch their f32 tiles take otherwise, the key tile's K and V once per work item, so
+ * only P and dS are packed per product (the same bits as packing every product's operands).
+ *
  * Tiles: a key tile is skipped when the mask hides it from every row of the query tile, used
  * without per-element masking when it is fully visible, masked element by element otherwise;
  * the key-tile loop only runs over the span the causal/window bounds allow, so work is
@@ -193,6 +198,7 @@ typedef struct fctx {
     int64_t Dp, rep, off, L, R, nqt, nkt;
     int32_t *qdr, *kdr; /* document id [min, max] per (b, query tile) and (b, key tile) */
     int amx;            /* bf16 precision on AMX tiles (kernels/cpu/gemm_amx.c) */
+    int pre;            /* ... with K, V, Q and dO packed for the tiles once (amx, D % 32 == 0) */
 } fctx;
 
 /* a tile product in the problem's precision: bf16 operands on AMX tiles where the CPU has them
@@ -334,6 +340,8 @@ static int ctx_init(fctx *c, const flash_problem *p) {
     c->nqt = (p->Tq + BR - 1) / BR;
     c->nkt = (p->Tk + BC - 1) / BC;
     c->amx = p->bf16 && gemm_amx_on();
+    const char *pre = getenv("ULY_FLASH_PREPACK");   /* 0: packed per product, for comparisons */
+    c->pre = c->amx && p->D % 32 == 0 && !(pre && strcmp(pre, "0") == 0);
     if (!p->q_doc) return 0;
     c->qdr = malloc((size_t)(2 * p->B * (c->nqt + c->nkt) + 2) * sizeof(int32_t));
     if (!c->qdr) return -1;
@@ -384,14 +392,42 @@ int64_t flash_attention_scratch_floats(const flash_problem *p, int backward) {
 }
 
 /* ---- forward ---- */
+/* the pre-packed forward's scratch: per (b, K/V head, key tile) K^T as tile B operand (K = D, N =
+ * BC), then V (K = BC, N = D): D BC floats a tile, as the f32 K^T tiles take (D % 32 == 0) */
+static uint32_t *kv_packed(const fctx *c, float *scratch, int64_t b, int64_t g, int64_t kt) {
+    return (uint32_t *)scratch + ((b * c->p->Hkv + g) * c->nkt + kt) * c->p->D * BC;
+}
+static void pack_kv_amx(const fctx *c, float *scratch, float *tmp) {
+    const flash_problem *p = c->p;
+    const int64_t D = p->D, Dp = c->Dp;
+    #pragma omp for schedule(static)
+    for (int64_t it = 0; it < p->B * p->Hkv * c->nkt; it++) {
+        const int64_t b = it / (p->Hkv * c->nkt), g = it / c->nkt % p->Hkv, kt = it % c->nkt, j0 = kt * BC;
+        const int64_t nc = min64(BC, p->Tk - j0);
+        uint32_t *kb = kv_packed(c, scratch, b, g, kt), *vb = kb + TILE_AMX_B_WORDS(D, BC);
+        pack_rows(tmp, Dp, BC, head_ptr(&p->k, b, g), is16(&p->k), p->k.st, j0, nc, D, 1.0f);
+        tile_amx_pack_b(kb, tmp, 1, Dp, D, BC);
+        pack_rows(tmp, Dp, BC, head_ptr(&p->v, b, g), is16(&p->v), p->v.st, j0, nc, D, 1.0f);
+        tile_amx_pack_b(vb, tmp, Dp, 1, BC, D);
+    }
+}
+
+/* per-thread workspace floats: f32 tiles, and the pre-packed path's bf16 Q and P tiles */
+static int64_t fwd_ws_floats(int64_t Dp, int64_t D) {
+    return round_up(2 * BR * Dp + Dp * BC + BR * BC + 2 * BR + (TILE_AMX_A_ELEMS(BR, D) + TILE_AMX_A_ELEMS(BR, BC)) / 2,
+                    VL);
+}
+
 static void fwd_item(const fctx *c, float *ws, const float *KT, float *out, float *lse, int64_t b, int64_t h,
                      int64_t qt, int64_t *ntiles) {
     const flash_problem *p = c->p;
     const int64_t D = p->D, Dp = c->Dp, i0 = qt * BR, mr = min64(BR, p->Tq - i0), g = h / c->rep;
     float *Qs = ws, *Vs = Qs + BR * Dp, *S = Vs + BC * Dp, *acc = S + BR * BC;
     float *m = acc + BR * Dp, *l = m + BR;
+    uint16_t *qa = (uint16_t *)(l + BR), *pa = qa + TILE_AMX_A_ELEMS(BR, D);
     const void *vb = head_ptr(&p->v, b, g);
     pack_rows(Qs, Dp, BR, head_ptr(&p->q, b, h), is16(&p->q), p->q.st, i0, mr, D, p->scale);
+    if (c->pre) tile_amx_pack_a(qa, Qs, Dp, 1, BR, D);
     memset(acc, 0, (size_t)(BR * Dp) * sizeof(float));
     for (int64_t r = 0; r < BR; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
     int64_t lo, hi;
@@ -401,6 +437,15 @@ static void fwd_item(const fctx *c, float *ws, const float *KT, float *out, floa
         const int cls = classify(c, b, i0, mr, j0, nc);
         if (cls == TILE_SKIP) continue;
         (*ntiles)++;
+        if (c->pre) {   /* K and V packed once for all query tiles, Q once for all key tiles */
+            const uint32_t *kb = kv_packed(c, (float *)KT, b, g, kt);
+            tile_amx_gemm_packed(BR, BC, D, qa, kb, S, BC, 0);
+            if (cls == TILE_PARTIAL || nc < BC) mask_rows(c, b, S, i0, mr, j0, nc, cls == TILE_FULL);
+            online_softmax(S, m, l, acc, mr, Dp, 1);
+            tile_amx_pack_a(pa, S, BC, 1, BR, BC);   /* P: keys past nc are 0, as V's padding */
+            tile_amx_gemm_packed(BR, D, BC, pa, kb + TILE_AMX_B_WORDS(D, BC), acc, Dp, 1);
+            continue;
+        }
         const float *Kt = KT + ((b * p->Hkv + g) * c->nkt + kt) * D * BC;
         pack_rows(Vs, Dp, BC, vb, is16(&p->v), p->v.st, j0, nc, D, 1.0f);
         tile_mm(c, BR, BC, D, Qs, Dp, Kt, BC, S, BC, 0);
@@ -428,7 +473,7 @@ int flash_attention_forward(float *out, float *lse, float *scratch, const flash_
     fctx c;
     if (ctx_init(&c, p)) return -1;
     const int64_t items = p->B * p->H * c.nqt, Dp = c.Dp;
-    const int64_t ws_floats = round_up(2 * BR * Dp + Dp * BC + BR * BC + 2 * BR, VL);
+    const int64_t ws_floats = fwd_ws_floats(Dp, p->D);
     const int nt = max_threads();
     const int par = nt > 1 && items > 1 && p->B * p->H * p->Tq * p->Tk * (p->D + 1) >= PAR_MIN;
     float *ws = aligned_alloc(64, (size_t)(par ? nt : 1) * (size_t)ws_floats * sizeof(float));
@@ -437,7 +482,8 @@ int flash_attention_forward(float *out, float *lse, float *scratch, const flash_
     #pragma omp parallel if (par) reduction(+ : total)
     {
         float *mine = ws + (size_t)thread_id() * (size_t)ws_floats;
-        pack_all_transposed(scratch, p->k.p, is16(&p->k), p->k.sb, p->k.st, p->k.sh, p->B, p->Hkv, p->Tk, BC, p->D, 1.0f);
+        if (c.pre) pack_kv_amx(&c, scratch, mine);
+        else pack_all_transposed(scratch, p->k.p, is16(&p->k), p->k.sb, p->k.st, p->k.sh, p->B, p->Hkv, p->Tk, BC, p->D, 1.0f);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             const int64_t bh = it / c.nqt;
@@ -454,6 +500,29 @@ int flash_attention_forward(float *out, float *lse, float *scratch, const flash_
 /* lse for recomputing P: an empty row (-inf) becomes +inf so that exp(S - lse) = 0 */
 static float lse_for_p(float x) { return x == -INFINITY ? INFINITY : x; }
 
+/* the pre-packed backward's scratch (in place of the f32 Q^T and dO^T tiles, the same size when
+ * D % 32 == 0): per (b, head, query tile) four tile B operands: Q^T (K = D, N = BR), Q (K = BR,
+ * N = D), both scaled, then dO^T and dO likewise */
+static uint32_t *q_packed(const fctx *c, const float *scratch, int64_t b, int64_t h, int64_t qt) {
+    return (uint32_t *)scratch + ((b * c->p->H + h) * c->nqt + qt) * 2 * c->p->D * BR;
+}
+static void pack_q_do_amx(const fctx *c, const float *scratch, const float *dout, float *tq, float *td) {
+    const flash_problem *p = c->p;
+    const int64_t D = p->D, Dp = c->Dp, w = TILE_AMX_B_WORDS(D, BR);
+    #pragma omp for schedule(static)
+    for (int64_t it = 0; it < p->B * p->H * c->nqt; it++) {
+        const int64_t b = it / (p->H * c->nqt), h = it / c->nqt % p->H, qt = it % c->nqt, i0 = qt * BR;
+        const int64_t mr = min64(BR, p->Tq - i0);
+        uint32_t *dst = q_packed(c, scratch, b, h, qt);
+        pack_rows(tq, Dp, BR, head_ptr(&p->q, b, h), is16(&p->q), p->q.st, i0, mr, D, p->scale);
+        pack_rows(td, Dp, BR, dout + (b * p->Tq * p->H + h) * D, 0, p->H * D, i0, mr, D, 1.0f);
+        tile_amx_pack_b(dst, tq, 1, Dp, D, BR);
+        tile_amx_pack_b(dst + w, tq, Dp, 1, BR, D);
+        tile_amx_pack_b(dst + 2 * w, td, 1, Dp, D, BR);
+        tile_amx_pack_b(dst + 3 * w, td, Dp, 1, BR, D);
+    }
+}
+
 /* dK, dV rows of key tile kt of K/V head (b, g), and this tile's share of dQ (unscaled dS K)
  * added into dqg, the dQ partial sums of the key-tile group kt belongs to ([B][H][nqt BR][Dp]) */
 static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *OT, float *dk, float *dv,
@@ -464,11 +533,20 @@ static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *
     float *Ks = ws, *Vs = Ks + BC * Dp, *Qs = Vs + BC * Dp;
     float *dOs = Qs + BR * Dp, *St = dOs + BR * Dp, *dPt = St + BC * BR, *dKa = dPt + BC * BR, *dVa = dKa + BC * Dp;
     float *lr = dVa + BC * Dp, *dr = lr + BR, *dSs = dr + BR;
+    /* the pre-packed path's bf16 tiles: K and V as A operands, K as a B operand, a product's A */
+    uint16_t *ka = (uint16_t *)(dSs + BR * BC), *va = ka + TILE_AMX_A_ELEMS(BC, D), *sa = va + TILE_AMX_A_ELEMS(BC, D);
+    uint32_t *kb = (uint32_t *)(sa + TILE_AMX_A_ELEMS(BC, BR));
+    const int64_t w = TILE_AMX_B_WORDS(D, BR);
     int64_t lo, hi;
     query_span(c, j0, nc, &lo, &hi);
     if (lo > hi) return;
     pack_rows(Ks, Dp, BC, head_ptr(&p->k, b, g), is16(&p->k), p->k.st, j0, nc, D, 1.0f);
     pack_rows(Vs, Dp, BC, head_ptr(&p->v, b, g), is16(&p->v), p->v.st, j0, nc, D, 1.0f);
+    if (c->pre) {
+        tile_amx_pack_a(ka, Ks, Dp, 1, BC, D);
+        tile_amx_pack_a(va, Vs, Dp, 1, BC, D);
+        tile_amx_pack_b(kb, Ks, Dp, 1, BC, D);
+    }
     memset(dKa, 0, (size_t)(2 * BC * Dp) * sizeof(float)); /* dKa and dVa */
     const int64_t ldo = p->H * D;
     for (int64_t h = g * c->rep; h < (g + 1) * c->rep; h++) {
@@ -479,14 +557,33 @@ static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *
             const int64_t i0 = qt * BR, mr = min64(BR, p->Tq - i0);
             const int cls = classify(c, b, i0, mr, j0, nc);
             if (cls == TILE_SKIP) continue;
-            const float *Qt = QT + ((b * p->H + h) * c->nqt + qt) * D * BR;
-            const float *dOt = OT + ((b * p->H + h) * c->nqt + qt) * D * BR;
-            pack_rows(Qs, Dp, BR, qb, is16(&p->q), p->q.st, i0, mr, D, p->scale);
-            pack_rows(dOs, Dp, BR, ob, 0, ldo, i0, mr, D, 1.0f);
             for (int64_t r = 0; r < BR; r++) {
                 lr[r] = r < mr ? lse_for_p(lh[i0 + r]) : INFINITY;
                 dr[r] = r < mr ? dh[i0 + r] : 0.0f;
             }
+            if (c->pre) {   /* the same products, K, V, Q and dO packed once (rows past mr: P = 0) */
+                const uint32_t *qb4 = q_packed(c, QT, b, h, qt);
+                tile_amx_gemm_packed(BC, BR, D, ka, qb4, St, BR, 0);                   /* S^T = K Q^T */
+                if (cls == TILE_PARTIAL || nc < BC) mask_cols(c, b, St, i0, mr, j0, nc, cls == TILE_FULL);
+                for (int64_t x = 0; x < BC; x++)                                        /* P^T */
+                    for (int64_t r = 0; r < BR; r++) St[x * BR + r] = uly_expf(St[x * BR + r] - lr[r]);
+                tile_amx_pack_a(sa, St, BR, 1, BC, BR);
+                tile_amx_gemm_packed(BC, D, BR, sa, qb4 + 3 * w, dVa, Dp, 1);           /* dV += P^T dO */
+                tile_amx_gemm_packed(BC, BR, D, va, qb4 + 2 * w, dPt, BR, 0);           /* dP^T = V dO^T */
+                for (int64_t x = 0; x < BC; x++)                                        /* dS^T */
+                    for (int64_t r = 0; r < BR; r++) dPt[x * BR + r] = St[x * BR + r] * (dPt[x * BR + r] - dr[r]);
+                tile_amx_pack_a(sa, dPt, BR, 1, BC, BR);
+                tile_amx_gemm_packed(BC, D, BR, sa, qb4 + w, dKa, Dp, 1);               /* dK += dS^T Q */
+                if (dqg) {                                                              /* dQ += dS K */
+                    tile_amx_pack_a(sa, dPt, 1, BR, BR, BC);
+                    tile_amx_gemm_packed(BR, D, BC, sa, kb, dqg + ((b * p->H + h) * c->nqt * BR + i0) * Dp, Dp, 1);
+                }
+                continue;
+            }
+            const float *Qt = QT + ((b * p->H + h) * c->nqt + qt) * D * BR;
+            const float *dOt = OT + ((b * p->H + h) * c->nqt + qt) * D * BR;
+            pack_rows(Qs, Dp, BR, qb, is16(&p->q), p->q.st, i0, mr, D, p->scale);
+            pack_rows(dOs, Dp, BR, ob, 0, ldo, i0, mr, D, 1.0f);
             tile_mm(c, BC, BR, D, Ks, Dp, Qt, BR, St, BR, 0);            /* S^T = K Q^T (scaled) */
             if (cls == TILE_PARTIAL || nc < BC) mask_cols(c, b, St, i0, mr, j0, nc, cls == TILE_FULL);
             for (int64_t x = 0; x < BC; x++)                              /* P^T */
@@ -517,7 +614,9 @@ int flash_attention_backward(float *dq, float *dk, float *dv, const float *dout,
     fctx c;
     if (ctx_init(&c, p)) return -1;
     const int64_t Dp = c.Dp, D = p->D, H = p->H, Tq = p->Tq;
-    const int64_t ws_floats = round_up(2 * BR * Dp + 2 * BC * BR + 4 * BC * Dp + 2 * BR + BR * BC, VL);
+    const int64_t ws_floats = round_up(2 * BR * Dp + 2 * BC * BR + 4 * BC * Dp + 2 * BR + BR * BC +
+                                       (2 * TILE_AMX_A_ELEMS(BC, D) + TILE_AMX_A_ELEMS(BC, BR)) / 2 +
+                                       TILE_AMX_B_WORDS(BC, D), VL);
     const int64_t nq = p->B * H * c.nqt * D * BR, group_floats = p->B * H * c.nqt * BR * Dp;
     float *QT = scratch, *OT = QT + nq, *dqg = OT + nq; /* dqg: DQ_GROUPS x [B][H][nqt BR][Dp] */
     const int nt = max_threads();
@@ -549,8 +648,12 @@ int flash_attention_backward(float *dq, float *dk, float *dv, const float *dout,
             for (int64_t k = 0; k < DQ_GROUPS * p->B * H * c.nqt; k++)
                 memset(dqg + k * BR * Dp, 0, (size_t)(BR * Dp) * sizeof(float));
         }
-        pack_all_transposed(QT, p->q.p, is16(&p->q), p->q.sb, p->q.st, p->q.sh, p->B, H, Tq, BR, D, p->scale);
-        pack_all_transposed(OT, dout, 0, Tq * H * D, H * D, D, p->B, H, Tq, BR, D, 1.0f);
+        if (c.pre) {
+            pack_q_do_amx(&c, QT, dout, mine, mine + BR * Dp);
+        } else {
+            pack_all_transposed(QT, p->q.p, is16(&p->q), p->q.sb, p->q.st, p->q.sh, p->B, H, Tq, BR, D, p->scale);
+            pack_all_transposed(OT, dout, 0, Tq * H * D, H * D, D, p->B, H, Tq, BR, D, 1.0f);
+        }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < p->B * p->Hkv * DQ_GROUPS; it++) {
             const int64_t grp = it % DQ_GROUPS, bg = it / DQ_GROUPS;

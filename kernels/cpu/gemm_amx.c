@@ -367,6 +367,21 @@ static __thread uint16_t *tile_a;
 static __thread uint32_t *tile_b;
 static __thread int64_t tile_a_elems, tile_b_words;
 
+/* C[M][N] (+= where acc) = the packed A (rows of round_up(K, 32) bf16, round_up(M, 32) of them)
+ * times the packed B (32-column strips of round_up(K, 32) / 2 pair rows) */
+static void tile_products(int64_t M, int64_t N, int64_t K, const uint16_t *pa, const uint32_t *pb, float *C,
+                          int64_t ldc, int acc) {
+    const int64_t mp = round_up(M, MR), np = round_up(N, NR), kp = round_up(K, 32);
+    load_tile_config();
+    float buf[MR * NR] __attribute__((aligned(64)));
+    for (int64_t s = 0; s < np / NR; s++) {
+        const int64_t j = s * NR, nr = N - j < NR ? N - j : NR;
+        for (int64_t i = 0; i < mp; i += MR)
+            c_block(C + i * ldc + j, 0, ldc, M - i < MR ? M - i : MR, nr, acc ? 1.0f : 0.0f, NULL, pa + i * kp,
+                    pb + s * (kp / 2) * NR, kp, buf);
+    }
+}
+
 static int tile_gemm_amx_on(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
                             float *C, int64_t ldc, int acc) {
     const int64_t mp = round_up(M, MR), np = round_up(N, NR), kp = round_up(K, 32);
@@ -374,15 +389,22 @@ static int tile_gemm_amx_on(int64_t M, int64_t N, int64_t K, const float *A, int
         return -1;
     pack_a(tile_a, A, 0, lda, 1, M, K, 0, 0, mp, kp);
     for (int64_t s = 0; s < np / NR; s++) pack_b_strip(tile_b + s * (kp / 2) * NR, B, 0, ldb, 1, K, N, 0, s * NR, kp);
-    load_tile_config();
-    float buf[MR * NR] __attribute__((aligned(64)));
-    for (int64_t s = 0; s < np / NR; s++) {
-        const int64_t j = s * NR, nr = N - j < NR ? N - j : NR;
-        for (int64_t i = 0; i < mp; i += MR)
-            c_block(C + i * ldc + j, 0, ldc, M - i < MR ? M - i : MR, nr, acc ? 1.0f : 0.0f, NULL, tile_a + i * kp,
-                    tile_b + s * (kp / 2) * NR, kp, buf);
-    }
+    tile_products(M, N, K, tile_a, tile_b, C, ldc, acc);
     return 0;
+}
+
+void tile_amx_pack_a(uint16_t *dst, const float *A, int64_t rs, int64_t cs, int64_t M, int64_t K) {
+    pack_a(dst, A, 0, rs, cs, M, K, 0, 0, round_up(M, MR), round_up(K, 32));
+}
+
+void tile_amx_pack_b(uint32_t *dst, const float *B, int64_t rs, int64_t cs, int64_t K, int64_t N) {
+    const int64_t kp = round_up(K, 32);
+    for (int64_t s = 0; s < round_up(N, NR) / NR; s++) pack_b_strip(dst + s * (kp / 2) * NR, B, 0, rs, cs, K, N, 0, s * NR, kp);
+}
+
+void tile_amx_gemm_packed(int64_t M, int64_t N, int64_t K, const uint16_t *pa, const uint32_t *pb, float *C,
+                          int64_t ldc, int acc) {
+    tile_products(M, N, K, pa, pb, C, ldc, acc);
 }
 
 /* the tile unit's rate on one thread: six accumulators (latency x throughput) fed by two tiles
@@ -429,6 +451,17 @@ double gemm_amx_peak(int threads) {
 
 #ifndef AMX_BUILT
 double gemm_amx_peak(int threads) { (void)threads; return 0.0; }
+/* never called without AMX (gemm_amx_on is 0): here for the linker */
+void tile_amx_pack_a(uint16_t *dst, const float *A, int64_t rs, int64_t cs, int64_t M, int64_t K) {
+    (void)dst; (void)A; (void)rs; (void)cs; (void)M; (void)K;
+}
+void tile_amx_pack_b(uint32_t *dst, const float *B, int64_t rs, int64_t cs, int64_t K, int64_t N) {
+    (void)dst; (void)B; (void)rs; (void)cs; (void)K; (void)N;
+}
+void tile_amx_gemm_packed(int64_t M, int64_t N, int64_t K, const uint16_t *pa, const uint32_t *pb, float *C,
+                          int64_t ldc, int acc) {
+    (void)M; (void)N; (void)K; (void)pa; (void)pb; (void)C; (void)ldc; (void)acc;
+}
 #endif
 
 int tile_gemm_amx(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,

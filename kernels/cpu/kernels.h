@@ -247,6 +247,18 @@ double gemm_amx_peak(int threads);
  * region (its panels are the calling thread's); -1 when it did nothing (AMX off, no memory) */
 int tile_gemm_amx(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
                   int64_t ldc, int acc);
+/* the same products on operands packed once and used for many products (flash attention's K, V,
+ * Q and dO tiles): tile_amx_pack_a packs A [M][K] (element (i, k) at A[i rs + k cs]; rs or cs 1)
+ * into TILE_AMX_A_ELEMS(M, K) bf16, tile_amx_pack_b packs B [K][N] (element (k, j) at
+ * B[k rs + j cs]) into TILE_AMX_B_WORDS(K, N) words, rounded to bf16 and zero-padded to whole
+ * tiles; tile_amx_gemm_packed: C[M][N] (+= where acc) = packed A times packed B, with the bits of
+ * tile_gemm_amx on the unpacked operands. Only where gemm_amx_on(). */
+#define TILE_AMX_A_ELEMS(M, K) ((((M) + 31) / 32 * 32) * (((K) + 31) / 32 * 32))
+#define TILE_AMX_B_WORDS(K, N) ((((N) + 31) / 32 * 32) * (((K) + 31) / 32 * 32) / 2)
+void tile_amx_pack_a(uint16_t *dst, const float *A, int64_t rs, int64_t cs, int64_t M, int64_t K);
+void tile_amx_pack_b(uint32_t *dst, const float *B, int64_t rs, int64_t cs, int64_t K, int64_t N);
+void tile_amx_gemm_packed(int64_t M, int64_t N, int64_t K, const uint16_t *pa, const uint32_t *pb, float *C,
+                          int64_t ldc, int acc);
 
 /* ---- bf16 twins (bf16_twins.c): the kernels above with their activations in bf16 (uint16_t
  * bits; weights, statistics and gradients f32), the uly_backend entries of the same names
