@@ -84,8 +84,8 @@ static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v
 #define KEEP_IN_REGISTER(v) ((void)0)
 #endif
 /* x in every lane: one broadcast load (`(vf){0} + x` adds a zero, which holds a register) */
-#if defined(__GNUC__) && !defined(__clang__)
 typedef int vi __attribute__((vector_size(VL * sizeof(int))));
+#if defined(__GNUC__) && !defined(__clang__)
 static inline vf vsplat(float x) { return __builtin_shuffle((vf){x}, (vi){0}); }
 #else
 static inline vf vsplat(float x) {
@@ -282,21 +282,40 @@ static void mask_cols(const fctx *c, int64_t b, float *St, int64_t i0, int64_t m
 
 /* ---- row helpers over BC columns (VL vertical lanes, then a fixed-order fold) ---- */
 static float row_max(const float *s, float init) {
-    float mx[VL];
-    for (int e = 0; e < VL; e++) mx[e] = s[e];
-    for (int x = 1; x < BC / VL; x++)
-        for (int e = 0; e < VL; e++) mx[e] = s[x * VL + e] > mx[e] ? s[x * VL + e] : mx[e];
+    vf mx = vload(s);
+    for (int x = 1; x < BC / VL; x++) {
+        const vf v = vload(s + x * VL);
+        const vi gt = v > mx;   /* lane-wise: the larger, as (v > mx ? v : mx) */
+        mx = (vf)(((vi)v & gt) | ((vi)mx & ~gt));
+    }
     float m = init;
     for (int e = 0; e < VL; e++) m = mx[e] > m ? mx[e] : m;
     return m;
 }
 static float row_sum(const float *s) {
-    float acc[VL] = {0};
-    for (int x = 0; x < BC / VL; x++)
-        for (int e = 0; e < VL; e++) acc[e] += s[x * VL + e];
+    vf acc = vload(s);
+    for (int x = 1; x < BC / VL; x++) acc += vload(s + x * VL);
     float t = 0.0f;
     for (int e = 0; e < VL; e++) t += acc[e];
     return t;
+}
+
+/* backward's elementwise steps over a transposed tile (BC rows of BR): P^T = exp(S^T - lse), and
+ * dS^T = P^T (dP^T - delta) in place of dP^T (omp simd: gcc left the exp scalar otherwise) */
+static void exp_minus_lse(float *restrict St, const float *restrict lr) {
+    for (int64_t x = 0; x < BC; x++) {
+        float *row = St + x * BR;
+        #pragma omp simd
+        for (int64_t r = 0; r < BR; r++) row[r] = uly_expf(row[r] - lr[r]);
+    }
+}
+static void scores_grad(float *restrict dPt, const float *restrict St, const float *restrict dr) {
+    for (int64_t x = 0; x < BC; x++) {
+        float *row = dPt + x * BR;
+        const float *p = St + x * BR;
+        #pragma omp simd
+        for (int64_t r = 0; r < BR; r++) row[r] = p[r] * (row[r] - dr[r]);
+    }
 }
 
 /* online softmax over the masked score tile S (rows < mr): S becomes P = exp(S - m_new), the
@@ -313,13 +332,17 @@ static void online_softmax(float *S, float *m, float *l, float *acc, int64_t mr,
             continue;
         }
         const float alpha = uly_expf(m[r] - mx);
+        #pragma omp simd
         for (int x = 0; x < BC; x++) s[x] = uly_expf(s[x] - mx);
-        if (amx)
+        if (amx) {
+            #pragma omp simd
             for (int x = 0; x < BC; x++) s[x] = f32_round_bf16(s[x]);
+        }
         l[r] = l[r] * alpha + row_sum(s);
         m[r] = mx;
         if (alpha != 1.0f) {
             float *a = acc + r * Dp;
+            #pragma omp simd
             for (int64_t d = 0; d < Dp; d++) a[d] *= alpha;
         }
     }
@@ -565,13 +588,11 @@ static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *
                 const uint32_t *qb4 = q_packed(c, QT, b, h, qt);
                 tile_amx_gemm_packed(BC, BR, D, ka, qb4, St, BR, 0);                   /* S^T = K Q^T */
                 if (cls == TILE_PARTIAL || nc < BC) mask_cols(c, b, St, i0, mr, j0, nc, cls == TILE_FULL);
-                for (int64_t x = 0; x < BC; x++)                                        /* P^T */
-                    for (int64_t r = 0; r < BR; r++) St[x * BR + r] = uly_expf(St[x * BR + r] - lr[r]);
+                exp_minus_lse(St, lr);                                                  /* P^T */
                 tile_amx_pack_a(sa, St, BR, 1, BC, BR);
                 tile_amx_gemm_packed(BC, D, BR, sa, qb4 + 3 * w, dVa, Dp, 1);           /* dV += P^T dO */
                 tile_amx_gemm_packed(BC, BR, D, va, qb4 + 2 * w, dPt, BR, 0);           /* dP^T = V dO^T */
-                for (int64_t x = 0; x < BC; x++)                                        /* dS^T */
-                    for (int64_t r = 0; r < BR; r++) dPt[x * BR + r] = St[x * BR + r] * (dPt[x * BR + r] - dr[r]);
+                scores_grad(dPt, St, dr);                                               /* dS^T */
                 tile_amx_pack_a(sa, dPt, BR, 1, BC, BR);
                 tile_amx_gemm_packed(BC, D, BR, sa, qb4 + w, dKa, Dp, 1);               /* dK += dS^T Q */
                 if (dqg) {                                                              /* dQ += dS K */
@@ -586,12 +607,10 @@ static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *
             pack_rows(dOs, Dp, BR, ob, 0, ldo, i0, mr, D, 1.0f);
             tile_mm(c, BC, BR, D, Ks, Dp, Qt, BR, St, BR, 0);            /* S^T = K Q^T (scaled) */
             if (cls == TILE_PARTIAL || nc < BC) mask_cols(c, b, St, i0, mr, j0, nc, cls == TILE_FULL);
-            for (int64_t x = 0; x < BC; x++)                              /* P^T */
-                for (int64_t r = 0; r < BR; r++) St[x * BR + r] = uly_expf(St[x * BR + r] - lr[r]);
+            exp_minus_lse(St, lr);                                        /* P^T */
             tile_mm(c, BC, Dp, mr, St, BR, dOs, Dp, dVa, Dp, 1);          /* dV += P^T dO */
             tile_mm(c, BC, BR, D, Vs, Dp, dOt, BR, dPt, BR, 0);           /* dP^T = V dO^T */
-            for (int64_t x = 0; x < BC; x++)                              /* dS^T = P^T (dP^T - delta) */
-                for (int64_t r = 0; r < BR; r++) dPt[x * BR + r] = St[x * BR + r] * (dPt[x * BR + r] - dr[r]);
+            scores_grad(dPt, St, dr);                                     /* dS^T = P^T (dP^T - delta) */
             tile_mm(c, BC, Dp, mr, dPt, BR, Qs, Dp, dKa, Dp, 1);          /* dK += dS^T (scale Q) */
             if (dqg) {                                                    /* dQ_group += dS K */
                 for (int64_t r = 0; r < BR; r++)
