@@ -51,6 +51,24 @@ function M.assert_close(actual, expected, rtol, atol, what)
   end
 end
 
+-- max |a - b| <= tol * (the largest |b|): agreement to a precision relative to the tensor's
+-- scale (bf16 products against f32 ones, sums in another order), where elementwise rtol would
+-- trip on values that cancel to near 0
+function M.assert_within(actual, expected, tol, what)
+  local a, n = M.values(actual)
+  local b, nb = M.values(expected)
+  assert(n == nb, string.format('%s: %d elements vs %d expected', what or 'values', n, nb))
+  local scale, worst = 0, 0
+  for i = 0, n - 1 do
+    scale = math.max(scale, math.abs(b[i]))
+    worst = math.max(worst, math.abs(a[i] - b[i]))
+  end
+  if not (worst <= tol * math.max(scale, 1e-30)) then
+    error(string.format('%s: off by %.3g, more than %g of the largest value %.3g', what or 'values', worst, tol,
+                        scale), 2)
+  end
+end
+
 -- sum(y * w) in float64 for fixed weights w (a flat double array)
 local function project(y, w)
   local v, n = M.values(y)
