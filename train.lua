@@ -370,8 +370,10 @@ local function main()
     else
       peak, peak_label = gpu_peak * launched, label .. (launched > 1 and (' x ' .. launched .. ' ranks') or '')
     end
-  elseif cfg.precision == 'bf16' and uly.cpu_amx() == 'on' then
-    peak, peak_label = uly.cpu_amx_peak_flops() * launched, string.format('AMX bf16 peak of %d threads, measured', threads)
+  elseif cfg.precision == 'bf16' and uly.cpu_bf16_peak_flops() > 0 then   -- the bf16 engine's peak
+    peak, peak_label = uly.cpu_bf16_peak_flops() * launched,
+      string.format('%s bf16 peak of %d threads, measured', uly.cpu_bf16_gemm() == 'amx' and 'AMX' or 'AVX512-BF16',
+                    threads)
   else
     peak, peak_label = uly.cpu_peak_flops() * launched, string.format('FMA peak of %d threads, measured', threads)
   end
@@ -393,7 +395,7 @@ local function main()
                     cfg.lr, cfg.schedule, threads, uly.blas_corename()))
   say(string.format('device: %s%s, matmul precision %s%s, activations %s', device,
                     device == 'cuda' and (' (backend ' .. tostring(uly.cuda.backend()) .. ')') or '', cfg.precision,
-                    (device == 'cpu' and cfg.precision == 'bf16') and (' (AMX tiles: ' .. uly.cpu_amx() .. ')') or '',
+                    (device == 'cpu' and cfg.precision == 'bf16') and (' (bf16 GEMM engine: ' .. uly.cpu_bf16_gemm() .. ')') or '',
                     cfg.activations))
   local head_dim = mc.dim / mc.heads
   if device == 'cuda' and cfg.precision == 'bf16' and (head_dim == 64 or head_dim == 128) and uly.cuda.backend() == 'cuda' then
