@@ -93,9 +93,9 @@ local function random_tokens(B, T, V)
 end
 
 local peak = uly.cpu_peak_flops(opts.threads)   -- measured: this CPU's f32 FMA peak over the threads
--- bf16 rows: MFU against the bf16 GEMM engine's peak (AMX tiles or AVX512-BF16), measured likewise
--- (0 where neither runs: the f32 peak then)
-local bf16_peak = uly.cpu_bf16_peak_flops(opts.threads)
+-- bf16 rows: MFU against the bf16 GEMM engine's peak (AMX tiles or AVX512-BF16), measured likewise,
+-- or the f32 peak where that is higher (VDPBF16PS measured half of it on an Intel VM) or none runs
+local bf16_peak = math.max(uly.cpu_bf16_peak_flops(opts.threads), peak)
 
 local function bench_shape(T, B, mode, act, prec)
   uly.activation_dtype(act)
@@ -131,7 +131,7 @@ local function bench_shape(T, B, mode, act, prec)
   local tps = B * T / med
   return { T = T, B = B, step_ms = med * 1e3, fwd_ms = median(tf) * 1e3, bwd_ms = median(tb) * 1e3,
            opt_ms = median(to) * 1e3, tps = tps, gflops = fpt * tps / 1e9,
-           mfu = fpt * tps / ((prec == 'bf16' and bf16_peak > 0) and bf16_peak or peak), peak_mib = uly.memory().peak / 2 ^ 20,
+           mfu = fpt * tps / (prec == 'bf16' and bf16_peak or peak), peak_mib = uly.memory().peak / 2 ^ 20,
            params = model:num_parameters(), fpt = fpt }
 end
 
@@ -170,7 +170,7 @@ print(string.format('bench/train.lua: %s preset %s (L%d H%d C%d V%d), %d threads
 print('command: OPENBLAS_CORETYPE=' .. (os.getenv('OPENBLAS_CORETYPE') or '(unset)') .. ' bin/ulysses bench/train.lua '
       .. table.concat(arg, ' '))
 if precs[#precs] == 'bf16' or precs[1] == 'bf16' then
-  print('bf16 GEMM engine: ' .. uly.cpu_bf16_gemm() .. (bf16_peak > 0 and
+  print('bf16 GEMM engine: ' .. uly.cpu_bf16_gemm() .. (bf16_peak > peak and
         string.format('; MFU of bf16 rows vs %.0f GFLOP/s (its bf16 peak of %d threads, measured at start)',
                       bf16_peak / 1e9, opts.threads) or ''))
 end
