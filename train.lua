@@ -356,8 +356,8 @@ local function main()
   local tokens_per_step = cfg.batch * cfg.seq * cfg.accum * (grid and grid.dp_size or 1)
   local threads = uly.get_num_threads() * launched
   -- MFU's denominator: given, else the GPU's dense bf16 peak (published for its name, or estimated
-  -- from its SMs and clock), else the CPU threads' peak measured now: their AMX tiles' bf16 peak
-  -- for bf16 matmuls on them, else the f32 FMA peak; every rank alike
+  -- from its SMs and clock), else the CPU threads' peak measured now: the bf16 GEMM engine's peak
+  -- (AMX tiles or AVX512-BF16) for bf16 matmuls where above the f32 FMA peak, else that; every rank alike
   local peak, peak_label
   if cfg.peak_gflops > 0 then
     peak, peak_label = cfg.peak_gflops * 1e9, 'given peak'
@@ -370,10 +370,14 @@ local function main()
     else
       peak, peak_label = gpu_peak * launched, label .. (launched > 1 and (' x ' .. launched .. ' ranks') or '')
     end
-  elseif cfg.precision == 'bf16' and uly.cpu_amx() == 'on' then
-    peak, peak_label = uly.cpu_amx_peak_flops() * launched, string.format('AMX bf16 peak of %d threads, measured', threads)
-  else
-    peak, peak_label = uly.cpu_peak_flops() * launched, string.format('FMA peak of %d threads, measured', threads)
+  else   -- the bf16 GEMM engine's peak for bf16 matmuls, where above the f32 FMA peak
+    local f32_peak, bf16_peak = uly.cpu_peak_flops(), cfg.precision == 'bf16' and uly.cpu_bf16_peak_flops() or 0
+    if bf16_peak > f32_peak then
+      local unit = uly.cpu_bf16_gemm() == 'amx' and 'AMX' or 'AVX512-BF16'
+      peak, peak_label = bf16_peak * launched, string.format('%s bf16 peak of %d threads, measured', unit, threads)
+    else
+      peak, peak_label = f32_peak * launched, string.format('FMA peak of %d threads, measured', threads)
+    end
   end
   local flops_per_token = model:flops_per_token(cfg.seq)
   local mc = model.config
@@ -393,7 +397,7 @@ local function main()
                     cfg.lr, cfg.schedule, threads, uly.blas_corename()))
   say(string.format('device: %s%s, matmul precision %s%s, activations %s', device,
                     device == 'cuda' and (' (backend ' .. tostring(uly.cuda.backend()) .. ')') or '', cfg.precision,
-                    (device == 'cpu' and cfg.precision == 'bf16') and (' (AMX tiles: ' .. uly.cpu_amx() .. ')') or '',
+                    (device == 'cpu' and cfg.precision == 'bf16') and (' (bf16 GEMM engine: ' .. uly.cpu_bf16_gemm() .. ')') or '',
                     cfg.activations))
   local head_dim = mc.dim / mc.heads
   if device == 'cuda' and cfg.precision == 'bf16' and (head_dim == 64 or head_dim == 128) and uly.cuda.backend() == 'cuda' then

@@ -7,8 +7,8 @@
 --     the LuaJIT FFI on the data pointers of the same tensors, for the shapes of a small GPT
 --     (C = 256, 8192 tokens), squares 512/1024/2048 and transposed operands (views, no copies);
 --     forward counts 2*M*N*K flops, forward+backward 3x that (backward is two GEMMs);
---  3. bf16 precision (uly.matmul_precision('bf16'): on the AMX tiles where the CPU has them,
---     uly.cpu_amx(), else OpenBLAS on rounded copies) at the GPT shapes, forward: f32 operands
+--  3. bf16 precision (uly.matmul_precision('bf16'): on the AMX tiles or with AVX512-BF16 where
+--     the CPU has them, uly.cpu_bf16_gemm(), else OpenBLAS on rounded copies) at the GPT shapes, forward: f32 operands
 --     with an f32 result, and bf16 operands with a bf16 result (bf16 activations), next to our
 --     f32 matmul (OpenBLAS, over our threads), with the largest difference from the f32 product
 --     relative to its largest value (bf16 operands: ~2^-8);
@@ -314,10 +314,10 @@ local function rel_err(x, ref)
 end
 
 local function bf16_table()
-  local amx = uly.cpu_amx()
-  local peak = uly.cpu_amx_peak_flops()
-  print('matmul, bf16 precision (forward, 2*M*N*K flops): GFLOP/s; bf16 matmuls on AMX tiles: ' .. amx ..
-        (peak > 0 and string.format(' (their bf16 peak: %.0f GFLOP/s, measured)', peak / 1e9) or ''))
+  local engine = uly.cpu_bf16_gemm()
+  local peak = uly.cpu_bf16_peak_flops()
+  print('matmul, bf16 precision (forward, 2*M*N*K flops): GFLOP/s; bf16 GEMM engine: ' .. engine ..
+        (peak > 0 and string.format(' (its bf16 peak: %.0f GFLOP/s, measured)', peak / 1e9) or ''))
   print('  f32 in = f32 operands, f32 result; bf16 in = bf16 operands, bf16 result; f32 = our matmul in f32 precision')
   local h = string.format('  %-34s | %8s %8s %8s | %9s %9s | %9s %9s', 'shape', 'f32 in', 'bf16 in', 'f32',
                           'f32in/f32', 'bf16in/f32', 'err f32in', 'err bf16in')

@@ -14,8 +14,8 @@
 -- backward, 2 all but attention; with --tile R the MLP and loss tiled), side by side from one
 -- run. --activations f32,bf16 times each shape with f32 and with bf16 activations
 -- (uly.activation_dtype; its column 'act'), side by side likewise; --precision f32,bf16 with f32
--- and with bf16 matmuls (uly.matmul_precision: on the CPU's AMX tiles where it has them,
--- uly.cpu_amx(); column 'prec'); with bf16 first, --torch runs the peer under torch.autocast in
+-- and with bf16 matmuls (uly.matmul_precision: on the CPU's AMX tiles or with AVX512-BF16 where
+-- it has them, uly.cpu_bf16_gemm(); column 'prec'); with bf16 first, --torch runs the peer under torch.autocast in
 -- bf16 (bench/peers/torch_autocast.py). It never asserts on time.
 --
 -- Run:  OPENBLAS_CORETYPE=SkylakeX bin/ulysses bench/train.lua [--shapes 256x32,1024x8,4096x2]
@@ -93,8 +93,9 @@ local function random_tokens(B, T, V)
 end
 
 local peak = uly.cpu_peak_flops(opts.threads)   -- measured: this CPU's f32 FMA peak over the threads
--- bf16 rows on AMX tiles: MFU against the tiles' bf16 peak, measured likewise (0 where AMX is off)
-local amx_peak = uly.cpu_amx_peak_flops(opts.threads)
+-- bf16 rows: MFU against the bf16 GEMM engine's peak (AMX tiles or AVX512-BF16), measured likewise,
+-- or the f32 peak where that is higher (VDPBF16PS measured half of it on an Intel VM) or none runs
+local bf16_peak = math.max(uly.cpu_bf16_peak_flops(opts.threads), peak)
 
 local function bench_shape(T, B, mode, act, prec)
   uly.activation_dtype(act)
@@ -130,7 +131,7 @@ local function bench_shape(T, B, mode, act, prec)
   local tps = B * T / med
   return { T = T, B = B, step_ms = med * 1e3, fwd_ms = median(tf) * 1e3, bwd_ms = median(tb) * 1e3,
            opt_ms = median(to) * 1e3, tps = tps, gflops = fpt * tps / 1e9,
-           mfu = fpt * tps / ((prec == 'bf16' and amx_peak > 0) and amx_peak or peak), peak_mib = uly.memory().peak / 2 ^ 20,
+           mfu = fpt * tps / (prec == 'bf16' and bf16_peak or peak), peak_mib = uly.memory().peak / 2 ^ 20,
            params = model:num_parameters(), fpt = fpt }
 end
 
@@ -169,9 +170,9 @@ print(string.format('bench/train.lua: %s preset %s (L%d H%d C%d V%d), %d threads
 print('command: OPENBLAS_CORETYPE=' .. (os.getenv('OPENBLAS_CORETYPE') or '(unset)') .. ' bin/ulysses bench/train.lua '
       .. table.concat(arg, ' '))
 if precs[#precs] == 'bf16' or precs[1] == 'bf16' then
-  print('bf16 matmuls on AMX tiles: ' .. uly.cpu_amx() .. (amx_peak > 0 and
-        string.format('; MFU of bf16 rows vs %.0f GFLOP/s (the tiles\' bf16 peak of %d threads, measured at start)',
-                      amx_peak / 1e9, opts.threads) or ''))
+  print('bf16 GEMM engine: ' .. uly.cpu_bf16_gemm() .. (bf16_peak > peak and
+        string.format('; MFU of bf16 rows vs %.0f GFLOP/s (its bf16 peak of %d threads, measured at start)',
+                      bf16_peak / 1e9, opts.threads) or ''))
 end
 print('FLOPs/token = 6 N_matmul + 12 L C T (attention over the full T x T); MFU vs '
       .. string.format('%.0f GFLOP/s (the f32 FMA peak of %d threads, measured at start)', peak / 1e9, opts.threads))

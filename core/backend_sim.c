@@ -252,7 +252,7 @@ const uly_backend uly_backend_sim = {
     .attention_forward = s_attention_forward, .attention_backward = s_attention_backward,
     .binary_forward = s_binary_forward, .scalar_forward = s_scalar_forward, .scalar_backward = s_scalar_backward,
     .axpy_accumulate = s_axpy_accumulate, .gemm_operand_ok = gemm_operand_ok, .gemm_batched = s_gemm_batched,
-    .gemm_batched_rounded = s_gemm_batched_rounded, .gemm_rounds_operands = gemm_amx_on,
+    .gemm_batched_rounded = s_gemm_batched_rounded, .gemm_rounds_operands = gemm_bf16_on,
     .flash_attention_scratch_floats = flash_attention_scratch_floats,
     .flash_attention_forward = s_flash_forward, .flash_attention_backward = s_flash_backward,
     .optim_adamw = s_optim_adamw, .optim_sgd = s_optim_sgd, .optim_sumsq = s_optim_sumsq, .optim_scale = s_optim_scale,

@@ -62,6 +62,11 @@ double uly_cpu_peak_flops(int threads) { return cpu_fma_peak(threads); }
 const char *uly_cpu_amx_status(void) { return gemm_amx_status(); }
 int uly_set_cpu_amx(int on) { return gemm_amx_enable(on); }
 double uly_cpu_amx_peak_flops(int threads) { return gemm_amx_peak(threads); }
+const char *uly_cpu_avx512_bf16_status(void) { return gemm_avx512_bf16_status(); }
+int uly_set_cpu_avx512_bf16(int on) { return gemm_avx512_bf16_enable(on); }
+double uly_cpu_avx512_bf16_peak_flops(int threads) { return gemm_avx512_bf16_peak(threads); }
+const char *uly_cpu_bf16_gemm(void) { return gemm_bf16_engine(); }
+double uly_cpu_bf16_peak_flops(int threads) { return gemm_bf16_peak(threads); }
 
 int uly_get_num_threads(void) {
 #ifdef _OPENMP

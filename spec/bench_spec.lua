@@ -28,11 +28,12 @@ describe('bench/train.lua', function()
     assert.truthy(f32_peak and bf16_peak, 'no f32 and bf16 rows in:\n' .. out)
   end)
 
-  it('times a shape with f32 and with bf16 matmuls, saying whether AMX tiles run them', function()
+  it('times a shape with f32 and with bf16 matmuls, saying which engine runs the bf16 ones', function()
     local out, code = run('--shapes 32x2 --steps 1 --warmup 0 --preset tiny --precision f32,bf16')
     assert.equals(0, code, out)
-    local amx = uly.cpu_amx()
-    assert.truthy(out:find('\nbf16 matmuls on AMX tiles: ' .. amx .. (amx == 'on' and '; MFU of bf16 rows vs ' or '\n'), 1, true), out)
+    local engine = uly.cpu_bf16_gemm()
+    assert.truthy(out:find('\nbf16 GEMM engine: ' .. engine .. (engine == 'amx' and '; MFU of bf16 rows vs ' or ''), 1, true),
+                  out)
     local f32_tps, bf16_tps = out:match('\n32x2 .- ([%d.]+) .-%s+f32%s+f32\n32x2 .- ([%d.]+) .-%s+f32%s+bf16\n')
     assert.truthy(f32_tps and bf16_tps, 'no f32 and bf16 precision rows in:\n' .. out)
   end)
@@ -94,7 +95,7 @@ describe('bench/matmul.lua', function()
   it('prints the bf16 table (--only bf16): f32 and bf16 operands within bf16\'s precision of the f32 product', function()
     local out, code = helpers.run('bin/ulysses bench/matmul.lua --only bf16 --seconds 0.01')
     assert.equals(0, code, out)
-    assert.truthy(out:find('bf16 matmuls on AMX tiles: ' .. uly.cpu_amx(), 1, true), out)
+    assert.truthy(out:find('bf16 GEMM engine: ' .. uly.cpu_bf16_gemm(), 1, true), out)
     local rows = 0
     for e32, e16 in out:gmatch('\n  [^\n]-|%s+[%d.]+%s+[%d.]+%s+[%d.]+ |%s+[%d.]+%s+[%d.]+ |%s+(%S+)%s+(%S+)') do
       rows = rows + 1

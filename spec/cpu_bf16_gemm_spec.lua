@@ -1,26 +1,36 @@
 -- spec/cpu_bf16_gemm_spec.lua — the CPU backend's bf16 GEMMs (kernels/cpu/matmul.c
--- gemm_batched_bf16, the AMX tiles of gemm_amx.c where the CPU has them, else OpenBLAS on rounded
--- copies) and flash attention handed bf16 tensors: in bf16 matmul precision, a bf16 operand is
--- read as it is and a bf16 result (bf16 activations) is the f32 result rounded once, so each
--- gives the bits of the same op on f32 copies of its operands, its result rounded after. Every
--- case runs with the AMX tiles (where the CPU has them) and with OpenBLAS.
+-- gemm_batched_bf16: the AMX tiles of gemm_amx.c or VDPBF16PS of gemm_avx512_bf16.c where the CPU
+-- has them, else OpenBLAS on rounded copies) and flash attention handed bf16 tensors: in bf16
+-- matmul precision, a bf16 operand is read as it is and a bf16 result (bf16 activations) is the
+-- f32 result rounded once, so each gives the bits of the same op on f32 copies of its operands,
+-- its result rounded after. Every case runs on each engine the CPU has and on OpenBLAS.
 local uly = require 'ulysses'
 local helpers = require 'helpers'
 
-local engines = { false }
-if uly.cpu_amx() == 'on' then engines = { true, false } end
+-- the engines to run on: the settings of uly.cpu_amx and uly.cpu_avx512_bf16 for each, and what
+-- uly.cpu_bf16_gemm() then says ('off: ...' for OpenBLAS)
+local engines = {}
+if uly.cpu_amx() == 'on' then engines[#engines + 1] = { name = 'AMX', amx = true, avx = true, key = 'amx' } end
+if uly.cpu_avx512_bf16(true) == 'on' then   -- wherever the CPU has it (by default only where it pays)
+  engines[#engines + 1] = { name = 'AVX512-BF16', amx = false, avx = true, key = 'avx512_bf16' }
+end
+uly.cpu_avx512_bf16('auto')
+engines[#engines + 1] = { name = 'OpenBLAS', amx = false, avx = false, key = 'off' }
 
--- fn() under bf16 matmul precision with AMX on or off; settings restored even when fn fails
-local function with(amx, fn)
-  local prev_p, prev_a = uly.matmul_precision('bf16'), uly.cpu_amx() == 'on'
-  if prev_a or amx then uly.cpu_amx(amx) end
-  local ok, err = pcall(fn)
+-- fn() under bf16 matmul precision on the engine; settings restored even when fn fails
+local function with(engine, fn)
+  local prev_p = uly.matmul_precision('bf16')
+  uly.cpu_amx(engine.amx)
+  uly.cpu_avx512_bf16(engine.avx)
+  local ok, err = pcall(function()
+    assert.are.equal(engine.key, uly.cpu_bf16_gemm():match('^[%w_]+'))
+    fn()
+  end)
   uly.matmul_precision(prev_p)
-  if prev_a or amx then uly.cpu_amx(prev_a) end
+  uly.cpu_amx(true)
+  uly.cpu_avx512_bf16('auto')
   assert(ok, err)
 end
-
-local function engine_name(amx) return amx and 'AMX' or 'OpenBLAS' end
 
 -- a [rows, cols] bf16 matrix, or the transposed view of a [cols, rows] one
 local function bf16_matrix(rows, cols, transposed)
@@ -29,16 +39,16 @@ end
 
 describe('bf16 GEMMs on the CPU', function()
   it('read bf16 operands as they are and round a bf16 result once (the bits of f32 copies, rounded after)', function()
-    -- sizes past one packed panel of K (512) and of columns (512), partial tiles, K of 1
+    -- sizes past one packed panel of K (1024) and of columns (512), partial tiles, K of 1
     local sizes = { { 1, 1, 1 }, { 5, 7, 3 }, { 33, 65, 1 }, { 31, 33, 35 }, { 70, 40, 600 }, { 40, 530, 1100 } }
-    for _, amx in ipairs(engines) do
-      with(amx, function()
+    for _, engine in ipairs(engines) do
+      with(engine, function()
         helpers.reseed(11)
         for _, s in ipairs(sizes) do
           local M, N, K = s[1], s[2], s[3]
           for _, tr in ipairs { { false, false }, { true, false }, { false, true }, { true, true } } do
             local a, b = bf16_matrix(M, K, tr[1]), bf16_matrix(K, N, tr[2])
-            local what = ('%s %d x %d x %d%s%s'):format(engine_name(amx), M, N, K, tr[1] and ' A^T' or '',
+            local what = ('%s %d x %d x %d%s%s'):format(engine.name, M, N, K, tr[1] and ' A^T' or '',
                                                        tr[2] and ' B^T' or '')
             local y = uly.matmul(a, b)
             assert.are.equal('bf16', y:dtype(), what)
@@ -53,8 +63,8 @@ describe('bf16 GEMMs on the CPU', function()
   end)
 
   it('take batches, broadcast batch dims and a Linear layer\'s bias, and give their gradients', function()
-    for _, amx in ipairs(engines) do
-      with(amx, function()
+    for _, engine in ipairs(engines) do
+      with(engine, function()
         helpers.reseed(12)
         local x = uly.randn(3, 2, 37, 45):bf16()
         local w = uly.randn(45, 21)
@@ -67,7 +77,7 @@ describe('bf16 GEMMs on the CPU', function()
         end
         local y16, dx16, dw16 = run(x)
         local y32, dx32, dw32 = run(x:float())
-        local what = engine_name(amx) .. ' batched'
+        local what = engine.name .. ' batched'
         helpers.assert_close(y16:float(), y32:bf16():float(), 0, 0, what .. ' output')
         helpers.assert_close(dx16:float(), dx32, 0, 0, what .. ' dx')
         helpers.assert_close(dw16, dw32, 0, 0, what .. ' dw')
@@ -86,7 +96,7 @@ describe('bf16 GEMMs on the CPU', function()
         assert.are.equal('bf16', lin(xl):dtype())
         l32[1] = l32[1]:bf16():float()
         for i, name in ipairs { 'output', 'dx', 'dweight', 'dbias' } do
-          helpers.assert_close(l16[i], l32[i], 0, 0, engine_name(amx) .. ' Linear ' .. name)
+          helpers.assert_close(l16[i], l32[i], 0, 0, engine.name .. ' Linear ' .. name)
         end
       end)
     end
@@ -103,7 +113,7 @@ describe('bf16 GEMMs on the CPU', function()
   end)
 
   -- flash attention's operands as given: bf16 q, k, v read exactly by the CPU kernel, in bf16
-  -- precision (on AMX tiles where on, else exact f32 products). A bf16 q gives a bf16 output,
+  -- precision (on AMX tiles where on, else exact f32 products: AVX512-BF16 runs only the big GEMMs). A bf16 q gives a bf16 output,
   -- which backward's delta = rowsum(dO O) then reads as rounded: dq and dk agree with the f32
   -- copies' to bf16's precision there, everything else to the bit
   it('run flash attention on bf16 q, k, v: the bits of their f32 copies', function()
@@ -112,11 +122,11 @@ describe('bf16 GEMMs on the CPU', function()
       { 'not causal, D 48', 2, 77, 2, 1, 48, {} },
       { 'a sliding window, D 32', 1, 150, 2, 2, 32, { causal = true, window = 40 } },
     }
-    for _, amx in ipairs(engines) do
-      with(amx, function()
+    for _, engine in ipairs(engines) do
+      with(engine, function()
         for _, c in ipairs(cases) do
           local what, B, T, H, Hk, D, opts = unpack(c)
-          what = engine_name(amx) .. ' ' .. what
+          what = engine.name .. ' ' .. what
           helpers.reseed(14)
           local q, k, v = uly.randn(B, T, H, D):bf16(), uly.randn(B, T, Hk, D):bf16(), uly.randn(B, T, Hk, D):bf16()
           local g = uly.randn(B, T, H, D)
@@ -145,8 +155,8 @@ describe('bf16 GEMMs on the CPU', function()
     local GPT = require 'models.gpt'
     helpers.reseed(15)
     local ids = helpers.token_ids(2, 64, 256)
-    for _, amx in ipairs(engines) do
-      with(amx, function()
+    for _, engine in ipairs(engines) do
+      with(engine, function()
         local function step(act)
           local prev = uly.activation_dtype(act)
           local ok, res = pcall(function()
@@ -165,9 +175,9 @@ describe('bf16 GEMMs on the CPU', function()
         local s16, s32 = step('bf16'), step('f32')
         -- activations rounded to bf16 at every op: within bf16's precision, not to the bit
         assert(math.abs(s16[1] - s32[1]) <= 1e-2 * math.abs(s32[1]),
-               ('%s: loss %.6g with bf16 activations, %.6g with f32'):format(engine_name(amx), s16[1], s32[1]))
+               ('%s: loss %.6g with bf16 activations, %.6g with f32'):format(engine.name, s16[1], s32[1]))
         for i = 2, #s32 do
-          helpers.assert_within(s16[i], s32[i], 0.1, ('%s: gradient %d'):format(engine_name(amx), i - 1))
+          helpers.assert_within(s16[i], s32[i], 0.1, ('%s: gradient %d'):format(engine.name, i - 1))
         end
       end)
     end

@@ -88,6 +88,24 @@ describe('ffi surface', function()
     end
   end)
 
+  -- VDPBF16PS's bf16 peak (16 lanes x 2 multiply-adds an instruction): above a quarter of the f32
+  -- FMA peak (half of it measured on an Intel VM), below two instructions a cycle a thread at 6 GHz;
+  -- 0 where the engine is off. The bf16 GEMM engine's peak: 0 where none runs.
+  it('measures the AVX512-BF16 peak within physical bounds, or 0 without it', function()
+    if uly.cpu_avx512_bf16() ~= 'on' then assert.are.equal(0, uly.cpu_avx512_bf16_peak_flops(1)) end
+    local ok, err = pcall(function()
+      if uly.cpu_avx512_bf16(true) ~= 'on' then return end   -- wherever the CPU has it
+      for _, threads in ipairs({ 1, 2 }) do
+        local peak = uly.cpu_avx512_bf16_peak_flops(threads)
+        assert.is_true(peak > uly.cpu_peak_flops(threads) / 4, ('%d threads: %g FLOP/s'):format(threads, peak))
+        assert.is_true(peak < 2 * 64 * 6e9 * threads, ('%d threads: %g FLOP/s'):format(threads, peak))
+      end
+    end)
+    uly.cpu_avx512_bf16('auto')
+    assert(ok, err)
+    assert.are.equal(uly.cpu_bf16_gemm():match('^off') ~= nil, uly.cpu_bf16_peak_flops(1) == 0)
+  end)
+
   it('dtype names and sizes agree with the Lua side', function()
     local C = lib.C
     local expect = { [0] = { 'f32', 4 }, { 'bf16', 2 }, { 'i32', 4 }, { 'i64', 8 }, { 'f64', 8 } }

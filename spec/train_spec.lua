@@ -79,9 +79,11 @@ describe('train.lua', function()
     -- on cuda the precision defaults to bf16: the CPU reference rounds the same way
     local out, code = run(common .. '--precision bf16 --out ' .. a)
     assert.are.equal(0, code, out)
-    assert.truthy(out:find('matmul precision bf16 (AMX tiles: ' .. uly.cpu_amx() .. '),', 1, true), out)
-    if uly.cpu_amx() == 'on' then   -- MFU against the tiles' bf16 peak
-      assert.truthy(out:find('%(AMX bf16 peak of %d+ threads, measured%)'), out)
+    local engine = uly.cpu_bf16_gemm()
+    assert.truthy(out:find('matmul precision bf16 (bf16 GEMM engine: ' .. engine .. '),', 1, true), out)
+    if engine == 'amx' then   -- MFU against the tiles' bf16 peak (AVX512-BF16's: where above the f32 peak)
+      assert.are.equal(engine == 'amx' and 'AMX' or 'AVX512-BF16', out:match('%((%S+) bf16 peak of %d+ threads, measured%)'),
+                       out)
     end
     out, code = run('--device cuda --stop_after 6 ' .. common .. '--out ' .. b)
     if not uly.cuda.available() then  -- without a GPU (or the simulation) it refuses, saying why

@@ -34,6 +34,12 @@ double uly_cpu_peak_flops(int threads);    /* f32 FMA peak of `threads` threads 
 const char *uly_cpu_amx_status(void);      /* bf16 matmuls on the CPU's AMX tiles: "on", or "off: why" */
 int uly_set_cpu_amx(int on);               /* use AMX where the CPU has it (default 1); the previous setting */
 double uly_cpu_amx_peak_flops(int threads); /* the AMX tiles' bf16 peak in FLOP/s, measured; 0 where AMX is off */
+const char *uly_cpu_avx512_bf16_status(void); /* bf16 matmuls by AVX512-BF16 where AMX is off: "on"/"off: why" */
+int uly_set_cpu_avx512_bf16(int on);        /* AVX512-BF16: 1 always where the CPU has it, 0 never, -1 (the default)
+                                               where it beats f32 FMA; the previous setting */
+double uly_cpu_avx512_bf16_peak_flops(int threads); /* its bf16 peak in FLOP/s, measured; 0 where it is off */
+const char *uly_cpu_bf16_gemm(void);        /* the engine of bf16 matmuls: "amx", "avx512_bf16", or "off: why" */
+double uly_cpu_bf16_peak_flops(int threads); /* that engine's bf16 peak in FLOP/s, measured; 0 where none runs */
 int uly_cpu_bf16_kernels(int on);           /* bf16 activations on the CPU through its bf16 kernels (1, default) or
                                                converting copies (0); < 0 only reads; the previous setting */
 int64_t uly_cpu_bf16_kernel_calls(void);    /* how many times a CPU bf16 kernel has run in this process */

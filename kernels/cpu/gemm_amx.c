@@ -1,6 +1,8 @@
 /* kernels/cpu/gemm_amx.c — bf16 GEMM on Intel AMX tiles (TDPBF16PS) for bf16 mixed precision on
  * the CPU: C (f32) = beta C + A B with A and B rounded to bf16 (nearest even) on the way in,
  * products exact, f32 accumulation (FTZ/DAZ, as AMX and the AVX-512 BF16 conversions work).
+ * The packing and the driver here also serve the second engine, VDPBF16PS on zmm registers
+ * (gemm_avx512_bf16.c), which computes the same blocks where AMX is off (gemm_bf16_engine()).
  *
  * Blocking: B is packed once per (NC columns, KC rows) panel into 32-column strips of bf16 pairs
  * (the VNNI layout TDPBF16PS reads: a row per pair of K, a 32-bit word per column), A per
@@ -10,11 +12,13 @@
  * their columns (a 16 x 16 transpose of bf16 pairs packs the transposed operands of the backward
  * GEMMs), C along its rows, else OpenBLAS takes the GEMM. Work is split over OpenMP threads by
  * (row block, column strip), each C element summed over K in the same order at any thread count.
- * Also here: tile_gemm_amx, flash attention's small tile products on the same micro-kernel, and
- * gemm_amx_peak, the tiles' measured bf16 peak (MFU's denominator for bf16 on them).
+ * Also here: tile_gemm_amx, flash attention's small tile products on the same micro-kernel,
+ * gemm_amx_peak, the tiles' measured bf16 peak (MFU's denominator for bf16 on them), and
+ * gemm_bf16_engine, which engine runs the bf16 GEMMs (AMX first, then AVX512-BF16) or why none.
  *
  * AMX is used where the CPU has AMX-BF16 and AVX512-BF16 and Linux grants the tile state
  * (arch_prctl ARCH_REQ_XCOMP_PERM), unless ULY_CPU_AMX=0; gemm_amx_status() says which. */
+#include "gemm_bf16.h"
 #include "kernels.h"
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,8 +27,7 @@
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__) && defined(__linux__) && \
-    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#ifdef GEMM_BF16_BUILT
 #define AMX_BUILT 1
 #include <cpuid.h>
 #include <immintrin.h>
@@ -37,8 +40,8 @@ static int amx_wanted = 1;         /* gemm_amx_enable */
 static char amx_reason[160] = "undecided";
 
 #ifdef AMX_BUILT
-#define MR 32                      /* a C block: 2 x 2 tiles of 16 x 16 */
-#define NR 32
+#define MR GEMM_BF16_MR             /* a C block: 2 x 2 tiles of 16 x 16 */
+#define NR GEMM_BF16_NR
 #ifndef KC
 #define KC 1024                    /* K per packed panel (a multiple of 32; 1024 ran the GEMMs of a
                                       step as fast as 512 or faster, up to 1.3x on [8192, 768] x [768, 256]) */
@@ -307,9 +310,11 @@ static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 /* one GEMM, no batches, C with unit column stride, A and B each with a unit row or column stride;
  * each of A, B, C f32 or bf16 (a16, b16, c16; a bf16 C only with K <= KC and beta 0: its blocks
- * are rounded once, whole); -1 when the packing buffers cannot be had (the caller falls back) */
-static int amx_gemm(int64_t M, int64_t N, int64_t K, const void *a, int a16, int64_t ars, int64_t acs, const void *b,
-                    int b16, int64_t brs, int64_t bcs, float beta, const float *bias, void *c, int c16, int64_t crs) {
+ * are rounded once, whole); its blocks on the AMX tiles (tiles) or the AVX512-BF16 engine; -1
+ * when the packing buffers cannot be had (the caller falls back) */
+static int amx_gemm(int tiles, int64_t M, int64_t N, int64_t K, const void *a, int a16, int64_t ars, int64_t acs,
+                    const void *b, int b16, int64_t brs, int64_t bcs, float beta, const float *bias, void *c, int c16,
+                    int64_t crs) {
     int T = 1;
 #ifdef _OPENMP
     if (omp_in_parallel()) return -1;   /* the packing buffers are the process's: OpenBLAS takes it */
@@ -337,7 +342,7 @@ static int amx_gemm(int64_t M, int64_t N, int64_t K, const void *a, int a16, int
                 #pragma omp for schedule(static)
                 for (int64_t s = 0; s < strips; s++)
                     pack_b_strip(bufs.b + s * (kcp / 2) * NR, b, b16, brs, bcs, K, N, pc, jc + s * NR, kcp);
-                load_tile_config();
+                if (tiles) load_tile_config();
                 float acc[MR * NR] __attribute__((aligned(64)));
                 int64_t packed = -1;
                 /* (row block, strip) items in row-block order, a contiguous share a thread */
@@ -349,12 +354,17 @@ static int amx_gemm(int64_t M, int64_t N, int64_t K, const void *a, int a16, int
                         packed = ib;
                     }
                     const int64_t j = jc + s * NR, nr = N - j < NR ? N - j : NR;
-                    for (int64_t ir = 0; ir < mcp; ir += MR)
-                        c_block((char *)c + ((i0 + ir) * crs + j) * (c16 ? 2 : 4), c16, crs, mc - ir < MR ? mc - ir : MR,
-                                nr, bt, bias && pc == 0 ? bias + j : NULL, bufs.a[t] + ir * kcp,
-                                bufs.b + s * (kcp / 2) * NR, kcp, acc);
+                    for (int64_t ir = 0; ir < mcp; ir += MR) {
+                        void *cb = (char *)c + ((i0 + ir) * crs + j) * (c16 ? 2 : 4);
+                        const int64_t mr = mc - ir < MR ? mc - ir : MR;
+                        const float *bb = bias && pc == 0 ? bias + j : NULL;
+                        const uint16_t *ab = bufs.a[t] + ir * kcp;
+                        const uint32_t *strip = bufs.b + s * (kcp / 2) * NR;
+                        if (tiles) c_block(cb, c16, crs, mr, nr, bt, bb, ab, strip, kcp, acc);
+                        else avx512_bf16_block(cb, c16, crs, mr, nr, bt, bb, ab, strip, kcp);
+                    }
                 }
-                _tile_release();
+                if (tiles) _tile_release();
             }
         }
     }
@@ -497,17 +507,32 @@ int gemm_amx_enable(int on) {
     return prev;
 }
 
+int gemm_bf16_on(void) { return gemm_amx_on() || gemm_avx512_bf16_on(); }
+
+const char *gemm_bf16_engine(void) {
+    static char why[400];
+    if (gemm_amx_on()) return "amx";
+    if (gemm_avx512_bf16_on()) return "avx512_bf16";
+    /* both statuses say "off: why" */
+    snprintf(why, sizeof why, "off: AMX: %s; AVX512-BF16: %s", gemm_amx_status() + 5, gemm_avx512_bf16_status() + 5);
+    return why;
+}
+
+double gemm_bf16_peak(int threads) {
+    return gemm_amx_on() ? gemm_amx_peak(threads) : gemm_avx512_bf16_on() ? gemm_avx512_bf16_peak(threads) : 0.0;
+}
+
 #ifdef AMX_BUILT
 /* a bf16 C over K > KC: the f32 sums in this buffer (grown, kept), rounded into C at the end */
 static float *csum;
 static int64_t csum_elems;
 
-static int amx_gemm_bf16_out(int64_t M, int64_t N, int64_t K, const void *a, int a16, int64_t ars, int64_t acs,
-                             const void *b, int b16, int64_t brs, int64_t bcs, const float *bias, uint16_t *c,
-                             int64_t crs) {
-    if (K <= KC) return amx_gemm(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, 0.0f, bias, c, 1, crs);
+static int amx_gemm_bf16_out(int tiles, int64_t M, int64_t N, int64_t K, const void *a, int a16, int64_t ars,
+                             int64_t acs, const void *b, int b16, int64_t brs, int64_t bcs, const float *bias,
+                             uint16_t *c, int64_t crs) {
+    if (K <= KC) return amx_gemm(tiles, M, N, K, a, a16, ars, acs, b, b16, brs, bcs, 0.0f, bias, c, 1, crs);
     if (grow((void **)&csum, &csum_elems, M * N, 4) ||
-        amx_gemm(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, 0.0f, bias, csum, 0, N))
+        amx_gemm(tiles, M, N, K, a, a16, ars, acs, b, b16, brs, bcs, 0.0f, bias, csum, 0, N))
         return -1;
     #pragma omp parallel for schedule(static) if (M * N >= (1 << 16))
     for (int64_t i = 0; i < M; i++) {
@@ -527,16 +552,16 @@ int gemm_amx_2d(int64_t M, int64_t N, int64_t K, const void *a, int adt, int64_t
     if (K == 1) acs = brs = 1;
     if (M == 1) ars = 1;
     if (N == 1) { bcs = 1; ccs = 1; }
-    const int a16 = adt == KDT_BF16, b16 = bdt == KDT_BF16, c16 = cdt == KDT_BF16;
-    if (!gemm_amx_on() || K <= 0 || M <= 0 || N <= 0 || ccs != 1 || (acs != 1 && ars != 1) || (bcs != 1 && brs != 1) ||
-        (c16 && beta != 0.0f && !bias))
+    const int a16 = adt == KDT_BF16, b16 = bdt == KDT_BF16, c16 = cdt == KDT_BF16, tiles = gemm_amx_on();
+    if (!(tiles || gemm_avx512_bf16_on()) || K <= 0 || M <= 0 || N <= 0 || ccs != 1 || (acs != 1 && ars != 1) ||
+        (bcs != 1 && brs != 1) || (c16 && beta != 0.0f && !bias))
         return -1;
     /* the packing buffers are the process's: a second caller at the same time (another host
      * thread) leaves the GEMM to OpenBLAS */
     static int busy;
     if (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE)) return -1;
-    int rc = c16 ? amx_gemm_bf16_out(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, bias, c, crs)
-                 : amx_gemm(M, N, K, a, a16, ars, acs, b, b16, brs, bcs, beta, bias, c, 0, crs);
+    int rc = c16 ? amx_gemm_bf16_out(tiles, M, N, K, a, a16, ars, acs, b, b16, brs, bcs, bias, c, crs)
+                 : amx_gemm(tiles, M, N, K, a, a16, ars, acs, b, b16, brs, bcs, beta, bias, c, 0, crs);
     __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
     return rc;
 #else

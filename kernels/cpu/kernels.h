@@ -213,28 +213,29 @@ void gemm_batched(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C
 #define KDT_BF16 1
 /* the backend's gemm_batched_bf16 (uly_backend.h): A and B f32 or bf16, rounded to bf16 (nearest
  * even), products exact, f32 sums; C f32, or bf16 (K > 0, beta 0) holding the f32 result rounded
- * once. On AMX tiles where gemm_amx_on (the operands rounded as they are packed), else OpenBLAS
- * on rounded f32 copies */
+ * once. On AMX tiles where gemm_amx_on, else with VDPBF16PS where gemm_avx512_bf16_on (the
+ * operands rounded as they are packed), else OpenBLAS on rounded f32 copies */
 void gemm_batched_bf16(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
                        int64_t M, int64_t N, int64_t K, float beta);
 /* gemm_batched for bf16 precision on f32 operands, for a backend whose core rounds them while
- * gemm_amx_on() says 0 (the simulated device's gemm_batched_rounded, gemm_rounds_operands):
- * gemm_batched_bf16 with AMX on, else gemm_batched on the operands as given */
+ * gemm_bf16_on() says 0 (the simulated device's gemm_batched_rounded, gemm_rounds_operands):
+ * gemm_batched_bf16 with a bf16 engine on, else gemm_batched on the operands as given */
 void gemm_batched_rounded(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
                           int64_t M, int64_t N, int64_t K, float beta);
-/* ---- the AMX GEMM (gemm_amx.c) ----
+/* ---- the bf16 GEMM (gemm_amx.c: packing, driver, the AMX engine) ----
  * gemm_amx_2d: C = beta C + A B, or bias + A B where bias (a row of N: beta then ignored, C not
  * read), operands rounded to bf16 on the way in; A and B (each f32 or bf16: adt, bdt) with a
  * unit row or column stride, C (f32, or bf16 with beta 0 or a bias: cdt) with unit column stride;
- * -1 when it did nothing (AMX off, other strides, called inside a parallel region or while
- * another thread runs it, no memory for its panels).
+ * -1 when it did nothing (no bf16 engine on, other strides, called inside a parallel region or
+ * while another thread runs it, no memory for its panels). Its blocks run on the AMX tiles where
+ * gemm_amx_on, else on the AVX512-BF16 engine where gemm_avx512_bf16_on.
  * gemm_amx_on: whether AMX is in use; gemm_amx_status: "on" or "off: why"; gemm_amx_enable: a
  * switch (the previous setting), for comparisons */
 int gemm_amx_2d(int64_t M, int64_t N, int64_t K, const void *a, int adt, int64_t ars, int64_t acs, const void *b,
                 int bdt, int64_t brs, int64_t bcs, float beta, const float *bias, void *c, int cdt, int64_t crs,
                 int64_t ccs);
 /* the backend's gemm_bias (uly_backend.h): C = bias + A B for a Linear layer in bf16 precision on
- * the AMX tiles (C f32, or bf16 rounded once); -1 otherwise (f32 precision, AMX off: the core
+ * a bf16 engine (C f32, or bf16 rounded once); -1 otherwise (f32 precision, none on: the core
  * seeds C with the bias and adds the GEMM into it, the same bits) */
 int gemm_bias(uly_mat A, uly_mat B, uly_mat C, int64_t M, int64_t N, int64_t K, const float *bias, int bf16);
 int gemm_amx_on(void);
@@ -242,6 +243,20 @@ const char *gemm_amx_status(void);
 int gemm_amx_enable(int on);
 /* the AMX tiles' bf16 peak of `threads` threads in FLOP/s, measured (~10 ms); 0 where AMX is off */
 double gemm_amx_peak(int threads);
+/* ---- the AVX512-BF16 engine (gemm_avx512_bf16.c): gemm_amx_2d's blocks with VDPBF16PS where AMX
+ * is off. gemm_avx512_bf16_on: whether the CPU has it and it is wanted (it runs only while AMX is
+ * off; by default only where VDPBF16PS measured at least 1.25x the f32 FMA rate); _status: "on" or
+ * "off: why"; _enable: 1 always, 0 never, -1 where it pays (the default; returns the previous
+ * setting); _peak: its bf16 peak of `threads` threads in FLOP/s, measured (~10 ms), 0 where off ----
+ * gemm_bf16_on: whether either engine runs gemm_amx_2d; gemm_bf16_engine: "amx", "avx512_bf16"
+ * or "off: why"; gemm_bf16_peak: the running engine's peak (0 where none) */
+int gemm_avx512_bf16_on(void);
+const char *gemm_avx512_bf16_status(void);
+int gemm_avx512_bf16_enable(int on);
+double gemm_avx512_bf16_peak(int threads);
+int gemm_bf16_on(void);
+const char *gemm_bf16_engine(void);
+double gemm_bf16_peak(int threads);
 /* C[M][N] (+= where acc) A[M][K] B[K][N], row-major with leading dims, operands rounded to bf16:
  * the flash-attention kernels' tile products in bf16 precision; callable inside a parallel
  * region (its panels are the calling thread's); -1 when it did nothing (AMX off, no memory) */

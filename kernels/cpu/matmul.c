@@ -194,7 +194,7 @@ void gemm_batched_bf16(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_
 
 void gemm_batched_rounded(int nb, const int64_t *bshape, uly_mat A, uly_mat B, uly_mat C,
                           int64_t M, int64_t N, int64_t K, float beta) {
-    if (gemm_amx_on()) gemm_batched_bf16(nb, bshape, A, B, C, M, N, K, beta);
+    if (gemm_bf16_on()) gemm_batched_bf16(nb, bshape, A, B, C, M, N, K, beta);
     else gemm_batched(nb, bshape, A, B, C, M, N, K, beta);
 }
 

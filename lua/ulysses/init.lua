@@ -367,6 +367,31 @@ end
 -- the AMX tiles' bf16 peak in FLOP/s over `threads` threads (default: the current count),
 -- measured (~10 ms): the denominator of MFU for bf16 matmuls on them; 0 where AMX is off
 function uly.cpu_amx_peak_flops(threads) return C.uly_cpu_amx_peak_flops(threads or uly.get_num_threads()) end
+-- where AMX is off (no tiles, or uly.cpu_amx(false)), bf16 matmuls run with AVX512-BF16's VDPBF16PS
+-- where the CPU has it (AMD Zen 4 and 5, Intel Cooper Lake) and it pays (measured at start at
+-- 1.25x the f32 FMA rate or more; else OpenBLAS on rounded copies is as fast): "on" (it runs while
+-- AMX is off), or "off: " and why. uly.cpu_avx512_bf16(false) switches it off (OpenBLAS on rounded
+-- copies: the same products), (true) on wherever the CPU has it, ('auto') back to where it pays;
+-- ULY_CPU_AVX512_BF16=0 / 1 set off / on at start. Returns the status after the switch
+function uly.cpu_avx512_bf16(on)
+  if on ~= nil then
+    if on ~= true and on ~= false and on ~= 'auto' then
+      raise("cpu_avx512_bf16: expected true, false or 'auto', got " .. tostring(on))
+    end
+    C.uly_set_cpu_avx512_bf16(on == 'auto' and -1 or on and 1 or 0)
+  end
+  return ffi.string(C.uly_cpu_avx512_bf16_status())
+end
+-- its bf16 peak in FLOP/s over `threads` threads (default: the current count), measured (~10 ms); 0 where off
+function uly.cpu_avx512_bf16_peak_flops(threads)
+  return C.uly_cpu_avx512_bf16_peak_flops(threads or uly.get_num_threads())
+end
+-- which engine runs bf16 matmuls on the CPU: 'amx', 'avx512_bf16', or 'off: ' and why (OpenBLAS on
+-- rounded copies then)
+function uly.cpu_bf16_gemm() return ffi.string(C.uly_cpu_bf16_gemm()) end
+-- that engine's bf16 peak in FLOP/s over `threads` threads (default: the current count), measured:
+-- the denominator of MFU for bf16 matmuls on the CPU; 0 where none runs
+function uly.cpu_bf16_peak_flops(threads) return C.uly_cpu_bf16_peak_flops(threads or uly.get_num_threads()) end
 -- bf16 activations (uly.activation_dtype('bf16')) on the CPU: norms, SwiGLU, activations, RoPE,
 -- elementwise ops and cross-entropy read and write bf16 themselves (true, the default) or run the
 -- f32 kernels between converting copies (false): the same bits, half the bytes moved. Returns the
