@@ -303,7 +303,9 @@ for _, engine in ipairs(engines) do
             return { qs.grad, ks.grad, vs.grad }
           end
           local f32, amx = run('f32'), run('bf16')
-          for i, name in ipairs { 'dq', 'dk', 'dv' } do assert_agree(amx[i], f32[i], 1.5e-2, name .. ', draw ' .. rep) end
+          -- 3,600 draws of this case gave at most 1.9 % (the cancellation in dS amplifies bf16's
+          -- 2^-9); the bug it guards against was 33 % (1.5 % here failed about one run in 300)
+          for i, name in ipairs { 'dq', 'dk', 'dv' } do assert_agree(amx[i], f32[i], 3e-2, name .. ', draw ' .. rep) end
         end
       end)
     end
