@@ -444,17 +444,7 @@ static double amx_peak_thread(void) {
 double gemm_amx_peak(int threads) {
     if (!gemm_amx_on()) return 0.0;
     if (threads < 1) threads = 1;
-    double slowest = 0.0;
-    for (int attempt = 0; attempt < 3; attempt++) {   /* the best of three, as cpu_fma_peak */
-        double worst = 0.0;
-        #pragma omp parallel num_threads(threads) reduction(max : worst)
-        {
-            #pragma omp barrier
-            double t = amx_peak_thread();
-            worst = t > worst ? t : worst;
-        }
-        if (attempt == 0 || worst < slowest) slowest = worst;
-    }
+    const double slowest = slowest_thread_best_of_three(amx_peak_thread, threads);
     return slowest > 0.0 ? 6.0 * PEAK_ROUNDS * (16.0 * 16 * 32 * 2) * threads / slowest : 0.0;
 }
 #endif /* AMX_BUILT */

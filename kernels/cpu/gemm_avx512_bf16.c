@@ -152,11 +152,7 @@ static int decide(void) {
     }
     if (env && strcmp(env, "1") == 0) avx_wanted = 1;
     /* does it pay? VDPBF16PS's rate on one thread against f32 FMA's (the best of three each) */
-    double best = 0.0;
-    for (int attempt = 0; attempt < 3; attempt++) {
-        const double t = peak_thread();
-        if (attempt == 0 || t < best) best = t;
-    }
+    const double best = slowest_thread_best_of_three(peak_thread, 1);
     const double bf16 = best > 0.0 ? (double)PEAK_CHAINS * PEAK_ROUNDS * (16.0 * 2 * 2) / best : 0.0;
     const double f32 = cpu_fma_peak(1);
     if (bf16 < 1.25 * f32) {
@@ -173,17 +169,7 @@ static int decide(void) {
 double gemm_avx512_bf16_peak(int threads) {
     if (!gemm_avx512_bf16_on()) return 0.0;
     if (threads < 1) threads = 1;
-    double slowest = 0.0;
-    for (int attempt = 0; attempt < 3; attempt++) {   /* the best of three, as cpu_fma_peak */
-        double worst = 0.0;
-        #pragma omp parallel num_threads(threads) reduction(max : worst)
-        {
-            #pragma omp barrier
-            double t = peak_thread();
-            worst = t > worst ? t : worst;
-        }
-        if (attempt == 0 || worst < slowest) slowest = worst;
-    }
+    const double slowest = slowest_thread_best_of_three(peak_thread, threads);
     return slowest > 0.0 ? (double)PEAK_CHAINS * PEAK_ROUNDS * (16.0 * 2 * 2) * threads / slowest : 0.0;
 }
 #else

@@ -322,5 +322,8 @@ void optim_scale(float *x, int64_t n, float s);
 
 /* this machine's f32 FMA peak over `threads` threads, measured (peak.c), in FLOP/s */
 double cpu_fma_peak(int threads);
+/* the peaks' timing (peak.c): thread_seconds run on `threads` threads at once, three times; the
+ * slowest thread's seconds of the best run (clocks warm, less noise) */
+double slowest_thread_best_of_three(double (*thread_seconds)(void), int threads);
 
 #endif
