@@ -27,22 +27,14 @@ static atomic_int_fast64_t twin_calls;
 static void count_call(void) { atomic_fetch_add_explicit(&twin_calls, 1, memory_order_relaxed); }
 int64_t bf16_twin_calls(void) { return (int64_t)atomic_load_explicit(&twin_calls, memory_order_relaxed); }
 
-/* ---- conversions (vectorisable loops) ---- */
-static inline float bf16_value(uint16_t h) {
-    union { uint32_t u; float f; } v = { .u = (uint32_t)h << 16 };
-    return v.f;
-}
-static inline uint16_t bf16_bits(float x) {
-    union { float f; uint32_t u; } v = { .f = f32_round_bf16(x) };
-    return (uint16_t)(v.u >> 16);
-}
+/* ---- conversions (vectorisable loops; kernels.h's bf16_bits_f32 and f32_bf16_bits) ---- */
 static void to_f32(float *restrict dst, const uint16_t *restrict src, int64_t n) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) dst[i] = bf16_value(src[i]);
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_bits_f32(src[i]);
 }
 static void to_bf16(uint16_t *restrict dst, const float *restrict src, int64_t n) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) dst[i] = bf16_bits(src[i]);
+    for (int64_t i = 0; i < n; i++) dst[i] = f32_bf16_bits(src[i]);
 }
 
 /* ---- row io: per-thread f32 buffers for the row kernels' *_io forms ---- */
@@ -195,7 +187,7 @@ static const float *gather_f32(float *restrict buf, const void *src, int dtype, 
     }
     const uint16_t *h = src;
     if (st == 1) to_f32(buf, h, n);
-    else for (int64_t i = 0; i < n; i++) buf[i] = bf16_value(h[i * st]);
+    else for (int64_t i = 0; i < n; i++) buf[i] = bf16_bits_f32(h[i * st]);
     return buf;
 }
 
