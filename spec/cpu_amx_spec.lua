@@ -39,18 +39,7 @@ local function both_ways(engine, fn)
 end
 
 -- close within f32 summation-order error: |d| <= tol * (largest |value| of the reference)
-local function assert_agree(got, blas_result, tol, what)
-  local vb, n = helpers.values(blas_result)
-  local va, na = helpers.values(got)
-  assert.are.equal(n, na, what)
-  local scale, worst = 0, 0
-  for i = 0, n - 1 do
-    scale = math.max(scale, math.abs(vb[i]))
-    worst = math.max(worst, math.abs(va[i] - vb[i]))
-  end
-  assert(worst <= tol * math.max(scale, 1e-30),
-         ('%s: differs from the reference by %.3g (largest value %.3g)'):format(what, worst, scale))
-end
+local assert_agree = helpers.assert_within
 
 describe('the bf16 GEMM engine', function()
   it('says which runs (AMX first, then AVX512-BF16), and why none does', function()
