@@ -306,7 +306,7 @@ static void exp_minus_lse(float *restrict St, const float *restrict lr) {
     for (int64_t x = 0; x < BC; x++) {
         float *row = St + x * BR;
         #pragma omp simd
-        for (int64_t r = 0; r < BR; r++) row[r] = uly_expf(row[r] - lr[r]);
+        for (int64_t r = 0; r < BR; r++) row[r] = uly_expf_softmax(row[r] - lr[r]);
     }
 }
 static void scores_grad(float *restrict dPt, const float *restrict St, const float *restrict dr) {
@@ -331,9 +331,9 @@ static void online_softmax(float *S, float *m, float *l, float *acc, int64_t mr,
             memset(s, 0, BC * sizeof(float));
             continue;
         }
-        const float alpha = uly_expf(m[r] - mx);
+        const float alpha = uly_expf_softmax(m[r] - mx);
         #pragma omp simd
-        for (int x = 0; x < BC; x++) s[x] = uly_expf(s[x] - mx);
+        for (int x = 0; x < BC; x++) s[x] = uly_expf_softmax(s[x] - mx);
         if (amx) {
             #pragma omp simd
             for (int x = 0; x < BC; x++) s[x] = f32_round_bf16(s[x]);
@@ -415,8 +415,8 @@ int64_t flash_attention_scratch_floats(const flash_problem *p, int backward) {
 }
 
 /* ---- forward ---- */
-/* the pre-packed forward's scratch: per (b, K/V head, key tile) K^T as tile B operand (K = D, N =
- * BC), then V (K = BC, N = D): D BC floats a tile, as the f32 K^T tiles take (D % 32 == 0) */
+/* the pre-packed forward's scratch: per (b, K/V head, key tile) K as tile A operand (M = BC, K =
+ * D), then V^T (M = D, K = BC): D BC floats a tile, as the f32 K^T tiles take (D % 32 == 0) */
 static uint32_t *kv_packed(const fctx *c, float *scratch, int64_t b, int64_t g, int64_t kt) {
     return (uint32_t *)scratch + ((b * c->p->Hkv + g) * c->nkt + kt) * c->p->D * BC;
 }
@@ -427,18 +427,69 @@ static void pack_kv_amx(const fctx *c, float *scratch, float *tmp) {
     for (int64_t it = 0; it < p->B * p->Hkv * c->nkt; it++) {
         const int64_t b = it / (p->Hkv * c->nkt), g = it / c->nkt % p->Hkv, kt = it % c->nkt, j0 = kt * BC;
         const int64_t nc = min64(BC, p->Tk - j0);
-        uint32_t *kb = kv_packed(c, scratch, b, g, kt), *vb = kb + TILE_AMX_B_WORDS(D, BC);
+        uint16_t *ka = (uint16_t *)kv_packed(c, scratch, b, g, kt), *vta = ka + TILE_AMX_A_ELEMS(BC, D);
         pack_rows(tmp, Dp, BC, head_ptr(&p->k, b, g), is16(&p->k), p->k.st, j0, nc, D, 1.0f);
-        tile_amx_pack_b(kb, tmp, 1, Dp, D, BC);
+        tile_amx_pack_a(ka, tmp, Dp, 1, BC, D);        /* K: A of S^T = K Q^T */
         pack_rows(tmp, Dp, BC, head_ptr(&p->v, b, g), is16(&p->v), p->v.st, j0, nc, D, 1.0f);
-        tile_amx_pack_b(vb, tmp, Dp, 1, BC, D);
+        tile_amx_pack_a(vta, tmp, 1, Dp, D, BC);       /* V^T: A of O^T += V^T P^T */
     }
 }
 
-/* per-thread workspace floats: f32 tiles, and the pre-packed path's bf16 Q and P tiles */
+/* the pre-packed forward's online softmax, on the transposed score tile St[x][r] (keys x, queries
+ * r): every step runs down the columns, a query a lane, so no row is folded across lanes. The
+ * bits of online_softmax on S: the same max, exp and bf16 rounding, and each row's sum in
+ * online_softmax's order (lane e of row_sum adds keys e, e + VL, ... in turn, then the lanes
+ * are added in order from 0). accT is O^T [D][BR]; its columns are rescaled where the max rose
+ * (multiplying by 1 elsewhere would give the same bits). */
+static void online_softmax_cols(float *restrict St, float *restrict m, float *restrict l, float *restrict accT,
+                                int64_t D) {
+    float mx[BR], sub[BR], alpha[BR], t[BR];
+    #pragma omp simd
+    for (int r = 0; r < BR; r++) mx[r] = m[r];
+    for (int x = 0; x < BC; x++) {
+        const float *s = St + x * BR;
+        #pragma omp simd
+        for (int r = 0; r < BR; r++) mx[r] = s[r] > mx[r] ? s[r] : mx[r];
+    }
+    /* a row that sees nothing yet: P = exp(-inf - 0) = 0 and alpha 1, so l, m and O^T keep theirs */
+    #pragma omp simd
+    for (int r = 0; r < BR; r++) {
+        const int seen = mx[r] != -INFINITY;
+        sub[r] = seen ? mx[r] : 0.0f;
+        alpha[r] = seen ? uly_expf_softmax(m[r] - mx[r]) : 1.0f;
+        m[r] = seen ? mx[r] : m[r];
+        t[r] = 0.0f;
+    }
+    for (int x = 0; x < BC; x++) {
+        float *s = St + x * BR;
+        #pragma omp simd
+        for (int r = 0; r < BR; r++) s[r] = f32_round_bf16(uly_expf_softmax(s[r] - sub[r]));
+    }
+    for (int e = 0; e < VL; e++) {
+        #pragma omp simd
+        for (int r = 0; r < BR; r++) {
+            float a = St[e * BR + r];
+            for (int q = 1; q < BC / VL; q++) a += St[(q * VL + e) * BR + r];
+            t[r] += a;
+        }
+    }
+    #pragma omp simd
+    for (int r = 0; r < BR; r++) l[r] = l[r] * alpha[r] + t[r];
+    for (int r0 = 0; r0 < BR; r0 += VL) {
+        int rose = 0;
+        for (int r = r0; r < r0 + VL; r++) rose |= alpha[r] != 1.0f;
+        if (!rose) continue;
+        for (int64_t d = 0; d < D; d++) {
+            float *a = accT + d * BR + r0;
+            #pragma omp simd
+            for (int r = 0; r < VL; r++) a[r] *= alpha[r0 + r];
+        }
+    }
+}
+
+/* per-thread workspace floats: f32 tiles, and the pre-packed path's bf16 Q^T and P^T tiles */
 static int64_t fwd_ws_floats(int64_t Dp, int64_t D) {
-    return round_up(2 * BR * Dp + Dp * BC + BR * BC + 2 * BR + (TILE_AMX_A_ELEMS(BR, D) + TILE_AMX_A_ELEMS(BR, BC)) / 2,
-                    VL);
+    return round_up(2 * BR * Dp + Dp * BC + BR * BC + 2 * BR + TILE_AMX_B_WORDS(D, BR) + TILE_AMX_B_WORDS(BC, BR), VL);
 }
 
 static void fwd_item(const fctx *c, float *ws, const float *KT, float *out, float *lse, int64_t b, int64_t h,
@@ -447,10 +498,10 @@ static void fwd_item(const fctx *c, float *ws, const float *KT, float *out, floa
     const int64_t D = p->D, Dp = c->Dp, i0 = qt * BR, mr = min64(BR, p->Tq - i0), g = h / c->rep;
     float *Qs = ws, *Vs = Qs + BR * Dp, *S = Vs + BC * Dp, *acc = S + BR * BC;
     float *m = acc + BR * Dp, *l = m + BR;
-    uint16_t *qa = (uint16_t *)(l + BR), *pa = qa + TILE_AMX_A_ELEMS(BR, D);
+    uint32_t *qb = (uint32_t *)(l + BR), *pb = qb + TILE_AMX_B_WORDS(D, BR);
     const void *vb = head_ptr(&p->v, b, g);
     pack_rows(Qs, Dp, BR, head_ptr(&p->q, b, h), is16(&p->q), p->q.st, i0, mr, D, p->scale);
-    if (c->pre) tile_amx_pack_a(qa, Qs, Dp, 1, BR, D);
+    if (c->pre) tile_amx_pack_b(qb, Qs, 1, Dp, D, BR);   /* Q^T: B of S^T = K Q^T */
     memset(acc, 0, (size_t)(BR * Dp) * sizeof(float));
     for (int64_t r = 0; r < BR; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
     int64_t lo, hi;
@@ -460,13 +511,13 @@ static void fwd_item(const fctx *c, float *ws, const float *KT, float *out, floa
         const int cls = classify(c, b, i0, mr, j0, nc);
         if (cls == TILE_SKIP) continue;
         (*ntiles)++;
-        if (c->pre) {   /* K and V packed once for all query tiles, Q once for all key tiles */
-            const uint32_t *kb = kv_packed(c, (float *)KT, b, g, kt);
-            tile_amx_gemm_packed(BR, BC, D, qa, kb, S, BC, 0);
-            if (cls == TILE_PARTIAL || nc < BC) mask_rows(c, b, S, i0, mr, j0, nc, cls == TILE_FULL);
-            online_softmax(S, m, l, acc, mr, Dp, 1);
-            tile_amx_pack_a(pa, S, BC, 1, BR, BC);   /* P: keys past nc are 0, as V's padding */
-            tile_amx_gemm_packed(BR, D, BC, pa, kb + TILE_AMX_B_WORDS(D, BC), acc, Dp, 1);
+        if (c->pre) {   /* K and V packed once for all query tiles, Q once for all key tiles; transposed */
+            const uint16_t *ka = (const uint16_t *)kv_packed(c, (float *)KT, b, g, kt);
+            tile_amx_gemm_packed(BC, BR, D, ka, qb, S, BR, 0);                      /* S^T = K Q^T */
+            if (cls == TILE_PARTIAL || nc < BC) mask_cols(c, b, S, i0, mr, j0, nc, cls == TILE_FULL);
+            online_softmax_cols(S, m, l, acc, D);
+            tile_amx_pack_b(pb, S, BR, 1, BC, BR);   /* P^T: keys past nc are 0, as V's padding */
+            tile_amx_gemm_packed(D, BR, BC, ka + TILE_AMX_A_ELEMS(BC, D), pb, acc, BR, 1);   /* O^T += V^T P^T */
             continue;
         }
         const float *Kt = KT + ((b * p->Hkv + g) * c->nkt + kt) * D * BC;
@@ -482,7 +533,10 @@ static void fwd_item(const fctx *c, float *ws, const float *KT, float *out, floa
         float *ls = lse + (b * p->H + h) * p->Tq + i;
         if (l[r] > 0.0f) {
             const float inv = 1.0f / l[r];
-            for (int64_t d = 0; d < D; d++) o[d] = acc[r * Dp + d] * inv;
+            if (c->pre)   /* O^T [D][BR] */
+                for (int64_t d = 0; d < D; d++) o[d] = acc[d * BR + r] * inv;
+            else
+                for (int64_t d = 0; d < D; d++) o[d] = acc[r * Dp + d] * inv;
             *ls = m[r] + logf(l[r]);
         } else {
             memset(o, 0, (size_t)D * sizeof(float));
@@ -556,9 +610,11 @@ static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *
     float *Ks = ws, *Vs = Ks + BC * Dp, *Qs = Vs + BC * Dp;
     float *dOs = Qs + BR * Dp, *St = dOs + BR * Dp, *dPt = St + BC * BR, *dKa = dPt + BC * BR, *dVa = dKa + BC * Dp;
     float *lr = dVa + BC * Dp, *dr = lr + BR, *dSs = dr + BR;
-    /* the pre-packed path's bf16 tiles: K and V as A operands, K as a B operand, a product's A */
+    /* the pre-packed path's bf16 tiles: K, V and K^T as A operands, a product's A (P^T or dS^T)
+     * or, for dQ^T, its B (dS^T) */
     uint16_t *ka = (uint16_t *)(dSs + BR * BC), *va = ka + TILE_AMX_A_ELEMS(BC, D), *sa = va + TILE_AMX_A_ELEMS(BC, D);
-    uint32_t *kb = (uint32_t *)(sa + TILE_AMX_A_ELEMS(BC, BR));
+    uint16_t *kta = sa + TILE_AMX_A_ELEMS(BC, BR);
+    uint32_t *sb = (uint32_t *)sa;
     const int64_t w = TILE_AMX_B_WORDS(D, BR);
     int64_t lo, hi;
     query_span(c, j0, nc, &lo, &hi);
@@ -568,7 +624,7 @@ static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *
     if (c->pre) {
         tile_amx_pack_a(ka, Ks, Dp, 1, BC, D);
         tile_amx_pack_a(va, Vs, Dp, 1, BC, D);
-        tile_amx_pack_b(kb, Ks, Dp, 1, BC, D);
+        tile_amx_pack_a(kta, Ks, 1, Dp, D, BC);
     }
     memset(dKa, 0, (size_t)(2 * BC * Dp) * sizeof(float)); /* dKa and dVa */
     const int64_t ldo = p->H * D;
@@ -595,9 +651,9 @@ static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *
                 scores_grad(dPt, St, dr);                                               /* dS^T */
                 tile_amx_pack_a(sa, dPt, BR, 1, BC, BR);
                 tile_amx_gemm_packed(BC, D, BR, sa, qb4 + w, dKa, Dp, 1);               /* dK += dS^T Q */
-                if (dqg) {                                                              /* dQ += dS K */
-                    tile_amx_pack_a(sa, dPt, 1, BR, BR, BC);
-                    tile_amx_gemm_packed(BR, D, BC, sa, kb, dqg + ((b * p->H + h) * c->nqt * BR + i0) * Dp, Dp, 1);
+                if (dqg) {              /* dQ^T += K^T dS^T: the group's tile of dQ kept transposed, [D][BR] */
+                    tile_amx_pack_b(sb, dPt, BR, 1, BC, BR);
+                    tile_amx_gemm_packed(D, BR, BC, kta, sb, dqg + ((b * p->H + h) * c->nqt * BR + i0) * Dp, BR, 1);
                 }
                 continue;
             }
@@ -634,8 +690,7 @@ int flash_attention_backward(float *dq, float *dk, float *dv, const float *dout,
     if (ctx_init(&c, p)) return -1;
     const int64_t Dp = c.Dp, D = p->D, H = p->H, Tq = p->Tq;
     const int64_t ws_floats = round_up(2 * BR * Dp + 2 * BC * BR + 4 * BC * Dp + 2 * BR + BR * BC +
-                                       (2 * TILE_AMX_A_ELEMS(BC, D) + TILE_AMX_A_ELEMS(BC, BR)) / 2 +
-                                       TILE_AMX_B_WORDS(BC, D), VL);
+                                       (3 * TILE_AMX_A_ELEMS(BC, D) + TILE_AMX_A_ELEMS(BC, BR)) / 2, VL);
     const int64_t nq = p->B * H * c.nqt * D * BR, group_floats = p->B * H * c.nqt * BR * Dp;
     float *QT = scratch, *OT = QT + nq, *dqg = OT + nq; /* dqg: DQ_GROUPS x [B][H][nqt BR][Dp] */
     const int nt = max_threads();
@@ -686,10 +741,13 @@ int flash_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                 const int64_t b = bi / Tq, i = bi % Tq;
                 for (int64_t h = 0; h < H; h++) {
                     float *d = dq + (bi * H + h) * D;
-                    const float *s0 = dqg + ((b * H + h) * c.nqt * BR + i) * Dp;
+                    /* element x of row i: [BR][Dp] tiles, or [D][BR] (pre-packed) */
+                    const float *s0 = c.pre ? dqg + ((b * H + h) * c.nqt * BR + i / BR * BR) * Dp + i % BR
+                                            : dqg + ((b * H + h) * c.nqt * BR + i) * Dp;
+                    const int64_t step = c.pre ? BR : 1;
                     for (int64_t x = 0; x < D; x++) {
-                        float sum = s0[x];
-                        for (int64_t gi = 1; gi < DQ_GROUPS; gi++) sum += s0[gi * group_floats + x];
+                        float sum = s0[x * step];
+                        for (int64_t gi = 1; gi < DQ_GROUPS; gi++) sum += s0[gi * group_floats + x * step];
                         d[x] += p->scale * sum;
                     }
                 }
