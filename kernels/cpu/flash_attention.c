@@ -559,6 +559,7 @@ int flash_attention_forward(float *out, float *lse, float *scratch, const flash_
     #pragma omp parallel if (par) reduction(+ : total)
     {
         float *mine = ws + (size_t)thread_id() * (size_t)ws_floats;
+        if (c.amx) tile_amx_configure();
         if (c.pre) pack_kv_amx(&c, scratch, mine);
         else pack_all_transposed(scratch, p->k.p, is16(&p->k), p->k.sb, p->k.st, p->k.sh, p->B, p->Hkv, p->Tk, BC, p->D, 1.0f);
         #pragma omp for schedule(dynamic, 1)
@@ -566,6 +567,7 @@ int flash_attention_forward(float *out, float *lse, float *scratch, const flash_
             const int64_t bh = it / c.nqt;
             fwd_item(&c, mine, scratch, out, lse, bh / p->H, bh % p->H, it % c.nqt, &total);
         }
+        if (c.amx) tile_amx_release();
     }
     __atomic_fetch_add(&tiles_done, total, __ATOMIC_RELAXED);
     free(ws);
@@ -704,6 +706,7 @@ int flash_attention_backward(float *dq, float *dk, float *dv, const float *dout,
     #pragma omp parallel if (par)
     {
         float *mine = ws + (size_t)thread_id() * (size_t)ws_floats;
+        if (c.amx) tile_amx_configure();
         #pragma omp for schedule(static)
         for (int64_t bi = 0; bi < rows; bi++) { /* delta = rowsum(dO * O), dO as dP's product reads it */
             const int64_t b = bi / Tq, i = bi % Tq;
@@ -735,6 +738,7 @@ int flash_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                 bwd_kv_item(&c, mine, QT, OT, dk, dv, dq ? dqg + grp * group_floats : NULL, dout, lse, delta,
                             bg / p->Hkv, bg % p->Hkv, kt);
         }
+        if (c.amx) tile_amx_release();
         if (dq) {
             #pragma omp for schedule(static)
             for (int64_t bi = 0; bi < rows; bi++) { /* dQ = scale * (group 0 + group 1 + ...) */

@@ -210,6 +210,9 @@ static void load_tile_config(void) {
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    /* gcc does not see LDTILECFG read the struct: without this barrier it dropped the stores of
+     * rows and colsb (seen, gcc 12: garbage rows, #GP) */
+    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 
@@ -382,7 +385,6 @@ static __thread int64_t tile_a_elems, tile_b_words;
 static void tile_products(int64_t M, int64_t N, int64_t K, const uint16_t *pa, const uint32_t *pb, float *C,
                           int64_t ldc, int acc) {
     const int64_t mp = round_up(M, MR), np = round_up(N, NR), kp = round_up(K, 32);
-    load_tile_config();
     float buf[MR * NR] __attribute__((aligned(64)));
     for (int64_t s = 0; s < np / NR; s++) {
         const int64_t j = s * NR, nr = N - j < NR ? N - j : NR;
@@ -402,6 +404,11 @@ static int tile_gemm_amx_on(int64_t M, int64_t N, int64_t K, const float *A, int
     tile_products(M, N, K, tile_a, tile_b, C, ldc, acc);
     return 0;
 }
+
+/* the tiles' configuration, loaded once per thread and parallel region (LDTILECFG took three
+ * quarters of a 64 x 64 x 64 product's overhead when every product loaded it) */
+void tile_amx_configure(void) { load_tile_config(); }
+void tile_amx_release(void) { _tile_release(); }
 
 void tile_amx_pack_a(uint16_t *dst, const float *A, int64_t rs, int64_t cs, int64_t M, int64_t K) {
     pack_a(dst, A, 0, rs, cs, M, K, 0, 0, round_up(M, MR), round_up(K, 32));
@@ -451,6 +458,8 @@ double gemm_amx_peak(int threads) {
 
 #ifndef AMX_BUILT
 double gemm_amx_peak(int threads) { (void)threads; return 0.0; }
+void tile_amx_configure(void) {}
+void tile_amx_release(void) {}
 /* never called without AMX (gemm_amx_on is 0): here for the linker */
 void tile_amx_pack_a(uint16_t *dst, const float *A, int64_t rs, int64_t cs, int64_t M, int64_t K) {
     (void)dst; (void)A; (void)rs; (void)cs; (void)M; (void)K;

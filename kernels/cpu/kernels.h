@@ -259,7 +259,10 @@ const char *gemm_bf16_engine(void);
 double gemm_bf16_peak(int threads);
 /* C[M][N] (+= where acc) A[M][K] B[K][N], row-major with leading dims, operands rounded to bf16:
  * the flash-attention kernels' tile products in bf16 precision; callable inside a parallel
- * region (its panels are the calling thread's); -1 when it did nothing (AMX off, no memory) */
+ * region (its panels are the calling thread's) once tile_amx_configure() has run on the calling
+ * thread (and until tile_amx_release()); -1 when it did nothing (AMX off, no memory) */
+void tile_amx_configure(void);
+void tile_amx_release(void);
 int tile_gemm_amx(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
                   int64_t ldc, int acc);
 /* the same products on operands packed once and used for many products (flash attention's K, V,
@@ -267,7 +270,8 @@ int tile_gemm_amx(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, 
  * into TILE_AMX_A_ELEMS(M, K) bf16, tile_amx_pack_b packs B [K][N] (element (k, j) at
  * B[k rs + j cs]) into TILE_AMX_B_WORDS(K, N) words, rounded to bf16 and zero-padded to whole
  * tiles; tile_amx_gemm_packed: C[M][N] (+= where acc) = packed A times packed B, with the bits of
- * tile_gemm_amx on the unpacked operands. Only where gemm_amx_on(). */
+ * tile_gemm_amx on the unpacked operands. Only where gemm_amx_on(), between tile_amx_configure()
+ * and tile_amx_release() on the calling thread. */
 #define TILE_AMX_A_ELEMS(M, K) ((((M) + 31) / 32 * 32) * (((K) + 31) / 32 * 32))
 #define TILE_AMX_B_WORDS(K, N) ((((N) + 31) / 32 * 32) * (((K) + 31) / 32 * 32) / 2)
 void tile_amx_pack_a(uint16_t *dst, const float *A, int64_t rs, int64_t cs, int64_t M, int64_t K);
