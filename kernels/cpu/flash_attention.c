@@ -63,6 +63,7 @@
 #endif
 _Static_assert(4 * NV + NV + 1 <= VREGS, "the micro-kernel's block (4 x NV accumulators, NV B vectors, "
                                          "one broadcast) must fit the vector registers");
+_Static_assert(BR % 32 == 0 && BC % 32 == 0, "the pre-packed AMX path writes whole tiles of 32 rows and columns");
 #define BIG ((int64_t)1 << 60)   /* "unbounded" window width */
 #define PAR_MIN ((int64_t)1 << 18) /* multiply-adds below which no threads are started */
 #define DQ_GROUPS 2              /* backward: dQ partial sums, one buffer per group of key tiles */
@@ -315,6 +316,44 @@ static void scores_grad(float *restrict dPt, const float *restrict St, const flo
         const float *p = St + x * BR;
         #pragma omp simd
         for (int64_t r = 0; r < BR; r++) row[r] = p[r] * (row[r] - dr[r]);
+    }
+}
+
+/* the pre-packed backward's forms of the two steps above, writing the products' bf16 operands as
+ * they go (the bits tile_amx_pack_a / _pack_b give): P^T kept in f32 for dS, and as the A operand
+ * of dV += P^T dO (bf16 rows, [BC][BR]); dS^T only as the A operand of dK += dS^T Q and the B
+ * operand of dQ^T += K^T dS^T (32-column strips of row pairs, a word (dS^T[2p][r], dS^T[2p+1][r])) */
+static void exp_minus_lse_packed(float *restrict St, const float *restrict lr, uint16_t *restrict pa) {
+    for (int64_t x = 0; x < BC; x++) {
+        float *row = St + x * BR;
+        uint16_t *out = pa + x * BR;
+        #pragma omp simd
+        for (int64_t r = 0; r < BR; r++) {
+            const float e = uly_expf_softmax(row[r] - lr[r]);
+            row[r] = e;
+            out[r] = f32_bf16_bits_daz(e);
+        }
+    }
+}
+/* word (p, r) of a [BC][BR] tile's B operand: strip r / 32 (BC / 2 pair rows of 32), row p */
+static inline int64_t pair_word(int64_t p, int64_t r) { return r / 32 * (BC / 2) * 32 + p * 32 + r % 32; }
+static void scores_grad_packed(const float *restrict dPt, const float *restrict St, const float *restrict dr,
+                               uint16_t *restrict sa, uint32_t *restrict sb) {
+    for (int64_t p = 0; p < BC / 2; p++) {
+        const float *d0 = dPt + 2 * p * BR, *d1 = d0 + BR, *p0 = St + 2 * p * BR, *p1 = p0 + BR;
+        uint16_t *a0 = sa + 2 * p * BR, *a1 = a0 + BR;
+        for (int64_t r0 = 0; r0 < BR; r0 += 32) {
+            uint32_t *w = sb + pair_word(p, r0);
+            #pragma omp simd
+            for (int64_t c = 0; c < 32; c++) {
+                const int64_t r = r0 + c;
+                const uint16_t h0 = f32_bf16_bits_daz(p0[r] * (d0[r] - dr[r]));
+                const uint16_t h1 = f32_bf16_bits_daz(p1[r] * (d1[r] - dr[r]));
+                a0[r] = h0;
+                a1[r] = h1;
+                w[c] = (uint32_t)h0 | (uint32_t)h1 << 16;
+            }
+        }
     }
 }
 
@@ -616,7 +655,7 @@ static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *
      * or, for dQ^T, its B (dS^T) */
     uint16_t *ka = (uint16_t *)(dSs + BR * BC), *va = ka + TILE_AMX_A_ELEMS(BC, D), *sa = va + TILE_AMX_A_ELEMS(BC, D);
     uint16_t *kta = sa + TILE_AMX_A_ELEMS(BC, BR);
-    uint32_t *sb = (uint32_t *)sa;
+    uint32_t *sb = (uint32_t *)(kta + TILE_AMX_A_ELEMS(D, BC));
     const int64_t w = TILE_AMX_B_WORDS(D, BR);
     int64_t lo, hi;
     query_span(c, j0, nc, &lo, &hi);
@@ -646,17 +685,13 @@ static void bwd_kv_item(const fctx *c, float *ws, const float *QT, const float *
                 const uint32_t *qb4 = q_packed(c, QT, b, h, qt);
                 tile_amx_gemm_packed(BC, BR, D, ka, qb4, St, BR, 0);                   /* S^T = K Q^T */
                 if (cls == TILE_PARTIAL || nc < BC) mask_cols(c, b, St, i0, mr, j0, nc, cls == TILE_FULL);
-                exp_minus_lse(St, lr);                                                  /* P^T */
-                tile_amx_pack_a(sa, St, BR, 1, BC, BR);
+                exp_minus_lse_packed(St, lr, sa);                                       /* P^T */
                 tile_amx_gemm_packed(BC, D, BR, sa, qb4 + 3 * w, dVa, Dp, 1);           /* dV += P^T dO */
                 tile_amx_gemm_packed(BC, BR, D, va, qb4 + 2 * w, dPt, BR, 0);           /* dP^T = V dO^T */
-                scores_grad(dPt, St, dr);                                               /* dS^T */
-                tile_amx_pack_a(sa, dPt, BR, 1, BC, BR);
+                scores_grad_packed(dPt, St, dr, sa, sb);                                /* dS^T */
                 tile_amx_gemm_packed(BC, D, BR, sa, qb4 + w, dKa, Dp, 1);               /* dK += dS^T Q */
-                if (dqg) {              /* dQ^T += K^T dS^T: the group's tile of dQ kept transposed, [D][BR] */
-                    tile_amx_pack_b(sb, dPt, BR, 1, BC, BR);
+                if (dqg)                /* dQ^T += K^T dS^T: the group's tile of dQ kept transposed, [D][BR] */
                     tile_amx_gemm_packed(D, BR, BC, kta, sb, dqg + ((b * p->H + h) * c->nqt * BR + i0) * Dp, BR, 1);
-                }
                 continue;
             }
             const float *Qt = QT + ((b * p->H + h) * c->nqt + qt) * D * BR;
@@ -692,7 +727,8 @@ int flash_attention_backward(float *dq, float *dk, float *dv, const float *dout,
     if (ctx_init(&c, p)) return -1;
     const int64_t Dp = c.Dp, D = p->D, H = p->H, Tq = p->Tq;
     const int64_t ws_floats = round_up(2 * BR * Dp + 2 * BC * BR + 4 * BC * Dp + 2 * BR + BR * BC +
-                                       (3 * TILE_AMX_A_ELEMS(BC, D) + TILE_AMX_A_ELEMS(BC, BR)) / 2, VL);
+                                       (3 * TILE_AMX_A_ELEMS(BC, D) + TILE_AMX_A_ELEMS(BC, BR)) / 2 +
+                                       TILE_AMX_B_WORDS(BC, BR), VL);
     const int64_t nq = p->B * H * c.nqt * D * BR, group_floats = p->B * H * c.nqt * BR * Dp;
     float *QT = scratch, *OT = QT + nq, *dqg = OT + nq; /* dqg: DQ_GROUPS x [B][H][nqt BR][Dp] */
     const int nt = max_threads();
