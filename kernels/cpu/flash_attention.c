@@ -319,42 +319,67 @@ static void scores_grad(float *restrict dPt, const float *restrict St, const flo
     }
 }
 
-/* the pre-packed backward's forms of the two steps above, writing the products' bf16 operands as
- * they go (the bits tile_amx_pack_a / _pack_b give): P^T kept in f32 for dS, and as the A operand
- * of dV += P^T dO (bf16 rows, [BC][BR]); dS^T only as the A operand of dK += dS^T Q and the B
- * operand of dQ^T += K^T dS^T (32-column strips of row pairs, a word (dS^T[2p][r], dS^T[2p+1][r])) */
-static void exp_minus_lse_packed(float *restrict St, const float *restrict lr, uint16_t *restrict pa) {
-    for (int64_t x = 0; x < BC; x++) {
-        float *row = St + x * BR;
-        uint16_t *out = pa + x * BR;
-        #pragma omp simd
-        for (int64_t r = 0; r < BR; r++) {
-            const float e = uly_expf_softmax(row[r] - lr[r]);
-            row[r] = e;
-            out[r] = f32_bf16_bits_daz(e);
-        }
-    }
+/* ---- the pre-packed AMX path's bf16 operands, written from f32 tiles [BC][BR] (row x, column r) ----
+ * as A (bf16 rows: row x of the tile a row of the operand) or as B (32-column strips of row pairs:
+ * word (p, r) = (row 2p, row 2p + 1) at column r, strip r / 32). Rounding as VCVTNEPS2BF16 does
+ * it (tile_amx_pack_a / _pack_b), so the bits equal packing the f32 tiles: by that instruction
+ * where the build targets AVX512-BF16, else f32_bf16_bits_daz, its bits in C. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && VL == 16
+#include <immintrin.h>
+#define HW_BF16 1
+static inline __m512i bf16_low(const float *x) {   /* 16 rounded, each in the low half of a word */
+    return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x)));
 }
-/* word (p, r) of a [BC][BR] tile's B operand: strip r / 32 (BC / 2 pair rows of 32), row p */
+#endif
 static inline int64_t pair_word(int64_t p, int64_t r) { return r / 32 * (BC / 2) * 32 + p * 32 + r % 32; }
-static void scores_grad_packed(const float *restrict dPt, const float *restrict St, const float *restrict dr,
-                               uint16_t *restrict sa, uint32_t *restrict sb) {
+
+/* dst (A rows) = the tile rounded */
+static void tile_to_rows(uint16_t *restrict dst, const float *restrict t) {
+#ifdef HW_BF16
+    for (int64_t i = 0; i < BC * BR; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(t + i)));
+#else
+    for (int64_t i = 0; i < BC * BR; i++) dst[i] = f32_bf16_bits_daz(t[i]);
+#endif
+}
+/* dst (B words) = the tile rounded; with keep, the tile itself rounded in place too */
+static void tile_to_pairs(uint32_t *restrict dst, float *restrict t, int keep) {
     for (int64_t p = 0; p < BC / 2; p++) {
-        const float *d0 = dPt + 2 * p * BR, *d1 = d0 + BR, *p0 = St + 2 * p * BR, *p1 = p0 + BR;
-        uint16_t *a0 = sa + 2 * p * BR, *a1 = a0 + BR;
-        for (int64_t r0 = 0; r0 < BR; r0 += 32) {
-            uint32_t *w = sb + pair_word(p, r0);
-            #pragma omp simd
-            for (int64_t c = 0; c < 32; c++) {
-                const int64_t r = r0 + c;
-                const uint16_t h0 = f32_bf16_bits_daz(p0[r] * (d0[r] - dr[r]));
-                const uint16_t h1 = f32_bf16_bits_daz(p1[r] * (d1[r] - dr[r]));
-                a0[r] = h0;
-                a1[r] = h1;
-                w[c] = (uint32_t)h0 | (uint32_t)h1 << 16;
+        float *t0 = t + 2 * p * BR, *t1 = t0 + BR;
+#ifdef HW_BF16
+        for (int64_t r = 0; r < BR; r += 16) {
+            const __m512i lo = bf16_low(t0 + r), hi = _mm512_slli_epi32(bf16_low(t1 + r), 16);
+            _mm512_storeu_si512(dst + pair_word(p, r), _mm512_or_si512(lo, hi));
+            if (keep) {
+                _mm512_storeu_ps(t0 + r, _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)));
+                _mm512_storeu_ps(t1 + r, _mm512_castsi512_ps(hi));
             }
         }
+#else
+        for (int64_t r = 0; r < BR; r++) {
+            const uint16_t h0 = f32_bf16_bits_daz(t0[r]), h1 = f32_bf16_bits_daz(t1[r]);
+            dst[pair_word(p, r)] = (uint32_t)h0 | (uint32_t)h1 << 16;
+            if (keep) {
+                t0[r] = bf16_bits_f32(h0);
+                t1[r] = bf16_bits_f32(h1);
+            }
+        }
+#endif
     }
+}
+
+/* the pre-packed backward's forms of the two steps above: P^T kept in f32 for dS and written as
+ * the A operand of dV += P^T dO; dS^T (in dPt) as the A operand of dK += dS^T Q and the B operand
+ * of dQ^T += K^T dS^T */
+static void exp_minus_lse_packed(float *restrict St, const float *restrict lr, uint16_t *restrict pa) {
+    exp_minus_lse(St, lr);
+    tile_to_rows(pa, St);
+}
+static void scores_grad_packed(float *restrict dPt, const float *restrict St, const float *restrict dr,
+                               uint16_t *restrict sa, uint32_t *restrict sb) {
+    scores_grad(dPt, St, dr);
+    tile_to_rows(sa, dPt);
+    tile_to_pairs(sb, dPt, 0);
 }
 
 /* online softmax over the masked score tile S (rows < mr): S becomes P = exp(S - m_new), the
@@ -478,10 +503,12 @@ static void pack_kv_amx(const fctx *c, float *scratch, float *tmp) {
  * r): every step runs down the columns, a query a lane, so no row is folded across lanes. The
  * bits of online_softmax on S: the same max, exp and bf16 rounding, and each row's sum in
  * online_softmax's order (lane e of row_sum adds keys e, e + VL, ... in turn, then the lanes
- * are added in order from 0). accT is O^T [D][BR]; its columns are rescaled where the max rose
- * (multiplying by 1 elsewhere would give the same bits). */
+ * are added in order from 0; P has no denormals, so rounding as the tiles do is rounding as
+ * f32_round_bf16 does). accT is O^T [D][BR]; its columns are rescaled where the max rose
+ * (multiplying by 1 elsewhere would give the same bits). P^T goes to pb as the B operand of
+ * O^T += V^T P^T. */
 static void online_softmax_cols(float *restrict St, float *restrict m, float *restrict l, float *restrict accT,
-                                int64_t D) {
+                                int64_t D, uint32_t *restrict pb) {
     float mx[BR], sub[BR], alpha[BR], t[BR];
     #pragma omp simd
     for (int r = 0; r < BR; r++) mx[r] = m[r];
@@ -502,8 +529,9 @@ static void online_softmax_cols(float *restrict St, float *restrict m, float *re
     for (int x = 0; x < BC; x++) {
         float *s = St + x * BR;
         #pragma omp simd
-        for (int r = 0; r < BR; r++) s[r] = f32_round_bf16(uly_expf_softmax(s[r] - sub[r]));
+        for (int r = 0; r < BR; r++) s[r] = uly_expf_softmax(s[r] - sub[r]);
     }
+    tile_to_pairs(pb, St, 1);   /* P^T as the B operand of O^T += V^T P^T, and rounded in St */
     for (int e = 0; e < VL; e++) {
         #pragma omp simd
         for (int r = 0; r < BR; r++) {
@@ -554,8 +582,7 @@ static void fwd_item(const fctx *c, float *ws, const float *KT, float *out, floa
             const uint16_t *ka = (const uint16_t *)kv_packed(c, (float *)KT, b, g, kt);
             tile_amx_gemm_packed(BC, BR, D, ka, qb, S, BR, 0);                      /* S^T = K Q^T */
             if (cls == TILE_PARTIAL || nc < BC) mask_cols(c, b, S, i0, mr, j0, nc, cls == TILE_FULL);
-            online_softmax_cols(S, m, l, acc, D);
-            tile_amx_pack_b(pb, S, BR, 1, BC, BR);   /* P^T: keys past nc are 0, as V's padding */
+            online_softmax_cols(S, m, l, acc, D, pb);   /* P^T: keys past nc are 0, as V's padding */
             tile_amx_gemm_packed(D, BR, BC, ka + TILE_AMX_A_ELEMS(BC, D), pb, acc, BR, 1);   /* O^T += V^T P^T */
             continue;
         }
