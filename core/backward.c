@@ -218,20 +218,22 @@ static float *opt_f32(const uly_tensor *t) { return t ? uly_f32(t) : NULL; }
 /* a saved input still bf16 here is one the backend reads as bf16 (autograd.c rule_reads_bf16) */
 static int bw_layernorm(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     uly_tensor *w = n->i[2] ? n->saved[3] : NULL, *x = n->saved[0];
-    if (x->dtype == ULY_DTYPE_BF16)
-        uly_be(g)->layernorm_backward_bf16(opt_f32(gin[0]), opt_f32(gin[1]), opt_f32(gin[2]), uly_f32(g), uly_ptr(x),
-                                           opt_f32(w), uly_f32(n->saved[1]), uly_f32(n->saved[2]), n->i[0], n->i[1]);
-    else
+    if (x->dtype == ULY_DTYPE_BF16) {
+        if (uly_be(g)->layernorm_backward_bf16(opt_f32(gin[0]), opt_f32(gin[1]), opt_f32(gin[2]), uly_f32(g), uly_ptr(x),
+                                               opt_f32(w), uly_f32(n->saved[1]), uly_f32(n->saved[2]), n->i[0], n->i[1]))
+            return uly_bf16_kernel_failed("layernorm backward", n->i[1]);
+    } else
         uly_be(g)->layernorm_backward(opt_f32(gin[0]), opt_f32(gin[1]), opt_f32(gin[2]), uly_f32(g), uly_f32(x), opt_f32(w),
                                       uly_f32(n->saved[1]), uly_f32(n->saved[2]), n->i[0], n->i[1]);
     return 0;
 }
 static int bw_rmsnorm(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     uly_tensor *w = n->i[2] ? n->saved[2] : NULL, *x = n->saved[0];
-    if (x->dtype == ULY_DTYPE_BF16)
-        uly_be(g)->rmsnorm_backward_bf16(opt_f32(gin[0]), opt_f32(gin[1]), uly_f32(g), uly_ptr(x), opt_f32(w),
-                                         uly_f32(n->saved[1]), n->i[0], n->i[1]);
-    else
+    if (x->dtype == ULY_DTYPE_BF16) {
+        if (uly_be(g)->rmsnorm_backward_bf16(opt_f32(gin[0]), opt_f32(gin[1]), uly_f32(g), uly_ptr(x), opt_f32(w),
+                                             uly_f32(n->saved[1]), n->i[0], n->i[1]))
+            return uly_bf16_kernel_failed("rmsnorm backward", n->i[1]);
+    } else
         uly_be(g)->rmsnorm_backward(opt_f32(gin[0]), opt_f32(gin[1]), uly_f32(g), uly_f32(x), opt_f32(w),
                                     uly_f32(n->saved[1]), n->i[0], n->i[1]);
     return 0;
@@ -285,14 +287,17 @@ static int bw_cross_entropy(uly_node *n, uly_tensor *g, uly_tensor **gin) {
             return -1;
         }
     }
-    if (logits->dtype == ULY_DTYPE_BF16)   /* saved in bf16, on a backend that reads it (autograd.c rule_reads_bf16) */
-        uly_be(g)->cross_entropy_backward_bf16(uly_f32(gin[0]), uly_f32(dloss), uly_ptr(logits), uly_f32(lse),
-                                               uly_ptr(targets), (int)uly_dtype_size(targets->dtype), rows, n->i[1], n->i[2]);
-    else
+    int rc = 0;
+    if (logits->dtype == ULY_DTYPE_BF16) {   /* saved in bf16, on a backend that reads it (autograd.c rule_reads_bf16) */
+        if (uly_be(g)->cross_entropy_backward_bf16(uly_f32(gin[0]), uly_f32(dloss), uly_ptr(logits), uly_f32(lse),
+                                                   uly_ptr(targets), (int)uly_dtype_size(targets->dtype), rows, n->i[1],
+                                                   n->i[2]))
+            rc = uly_bf16_kernel_failed("cross_entropy backward", n->i[1]);
+    } else
         uly_be(g)->cross_entropy_backward(uly_f32(gin[0]), uly_f32(dloss), uly_f32(logits), uly_f32(lse), uly_ptr(targets),
                                           (int)uly_dtype_size(targets->dtype), rows, n->i[1], n->i[2]);
     uly_tensor_release(dloss);
-    return 0;
+    return rc;
 }
 static int bw_attention(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     if (uly_be(g)->attention_backward(opt_f32(gin[0]), opt_f32(gin[1]), opt_f32(gin[2]), uly_f32(g), uly_f32(n->saved[0]),

@@ -126,6 +126,9 @@ int uly_check_float(const char *op, const char *arg, const uly_tensor *t);      
  * bf16 results for bf16 inputs and save bf16 inputs as bf16 (the autograd engine hands backward
  * rules f32 copies, autograd.c) */
 int uly_check_floating(const char *op, const char *arg, const uly_tensor *t);      /* non-NULL, f32 or bf16 */
+/* a backend's bf16 row kernel (norms, cross-entropy, RoPE) returned -1: it had no memory for its
+ * per-thread row buffers of `row` floats and wrote nothing; sets the error, returns -1 */
+int uly_bf16_kernel_failed(const char *op, int64_t row);
 uly_tensor *uly_contiguous_f32(uly_tensor *t);  /* retained t if contiguous f32, else a (converted) copy */
 /* what to save of input t, whose contiguous form the op read is tf (f32, or bf16 where the backend
  * reads bf16): bf16 stays bf16 (tf itself when it is) */

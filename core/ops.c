@@ -427,11 +427,13 @@ uly_tensor *uly_layernorm(uly_tensor *x, uly_tensor *w, uly_tensor *b, double ep
     uly_tensor *wc = w ? uly_contiguous_f32(w) : NULL, *bc = b ? uly_contiguous_f32(b) : NULL;
     uly_tensor *out = xc ? uly_new_like(xc) : NULL, *xs = xc ? uly_saved_form(x, xc) : NULL;
     uly_tensor *mean = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, uly_dev(x)), *rstd = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, uly_dev(x));
-    if (xc && xs && out && mean && rstd && (!w || wc) && (!b || bc)) {
-        if (native)
-            be->layernorm_forward_bf16(uly_ptr(out), uly_f32(mean), uly_f32(rstd), uly_ptr(xc), wc ? uly_f32(wc) : NULL,
-                                       bc ? uly_f32(bc) : NULL, rows, C, (float)eps);
-        else
+    if (xc && xs && out && mean && rstd && (!w || wc) && (!b || bc) && native &&
+        be->layernorm_forward_bf16(uly_ptr(out), uly_f32(mean), uly_f32(rstd), uly_ptr(xc), wc ? uly_f32(wc) : NULL,
+                                   bc ? uly_f32(bc) : NULL, rows, C, (float)eps)) {
+        uly_bf16_kernel_failed("layernorm", C);
+        uly_tensor_release(out); out = NULL;
+    } else if (xc && xs && out && mean && rstd && (!w || wc) && (!b || bc)) {
+        if (!native)
             be->layernorm_forward(uly_f32(out), uly_f32(mean), uly_f32(rstd), uly_f32(xc), wc ? uly_f32(wc) : NULL,
                                   bc ? uly_f32(bc) : NULL, rows, C, (float)eps);
         uly_tensor *in[3] = {x, w, b};
@@ -458,9 +460,12 @@ uly_tensor *uly_rmsnorm(uly_tensor *x, uly_tensor *w, double eps) {
     uly_tensor *xc = native ? uly_contiguous_raw(x) : uly_contiguous_f32(x), *wc = w ? uly_contiguous_f32(w) : NULL;
     uly_tensor *out = xc ? uly_new_like(xc) : NULL, *rstd = uly_new_contiguous(1, &rows, ULY_DTYPE_F32, uly_dev(x));
     uly_tensor *xs = xc ? uly_saved_form(x, xc) : NULL;
-    if (xc && xs && out && rstd && (!w || wc)) {
-        if (native) be->rmsnorm_forward_bf16(uly_ptr(out), uly_f32(rstd), uly_ptr(xc), wc ? uly_f32(wc) : NULL, rows, C, (float)eps);
-        else be->rmsnorm_forward(uly_f32(out), uly_f32(rstd), uly_f32(xc), wc ? uly_f32(wc) : NULL, rows, C, (float)eps);
+    if (xc && xs && out && rstd && (!w || wc) && native &&
+        be->rmsnorm_forward_bf16(uly_ptr(out), uly_f32(rstd), uly_ptr(xc), wc ? uly_f32(wc) : NULL, rows, C, (float)eps)) {
+        uly_bf16_kernel_failed("rmsnorm", C);
+        uly_tensor_release(out); out = NULL;
+    } else if (xc && xs && out && rstd && (!w || wc)) {
+        if (!native) be->rmsnorm_forward(uly_f32(out), uly_f32(rstd), uly_f32(xc), wc ? uly_f32(wc) : NULL, rows, C, (float)eps);
         uly_tensor *in[2] = {x, w};
         uly_node *n = !uly_result_as(&out, x->dtype) ? uly_node_begin(ULY_OP_RMSNORM, 2, in) : NULL;
         if (n) {
@@ -595,10 +600,12 @@ uly_tensor *uly_rope(uly_tensor *x, int64_t pos_offset, double theta) {
     const int native = x->dtype == ULY_DTYPE_BF16 && be->rope_forward_bf16;   /* reads and writes bf16 itself */
     uly_tensor *xc = native ? uly_contiguous_raw(x) : uly_contiguous_f32(x);
     uly_tensor *out = xc ? uly_new_like(xc) : NULL;
-    if (out && native)
+    if (out && native &&
         be->rope_forward_bf16(uly_ptr(out), uly_ptr(xc), x->shape[0], x->shape[1], x->shape[2], x->shape[3], pos_offset,
-                              (float)theta);
-    else if (out)
+                              (float)theta)) {
+        uly_bf16_kernel_failed("rope", x->shape[3]);
+        uly_tensor_release(out); out = NULL;
+    } else if (out && !native)
         be->rope_forward(uly_f32(out), uly_f32(xc), x->shape[0], x->shape[1], x->shape[2], x->shape[3], pos_offset, (float)theta);
     if (!uly_result_as(&out, x->dtype)) {
         uly_node *n = uly_node_begin(ULY_OP_ROPE, 1, &x);
@@ -668,6 +675,10 @@ uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t i
                                                                     rows, V, ignore_index)
                                    : be->cross_entropy_forward(uly_f32(loss), uly_f32(lse), uly_f32(lc), uly_ptr(tc), bytes,
                                                                rows, V, ignore_index);
+            if (count < 0) {   /* the bf16 kernel wrote nothing */
+                uly_bf16_kernel_failed("cross_entropy", V);
+                goto done;
+            }
             double scale = reduction == ULY_REDUCTION_MEAN ? (count ? 1.0 / (double)count : 0.0) : 1.0;
             if (reduction == ULY_REDUCTION_NONE) {
                 out = uly_tensor_view(loss, targets->ndim, targets->shape);
@@ -696,6 +707,7 @@ uly_tensor *uly_cross_entropy(uly_tensor *logits, uly_tensor *targets, int64_t i
             }
         }
     }
+done:
     uly_tensor_release(th); uly_tensor_release(lc); uly_tensor_release(tc); uly_tensor_release(loss); uly_tensor_release(lse);
     return out;
 }

@@ -178,6 +178,12 @@ int uly_check_floating(const char *op, const char *arg, const uly_tensor *t) {
     return 0;
 }
 
+int uly_bf16_kernel_failed(const char *op, int64_t row) {
+    return uly_set_error("%s: the bf16 kernel found no memory for its row buffers (2 x %lld floats a thread): free "
+                         "memory, or have bf16 activations converted around the f32 kernels "
+                         "(uly.cpu_bf16_kernels(false))", op, (long long)row);
+}
+
 uly_tensor *uly_contiguous_f32(uly_tensor *t) {
     if (t->dtype == ULY_DTYPE_F32) return uly_contiguous_raw(t);
     uly_tensor *c = uly_new_contiguous(t->ndim, t->shape, ULY_DTYPE_F32, uly_dev(t));

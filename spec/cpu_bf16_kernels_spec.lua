@@ -228,6 +228,51 @@ describe('CPU bf16 kernels', function()
     assert(ok, err)
   end)
 
+  -- a row kernel that cannot have its row buffers (ULY_TEST_ROW_BUFFER_LIMIT: a request of more
+  -- floats fails, as a full memory would) writes nothing and the op fails with the reason, forward
+  -- and backward; the process lives on, and with memory again the same op gives the same bits
+  it('say so when their row buffers cannot be had, instead of ending the process', function()
+    local ffi = require 'ffi'
+    pcall(ffi.cdef, 'int setenv(const char *, const char *, int); int unsetenv(const char *);')
+    local x, w, b = R(6, 300):bf16(), R(300), R(300)
+    local q = R(2, 5, 3, 64):bf16()
+    local logits, targets = R(6, 300):bf16(), uly.tensor({ 1, 2, 3, 4, 5, 6 }, { dtype = 'i64' })
+    local ops = {
+      { 'layernorm', function() return uly.layernorm(x, w, b) end },
+      { 'rmsnorm', function() return uly.rmsnorm(x, w) end },
+      { 'rope', function() return q:rope(3) end },
+      { 'cross_entropy', function() return uly.cross_entropy(logits, targets) end },
+    }
+    local function limited(fn)
+      ffi.C.setenv('ULY_TEST_ROW_BUFFER_LIMIT', '64', 1)
+      local ok, err = pcall(fn)
+      ffi.C.unsetenv('ULY_TEST_ROW_BUFFER_LIMIT')
+      return ok, err
+    end
+    for _, op in ipairs(ops) do
+      local before = op[2]():float()
+      local ok, err = limited(op[2])
+      assert.is_false(ok, op[1] .. ' ran without its row buffers')
+      assert.matches(op[1] .. ': the bf16 kernel found no memory for its row buffers', tostring(err), 1, true)
+      assert.matches('uly.cpu_bf16_kernels(false)', tostring(err), 1, true)
+      helpers.assert_close(op[2]():float(), before, 0, 0, op[1] .. ' after the failure')
+    end
+    -- backward: the forward ran with memory, the backward has none
+    for _, c in ipairs({ { 'layernorm', function(t) return uly.layernorm(t, w, b) end },
+                         { 'rmsnorm', function(t) return uly.rmsnorm(t, w) end },
+                         { 'cross_entropy', function(t) return uly.cross_entropy(t, targets) end } }) do
+      local t = logits:clone():requires_grad_()
+      local out = c[2](t)
+      local loss = out:float():sum()
+      local ok, err = limited(function() loss:backward() end)
+      assert.is_false(ok, c[1] .. ' backward ran without its row buffers')
+      assert.matches(c[1] .. ' backward: the bf16 kernel found no memory for its row buffers', tostring(err), 1, true)
+      local again = logits:clone():requires_grad_()
+      c[2](again):float():sum():backward()
+      assert.is_true(again.grad ~= nil, c[1] .. ': no gradient once memory is back')
+    end
+  end)
+
   it('the switch takes true, false or nothing, and returns the previous setting', function()
     assert.is_true(uly.cpu_bf16_kernels(false))
     assert.is_false(uly.cpu_bf16_kernels())

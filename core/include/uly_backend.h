@@ -177,29 +177,31 @@ typedef struct uly_backend {
      *      each result rounded once to nearest even (as the converting copies round), the f32
      *      entry's arithmetic otherwise, so each gives the f32 entry's bits between two
      *      converting copies. binary_forward_typed: out, a and b each in its own dtype. NULL: the
-     *      core converts around the f32 entry. ---- */
+     *      core converts around the f32 entry. The row kernels (norms, cross-entropy, RoPE) return
+     *      0, or -1 (cross-entropy's forward: -1 for its count) when they could not run, having
+     *      written nothing: no memory for their row buffers on the CPU; the core reports it. ---- */
     void (*binary_forward_typed)(void *out, int out_dtype, const void *a, int a_dtype, const int64_t *a_strides,
                                  const void *b, int b_dtype, const int64_t *b_strides, int ndim, const int64_t *shape,
                                  int kind);
     void (*swiglu_forward_bf16)(void *out, const void *gate, const void *up, int64_t n);
     void (*swiglu_backward_bf16)(float *dgate, float *dup, const float *dout, const void *gate, const void *up, int64_t n);
-    void (*layernorm_forward_bf16)(void *out, float *mean, float *rstd, const void *inp, const float *weight,
-                                   const float *bias, int64_t rows, int64_t C, float eps);
-    void (*layernorm_backward_bf16)(float *dinp, float *dweight, float *dbias, const float *dout, const void *inp,
-                                    const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t C);
-    void (*rmsnorm_forward_bf16)(void *out, float *rstd, const void *inp, const float *weight, int64_t rows, int64_t C,
-                                 float eps);
-    void (*rmsnorm_backward_bf16)(float *dinp, float *dweight, const float *dout, const void *inp, const float *weight,
-                                  const float *rstd, int64_t rows, int64_t C);
+    int (*layernorm_forward_bf16)(void *out, float *mean, float *rstd, const void *inp, const float *weight,
+                                  const float *bias, int64_t rows, int64_t C, float eps);
+    int (*layernorm_backward_bf16)(float *dinp, float *dweight, float *dbias, const float *dout, const void *inp,
+                                   const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t C);
+    int (*rmsnorm_forward_bf16)(void *out, float *rstd, const void *inp, const float *weight, int64_t rows, int64_t C,
+                                float eps);
+    int (*rmsnorm_backward_bf16)(float *dinp, float *dweight, const float *dout, const void *inp, const float *weight,
+                                 const float *rstd, int64_t rows, int64_t C);
     int64_t (*cross_entropy_forward_bf16)(float *loss, float *lse, const void *logits, const void *targets,
                                           int target_bytes, int64_t rows, int64_t V, int64_t ignore_index);
-    void (*cross_entropy_backward_bf16)(float *dlogits, const float *dloss, const void *logits, const float *lse,
-                                        const void *targets, int target_bytes, int64_t rows, int64_t V,
+    int (*cross_entropy_backward_bf16)(float *dlogits, const float *dloss, const void *logits, const float *lse,
+                                       const void *targets, int target_bytes, int64_t rows, int64_t V,
                                         int64_t ignore_index);
     void (*unary_forward_bf16)(void *out, const void *inp, int64_t n, int kind);
     void (*unary_backward_bf16)(float *dinp, const float *dout, const void *inp, const void *out, int64_t n, int kind);
-    void (*rope_forward_bf16)(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t pos_offset,
-                              float theta);
+    int (*rope_forward_bf16)(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t pos_offset,
+                             float theta);
     /* ---- bf16 precision where gemm_batched_bf16 is NULL: gemm_batched_rounded is gemm_batched
      *      for it, free to multiply at a bf16 rate (the simulated device: the AMX tiles); while
      *      gemm_rounds_operands() says 1 it rounds f32 operands to bf16 itself (nearest even) and

@@ -18,8 +18,11 @@
 #include "kernels.h"
 #include "../../core/include/uly.h"
 #include <stdatomic.h>
-#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define PAR_MIN 32768 /* elements below which a twin stays on one thread */
 
@@ -37,73 +40,111 @@ static void to_bf16(uint16_t *restrict dst, const float *restrict src, int64_t n
     for (int64_t i = 0; i < n; i++) dst[i] = f32_bf16_bits(src[i]);
 }
 
-/* ---- row io: per-thread f32 buffers for the row kernels' *_io forms ---- */
-static _Thread_local float *in_buf, *out_buf;
-static _Thread_local int64_t in_cap, out_cap;
+/* ---- row io: per-thread f32 buffers for the row kernels' *_io forms ----
+ * Two buffers (in, out) per OpenMP thread number, grown by reserve_rows before a row kernel
+ * starts, on the calling thread, so nothing inside its parallel region can fail: where memory
+ * cannot be had the twin returns -1 having written nothing, and the core says so (an abort
+ * here had ended the process). Kept and grown across calls (no allocation, no first-touch page
+ * faults on the hot path). The twins run on the core's op thread, one call at a time. */
+typedef struct { float *p; int64_t cap; } row_buffer;
+static row_buffer *row_bufs;   /* [slots][2] */
+static int row_slots;
 
-/* this thread's buffer of at least n floats, 64-byte aligned; kept for the next call. A row
- * buffer that cannot be had leaves nothing to compute with (the process is out of memory). */
-static float *thread_buffer(float **buf, int64_t *cap, int64_t n) {
-    if (n > *cap) {
-        const int64_t want = (n + 4095) / 4096 * 4096;
-        void *p = NULL;
-        if (posix_memalign(&p, 64, (size_t)want * sizeof(float))) {
-            fprintf(stderr, "ulysses: bf16 kernel: no memory for a row buffer of %lld floats\n", (long long)want);
-            abort();
-        }
-        free(*buf);
-        *buf = p;
-        *cap = want;
-    }
-    return *buf;
+static int thread_num(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
 }
+
+/* every thread's two buffers hold n + 16 floats (64-byte aligned); -1 when they cannot */
+static int reserve_rows(int64_t n) {
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    const char *limit = getenv("ULY_TEST_ROW_BUFFER_LIMIT");   /* the specs' stand-in for a full memory */
+    if (limit && n + 16 > atoll(limit)) return -1;
+    if (threads > row_slots) {
+        row_buffer *grown = realloc(row_bufs, (size_t)threads * 2 * sizeof *grown);
+        if (!grown) return -1;
+        memset(grown + 2 * row_slots, 0, (size_t)(threads - row_slots) * 2 * sizeof *grown);
+        row_bufs = grown;
+        row_slots = threads;
+    }
+    const int64_t want = (n + 16 + 4095) / 4096 * 4096;
+    for (int i = 0; i < 2 * threads; i++) {
+        if (row_bufs[i].cap >= want) continue;
+        void *p = NULL;
+        if (posix_memalign(&p, 64, (size_t)want * sizeof(float))) return -1;
+        free(row_bufs[i].p);
+        row_bufs[i].p = p;
+        row_bufs[i].cap = want;
+    }
+    return 0;
+}
+static float *thread_buffer(int which) { return row_bufs[2 * thread_num() + which].p; }
 
 /* elements [off, off + n) sit in the buffer at the alignment they have in a 64-byte-aligned f32
  * copy of the whole array (the converting copies' layout), so vector loops split them as there */
 static const float *bf16_in(const void *src, int64_t off, int64_t n) {
-    float *f = thread_buffer(&in_buf, &in_cap, n + 16) + (off & 15);
+    float *f = thread_buffer(0) + (off & 15);
     to_f32(f, (const uint16_t *)src + off, n);
     return f;
 }
-static float *bf16_out(int64_t off, int64_t n) { return thread_buffer(&out_buf, &out_cap, n + 16) + (off & 15); }
+static float *bf16_out(int64_t off, int64_t n) { (void)n; return thread_buffer(1) + (off & 15); }
 static void bf16_put(void *dst, int64_t off, int64_t n, const float *f) { to_bf16((uint16_t *)dst + off, f, n); }
 static const uly_row_io bf16_io = { bf16_in, bf16_out, bf16_put };
 
 /* ---- norms, cross-entropy, RoPE: the f32 kernels through bf16_io ---- */
-void layernorm_forward_bf16(void *out, float *mean, float *rstd, const void *inp, const float *weight,
-                            const float *bias, int64_t rows, int64_t C, float eps) {
+int layernorm_forward_bf16(void *out, float *mean, float *rstd, const void *inp, const float *weight,
+                           const float *bias, int64_t rows, int64_t C, float eps) {
+    if (reserve_rows(C)) return -1;
     count_call();
     layernorm_forward_io(&bf16_io, out, mean, rstd, inp, weight, bias, rows, C, eps);
+    return 0;
 }
-void layernorm_backward_bf16(float *dinp, float *dweight, float *dbias, const float *dout, const void *inp,
-                             const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t C) {
+int layernorm_backward_bf16(float *dinp, float *dweight, float *dbias, const float *dout, const void *inp,
+                            const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t C) {
+    if (reserve_rows(C)) return -1;
     count_call();
     layernorm_backward_io(&bf16_io, dinp, dweight, dbias, dout, inp, weight, mean, rstd, rows, C);
+    return 0;
 }
-void rmsnorm_forward_bf16(void *out, float *rstd, const void *inp, const float *weight, int64_t rows, int64_t C,
-                          float eps) {
+int rmsnorm_forward_bf16(void *out, float *rstd, const void *inp, const float *weight, int64_t rows, int64_t C,
+                         float eps) {
+    if (reserve_rows(C)) return -1;
     count_call();
     rmsnorm_forward_io(&bf16_io, out, rstd, inp, weight, rows, C, eps);
+    return 0;
 }
-void rmsnorm_backward_bf16(float *dinp, float *dweight, const float *dout, const void *inp, const float *weight,
-                           const float *rstd, int64_t rows, int64_t C) {
+int rmsnorm_backward_bf16(float *dinp, float *dweight, const float *dout, const void *inp, const float *weight,
+                          const float *rstd, int64_t rows, int64_t C) {
+    if (reserve_rows(C)) return -1;
     count_call();
     rmsnorm_backward_io(&bf16_io, dinp, dweight, dout, inp, weight, rstd, rows, C);
+    return 0;
 }
 int64_t cross_entropy_forward_bf16(float *loss, float *lse, const void *logits, const void *targets, int target_bytes,
                                    int64_t rows, int64_t V, int64_t ignore_index) {
+    if (reserve_rows(V)) return -1;
     count_call();
     return cross_entropy_forward_io(&bf16_io, loss, lse, logits, targets, target_bytes, rows, V, ignore_index);
 }
-void cross_entropy_backward_bf16(float *dlogits, const float *dloss, const void *logits, const float *lse,
-                                 const void *targets, int target_bytes, int64_t rows, int64_t V, int64_t ignore_index) {
+int cross_entropy_backward_bf16(float *dlogits, const float *dloss, const void *logits, const float *lse,
+                                const void *targets, int target_bytes, int64_t rows, int64_t V, int64_t ignore_index) {
+    if (reserve_rows(V)) return -1;
     count_call();
     cross_entropy_backward_io(&bf16_io, dlogits, dloss, logits, lse, targets, target_bytes, rows, V, ignore_index);
+    return 0;
 }
-void rope_forward_bf16(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t pos_offset,
-                       float theta) {
+int rope_forward_bf16(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t pos_offset,
+                      float theta) {
+    if (reserve_rows(D)) return -1;   /* rope_row reads at most D elements at a time */
     count_call();
     rope_forward_io(&bf16_io, out, inp, B, T, H, D, pos_offset, theta);
+    return 0;
 }
 
 /* ---- unary activations and SwiGLU: the f32 kernels' blocks on f32 copies ---- */

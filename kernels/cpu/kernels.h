@@ -289,28 +289,31 @@ void tile_amx_gemm_packed(int64_t M, int64_t N, int64_t K, const uint16_t *pa, c
 /* ---- bf16 twins (bf16_twins.c): the kernels above with their activations in bf16 (uint16_t
  * bits; weights, statistics and gradients f32), the uly_backend entries of the same names
  * (core/include/uly_backend.h: each gives the f32 kernel's bits between two converting copies).
- * binary_forward_typed: out, a and b each f32 or bf16 (dtype ULY_DTYPE_F32 / ULY_DTYPE_BF16). ---- */
+ * binary_forward_typed: out, a and b each f32 or bf16 (dtype ULY_DTYPE_F32 / ULY_DTYPE_BF16). The
+ * row twins (norms, cross-entropy, RoPE) return -1 (cross-entropy's forward for its count),
+ * having written nothing, when their per-thread row buffers cannot be had; call them outside
+ * OpenMP parallel regions, from one thread at a time. ---- */
 void binary_forward_typed(void *out, int out_dtype, const void *a, int a_dtype, const int64_t *a_strides,
                           const void *b, int b_dtype, const int64_t *b_strides, int ndim, const int64_t *shape,
                           int kind);
 void swiglu_forward_bf16(void *out, const void *gate, const void *up, int64_t n);
 void swiglu_backward_bf16(float *dgate, float *dup, const float *dout, const void *gate, const void *up, int64_t n);
-void layernorm_forward_bf16(void *out, float *mean, float *rstd, const void *inp, const float *weight,
-                            const float *bias, int64_t rows, int64_t C, float eps);
-void layernorm_backward_bf16(float *dinp, float *dweight, float *dbias, const float *dout, const void *inp,
-                             const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t C);
-void rmsnorm_forward_bf16(void *out, float *rstd, const void *inp, const float *weight, int64_t rows, int64_t C,
-                          float eps);
-void rmsnorm_backward_bf16(float *dinp, float *dweight, const float *dout, const void *inp, const float *weight,
-                           const float *rstd, int64_t rows, int64_t C);
+int layernorm_forward_bf16(void *out, float *mean, float *rstd, const void *inp, const float *weight,
+                           const float *bias, int64_t rows, int64_t C, float eps);
+int layernorm_backward_bf16(float *dinp, float *dweight, float *dbias, const float *dout, const void *inp,
+                            const float *weight, const float *mean, const float *rstd, int64_t rows, int64_t C);
+int rmsnorm_forward_bf16(void *out, float *rstd, const void *inp, const float *weight, int64_t rows, int64_t C,
+                         float eps);
+int rmsnorm_backward_bf16(float *dinp, float *dweight, const float *dout, const void *inp, const float *weight,
+                          const float *rstd, int64_t rows, int64_t C);
 int64_t cross_entropy_forward_bf16(float *loss, float *lse, const void *logits, const void *targets, int target_bytes,
                                    int64_t rows, int64_t V, int64_t ignore_index);
-void cross_entropy_backward_bf16(float *dlogits, const float *dloss, const void *logits, const float *lse,
-                                 const void *targets, int target_bytes, int64_t rows, int64_t V, int64_t ignore_index);
+int cross_entropy_backward_bf16(float *dlogits, const float *dloss, const void *logits, const float *lse,
+                                const void *targets, int target_bytes, int64_t rows, int64_t V, int64_t ignore_index);
 void unary_forward_bf16(void *out, const void *inp, int64_t n, int kind);
 void unary_backward_bf16(float *dinp, const float *dout, const void *inp, const void *out, int64_t n, int kind);
-void rope_forward_bf16(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t pos_offset,
-                       float theta);
+int rope_forward_bf16(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t pos_offset,
+                      float theta);
 /* how many times a twin above has been called in this process (specs: the twins did run) */
 int64_t bf16_twin_calls(void);
 

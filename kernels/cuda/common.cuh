@@ -126,7 +126,7 @@ void cu_binary_forward_typed(void *out, int ot, const void *a, int at, const int
 void cu_swiglu_forward_bf16(void *out, const void *gate, const void *up, int64_t n);
 void cu_unary_forward_bf16(void *out, const void *inp, int64_t n, int kind);
 void cu_unary_backward_bf16(float *dinp, const float *dout, const void *inp, const void *out, int64_t n, int kind);
-void cu_rope_forward_bf16(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off, float theta);
+int cu_rope_forward_bf16(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off, float theta);
 void cu_swiglu_backward_bf16(float *dgate, float *dup, const float *dout, const void *gate, const void *up, int64_t n);
 void cu_copy_view(const uly_view *dst, const uly_view *src);
 void cu_sum_view(const uly_view *dst, const uly_view *src, float alpha);
@@ -145,17 +145,17 @@ void cu_layernorm_backward(float *dinp, float *dw, float *db, const float *dout,
 void cu_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int64_t rows, int64_t C, float eps);
 void cu_rmsnorm_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w, const float *rstd,
                          int64_t rows, int64_t C);
-void cu_layernorm_forward_bf16(void *out, float *mean, float *rstd, const void *inp, const float *w, const float *b,
-                               int64_t rows, int64_t C, float eps);
-void cu_layernorm_backward_bf16(float *dinp, float *dw, float *db, const float *dout, const void *inp, const float *w,
-                                const float *mean, const float *rstd, int64_t rows, int64_t C);
-void cu_rmsnorm_forward_bf16(void *out, float *rstd, const void *inp, const float *w, int64_t rows, int64_t C, float eps);
-void cu_rmsnorm_backward_bf16(float *dinp, float *dw, const float *dout, const void *inp, const float *w,
-                              const float *rstd, int64_t rows, int64_t C);
+int cu_layernorm_forward_bf16(void *out, float *mean, float *rstd, const void *inp, const float *w, const float *b,
+                              int64_t rows, int64_t C, float eps);
+int cu_layernorm_backward_bf16(float *dinp, float *dw, float *db, const float *dout, const void *inp, const float *w,
+                               const float *mean, const float *rstd, int64_t rows, int64_t C);
+int cu_rmsnorm_forward_bf16(void *out, float *rstd, const void *inp, const float *w, int64_t rows, int64_t C, float eps);
+int cu_rmsnorm_backward_bf16(float *dinp, float *dw, const float *dout, const void *inp, const float *w,
+                             const float *rstd, int64_t rows, int64_t C);
 int64_t cu_cross_entropy_forward_bf16(float *loss, float *lse, const void *logits, const void *t, int tb, int64_t rows,
                                       int64_t V, int64_t ignore);
-void cu_cross_entropy_backward_bf16(float *dlogits, const float *dloss, const void *logits, const float *lse,
-                                    const void *t, int tb, int64_t rows, int64_t V, int64_t ignore);
+int cu_cross_entropy_backward_bf16(float *dlogits, const float *dloss, const void *logits, const float *lse,
+                                   const void *t, int tb, int64_t rows, int64_t V, int64_t ignore);
 void cu_embedding_forward(float *out, const void *idx, int ib, const float *w, int64_t n, int64_t C);
 void cu_embedding_backward(float *dw, const float *dout, const void *idx, int ib, int64_t n, int64_t C);
 int64_t cu_embedding_first_bad_index(const void *idx, int ib, int64_t n, int64_t V);

@@ -336,9 +336,10 @@ extern "C" void cu_rope_backward(float *dinp, const float *dout, int64_t B, int6
                                  float theta) {
     launch_rope("rope_k", dinp, dout, B, T, H, D, off, theta, -1.0, 1);
 }
-extern "C" void cu_rope_forward_bf16(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off,
-                                     float theta) {
+extern "C" int cu_rope_forward_bf16(void *out, const void *inp, int64_t B, int64_t T, int64_t H, int64_t D, int64_t off,
+                                    float theta) {
     launch_rope("rope_k bf16", (uint16_t *)out, (const uint16_t *)inp, B, T, H, D, off, theta, 1.0, 0);
+    return 0;
 }
 
 /* ---- strided walks ---- */

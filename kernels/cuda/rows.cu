@@ -261,21 +261,25 @@ extern "C" void cu_rmsnorm_backward(float *dinp, float *dw, const float *dout, c
     rmsnorm_bw(dinp, dw, dout, inp, w, rstd, rows, C);
 }
 /* bf16 activations: the input and output as bf16 */
-extern "C" void cu_layernorm_forward_bf16(void *out, float *mean, float *rstd, const void *inp, const float *w,
-                                          const float *b, int64_t rows, int64_t C, float eps) {
+extern "C" int cu_layernorm_forward_bf16(void *out, float *mean, float *rstd, const void *inp, const float *w,
+                                         const float *b, int64_t rows, int64_t C, float eps) {
     layernorm_fw((uint16_t *)out, mean, rstd, (const uint16_t *)inp, w, b, rows, C, eps);
+    return 0;
 }
-extern "C" void cu_layernorm_backward_bf16(float *dinp, float *dw, float *db, const float *dout, const void *inp,
-                                           const float *w, const float *mean, const float *rstd, int64_t rows, int64_t C) {
+extern "C" int cu_layernorm_backward_bf16(float *dinp, float *dw, float *db, const float *dout, const void *inp,
+                                          const float *w, const float *mean, const float *rstd, int64_t rows, int64_t C) {
     layernorm_bw(dinp, dw, db, dout, (const uint16_t *)inp, w, mean, rstd, rows, C);
+    return 0;
 }
-extern "C" void cu_rmsnorm_forward_bf16(void *out, float *rstd, const void *inp, const float *w, int64_t rows, int64_t C,
-                                        float eps) {
+extern "C" int cu_rmsnorm_forward_bf16(void *out, float *rstd, const void *inp, const float *w, int64_t rows, int64_t C,
+                                       float eps) {
     rmsnorm_fw((uint16_t *)out, rstd, (const uint16_t *)inp, w, rows, C, eps);
+    return 0;
 }
-extern "C" void cu_rmsnorm_backward_bf16(float *dinp, float *dw, const float *dout, const void *inp, const float *w,
-                                         const float *rstd, int64_t rows, int64_t C) {
+extern "C" int cu_rmsnorm_backward_bf16(float *dinp, float *dw, const float *dout, const void *inp, const float *w,
+                                        const float *rstd, int64_t rows, int64_t C) {
     rmsnorm_bw(dinp, dw, dout, (const uint16_t *)inp, w, rstd, rows, C);
+    return 0;
 }
 
 /* ---- embedding ---- */
@@ -372,9 +376,10 @@ extern "C" void cu_cross_entropy_backward(float *dlogits, const float *dloss, co
                                           const void *t, int tb, int64_t rows, int64_t V, int64_t ignore) {
     LAUNCH_AS_("ce_bw", ce_bw<float>, rows * V, dlogits, dloss, logits, lse, t, tb, rows, V, ignore);
 }
-extern "C" void cu_cross_entropy_backward_bf16(float *dlogits, const float *dloss, const void *logits, const float *lse,
-                                               const void *t, int tb, int64_t rows, int64_t V, int64_t ignore) {
+extern "C" int cu_cross_entropy_backward_bf16(float *dlogits, const float *dloss, const void *logits, const float *lse,
+                                              const void *t, int tb, int64_t rows, int64_t V, int64_t ignore) {
     LAUNCH_AS_("ce_bw bf16", ce_bw<uint16_t>, rows * V, dlogits, dloss, (const uint16_t *)logits, lse, t, tb, rows, V, ignore);
+    return 0;
 }
 
 /* ---- optimizers ---- */
