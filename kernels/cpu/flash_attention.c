@@ -21,6 +21,11 @@
  * D % 32 == 0 (fctx.pre) K and V (forward) or Q and dO (backward) are packed for the tiles once
  * into the scratch their f32 tiles take otherwise, the key tile's K and V once per work item, so
  * only P and dS are packed per product (the same bits as packing every product's operands).
+ * That path works on transposed tiles: the forward computes S^T = K Q^T and O^T += V^T P^T, so
+ * its online softmax (online_softmax_cols) runs down columns, a query a lane, where the row
+ * form folds 16 lanes per row and tile; the backward adds dQ^T = K^T dS^T into transposed dQ
+ * tiles. P^T and dS^T are written straight into their products' bf16 layouts. The exponentials
+ * are uly_expf_softmax (uly_expf's bits where e^x >= 2^-125, 0 below).
  *
  * Tiles: a key tile is skipped when the mask hides it from every row of the query tile, used
  * without per-element masking when it is fully visible, masked element by element otherwise;
