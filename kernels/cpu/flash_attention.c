@@ -264,21 +264,39 @@ static inline int visible(const fctx *c, int64_t b, int64_t i, int64_t j) {
     return vis;
 }
 
+/* v[k] = -inf for k in [0, n) outside [lo, hi] */
+static void hide_outside(float *v, int64_t n, int64_t lo, int64_t hi) {
+    for (int64_t k = 0; k < min64(lo, n); k++) v[k] = -INFINITY;
+    for (int64_t k = hi + 1 < 0 ? 0 : hi + 1; k < n; k++) v[k] = -INFINITY;
+}
+
 /* S[r][x] (rows: queries i0 + r, columns: keys j0 + x, leading dim BC) = -inf where hidden;
- * columns x >= nc always; rows r >= mr untouched */
+ * columns x >= nc always; rows r >= mr untouched. With only the causal / window bounds, a row
+ * sees the keys j in [i + off - L, i + off + R]: one span a row, no per-element test. */
 static void mask_rows(const fctx *c, int64_t b, float *S, int64_t i0, int64_t mr, int64_t j0, int64_t nc, int full) {
+    const int bounds_only = !c->p->layout && !c->p->q_doc;
     for (int64_t r = 0; r < mr; r++) {
         float *s = S + r * BC;
-        if (!full)
+        const int64_t ii = i0 + r + c->off;
+        if (!full && bounds_only)
+            hide_outside(s, nc, ii - c->L - j0, ii + c->R - j0);
+        else if (!full)
             for (int64_t x = 0; x < nc; x++)
                 if (!visible(c, b, i0 + r, j0 + x)) s[x] = -INFINITY;
         for (int64_t x = nc; x < BC; x++) s[x] = -INFINITY;
     }
 }
 /* the transposed tile St[x][r] (rows: keys j0 + x, columns: queries i0 + r, leading dim BR);
- * rows x >= nc are hidden entirely; columns r >= mr are left (their lse is +inf: P = 0) */
+ * rows x >= nc are hidden entirely; columns r >= mr are left (their lse is +inf: P = 0). With
+ * only the bounds, key j is seen by the queries i in [j - off - R, j - off + L]. */
 static void mask_cols(const fctx *c, int64_t b, float *St, int64_t i0, int64_t mr, int64_t j0, int64_t nc, int full) {
-    if (!full)
+    const int bounds_only = !c->p->layout && !c->p->q_doc;
+    if (!full && bounds_only)
+        for (int64_t x = 0; x < nc; x++) {
+            const int64_t j = j0 + x;
+            hide_outside(St + x * BR, mr, j - c->off - c->R - i0, j - c->off + c->L - i0);
+        }
+    else if (!full)
         for (int64_t x = 0; x < nc; x++)
             for (int64_t r = 0; r < mr; r++)
                 if (!visible(c, b, i0 + r, j0 + x)) St[x * BR + r] = -INFINITY;
