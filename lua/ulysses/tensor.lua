@@ -77,13 +77,19 @@ M.last_error = last_error
 -- whenever the bytes held by tensors grow by more than a quarter of what was live after the
 -- previous collection (and at least 64 MiB): memory stays near the working set (garbage at most
 -- ~25 % on top, which matters for million-token activations; with tensors on a GPU at most 1/16
--- of its memory) and the caching allocator hands the same blocks back every step.
+-- of its memory) and the caching allocator hands the same blocks back every step. The threshold
+-- also follows what is held down: after a large working set is released (a model dropped, a
+-- collection the caller ran, backward freeing saved activations) the next one gets the same
+-- bound, not the old one's (bench/train.lua's second row in a process had peaked 1.7x the
+-- same row alone, every dead activation of a step kept until the first row's threshold).
 local GC_MIN_GROWTH = 64 * 2 ^ 20
 local gc_next = GC_MIN_GROWTH
 local function held_bytes() return tonumber(C.uly_memory_allocated()) + tonumber(C.uly_device_memory_allocated(1)) end
 M.held_bytes = held_bytes   -- bytes held by tensors on the host and the device together
 local function collect_if_grown()
   local held = held_bytes()
+  local lower = held + math.max(GC_MIN_GROWTH, held / 4)
+  if lower < gc_next then gc_next = lower end
   if held > gc_next then
     collectgarbage('collect')
     if M.after_collect then M.after_collect() end   -- e.g. drop replay closures of freed graphs
