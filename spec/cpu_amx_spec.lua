@@ -117,6 +117,42 @@ for _, engine in ipairs(engines) do
       end
     end)
 
+    -- bf16 operands are packed as they are, not through f32: the same bits as f32 operands of the
+    -- same values (a denormal flushed either way), in every layout the packers take, and a bf16
+    -- result rounded once from the same sums
+    it('read bf16 operands with the bits of f32 operands of the same values, denormals included', function()
+      helpers.reseed(3)
+      local function with_tiny(t)   -- a few denormals and negative zeros among the values
+        local p = t:data()
+        for i = 0, t:numel() - 1, 7 do p[i] = (i % 2 == 0 and 1 or -1) * 3e-39 end
+        for i = 3, t:numel() - 1, 11 do p[i] = -0.0 end
+        return t
+      end
+      for _, s in ipairs({ { 5, 7, 3 }, { 33, 65, 40 }, { 70, 31, 600 }, { 40, 30, 1100 } }) do
+        local M, N, K = s[1], s[2], s[3]
+        for _, ta in ipairs { false, true } do
+          for _, tb in ipairs { false, true } do
+            local a = (ta and with_tiny(uly.randn(K, M)):bf16():t() or with_tiny(uly.randn(M, K)):bf16())
+            local b = (tb and with_tiny(uly.randn(N, K)):bf16():t() or with_tiny(uly.randn(K, N)):bf16())
+            local what = ('%d x %d x %d%s%s'):format(M, N, K, ta and ' A^T' or '', tb and ' B^T' or '')
+            local prev = uly.matmul_precision('bf16')
+            engine.select()
+            local ok, err = pcall(function()
+              local as16, as32 = uly.matmul(a, b), uly.matmul(a:float(), b:float())
+              assert.are.equal('bf16', as16:dtype())
+              helpers.assert_close(as16:float(), as32:bf16():float(), 0, 0, what .. ': bf16 operands and result')
+              helpers.assert_close(uly.matmul(a:float(), b), as32, 0, 0, what .. ': an f32 A, a bf16 B')
+              helpers.assert_close(uly.matmul(a, b:float()):float(), as32:bf16():float(), 0, 0,
+                                   what .. ': a bf16 A, an f32 B')
+            end)
+            defaults()
+            uly.matmul_precision(prev)
+            assert(ok, err)
+          end
+        end
+      end
+    end)
+
     it('agree on batches, broadcast batch dims and their gradients (a weight gradient summed over batches)', function()
       helpers.reseed(2)
       local x = uly.randn(3, 37, 2, 45):transpose(2, 3)   -- [3, 2, 37, 45], not contiguous: batched GEMMs

@@ -123,6 +123,27 @@ static void transpose16(__m512i r[16]) {
 }
 
 static inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+static inline __mmask32 lanes32(int64_t n) {
+    return n >= 32 ? (__mmask32)0xffffffffu : n <= 0 ? 0 : (__mmask32)((1u << n) - 1);
+}
+
+/* ---- bf16 operands packed as they are, not through f32 (load16, then VCVTNE2PS2BF16, which
+ * flushes a denormal to zero and quiets a NaN): TDPBF16PS and VDPBF16PS treat a denormal input as
+ * zero themselves, so the products are the same bits (spec/cpu_amx_spec.lua checks), and a NaN
+ * operand gives a NaN either way ---- */
+/* 32 consecutive bf16 at element i of x, lanes outside m zero */
+static inline __m512i load32_bf16(const void *x, int64_t i, __mmask32 m) {
+    return _mm512_maskz_loadu_epi16(m, (const uint16_t *)x + i);
+}
+/* 16 bf16 at element i of lo and of hi (lanes outside m zero) as pair words (lo[c], hi[c]) */
+static inline __m512i bf16_pairs16(const void *x, int64_t lo, int64_t hi, __mmask16 m, int has_lo, int has_hi) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                                21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m256i a = has_lo ? _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + lo) : _mm256_setzero_si256();
+    const __m256i b = has_hi ? _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + hi) : _mm256_setzero_si256();
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+    return _mm512_permutexvar_epi16(interleave, both);
+}
 
 /* up to 16 consecutive elements at element offset i of x (f32, or bf16 where bf16), as f32 (a
  * bf16 value exactly; converting it back to bf16 gives its bits); lanes outside m zero */
@@ -142,6 +163,10 @@ static void pack_a(uint16_t *dst, const void *a, int a16, int64_t rs, int64_t cs
             const int64_t src = (i0 + i) * rs + k0;
             for (int64_t k = 0; k < kcp; k += 32) {
                 int64_t left = i0 + i < M ? K - (k0 + k) : 0;
+                if (a16) {
+                    _mm512_storeu_si512(row + k, load32_bf16(a, src + k, lanes32(left)));
+                    continue;
+                }
                 __m512 x = load16(a, a16, src + k, lanes(left));
                 __m512 y = load16(a, a16, src + k + 16, lanes(left - 16));
                 _mm512_storeu_si512(row + k, bf16_run(x, y));
@@ -154,6 +179,10 @@ static void pack_a(uint16_t *dst, const void *a, int a16, int64_t rs, int64_t cs
             for (int64_t k = 0; k < kcp; k += 32) {
                 for (int q = 0; q < 16; q++) {
                     int64_t kk = k0 + k + 2 * q;
+                    if (a16) {
+                        w[q] = bf16_pairs16(a, kk * cs + i0 + i, (kk + 1) * cs + i0 + i, rows, kk < K, kk + 1 < K);
+                        continue;
+                    }
                     __m512 lo = kk < K ? load16(a, a16, kk * cs + i0 + i, rows) : _mm512_setzero_ps();
                     __m512 hi = kk + 1 < K ? load16(a, a16, (kk + 1) * cs + i0 + i, rows) : _mm512_setzero_ps();
                     w[q] = bf16_pairs(lo, hi);
@@ -175,6 +204,11 @@ static void pack_b_strip(uint32_t *dst, const void *b, int b16, int64_t rs, int6
             int64_t k = k0 + 2 * p;
             for (int h = 0; h < 2; h++) {
                 __mmask16 cols = lanes(N - (j + 16 * h));
+                if (b16) {
+                    _mm512_storeu_si512(dst + p * NR + 16 * h,
+                                        bf16_pairs16(b, k * rs + j + 16 * h, (k + 1) * rs + j + 16 * h, cols, k < K, k + 1 < K));
+                    continue;
+                }
                 __m512 lo = k < K ? load16(b, b16, k * rs + j + 16 * h, cols) : _mm512_setzero_ps();
                 __m512 hi = k + 1 < K ? load16(b, b16, (k + 1) * rs + j + 16 * h, cols) : _mm512_setzero_ps();
                 _mm512_storeu_si512(dst + p * NR + 16 * h, bf16_pairs(lo, hi));
@@ -188,6 +222,10 @@ static void pack_b_strip(uint32_t *dst, const void *b, int b16, int64_t rs, int6
                 for (int c = 0; c < 16; c++) {
                     int64_t jj = j + 16 * h + c;
                     if (jj >= N) { w[c] = _mm512_setzero_si512(); continue; }
+                    if (b16) {
+                        w[c] = load32_bf16(b, jj * cs + k, lanes32(K - k));
+                        continue;
+                    }
                     __m512 x = load16(b, b16, jj * cs + k, lanes(K - k));
                     __m512 y = load16(b, b16, jj * cs + k + 16, lanes(K - k - 16));
                     w[c] = bf16_run(x, y);
