@@ -14,14 +14,13 @@
 
 typedef union { float f; uint32_t u; } f32bits;
 
-/* vectorisable expf, <= 2 ulp; NaN propagates, overflow to +inf, underflow to 0 */
-static inline float uly_expf(float x)
+/* both exponentials' range reduction: x = n ln 2 + r, |r| <= ln 2 / 2, n in the low bits of t
+ * (the round-to-nearest integer trick: t.u - 0x4B400000 = n), and e^r (Cephes expf's polynomial) */
+static inline float uly_expf_reduced(float x, f32bits *t)
 {
-    /* out-of-range inputs are fixed by the selects at the end (no clamp-then-compute: a
-     * constant-folded overflow path would stop GCC from if-converting and vectorising) */
-    const float magic = 12582912.0f; /* 1.5 * 2^23: round-to-nearest integer trick */
-    f32bits t = { .f = x * 1.44269504088896341f + magic };
-    const float nf = t.f - magic;
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    t->f = x * 1.44269504088896341f + magic;
+    const float nf = t->f - magic;
     float r = x - nf * 0.693359375f;
     r = r - nf * -2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -30,7 +29,16 @@ static inline float uly_expf(float x)
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
+    return p * (r * r) + r + 1.0f;
+}
+
+/* vectorisable expf, <= 2 ulp; NaN propagates, overflow to +inf, underflow to 0 */
+static inline float uly_expf(float x)
+{
+    /* out-of-range inputs are fixed by the selects at the end (no clamp-then-compute: a
+     * constant-folded overflow path would stop GCC from if-converting and vectorising) */
+    f32bits t;
+    const float p = uly_expf_reduced(x, &t);
     /* 2^n split in two factors so that n in [-150, 128] (denormals, overflow) is exact;
      * unsigned arithmetic: no UB for out-of-range or NaN x (result replaced below) */
     const int32_t n = (int32_t)(t.u - 0x4B400000u);
@@ -52,18 +60,8 @@ static inline float uly_expf(float x)
  * or log-sum-exp. */
 static inline float uly_expf_softmax(float x)
 {
-    const float magic = 12582912.0f;
-    f32bits t = { .f = x * 1.44269504088896341f + magic };
-    const float nf = t.f - magic;
-    float r = x - nf * 0.693359375f;
-    r = r - nf * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
+    f32bits t;
+    const float p = uly_expf_reduced(x, &t);
     /* 2^n with n = t.u - 0x4B400000 in [-126, 127]: the exponent field n + 127 */
     f32bits s = { .u = (t.u - 0x4B400000u + 127u) << 23 };
     f32bits e = { .f = p * s.f };
