@@ -20,7 +20,8 @@
 -- first use, views/adds passing the gradient through, saved tensors released per node). Sizes
 -- go through the allocator's size classes (core/alloc.c). Two effects of LuaJIT matter and are
 -- replayed too: a tensor dropped by Lua is freed only when the collector runs, and the
--- collector runs when the bytes held grow past a threshold (lua/ulysses/tensor.lua: wrap) or
+-- collector runs when the bytes held grow past a threshold that follows them up and down
+-- (lua/ulysses/tensor.lua: wrap) or
 -- when checkpoint/chunked force it. Memory malloc'ed inside kernels (the reference attention's
 -- dS scratch) is outside the allocator's counters: reported as `untracked`.
 -- On a GPU (--device cuda) the same replay runs against the device pool (512 B granularity,
@@ -184,8 +185,11 @@ function Sim:collect()
   end
 end
 
--- after every wrap(): collect when the held bytes passed the threshold
+-- after every wrap(): the threshold comes down with the held bytes, then a collection when they
+-- passed it (lua/ulysses/tensor.lua: collect_if_grown)
 function Sim:wrapped()
+  local lower = self.cur + math.max(GC_MIN_GROWTH, self.cur / 4)
+  if lower < self.gc_next then self.gc_next = lower end
   if self.cur > self.gc_next then
     self:collect()
     local growth = math.max(GC_MIN_GROWTH, self.cur / 4)                -- lua/ulysses/tensor.lua
@@ -921,6 +925,7 @@ local function mark(self, c, x, params)
       end
     elseif not c.flat then
       c.flat = sim:alloc(c.nparams * F, 'communication')
+      sim:wrapped()                               -- T.wrap of the flat buffer
     end
   end)
   self:wrapped()
