@@ -825,19 +825,33 @@ int flash_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                             bg / p->Hkv, bg % p->Hkv, kt);
         }
         if (c.amx) tile_amx_release();
-        if (dq) {
+        if (dq && c.pre) {
+            /* dQ = scale * (group 0 + group 1 + ...) from the transposed [D][BR] tiles, a tile at a
+             * time (its groups stay in cache while its rows are written; row by row across the
+             * heads, each element read had been a cache miss) */
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < p->B * H * c.nqt; t++) {
+                const int64_t bh = t / c.nqt, b = bh / H, h = bh % H, i0 = t % c.nqt * BR;
+                const float *s0 = dqg + (bh * c.nqt * BR + i0) * Dp;
+                for (int64_t r = 0; r < min64(BR, Tq - i0); r++) {
+                    float *d = dq + ((b * Tq + i0 + r) * H + h) * D;
+                    for (int64_t x = 0; x < D; x++) {
+                        float sum = s0[x * BR + r];
+                        for (int64_t gi = 1; gi < DQ_GROUPS; gi++) sum += s0[gi * group_floats + x * BR + r];
+                        d[x] += p->scale * sum;
+                    }
+                }
+            }
+        } else if (dq) {
             #pragma omp for schedule(static)
             for (int64_t bi = 0; bi < rows; bi++) { /* dQ = scale * (group 0 + group 1 + ...) */
                 const int64_t b = bi / Tq, i = bi % Tq;
                 for (int64_t h = 0; h < H; h++) {
                     float *d = dq + (bi * H + h) * D;
-                    /* element x of row i: [BR][Dp] tiles, or [D][BR] (pre-packed) */
-                    const float *s0 = c.pre ? dqg + ((b * H + h) * c.nqt * BR + i / BR * BR) * Dp + i % BR
-                                            : dqg + ((b * H + h) * c.nqt * BR + i) * Dp;
-                    const int64_t step = c.pre ? BR : 1;
+                    const float *s0 = dqg + ((b * H + h) * c.nqt * BR + i) * Dp;   /* [BR][Dp] tiles */
                     for (int64_t x = 0; x < D; x++) {
-                        float sum = s0[x * step];
-                        for (int64_t gi = 1; gi < DQ_GROUPS; gi++) sum += s0[gi * group_floats + x * step];
+                        float sum = s0[x];
+                        for (int64_t gi = 1; gi < DQ_GROUPS; gi++) sum += s0[gi * group_floats + x];
                         d[x] += p->scale * sum;
                     }
                 }
