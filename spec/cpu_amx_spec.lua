@@ -270,8 +270,9 @@ for _, engine in ipairs(engines) do
         end
       end)
 
-    -- with D a multiple of 32 the kernel packs K, V, Q and dO for the tiles once, not per product
-    -- (ULY_FLASH_PREPACK=0: per product): the same bits, under every mask kind, Tq ~= Tk, GQA
+    -- the kernel packs K, V, Q and dO for the tiles once, not per product (ULY_FLASH_PREPACK=0:
+    -- per product): the same bits, under every mask kind, Tq ~= Tk, GQA, and head dims that are
+    -- not a multiple of the tiles' 32 (zero-padded: 48, 80, 8, an odd 33)
     it('give flash attention the same bits with its operands packed once as packed per product', function()
       local ffi = require 'ffi'
       pcall(ffi.cdef, 'int setenv(const char *, const char *, int);')
@@ -285,6 +286,10 @@ for _, engine in ipairs(engines) do
         { 'block-sparse, D 32', 1, T, T, 2, 2, 32,
           { block_layout = uly.attention_layouts.local_strided(T, 16, 2, 3, 1), block_size = 16, causal = true } },
         { 'documents, D 64', 1, T, T, 2, 1, 64, { causal = true, doc = uly.tensor({ doc }, { dtype = 'i32' }) } },
+        { 'causal, GQA, D 48', 2, 130, 130, 4, 2, 48, { causal = true } },
+        { 'not causal, Tq < Tk, D 33', 1, 70, 150, 2, 1, 33, {} },
+        { 'window, D 80', 1, 200, 200, 2, 2, 80, { causal = true, window = 50 } },
+        { 'documents, D 8', 1, T, T, 2, 1, 8, { causal = true, doc = uly.tensor({ doc }, { dtype = 'i32' }) } },
       }
       local prev = uly.matmul_precision('bf16')
       local ok, err = pcall(function()

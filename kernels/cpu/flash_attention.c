@@ -17,9 +17,10 @@
  * added in order, so results do not depend on the thread count (no atomics on floats), with 5
  * tile GEMMs per visible tile pair and DQ_GROUPS x [B, H, T, D] floats of scratch.
  *
- * bf16 precision on AMX tiles (fctx.amx): the tile products round their operands to bf16; with
- * D % 32 == 0 (fctx.pre) K and V (forward) or Q and dO (backward) are packed for the tiles once
- * into the scratch their f32 tiles take otherwise, the key tile's K and V once per work item, so
+ * bf16 precision on AMX tiles (fctx.amx): the tile products round their operands to bf16, and
+ * (fctx.pre) K and V (forward) or Q and dO (backward) are packed for the tiles once into the
+ * scratch their f32 tiles take otherwise (D rounded up to 32, the tiles' zero padding: scratch_d),
+ * the key tile's K and V once per work item, so
  * only P and dS are packed per product (the same bits as packing every product's operands).
  * That path works on transposed tiles: the forward computes S^T = K Q^T and O^T += V^T P^T, so
  * its online softmax (online_softmax_cols) runs down columns, a query a lane, where the row
@@ -198,13 +199,24 @@ static void pack_cols(float *dst, int64_t ld, const void *base, int bf16, int64_
         for (int64_t x = 0; x < D; x++) memset(dst + x * ld + n, 0, (size_t)(ld - n) * sizeof(float));
 }
 
+static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* bf16 precision on AMX tiles with K, V, Q and dO packed for the tiles once (any D: the tiles
+ * pad it with zeros; ULY_FLASH_PREPACK=0 packs per product instead, for comparisons) */
+static int prepacked(const flash_problem *p) {
+    const char *env = getenv("ULY_FLASH_PREPACK");
+    return p->bf16 && gemm_amx_on() && !(env && strcmp(env, "0") == 0);
+}
+/* D as the scratch lays tiles out: rounded up to the tiles' 32 where operands are pre-packed */
+static int64_t scratch_d(const flash_problem *p) { return prepacked(p) ? round_up(p->D, 32) : p->D; }
+
 /* ---- masks ---- */
 typedef struct fctx {
     const flash_problem *p;
-    int64_t Dp, rep, off, L, R, nqt, nkt;
+    int64_t Dp, Ds, rep, off, L, R, nqt, nkt;   /* Ds: scratch_d */
     int32_t *qdr, *kdr; /* document id [min, max] per (b, query tile) and (b, key tile) */
     int amx;            /* bf16 precision on AMX tiles (kernels/cpu/gemm_amx.c) */
-    int pre;            /* ... with K, V, Q and dO packed for the tiles once (amx, D % 32 == 0) */
+    int pre;            /* ... with K, V, Q and dO packed for the tiles once (prepacked) */
 } fctx;
 
 /* a tile product in the problem's precision: bf16 operands on AMX tiles where the CPU has them
@@ -436,7 +448,6 @@ static void online_softmax(float *S, float *m, float *l, float *acc, int64_t mr,
 }
 
 /* ---- problem setup ---- */
-static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 /* fills c; returns -1 when the document-range arrays cannot be allocated */
 static int ctx_init(fctx *c, const flash_problem *p) {
@@ -450,8 +461,8 @@ static int ctx_init(fctx *c, const flash_problem *p) {
     c->nqt = (p->Tq + BR - 1) / BR;
     c->nkt = (p->Tk + BC - 1) / BC;
     c->amx = p->bf16 && gemm_amx_on();
-    const char *pre = getenv("ULY_FLASH_PREPACK");   /* 0: packed per product, for comparisons */
-    c->pre = c->amx && p->D % 32 == 0 && !(pre && strcmp(pre, "0") == 0);
+    c->pre = c->amx && prepacked(p);
+    c->Ds = c->pre ? round_up(p->D, 32) : p->D;
     if (!p->q_doc) return 0;
     c->qdr = malloc((size_t)(2 * p->B * (c->nqt + c->nkt) + 2) * sizeof(int32_t));
     if (!c->qdr) return -1;
@@ -495,17 +506,17 @@ static void pack_all_transposed(float *dst, const void *base, int bf16, int64_t 
 }
 
 int64_t flash_attention_scratch_floats(const flash_problem *p, int backward) {
-    const int64_t nqt = (p->Tq + BR - 1) / BR, nkt = (p->Tk + BC - 1) / BC;
-    const int64_t kt = p->B * p->Hkv * nkt * p->D * BC, qt = p->B * p->H * nqt * p->D * BR;
+    const int64_t nqt = (p->Tq + BR - 1) / BR, nkt = (p->Tk + BC - 1) / BC, Ds = scratch_d(p);
+    const int64_t kt = p->B * p->Hkv * nkt * Ds * BC, qt = p->B * p->H * nqt * Ds * BR;
     const int64_t dqg = DQ_GROUPS * p->B * p->H * nqt * BR * round_up(p->D, VL);
     return backward ? 2 * qt + dqg : kt;
 }
 
 /* ---- forward ---- */
 /* the pre-packed forward's scratch: per (b, K/V head, key tile) K as tile A operand (M = BC, K =
- * D), then V^T (M = D, K = BC): D BC floats a tile, as the f32 K^T tiles take (D % 32 == 0) */
+ * D), then V^T (M = D, K = BC): scratch_d BC floats a tile, where the f32 K^T tiles take D BC */
 static uint32_t *kv_packed(const fctx *c, float *scratch, int64_t b, int64_t g, int64_t kt) {
-    return (uint32_t *)scratch + ((b * c->p->Hkv + g) * c->nkt + kt) * c->p->D * BC;
+    return (uint32_t *)scratch + ((b * c->p->Hkv + g) * c->nkt + kt) * c->Ds * BC;
 }
 static void pack_kv_amx(const fctx *c, float *scratch, float *tmp) {
     const flash_problem *p = c->p;
@@ -668,11 +679,11 @@ int flash_attention_forward(float *out, float *lse, float *scratch, const flash_
 /* lse for recomputing P: an empty row (-inf) becomes +inf so that exp(S - lse) = 0 */
 static float lse_for_p(float x) { return x == -INFINITY ? INFINITY : x; }
 
-/* the pre-packed backward's scratch (in place of the f32 Q^T and dO^T tiles, the same size when
- * D % 32 == 0): per (b, head, query tile) four tile B operands: Q^T (K = D, N = BR), Q (K = BR,
- * N = D), both scaled, then dO^T and dO likewise */
+/* the pre-packed backward's scratch (in place of the f32 Q^T and dO^T tiles, scratch_d for D):
+ * per (b, head, query tile) four tile B operands: Q^T (K = D, N = BR), Q (K = BR, N = D), both
+ * scaled, then dO^T and dO likewise */
 static uint32_t *q_packed(const fctx *c, const float *scratch, int64_t b, int64_t h, int64_t qt) {
-    return (uint32_t *)scratch + ((b * c->p->H + h) * c->nqt + qt) * 2 * c->p->D * BR;
+    return (uint32_t *)scratch + ((b * c->p->H + h) * c->nqt + qt) * 2 * c->Ds * BR;
 }
 static void pack_q_do_amx(const fctx *c, const float *scratch, const float *dout, float *tq, float *td) {
     const flash_problem *p = c->p;
@@ -779,7 +790,7 @@ int flash_attention_backward(float *dq, float *dk, float *dv, const float *dout,
     const int64_t ws_floats = round_up(2 * BR * Dp + 2 * BC * BR + 4 * BC * Dp + 2 * BR + BR * BC +
                                        (3 * TILE_AMX_A_ELEMS(BC, D) + TILE_AMX_A_ELEMS(BC, BR)) / 2 +
                                        TILE_AMX_B_WORDS(BC, BR), VL);
-    const int64_t nq = p->B * H * c.nqt * D * BR, group_floats = p->B * H * c.nqt * BR * Dp;
+    const int64_t nq = p->B * H * c.nqt * c.Ds * BR, group_floats = p->B * H * c.nqt * BR * Dp;
     float *QT = scratch, *OT = QT + nq, *dqg = OT + nq; /* dqg: DQ_GROUPS x [B][H][nqt BR][Dp] */
     const int nt = max_threads();
     const int par = nt > 1 && p->B * H * Tq * p->Tk * (D + 1) >= PAR_MIN;
