@@ -223,6 +223,8 @@ static int judge(const call *k, const header *h) {
 /* ---------------------------------------------------------------- waiting (MPI) */
 #ifdef ULY_WITH_MPI
 
+/* between polls of a wait: yield for the first 64, then sleep, 2 us longer each time up to 1 ms
+ * (a rank waiting on a late peer leaves the core to others) */
 static void relax(int spins) {
     if (spins < 64) { sched_yield(); return; }
     long ns = 2000L * (spins - 63);
@@ -260,8 +262,13 @@ static int timed_out(call *k, const char *stage, const MPI_Request *req, const i
 }
 
 /* poll until every request completes or the deadline passes; peer[i] >= 0 names the group
- * rank a receive waits for (a timeout lists the ones still missing) */
-static int wait_requests(call *k, const char *stage, MPI_Request *req, const int *peer, int n) {
+ * rank a receive waits for (a timeout lists the ones still missing). busy: every peer is known to
+ * be in this collective (its header arrived), so the data is moving and moves only while MPI is
+ * polled (a large message goes fragment by fragment, one batch a poll: polling every 1 ms moved an
+ * all-to-all at 0.17 GB/s): poll without sleeping for the first BUSY_SPIN_S seconds */
+#define BUSY_SPIN_S 1.0
+static int wait_requests(call *k, const char *stage, MPI_Request *req, const int *peer, int n, int busy) {
+    const double busy_until = busy ? comm_now() + BUSY_SPIN_S : 0.0;
     for (int spins = 0;; spins++) {
         int pending = 0;
         for (int i = 0; i < n; i++) {
@@ -272,13 +279,15 @@ static int wait_requests(call *k, const char *stage, MPI_Request *req, const int
         }
         if (!pending) return 0;
         if (k->deadline > 0 && comm_now() > k->deadline) return timed_out(k, stage, req, peer, n);
-        relax(spins);
+        if (busy && spins >= 64 && comm_now() < busy_until) sched_yield();
+        else relax(spins);
     }
 }
 
+/* the wait of a collective's data phase, after every rank's header arrived */
 int comm_wait_one(call *k, const char *stage, MPI_Request *req) {
     int nobody = -1;
-    return wait_requests(k, stage, req, &nobody, 1);
+    return wait_requests(k, stage, req, &nobody, 1, 1);
 }
 
 /* rows of `nbytes` in `all`, this rank's row filled in; afterwards every row is. On a timeout
@@ -299,7 +308,7 @@ static int exchange(call *k, const char *stage, int tag, char *all, int nbytes) 
             peer[n] = -1;
             rc = MPI_Isend(all + (size_t)c->rank * nbytes, nbytes, MPI_BYTE, r, tag, c->ctrl, &req[n++]);
         }
-    int out = rc != MPI_SUCCESS ? (c->broken = 1, comm_mpi_failed(k, rc, stage)) : wait_requests(k, stage, req, peer, n);
+    int out = rc != MPI_SUCCESS ? (c->broken = 1, comm_mpi_failed(k, rc, stage)) : wait_requests(k, stage, req, peer, n, 0);
     free(req);
     free(peer);
     return out;
