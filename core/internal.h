@@ -101,6 +101,8 @@ struct uly_tensor {
     int requires_grad;
     uly_tensor *grad;              /* leaves: accumulated gradient (owned) */
     struct uly_node *grad_fn;      /* non-leaves: the op that made it (owned) */
+    int nograd_view;               /* a view made inside no_grad of a tensor that requires grad (or of
+                                      such a view): writing into it with grad on is refused */
 };
 
 int64_t uly_numel_of(int ndim, const int64_t *shape);

@@ -723,7 +723,26 @@ static uly_tensor *as_f32(const char *arg, uly_tensor *t) {
     return uly_tensor_to_dtype(t, ULY_DTYPE_F32);
 }
 
+/* shapes: on the tensors as given (so an error names their dtypes, not the f32 copies') */
+static int check_attention_shapes(const uly_tensor *q, const uly_tensor *k, const uly_tensor *v) {
+    if (uly_check_tensor("attention", "q", q) || uly_check_tensor("attention", "k", k) ||
+        uly_check_tensor("attention", "v", v))
+        return -1;
+    if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
+        return uly_set_error("attention: q, k, v must be [batch, seq, heads, head_dim], got q %s, k %s, v %s",
+                             uly_desc(q), uly_desc(k), uly_desc(v));
+    if (!uly_same_shape(k, v) || k->shape[0] != q->shape[0] || k->shape[3] != q->shape[3])
+        return uly_set_error("attention: k %s and v %s must both be [%lld, seq, kv_heads, %lld] to match q %s",
+                             uly_desc(k), uly_desc(v), (long long)q->shape[0], (long long)q->shape[3], uly_desc(q));
+    if (k->shape[2] == 0 || q->shape[2] % k->shape[2])
+        return uly_set_error("attention: %lld query heads cannot be grouped over %lld key/value heads "
+                             "(query heads must be a multiple of kv heads)", (long long)q->shape[2],
+                             (long long)k->shape[2]);
+    return 0;
+}
+
 uly_tensor *uly_attention(uly_tensor *q, uly_tensor *k, uly_tensor *v, double scale, int causal) {
+    if (check_attention_shapes(q, k, v)) return NULL;
     uly_tensor *qf = as_f32("q", q), *kf = qf ? as_f32("k", k) : NULL;
     uly_tensor *vf = kf ? as_f32("v", v) : NULL;
     uly_tensor *out = vf ? attention_f32(qf, kf, vf, scale, causal) : NULL;
@@ -740,16 +759,7 @@ static uly_tensor *attention_f32(uly_tensor *q, uly_tensor *k, uly_tensor *v, do
     if (uly_check_float("attention", "q", q) || uly_check_float("attention", "k", k) || uly_check_float("attention", "v", v) ||
         uly_check_same_device("attention", "q", q, "k", k) || uly_check_same_device("attention", "q", q, "v", v))
         return NULL;
-    if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
-        return uly_set_error_null("attention: q, k, v must be [batch, seq, heads, head_dim], got q %s, k %s, v %s",
-                                  uly_desc(q), uly_desc(k), uly_desc(v));
     int64_t B = q->shape[0], Tq = q->shape[1], H = q->shape[2], D = q->shape[3], Tk = k->shape[1], Hkv = k->shape[2];
-    if (!uly_same_shape(k, v) || k->shape[0] != B || k->shape[3] != D)
-        return uly_set_error_null("attention: k %s and v %s must both be [%lld, seq, kv_heads, %lld] to match q %s",
-                                  uly_desc(k), uly_desc(v), (long long)B, (long long)D, uly_desc(q));
-    if (Hkv == 0 || H % Hkv)
-        return uly_set_error_null("attention: %lld query heads cannot be grouped over %lld key/value heads "
-                                  "(query heads must be a multiple of kv heads)", (long long)H, (long long)Hkv);
     if (!(scale > 0)) scale = D ? 1.0 / sqrt((double)D) : 1.0;
     uly_tensor *qc = uly_contiguous_raw(q), *kc = uly_contiguous_raw(k), *vc = uly_contiguous_raw(v);
     int64_t pshape[4] = {B, H, Tq, Tk};

@@ -2,6 +2,7 @@
  * dtype conversion (f32, bf16, i32, i64, f64), fill, random init and element access. */
 #include <math.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 #include "internal.h"
 
@@ -227,6 +228,10 @@ int uly_check_inplace(const char *op, const uly_tensor *t) {
             return uly_set_error("%s: in-place write into %s, a view of a leaf %s that requires grad; do it inside "
                                  "uly.no_grad(...) or on a detached tensor", op, uly_desc(t), uly_desc(leaf));
     }
+    if (uly_grad_enabled() && t->nograd_view)
+        return uly_set_error("%s: in-place write into %s, a view made inside uly.no_grad(...) of a tensor that requires "
+                             "grad: autograd cannot see the write; write inside uly.no_grad(...) too, or into a "
+                             "detached tensor (t:detach())", op, uly_desc(t));
     /* a tensor autograd computed (or a view of one): its new values would not be what its
      * backward rule differentiates, so the gradients through it would be silently wrong */
     if (uly_grad_enabled() && t->grad_fn)
@@ -346,8 +351,31 @@ static int check_flat(const char *op, const uly_tensor *t, const void *p, int dt
 /* a host tensor of t's shape and dtype (the staging buffer of a device tensor's flat copies) */
 static uly_tensor *host_twin(const uly_tensor *t) { return uly_new_contiguous(t->ndim, t->shape, t->dtype, ULY_DEVICE_CPU); }
 
+/* floating values bound for an integer tensor must be numbers in its range (a fraction is
+ * truncated toward zero, as C and PyTorch do); converting NaN or 1e10 to i32 gives garbage */
+static int check_integer_values(const uly_tensor *t, const void *src, int src_dtype, int64_t numel) {
+    if ((t->dtype != ULY_DTYPE_I32 && t->dtype != ULY_DTYPE_I64) ||
+        (src_dtype != ULY_DTYPE_F64 && src_dtype != ULY_DTYPE_F32))
+        return 0;
+    const double lo = t->dtype == ULY_DTYPE_I32 ? -2147483648.0 : -9223372036854775808.0;
+    const double hi = t->dtype == ULY_DTYPE_I32 ? 2147483648.0 : 9223372036854775808.0;   /* exclusive */
+    for (int64_t i = 0; i < numel; i++) {
+        const double v = src_dtype == ULY_DTYPE_F64 ? ((const double *)src)[i] : ((const float *)src)[i];
+        if (!(v > lo - 1.0 && v < hi)) {
+            char text[32];
+            if (v != v) snprintf(text, sizeof text, "NaN");
+            else snprintf(text, sizeof text, "%g", v);
+            return uly_set_error("tensor: value %s (element %lld) does not fit %s (integers from %.0f to %.0f)", text,
+                                 (long long)i + 1, uly_dtype_name(t->dtype), lo, hi - 1.0);
+        }
+    }
+    return 0;
+}
+
 int uly_tensor_copy_from(uly_tensor *t, const void *src, int src_dtype, int64_t numel) {
-    if (check_flat("copy_from", t, src, src_dtype, numel) || uly_check_inplace("copy_from", t)) return -1;
+    if (check_flat("copy_from", t, src, src_dtype, numel) || uly_check_inplace("copy_from", t) ||
+        check_integer_values(t, src, src_dtype, numel))
+        return -1;
     if (uly_dev(t) != ULY_DEVICE_CPU) {
         uly_tensor *h = host_twin(t);
         int rc = h ? uly_tensor_copy_from(h, src, src_dtype, numel) : -1;
@@ -400,9 +428,54 @@ int uly_tensor_fill_(uly_tensor *t, double value) {
     return uly_device_check("fill_", uly_dev(t));
 }
 
+/* the bytes [lo, hi) of storage a view can touch (empty: lo == hi) */
+static void byte_span(const uly_tensor *t, int64_t *lo, int64_t *hi) {
+    int64_t first = t->offset, last = t->offset;
+    for (int d = 0; d < t->ndim; d++) {
+        if (t->shape[d] == 0) { *lo = *hi = 0; return; }
+        const int64_t reach = (t->shape[d] - 1) * t->stride[d];
+        if (reach < 0) first += reach; else last += reach;
+    }
+    const int64_t es = uly_dtype_size(t->dtype);
+    *lo = first * es;
+    *hi = (last + 1) * es;
+}
+
+/* a dim of more than one element at stride 0 (an expanded view): several elements, one location */
+static int writes_one_place_twice(const uly_tensor *t) {
+    for (int d = 0; d < t->ndim; d++)
+        if (t->shape[d] > 1 && t->stride[d] == 0 && uly_tensor_numel(t) > 1) return 1;
+    return 0;
+}
+
 int uly_tensor_copy_(uly_tensor *dst, const uly_tensor *src) {
     if (uly_check_inplace("copy_", dst) || uly_check_tensor("copy_", "src", src)) return -1;
-    if (uly_copy_raw(dst, src)) return -1;
+    if (uly_grad_enabled() && src->requires_grad)
+        return uly_set_error("copy_: the source %s requires grad, but copy_ does not carry gradients (its values would "
+                             "reach %s cut off from the graph); build the result with differentiable ops (uly.cat, "
+                             "arithmetic), or copy src:detach() if the gradient is not wanted", uly_desc(src), uly_desc(dst));
+    if (writes_one_place_twice(dst))
+        return uly_set_error("copy_: the destination %s is an expanded view (strides %s): several of its elements are "
+                             "one memory location, so only the last would stay; copy into a tensor of its own "
+                             "(uly.empty or :contiguous())", uly_desc(dst), uly_shape_str(dst->ndim, dst->stride));
+    /* a source that overlaps the destination in memory is read whole before any of it is written */
+    int64_t dlo, dhi, slo, shi;
+    byte_span(dst, &dlo, &dhi);
+    byte_span(src, &slo, &shi);
+    const int same_view = src->offset == dst->offset && src->ndim == dst->ndim && src->dtype == dst->dtype &&
+                          !memcmp(src->shape, dst->shape, sizeof(int64_t) * (size_t)dst->ndim) &&
+                          !memcmp(src->stride, dst->stride, sizeof(int64_t) * (size_t)dst->ndim);
+    uly_tensor *staged = NULL;
+    if (src->storage == dst->storage && dlo < shi && slo < dhi && !same_view) {
+        staged = uly_new_contiguous(src->ndim, src->shape, src->dtype, uly_dev(src));
+        if (!staged || uly_copy_raw(staged, src)) {
+            uly_tensor_release(staged);
+            return staged ? -1 : uly_set_error("copy_: out of memory for a copy of the overlapping source %s", uly_desc(src));
+        }
+    }
+    int rc = uly_copy_raw(dst, staged ? staged : src);
+    uly_tensor_release(staged);
+    if (rc) return -1;
     uly_bump_version(dst);
     return 0;
 }

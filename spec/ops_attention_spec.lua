@@ -205,6 +205,22 @@ describe('attention gradients', function()
 end)
 
 describe('attention errors', function()
+  it('a scale that is not a finite number > 0 is refused, naming it (both kernels)', function()
+    local q = uly.randn(1, 3, 2, 4)
+    for _, bad in ipairs({ 0, -0.5, 0 / 0, math.huge }) do
+      for _, f in ipairs({ 'attention', 'flash_attention' }) do
+        local err = helpers.error_of(function() local r = uly[f](q, q, q, { scale = bad }); return r end)
+        assert.matches(f .. ': scale must be a finite number > 0, got ' .. tostring(bad):gsub('%-', '%%-'), err)
+        assert.matches('ops_attention_spec.lua', err)
+      end
+    end
+  end)
+
+  it('shape errors name the tensors as given (bf16 q, k, v, not their f32 copies)', function()
+    local t = uly.randn(1, 3):bf16()
+    assert.matches('got q bf16%[1, 3%]', helpers.error_of(uly.attention, t, t, t))
+  end)
+
   it('query heads that are not a multiple of kv heads', function()
     local ok, err = pcall(uly.attention, uly.randn(1, 3, 3, 4), uly.randn(1, 3, 2, 4), uly.randn(1, 3, 2, 4))
     assert.is_false(ok)

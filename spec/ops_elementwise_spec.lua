@@ -165,6 +165,13 @@ describe('tensor-scalar ops: values', function()
     helpers.assert_close(x ^ 1, x, 0, 0, 'x ^ 1')
   end)
 
+  it('x ^ 0 has gradient 0 everywhere, also at x = 0 (0 * 0^-1 would be NaN)', function()
+    local x = uly.tensor({ 0, 2, -3 }, { requires_grad = true })
+    local y = x ^ 0
+    y:sum():backward()
+    assert.are.same({ 0, 0, 0 }, helpers.list(x.grad))
+  end)
+
   it('number ^ tensor is refused with a hint', function()
     local x = uly.ones(2)
     local ok, err = pcall(function() return 2 ^ x end)

@@ -225,6 +225,16 @@ describe('full reductions', function()
     end)
   end
 
+  it('of empty tensors: sum 0, mean NaN (as PyTorch), over all and over a dim', function()
+    local e = uly.zeros(0, 3)
+    assert.are.equal(0, e:sum():item())
+    assert.is_true(e:mean():item() ~= e:mean():item())
+    local m = helpers.list(e:mean(1))
+    assert.are.equal(3, #m)
+    for _, v in ipairs(m) do assert.is_true(v ~= v) end
+    assert.are.same({ 0, 0, 0 }, helpers.list(e:sum(1)))
+  end)
+
   it('full reductions of non-contiguous inputs', function()
     helpers.reseed(45)
     for _, c in ipairs(noncontig_cases()) do

@@ -260,6 +260,16 @@ describe('views', function()
     assert.is_false(cols:is_contiguous())
   end)
 
+  it('select, t[i] and narrow refuse fractional indices and lengths', function()
+    local x = uly.tensor({ { 1, 2 }, { 3, 4 }, { 5, 6 } })
+    assert.matches('select: index must be an integer, got 2.9', fails(function() return x[2.9] end))
+    assert.matches('select: index must be an integer, got 2.5', fails(function() return x:select(1, 2.5) end))
+    assert.matches('narrow: start must be an integer, got 1.5', fails(function() return x:narrow(1, 1.5, 2) end))
+    assert.matches('narrow: length must be an integer, got nan', fails(function() return x:narrow(1, 1, 0 / 0) end))
+    assert.matches('select: index must be an integer, got inf', fails(function() return x[math.huge] end))
+    assert.are.same({ 3, 4 }, list(x[2]))
+  end)
+
   it('select and t[i] drop a dimension, negative indices count from the end', function()
     local t = uly.arange(12, { dtype = 'f32' }):view(3, 4)
     assert.are.same({ 4, 5, 6, 7 }, list(t[2]))
@@ -345,6 +355,69 @@ describe('copies and data', function()
     m:t():copy_(uly.tensor({ { 1, 2 }, { 3, 4 }, { 5, 6 } }))
     assert.are.same({ 1, 3, 5, 2, 4, 6 }, list(m))
     assert.matches('broadcast', fails(function() dst:copy_(uly.ones(5)) end))
+  end)
+
+  it('copy_ reads a source that overlaps the destination whole before writing it', function()
+    -- columns shifted right through transposed views: column 2..3 = old column 1..2
+    local y = uly.tensor({ { 1, 2, 3 }, { 4, 5, 6 }, { 7, 8, 9 } })
+    y:t():narrow(1, 2, 2):copy_(y:t():narrow(1, 1, 2))
+    assert.are.same({ 1, 1, 2, 4, 4, 5, 7, 7, 8 }, list(y))
+    -- rows shifted down (the row-major case), and a tensor's own transpose
+    local r = uly.tensor({ { 1, 2 }, { 3, 4 }, { 5, 6 } })
+    r:narrow(1, 2, 2):copy_(r:narrow(1, 1, 2))
+    assert.are.same({ 1, 2, 1, 2, 3, 4 }, list(r))
+    local a = uly.tensor({ { 1, 2 }, { 3, 4 } })
+    a:copy_(a:t())
+    assert.are.same({ 1, 3, 2, 4 }, list(a))
+    a:copy_(a)   -- the same view: nothing to do
+    assert.are.same({ 1, 3, 2, 4 }, list(a))
+    -- converting between dtypes of one storage is not possible, but bf16 views of one tensor are
+    local b = uly.tensor({ 1, 2, 3, 4 }, { dtype = 'bf16' })
+    b:narrow(1, 2, 3):copy_(b:narrow(1, 1, 3))
+    assert.are.same({ 1, 1, 2, 3 }, list(b))
+  end)
+
+  it('copy_ refuses an expanded destination and a source that requires grad', function()
+    local e = uly.zeros(1, 3):expand(2, 3)
+    local err = fails(function() e:copy_(uly.tensor({ { 1, 2, 3 }, { 4, 5, 6 } })) end)
+    assert.matches('copy_: the destination f32%[2, 3%] is an expanded view', err)
+    assert.matches('tensor_spec.lua', err)   -- at the caller's line
+    uly.zeros(1, 3):expand(1, 3):copy_(uly.ones(3))   -- size 1 at stride 0 is one place each: fine
+    local w = uly.tensor({ 1, 2 }, { requires_grad = true })
+    local buf = uly.zeros(4)
+    assert.matches('copy_: the source f32%[2%] requires grad, but copy_ does not carry gradients',
+                   fails(function() buf:narrow(1, 2, 2):copy_(w * 3) end))
+    assert.matches('does not carry gradients', fails(function() buf[1] = w[1] * 2 end))
+    buf:narrow(1, 2, 2):copy_((w * 3):detach())
+    uly.no_grad(function() buf:narrow(1, 1, 2):copy_(w) end)
+    assert.are.same({ 1, 2, 6, 0 }, { list(buf)[1], list(buf)[2], list(buf)[3], 0 })
+  end)
+
+  it('refuses a write with grad on into a view made inside no_grad of a tensor that requires grad', function()
+    local x = uly.tensor({ 1, 2, 3 }, { requires_grad = true })
+    local v = uly.no_grad(function() return x:narrow(1, 1, 2) end)
+    local err = fails(function() v:fill_(0) end)
+    assert.matches('fill_: in%-place write into f32%[2%], a view made inside uly.no_grad%(...%) of a tensor that requires grad', err)
+    local vv = uly.no_grad(function() return v:view(2, 1) end)   -- a view of that view
+    assert.matches('in%-place write into f32%[2, 1%], a view made inside', fails(function() vv:zero_() end))
+    assert.are.same({ 1, 2, 3 }, list(x))
+    uly.no_grad(function() v:fill_(0) end)            -- inside no_grad, as optimizers write
+    assert.are.same({ 0, 0, 3 }, list(x))
+    x:detach():narrow(1, 3, 1):fill_(9)              -- a detached tensor is the way out
+    assert.are.same({ 0, 0, 9 }, list(x))
+    local plain = uly.tensor({ 1, 2 })                -- no grad involved: views made anywhere write
+    uly.no_grad(function() return plain:narrow(1, 1, 1) end):fill_(5)
+    assert.are.same({ 5, 2 }, list(plain))
+  end)
+
+  it('integer tensors refuse values they cannot hold, naming the value', function()
+    assert.matches('tensor: value 1e%+10 %(element 1%) does not fit i32',
+                   fails(function() uly.tensor({ 1e10 }, { dtype = 'i32' }) end))
+    assert.matches('value NaN %(element 2%) does not fit i32', fails(function() uly.tensor({ 1, 0 / 0 }, { dtype = 'i32' }) end))
+    assert.matches('value %-?inf %(element 1%) does not fit i64', fails(function() uly.tensor({ -math.huge }, { dtype = 'i64' }) end))
+    assert.matches('value 9.22337e%+18 %(element 1%) does not fit i64', fails(function() uly.tensor({ 2 ^ 63 }, { dtype = 'i64' }) end))
+    assert.are.same({ 2147483647, -2147483648, 1, -2 }, list(uly.tensor({ 2147483647, -2147483648, 1.5, -2.7 }, { dtype = 'i32' })))
+    assert.are.same({ -2 ^ 62 }, list(uly.tensor({ -2 ^ 62 }, { dtype = 'i64' })))
   end)
 
   it('fill_ and zero_', function()

@@ -85,7 +85,7 @@ void scalar_backward(float *dinp, const float *dout, const float *a, int64_t n, 
         axpy_accumulate(dinp, dout, n, 1.0f);
     } else if (kind == ULY_SCALAR_MUL) {
         axpy_accumulate(dinp, dout, n, s);
-    } else {
+    } else if (s != 0.0f) {   /* x^0 is 1 everywhere: no gradient (0 * 0^-1 would be NaN at 0) */
 #pragma omp parallel for if (n > PAR_MIN)
         for (int64_t i = 0; i < n; i++) dinp[i] += dout[i] * s * powf(a[i], s - 1.0f);
     }

@@ -56,8 +56,8 @@ void reduce_sum_forward(float *out, const float *inp, int64_t outer, int64_t n, 
     if (outer <= 0 || inner <= 0) return;
     const double sc = (double)scale;
     const int par = outer * n * inner > PAR_MIN;
-    if (n <= 0) {
-        for (int64_t k = 0; k < outer * inner; k++) out[k] = 0.0f;
+    if (n <= 0) {   /* an empty sum is 0; an empty mean (scale NaN) is NaN, as on the GPU */
+        for (int64_t k = 0; k < outer * inner; k++) out[k] = 0.0f * scale;
         return;
     }
 

@@ -221,7 +221,8 @@ __global__ static void scalar_fw(float *out, const float *a, int64_t n, int kind
 __global__ static void scalar_bw(float *dinp, const float *dout, const float *a, int64_t n, int kind, float s) {
     ULY_CU_FOR(i, n) {
         float d = dout[i];
-        dinp[i] += kind == ULY_SCALAR_ADD ? d : kind == ULY_SCALAR_MUL ? s * d : d * s * powf(a[i], s - 1.0f);
+        /* x^0 is 1 everywhere: no gradient (0 * 0^-1 would be NaN at 0) */
+        dinp[i] += kind == ULY_SCALAR_ADD ? d : kind == ULY_SCALAR_MUL ? s * d : s == 0.0f ? 0.0f : d * s * powf(a[i], s - 1.0f);
     }
 }
 __global__ static void axpy(float *y, const float *x, int64_t n, float alpha) { ULY_CU_FOR(i, n) y[i] += alpha * x[i]; }

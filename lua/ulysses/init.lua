@@ -140,10 +140,20 @@ function uly.cross_entropy(logits, targets, opts)
                                   opts.ignore_index or -100, red))
 end
 
+-- the scores' scale as the C calls take it: 0 for the default 1/sqrt(D)
+local function scale_of(op, s)
+  if s == nil then return 0 end
+  if type(s) ~= 'number' or not (s > 0) or s == math.huge then
+    raise(string.format('%s: scale must be a finite number > 0, got %s; leave it out for 1/sqrt(head_dim)', op,
+                        tostring(s)))
+  end
+  return s
+end
+
 -- attention(q [B, Tq, H, D], k, v [B, Tk, Hkv, D], {causal = false, scale = 1/sqrt(D)})
 function uly.attention(q, k, v, opts)
   opts = options.check('attention', opts, ATTENTION_OPTIONS)
-  return wrap(C.uly_attention(H(q, 'attention q'), H(k, 'attention k'), H(v, 'attention v'), opts.scale or 0,
+  return wrap(C.uly_attention(H(q, 'attention q'), H(k, 'attention k'), H(v, 'attention v'), scale_of('attention', opts.scale),
                               opts.causal and 1 or 0))
 end
 
@@ -167,6 +177,7 @@ local function window_widths(w, causal)
 end
 function uly.flash_attention(q, k, v, opts)
   opts = options.check('flash_attention', opts, FLASH_OPTIONS)
+  local scale = scale_of('flash_attention', opts.scale)
   local m = ffi.new('uly_attn_mask')
   m.causal = opts.causal and 1 or 0
   m.window_left, m.window_right = window_widths(opts.window, opts.causal)
@@ -179,9 +190,9 @@ function uly.flash_attention(q, k, v, opts)
   if kd ~= nil then m.k_doc = H(kd, 'flash_attention k_doc') end
   local qh, kh, vh = H(q, 'flash_attention q'), H(k, 'flash_attention k'), H(v, 'flash_attention v')
   if attention_keep.recording or attention_keep.replaying then   -- inside nn.checkpoint_except_attention
-    return attention_keep.call(C, T, q, k, v, opts.scale or 0, m)
+    return attention_keep.call(C, T, q, k, v, scale, m)
   end
-  return wrap(C.uly_flash_attention(qh, kh, vh, opts.scale or 0, m))
+  return wrap(C.uly_flash_attention(qh, kh, vh, scale, m))
 end
 uly.flash_attention_tiles = function() return tonumber(C.uly_flash_attention_tiles()) end
 uly.flash_attention_reset_tiles = function() C.uly_flash_attention_reset_tiles() end

@@ -405,15 +405,25 @@ function Tensor:t()
   return self:transpose(1, 2)
 end
 
+-- an index or size argument: a whole number (a fraction is a mistake, not something to truncate)
+local function whole(what, name, x)
+  if type(x) ~= 'number' or x ~= math.floor(x) or x ~= x or x == math.huge or x == -math.huge then
+    raise(string.format('%s: %s must be an integer, got %s', what, name, tostring(x)))
+  end
+  return x
+end
+
 -- narrow(dim, start, length), start 1-based like Torch7
 function Tensor:narrow(d, start, length)
   local h = H(self)
-  return wrap(C.uly_tensor_narrow(h, cdim(h, d, 'narrow'), start - 1, length))
+  local cd = cdim(h, d, 'narrow')
+  return wrap(C.uly_tensor_narrow(h, cd, whole('narrow', 'start', start) - 1, whole('narrow', 'length', length)))
 end
 
 function Tensor:select(d, index)
   local h = H(self)
   local cd = cdim(h, d, 'select')
+  whole('select', 'index', index)
   local size = tonumber(C.uly_tensor_size(h, cd))
   local given = index
   if index < 0 then index = size + index + 1 end
