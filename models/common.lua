@@ -11,6 +11,41 @@ local M = {}
 M.CONFIG_KEYS = { 'preset', 'model', 'vocab', 'layers', 'heads', 'dim', 'seq', 'hidden', 'dropout', 'eps', 'std',
                   'checkpoint', 'window', 'tile', 'sp', 'attention', 'attend' }
 
+local function is_int(v) return type(v) == 'number' and v % 1 == 0 and v > -2 ^ 53 and v < 2 ^ 53 end
+local function shown(v) return type(v) == 'string' and "'" .. v .. "'" or tostring(v) end
+
+-- the ranges of a merged config's other values, each an error naming the key, the value and
+-- what is allowed (where a block would otherwise fail at the first forward, or train on NaN)
+local function check_values(name, cfg)
+  local function bad(k, allowed)
+    T.raise(string.format('%s: config.%s must be %s, got %s', name, k, allowed, shown(cfg[k])))
+  end
+  local function finite(v) return type(v) == 'number' and v > -math.huge and v < math.huge end
+  for _, k in ipairs({ 'hidden', 'kv_heads' }) do
+    if cfg[k] ~= nil and not (is_int(cfg[k]) and cfg[k] >= 1) then bad(k, 'a positive integer (or nil: the default)') end
+  end
+  if not (finite(cfg.dropout) and cfg.dropout >= 0 and cfg.dropout < 1) then bad('dropout', 'a probability in [0, 1)') end
+  if not (finite(cfg.eps) and cfg.eps > 0) then bad('eps', 'a number > 0 (the norms divide by sqrt(mean + eps))') end
+  for _, k in ipairs({ 'std', 'pos_std' }) do
+    if cfg[k] ~= nil and not (finite(cfg[k]) and cfg[k] >= 0) then bad(k, 'a number >= 0 (an init standard deviation)') end
+  end
+  if cfg.rope_theta ~= nil and not (finite(cfg.rope_theta) and cfg.rope_theta > 0) then
+    bad('rope_theta', 'a number > 0 (the RoPE base)')
+  end
+  if cfg.window ~= nil and not (is_int(cfg.window) and cfg.window >= 0) then
+    bad('window', 'an integer >= 0 (keys each position sees before it), or nil for all')
+  end
+  if cfg.tile and not (is_int(cfg.tile) and cfg.tile >= 1) then
+    bad('tile', 'a positive integer (positions per slice of the MLP and loss), or nil for no tiling')
+  end
+  if cfg.checkpoint ~= nil and type(cfg.checkpoint) ~= 'boolean' and cfg.checkpoint ~= 'except_attention' then
+    bad('checkpoint', "true, false or 'except_attention'")
+  end
+  for _, k in ipairs({ 'bias', 'tied' }) do
+    if cfg[k] ~= nil and type(cfg[k]) ~= 'boolean' then bad(k, 'true or false') end
+  end
+end
+
 -- merge a preset (cfg.preset or 'tiny') with the caller's overrides; check required keys and
 -- that every key given is one the model reads (`extra`: its own beyond CONFIG_KEYS)
 function M.config(name, presets, defaults, cfg, extra)
@@ -46,6 +81,7 @@ function M.config(name, presets, defaults, cfg, extra)
   if out.dim % out.heads ~= 0 then
     T.raise(string.format('%s: dim %d is not divisible by heads %d', name, out.dim, out.heads))
   end
+  check_values(name, out)
   if out.checkpoint == 'except_attention' and out.attention == 'reference' and not out.attend then
     T.raise(string.format("%s: checkpoint = 'except_attention' keeps flash attention's outputs, and the reference "
                           .. "kernel has none to keep: use attention = 'flash', or checkpoint = true", name))
@@ -62,8 +98,15 @@ function M.plain_config(cfg)
   return out
 end
 
--- check token ids [B, T] (i32/i64) and the position range against the context length
-function M.check_input(name, idx, pos, seq)
+-- the keys of a forward pass's ctx (features, forward), and of loss's options: ctx's and its own
+local CTX_KEYS = { 'pos', 'seq_total', 'doc', 'caches', 'grad_sync' }
+local LOSS_KEYS = { 'pos', 'seq_total', 'doc', 'caches', 'grad_sync', 'ignore_index', 'reduction' }
+M.CTX_KEYS, M.LOSS_KEYS = CTX_KEYS, LOSS_KEYS
+
+-- check token ids [B, T] (i32/i64) and the context `ctx` (its keys, a subset of `allowed`, default
+-- CTX_KEYS; pos and seq_total against T and the context length seq); returns pos (0 when unset)
+function M.check_input(name, idx, ctx, seq, allowed)
+  ctx = options.check(name, ctx, allowed or CTX_KEYS)
   if not uly.is_tensor(idx) or idx:dim() ~= 2 then
     T.raise(string.format('%s: expects token ids of shape [B, T], got %s', name,
                         uly.is_tensor(idx) and idx:describe() or type(idx)))
@@ -72,10 +115,20 @@ function M.check_input(name, idx, pos, seq)
   if dt ~= 'i32' and dt ~= 'i64' then
     T.raise(string.format('%s: token ids must be i32 or i64, got %s', name, idx:describe()))
   end
-  if seq and pos + idx:size(2) > seq then
-    T.raise(string.format('%s: positions %d..%d exceed the context length seq = %d', name, pos,
-                        pos + idx:size(2) - 1, seq))
+  local pos, n = ctx.pos or 0, idx:size(2)
+  if not (is_int(pos) and pos >= 0) then
+    T.raise(string.format("%s: pos (the position of the first token) must be an integer >= 0, got %s", name, shown(pos)))
   end
+  if pos + n > seq then
+    T.raise(string.format('%s: positions %d..%d exceed the context length seq = %d', name, pos, pos + n - 1, seq))
+  end
+  local N = ctx.seq_total
+  if N ~= nil and not (is_int(N) and N >= pos + n and N <= seq) then
+    T.raise(string.format('%s: seq_total (the whole sequence\'s length, of which these %d tokens start at pos = %d) '
+                          .. 'must be an integer in %d..%d (up to the context length seq), got %s', name, n, pos,
+                          pos + n, seq, shown(N)))
+  end
+  return pos
 end
 
 -- the attention a config asks for: cfg.attend, else cfg.attention = 'flash' (default: the
@@ -113,15 +166,19 @@ end
 -- add up to the global token-weighted mean and the gradients need one SUM all-reduce over the
 -- world (uly.dist.all_reduce_grads). A rank whose targets are all ignored contributes 0, never NaN.
 -- With config.tile the vocabulary projection and the cross-entropy run over slices of `tile`
--- positions (nn.chunked), so the logits of the whole sequence never exist at once.
+-- positions (nn.chunked), so the logits of the whole sequence never exist at once. opts: ignore_index
+-- (-1), reduction (cross_entropy's) and the forward pass's ctx (pos, seq_total, doc, caches,
+-- grad_sync: models/gpt.lua's features); a misspelled key is an error.
 function M.loss(model, idx, targets, opts)
   opts = opts or {}
+  M.check_input(model.__name .. ':loss', idx, opts, model.config.seq, LOSS_KEYS)
+  local ctx = { pos = opts.pos, seq_total = opts.seq_total, doc = opts.doc, caches = opts.caches, grad_sync = opts.grad_sync }
   local ignore = opts.ignore_index or -1
   local grid = model.grid
   local tile = model.config.tile
   local distributed = grid and grid.world > 1
   if not tile or tile >= idx:size(2) or opts.reduction then
-    local logits = model:forward(idx, opts)
+    local logits = model:forward(idx, ctx)
     if not distributed or opts.reduction then
       return uly.cross_entropy(logits, targets, { ignore_index = ignore, reduction = opts.reduction })
     end
@@ -129,7 +186,7 @@ function M.loss(model, idx, targets, opts)
     grid.world_group:all_reduce_(total, 'sum')
     return uly.cross_entropy(logits, targets, { ignore_index = ignore, reduction = 'sum' }) * (1 / math.max(total:item(), 1))
   end
-  local h = model:features(idx, opts)                                    -- [B, T, C]
+  local h = model:features(idx, ctx)                                     -- [B, T, C]
   local sum = uly.nn.chunked(function(hs, ts)
     return uly.cross_entropy(model:head(hs), ts, { ignore_index = ignore, reduction = 'sum' })
   end, h, { dim = 2, size = tile, with = { targets }, reduce = 'sum' })

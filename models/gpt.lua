@@ -47,11 +47,11 @@ end
 
 -- idx i32 [B, T] -> final hidden states [B, T, C]; ctx = { pos = offset of idx's first token,
 -- caches = per-layer nn.KVCache, seq_total = the whole sequence under sequence parallelism,
--- grad_sync = a dist.grad_sync marked at each block's input }
+-- grad_sync = a dist.grad_sync marked at each block's input, doc = document ids [B, T] (of the
+-- whole sequence under sequence parallelism) }; another key is an error (common.check_input)
 function GPT:features(idx, ctx)
   local cfg = self.config
-  local pos = ctx and ctx.pos or 0
-  common.check_input('GPT', idx, pos, cfg.seq)
+  local pos = common.check_input('GPT', idx, ctx, cfg.seq)
   local T = idx:size(2)
   local h = self.wte(idx) + self.wpe.weight:narrow(1, pos + 1, T)         -- [B, T, C]
   if self.training and cfg.dropout > 0 then h = h:dropout(cfg.dropout, true) end

@@ -37,8 +37,13 @@ function Llama:__init(cfg)
   cfg.model = 'llama'
   cfg.kv_heads = cfg.kv_heads or cfg.heads
   cfg.hidden = cfg.hidden or Llama.hidden_for(cfg.dim)
+  local raise = require('ulysses.tensor').raise
   if cfg.heads % cfg.kv_heads ~= 0 then
-    require('ulysses.tensor').raise(string.format('Llama: heads %d is not a multiple of kv_heads %d', cfg.heads, cfg.kv_heads))
+    raise(string.format('Llama: heads %d is not a multiple of kv_heads %d', cfg.heads, cfg.kv_heads))
+  end
+  if (cfg.dim / cfg.heads) % 2 ~= 0 then
+    raise(string.format('Llama: the head dim (dim / heads = %d / %d = %d) must be even (RoPE rotates pairs of '
+                        .. 'features): change dim or heads', cfg.dim, cfg.heads, cfg.dim / cfg.heads))
   end
   self.config = cfg
   local C, L = cfg.dim, cfg.layers
@@ -58,11 +63,10 @@ function Llama:__init(cfg)
 end
 
 -- idx i32 [B, T] -> final hidden states [B, T, C]; ctx = { pos = global offset of idx's first
--- token, caches, seq_total, grad_sync = a dist.grad_sync marked at each layer's input }
+-- token, caches, seq_total, grad_sync = a dist.grad_sync marked at each layer's input, doc } as GPT's
 function Llama:features(idx, ctx)
   local cfg = self.config
-  local pos = ctx and ctx.pos or 0
-  common.check_input('Llama', idx, pos, cfg.seq)
+  local pos = common.check_input('Llama', idx, ctx, cfg.seq)
   local h = self.tok_embeddings(idx)                                       -- [B, T, C]
   local caches, sync = ctx and ctx.caches, ctx and ctx.grad_sync
   for l, layer in self.layers:named_children() do

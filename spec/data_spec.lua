@@ -384,6 +384,62 @@ describe('data loader', function()
     assert.matches('^[ACGTN|]+$', d:decode(x))
     assert.has_error(function() d:decode({ 6 }) end, 'decode: id 6 at position 1 is outside the vocabulary 0..5')
     assert.has_error(function() d:encode('ACQ') end)
+    -- a batch is not one sequence: decode a row at a time
+    local batch = uly.tensor({ { 0, 1 }, { 2, 3 } }, { dtype = 'i32' })
+    assert.has_error(function() d:decode(batch) end,
+                     'decode: ids i32[2, 2] hold 2 rows; decode one sequence at a time (ids[1], ids[2], ...: a string each)')
+    assert.equal('GT', d:decode(batch[2]))
+    assert.equal('AC', d:decode(batch:narrow(1, 1, 1)))
+  end)
+
+  it('refuses a file without a usable vocab_size or with garbage document offsets, naming them and the fix', function()
+    -- a token file written by hand: 20 DNA-like tokens, root attributes `attrs`, and the train split's
+    -- document offsets (values, dtype, shape) when given
+    local function handmade(name, attrs, offsets, dtype, shape)
+      local f = h5.create(path(name))
+      for k, v in pairs(attrs) do f:set_attr('/', k, v) end
+      local toks = ffi.new('uint8_t[20]')
+      for i = 0, 19 do toks[i] = i % 4 end
+      f:write_array('train', toks, 'u8', { 20 })
+      if offsets then
+        f:write_array('train_doc_offsets', ffi.new(dtype == 'f32' and 'float[?]' or 'int64_t[?]', #offsets, offsets),
+                      dtype or 'i64', shape or { #offsets })
+      end
+      f:close()
+      return path(name)
+    end
+    local function err_of(file, opts)
+      local ok, e = pcall(function() local d = uly.data.open(file, opts or { seq = 4 }) return d end)
+      assert.is_false(ok, file)
+      assert.matches('data_spec.lua:%d+: ', tostring(e))
+      return tostring(e)
+    end
+    local e = err_of(handmade('novocab.h5', { kind = 'text' }))
+    assert.matches("data.open: '" .. path('novocab.h5') .. "' has no root attribute vocab_size (the number of token ids: "
+                   .. "an integer in 1..256 for a text file); datasets/prepare.lua writes it, or add it to this file with "
+                   .. "uly.h5.open(path, 'r+'):set_attr('/', 'vocab_size', 256)", e, 1, true)
+    assert.matches('has the root attribute vocab_size = 0 (', err_of(handmade('vocab0.h5', { kind = 'text', vocab_size = 0 })), 1, true)
+    assert.matches("vocab_size = 'many'", err_of(handmade('vocabs.h5', { kind = 'text', vocab_size = 'many' })), 1, true)
+    assert.matches('vocab_size = 7 (the number of token ids: an integer in 1..6 for a dna file)',
+                   err_of(handmade('vocab7.h5', { kind = 'dna', vocab_size = 7 })), 1, true)
+    local dna = { kind = 'dna', vocab_size = 6 }
+    assert.equal(6, uly.data.open(handmade('ok.h5', dna, { 0, 5, 19 }), { seq = 4, documents = true }).vocab_size)
+    local docs = { seq = 4, documents = true }
+    for _, c in ipairs({
+      { { 0, 9, 5 }, nil, nil, "data.open: dataset 'train_doc_offsets' of '" .. path('bad.h5') .. "' holds 5 at entry 3: "
+                               .. "document starts begin at 0 and increase, up to the split's 20 tokens; datasets/prepare.lua "
+                               .. 'writes a valid one' },
+      { { 0, 4, 4 }, nil, nil, 'holds 4 at entry 3' },
+      { { 0, 30 }, nil, nil, 'holds 30 at entry 2' },
+      { { 3, 9 }, nil, nil, 'holds 3 at entry 1' },
+      { { -1 }, nil, nil, 'holds -1 at entry 1' },
+      { { 0, 5.5 }, 'f32', nil, "dataset 'train_doc_offsets' of '" .. path('bad.h5') .. "' is f32 [2]; it must be 1-D i64, one start per document" },
+      { { 0, 5, 9, 12 }, nil, { 2, 2 }, 'is i64 [2, 2]; it must be 1-D' },
+    }) do
+      assert.matches(c[4], err_of(handmade('bad.h5', dna, c[1], c[2], c[3]), docs), 1, true)
+    end
+    -- offsets are read only for documents = true
+    assert.equal(20, uly.data.open(handmade('bad.h5', dna, { 0, 9, 5 }), { seq = 4 }).n_tokens)
   end)
 
   it('explains what is wrong with the file or the options', function()

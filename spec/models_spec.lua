@@ -244,6 +244,82 @@ describe('models', function()
     assert.truthy(err:find('token ids must be i32 or i64', 1, true))
   end)
 
+  it('config values out of range are errors at the caller\'s line naming the key, the value and the range', function()
+    local small = { preset = 'tiny', layers = 1, seq = 8 }
+    local function with(extra)
+      local c = {}
+      for k, v in pairs(small) do c[k] = v end
+      for k, v in pairs(extra) do c[k] = v end
+      return c
+    end
+    for _, c in ipairs({
+      { GPT, { dropout = -1 }, 'GPT: config.dropout must be a probability in [0, 1), got -1' },
+      { GPT, { dropout = 1 }, 'config.dropout must be a probability in [0, 1), got 1' },
+      { Llama, { dropout = 0 / 0 }, 'config.dropout must be a probability in [0, 1)' },
+      { Llama, { eps = -1 }, 'Llama: config.eps must be a number > 0' },
+      { GPT, { eps = 0 }, 'config.eps must be a number > 0' },
+      { GPT, { tile = 0 }, 'GPT: config.tile must be a positive integer (positions per slice of the MLP and loss), '
+                           .. 'or nil for no tiling, got 0' },
+      { Llama, { tile = 2.5 }, 'config.tile must be a positive integer' },
+      { Llama, { heads = 2, kv_heads = 1, dim = 6 }, 'Llama: the head dim (dim / heads = 6 / 2 = 3) must be even' },
+      { Llama, { kv_heads = 0 }, 'Llama: config.kv_heads must be a positive integer' },
+      { GPT, { hidden = -4 }, 'GPT: config.hidden must be a positive integer' },
+      { GPT, { checkpoint = 'yes' }, "GPT: config.checkpoint must be true, false or 'except_attention', got 'yes'" },
+      { Llama, { window = -1 }, 'Llama: config.window must be an integer >= 0' },
+      { Llama, { rope_theta = 0 }, 'Llama: config.rope_theta must be a number > 0' },
+      { GPT, { std = -0.02 }, 'GPT: config.std must be a number >= 0' },
+      { GPT, { pos_std = 'big' }, "GPT: config.pos_std must be a number >= 0 (an init standard deviation), got 'big'" },
+      { GPT, { bias = 'no' }, 'GPT: config.bias must be true or false' },
+      { Llama, { tied = 1 }, 'Llama: config.tied must be true or false, got 1' },
+    }) do
+      local ok, err = pcall(function() local m = c[1](with(c[2])) return m end)
+      assert.is_false(ok, c[3])
+      assert.truthy(tostring(err):find(c[3], 1, true), tostring(err))
+      assert.truthy(tostring(err):find('models_spec.lua:%d+: '), tostring(err))   -- the caller's line
+    end
+    -- the count from a config alone checks it too; values in range still build
+    assert.has_error(function() GPT.count_parameters(with({ dropout = 2 })) end)
+    for _, extra in ipairs({ { dropout = 0.5, tile = 4, window = 0, checkpoint = 'except_attention' }, { tile = false } }) do
+      assert.is_true(GPT(with(extra)):num_parameters() > 0)
+      assert.is_true(Llama(with(extra)):num_parameters() > 0)
+    end
+  end)
+
+  it('loss and forward refuse misspelled context keys and positions out of range, naming them', function()
+    local m = GPT { preset = 'tiny', layers = 1, seq = 8 }
+    local x = ids(1, 4, 256)
+    local function err_of(fn)
+      local ok, e = pcall(fn)
+      assert.is_false(ok)
+      return tostring(e)
+    end
+    for _, c in ipairs({
+      { { pso = 2 }, "GPT:loss: unknown option 'pso' (did you mean 'pos'?)" },
+      { { seq_totl = 8 }, "unknown option 'seq_totl' (did you mean 'seq_total'?)" },
+      { { pos = 1.5 }, 'GPT:loss: pos (the position of the first token) must be an integer >= 0, got 1.5' },
+      { { pos = -1 }, 'pos (the position of the first token) must be an integer >= 0, got -1' },
+      { { pos = 5 }, 'positions 5..8 exceed the context length seq = 8' },
+      { { pos = 2, seq_total = 5 }, 'GPT:loss: seq_total (the whole sequence\'s length, of which these 4 tokens start at '
+                                    .. 'pos = 2) must be an integer in 6..8 (up to the context length seq), got 5' },
+      { { seq_total = 9 }, 'seq_total' },
+      { { seq_total = 6.5 }, 'seq_total' },
+    }) do
+      local e = err_of(function() local l = m:loss(x, x, c[1]) return l end)
+      assert.truthy(e:find(c[2], 1, true), e)
+      assert.truthy(e:find('models_spec.lua:%d+: '), e)
+    end
+    local e = err_of(function() local l = Llama { preset = 'tiny', layers = 1 }:loss(x, x, { doc_ids = x }) return l end)
+    assert.truthy(e:find("Llama:loss: unknown option 'doc_ids'", 1, true), e)
+    -- forward's ctx has no loss options; every key the trainer and the Ulysses path pass still works
+    e = err_of(function() local y = m:forward(x, { ignore_index = -1 }) return y end)
+    assert.truthy(e:find("GPT: unknown option 'ignore_index'", 1, true), e)
+    local doc = uly.tensor({ { 0, 0, 1, 1 } }, { dtype = 'i32' })
+    local at2 = m:loss(x, x, { pos = 2, seq_total = 6, doc = doc, ignore_index = -1 })
+    assert.is_true(at2:item() > 0)
+    assert.are_not.equal(m:loss(x, x):item(), m:loss(x, x, { pos = 2 }):item())   -- pos moves the positions
+    assert.are.same({ 1, 4 }, m:loss(x, x, { reduction = 'none' }):shape())
+  end)
+
   it('generation with the KV cache equals recomputing the whole prefix', function()
     for _, Model in ipairs({ GPT, Llama }) do
       local m = Model { preset = 'tiny' }

@@ -1,5 +1,6 @@
 -- spec/repl_spec.lua — bin/ulysses: the prompt evaluates expressions and statements, continues
--- multi-line input, prints tensors readably, survives errors; script and -e modes work.
+-- multi-line input, prints tensors readably, survives errors (from a pipe or file: in order with
+-- the results, an unfinished statement at the end reported, exit 1); script and -e modes work.
 local function run(cmd, input)
   local tmp = os.tmpname()
   if input then
@@ -35,6 +36,23 @@ describe('bin/ulysses', function()
     assert.truthy(out:find('[ 3.0000,  4.0000]]) f32[2, 2]', 1, true), out)
     assert.truthy(out:find('\n42\n', 1, true), out)
     assert.truthy(out:find('tensor([7., 7.]) f32[2]', 1, true), out)
+    assert.truthy(out:find('exit=1', 1, true), out)   -- input from a file, and the matmul failed
+  end)
+
+  it('from a pipe or file: keeps results and errors in order, reports an unfinished statement, exits 1 on errors', function()
+    local out = run('bin/ulysses', 'print("first")\nerror("second")\nprint("third")\ny = {\n  1,\n')
+    local first, second, third = out:find('first', 1, true), out:find('second', 1, true), out:find('third', 1, true)
+    assert.truthy(first and second and third and first < second and second < third, out)
+    assert.truthy(out:find("unfinished input at end of input: stdin:2: unexpected symbol near '<eof>' (the statement "
+                           .. "from 'y = {')", 1, true), out)
+    assert.truthy(out:find('exit=1', 1, true), out)
+    -- an unfinished statement alone fails the run; input that all succeeds exits 0
+    out = run('bin/ulysses', 'for i = 1, 2 do\n  print(i)\n')
+    assert.truthy(out:find("unfinished input at end of input: stdin:2: 'end' expected (to close 'for' at line 1) "
+                           .. "near '<eof>' (the statement from 'for i = 1, 2 do')", 1, true), out)
+    assert.truthy(out:find('exit=1', 1, true), out)
+    out = run('bin/ulysses', 'x = 1\nprint(x + 1)\nfor i = 1, 2 do\nend\n')
+    assert.truthy(out:find('\n2\n', 1, true), out)
     assert.truthy(out:find('exit=0', 1, true), out)
   end)
 

@@ -144,6 +144,37 @@ local function read_attr(f, key)
   return nil
 end
 
+-- the document starts of `split` (its dataset `<split>_doc_offsets`: 1-D integers, the first 0,
+-- increasing, none past the split's n tokens) and their count; a sentinel n + 1 follows the last
+local function read_doc_starts(f, path, split, n)
+  local name = split .. '_doc_offsets'
+  local info = f:info(name)
+  local function fail(fmt, ...)
+    f:close()
+    raise(string.format("data.open: dataset '%s' of '%s' ", name, path) .. string.format(fmt, ...)
+          .. '; datasets/prepare.lua writes a valid one')
+  end
+  if not info then
+    f:close()
+    raise(string.format("data.open: documents = true needs the dataset '%s' in '%s' (DNA files made by " ..
+                        'datasets/prepare.lua have it; text files are one document)', name, path))
+  end
+  if #info.shape ~= 1 or info.shape[1] < 1 or (info.dtype ~= 'i64' and info.dtype ~= 'i32') then
+    fail('is %s [%s]; it must be 1-D i64, one start per document', tostring(info.dtype), table.concat(info.shape, ', '))
+  end
+  local nd = info.shape[1]
+  local starts = ffi.new('int64_t[?]', nd + 1)
+  f:read_ptr(name, { 0 }, { nd }, starts, 'i64')
+  for i = 0, nd - 1 do
+    local v = tonumber(starts[i])
+    if (i == 0 and v ~= 0) or (i > 0 and v <= tonumber(starts[i - 1])) or v > n then
+      fail("holds %d at entry %d: document starts begin at 0 and increase, up to the split's %d tokens", v, i + 1, n)
+    end
+  end
+  starts[nd] = n + 1           -- a sentinel past the end
+  return starts, nd
+end
+
 function M.open(path, opts)
   if type(path) ~= 'string' then raise('data.open: path must be a string, got ' .. type(path)) end
   opts = opts or {}
@@ -188,6 +219,18 @@ function M.open(path, opts)
     raise(string.format("data.open: seq = %d needs windows of %d tokens, but split '%s' of '%s' has only %d tokens",
                         seq, seq + 1, split, path, n))
   end
+  -- the model's vocabulary is read from the file: without it (or with nonsense) nothing later can say why
+  local vocab_size, max_vocab = read_attr(f, 'vocab_size'), kind == 'dna' and DNA.vocab_size or 256
+  if not (is_int(vocab_size) and vocab_size >= 1 and vocab_size <= max_vocab) then
+    f:close()
+    raise(string.format("data.open: '%s' %s (the number of token ids: an integer in 1..%d for a %s file); " ..
+                        "datasets/prepare.lua writes it, or add it to this file with " ..
+                        "uly.h5.open(path, 'r+'):set_attr('/', 'vocab_size', %d)", path,
+                        vocab_size == nil and 'has no root attribute vocab_size'
+                        or string.format('has the root attribute vocab_size = %s',
+                                         type(vocab_size) == 'string' and "'" .. vocab_size .. "'" or tostring(vocab_size)),
+                        max_vocab, kind, max_vocab))
+  end
   local shuffle = opts.shuffle
   if shuffle == nil then shuffle = opts.random end
   if shuffle == nil then shuffle = (split == 'train') end
@@ -198,7 +241,7 @@ function M.open(path, opts)
     path = path, split = split, seq = seq, batch = opts.batch or 1, seed = opts.seed or 1234,
     shuffle = shuffle, rank = rank, ranks = size, offset = lo, hi = hi, seq_local = hi - lo,
     n_tokens = n, kind = kind,
-    vocab_size = read_attr(f, 'vocab_size'), vocab = read_attr(f, 'vocab'), name = read_attr(f, 'name'),
+    vocab_size = vocab_size, vocab = read_attr(f, 'vocab'), name = read_attr(f, 'name'),
     entropy_bits = read_attr(f, 'entropy_bits'),
     _file = f, _scratch = ffi.new('uint8_t[?]', hi - lo + 1),
     _draws = 0, _position = 0, _epoch = 0,
@@ -206,17 +249,7 @@ function M.open(path, opts)
   self._windows = math.floor((n - 1) / seq)
   if opts.documents then
     -- packed documents: the split's document starts, for per-token document ids and masks
-    local dinfo = f:info(split .. '_doc_offsets')
-    if not dinfo then
-      f:close()
-      raise(string.format("data.open: documents = true needs the dataset '%s_doc_offsets' in '%s' (DNA files made by " ..
-                          'datasets/prepare.lua have it; text files are one document)', split, path))
-    end
-    local nd = dinfo.shape[1]
-    self._doc_starts = ffi.new('int64_t[?]', nd + 1)
-    f:read_ptr(split .. '_doc_offsets', { 0 }, { nd }, self._doc_starts, 'i64')
-    self._doc_starts[nd] = n + 1           -- a sentinel past the end
-    self._n_docs = nd
+    self._doc_starts, self._n_docs = read_doc_starts(f, path, split, n)
     self.documents = true
   end
   return self
@@ -338,11 +371,17 @@ function Loader:set_state(s)
   return self
 end
 
--- token ids (a tensor of any shape, or a Lua list) -> string
+-- token ids of one sequence -> string: a Lua list, or a tensor with one row (1-D, or [1, n] as
+-- generate's prompts and encode give). A batch [B, n] with B > 1 is an error: decode x[b], one row
+-- (one string) at a time.
 function Loader:decode(ids)
   local n, get
   if T.is_tensor(ids) then
     n = ids:numel()
+    if ids:dim() >= 2 and n ~= ids:size(ids:dim()) then
+      raise(string.format('decode: ids %s hold %d rows; decode one sequence at a time (ids[1], ids[2], ...: a string each)',
+                          ids:describe(), n / ids:size(ids:dim())))
+    end
     local buf = ffi.new('int32_t[?]', math.max(n, 1))
     if n > 0 then ids:copy_to_ptr(buf, 'i32') end
     get = function(i) return buf[i - 1] end

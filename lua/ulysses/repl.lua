@@ -10,6 +10,8 @@ local function usage()
   io.stderr:write('usage: bin/ulysses [-i] [script.lua [args...]] | -e CODE | -h\n')
 end
 
+local function stdin_is_terminal() return os.execute('test -t 0') == 0 end
+
 -- line input: readline if available, plain io.read otherwise
 local function line_reader()
   local ok, rl = pcall(function()
@@ -22,7 +24,7 @@ local function line_reader()
     ]]
     return ffi.load('readline.so.8')
   end)
-  local interactive = os.getenv('TERM') and os.execute('test -t 0') == 0
+  local interactive = os.getenv('TERM') and stdin_is_terminal()
   if ok and interactive then
     local history = (os.getenv('HOME') or '.') .. '/.ulysses_history'
     rl.read_history(history)
@@ -61,9 +63,14 @@ local function show(v, depth)
 end
 M.show = show
 
-local function report_error(err)
-  local msg = tostring(err):gsub('\nstack traceback:.*', '')
+-- stderr is unbuffered and stdout is not when piped: flush results first, so they keep their order
+local function to_stderr(msg)
+  io.stdout:flush()
   io.stderr:write(msg, '\n')
+end
+
+local function report_error(err)
+  to_stderr((tostring(err):gsub('\nstack traceback:.*', '')))
 end
 
 -- compile `src` as an expression first, then as statements; the third result says the input
@@ -79,31 +86,45 @@ local function compile(src, env)
   return fn, err, unfinished
 end
 
+-- print the results of a call; false when it failed (its error reported)
 local function print_results(ok, ...)
-  if not ok then report_error((...)) return end
+  if not ok then report_error((...)) return false end
   local n = select('#', ...)
   for i = 1, n do print(show((select(i, ...)))) end
+  return true
 end
 
+-- read, evaluate and print until the end of input; returns false when any input failed (an
+-- error, or, from a pipe or file, a statement left unfinished at the end: Ctrl-D at a terminal
+-- just quits)
 function M.loop(env)
   local read = line_reader()
   local uly = env.uly
   io.write(string.format('ulysses %s on %s: `uly` is loaded; %d threads, BLAS %s; uly.cuda.devices() lists GPUs. Ctrl-D quits.\n',
                          uly.version, jit.version, uly.get_num_threads(), uly.blas_corename()))
-  local buffer
+  local buffer, all_ok = nil, true
   while true do
     local line = read(buffer and '>> ' or 'uly> ')
-    if line == nil then io.write('\n') break end
+    if line == nil then
+      io.write('\n')
+      if buffer and not stdin_is_terminal() then
+        report_error(string.format("unfinished input at end of input: %s (the statement from '%s')",
+                                   select(2, compile(buffer, env)), buffer:match('^[^\n]*')))
+        all_ok = false
+      end
+      break
+    end
     local src = buffer and (buffer .. '\n' .. line) or line
     local fn, err, unfinished = compile(src, env)
     if not fn and unfinished then
       buffer = src -- incomplete statement: keep reading
     else
       buffer = nil
-      if fn then print_results(xpcall(fn, debug.traceback))
-      elseif src:match('%S') then report_error(err) end
+      if fn then all_ok = print_results(xpcall(fn, debug.traceback)) and all_ok
+      elseif src:match('%S') then report_error(err) all_ok = false end
     end
   end
+  return all_ok
 end
 
 -- the global environment scripts and the prompt see: _G plus `uly`
@@ -129,15 +150,16 @@ function M.main(args)
   local env = make_env()
   if script then
     local fn, err = loadfile(script)
-    if not fn then io.stderr:write(err, '\n') return 1 end
+    if not fn then to_stderr(err) return 1 end
     -- the script sees the usual `arg` table: arg[0] the script, arg[1..] its arguments
     _G.arg = { [0] = script }
     for k = i + 1, #args do _G.arg[k - i] = args[k] end
     local ok, e = xpcall(function() return fn(unpack(_G.arg)) end, debug.traceback)
-    if not ok then io.stderr:write(tostring(e), '\n') return 1 end
+    if not ok then to_stderr(tostring(e)) return 1 end
     if not interactive_after then return 0 end
   end
-  M.loop(env)
+  -- at a terminal errors are part of the session; from a pipe or file they fail the run
+  if not M.loop(env) and not stdin_is_terminal() then return 1 end
   return 0
 end
 
