@@ -13,6 +13,8 @@
 local here = debug.getinfo(1, 'S').source:match('^@(.*)/[^/]*$') or '.'
 package.path = here .. '/lua/?.lua;' .. here .. '/lua/?/init.lua;' .. here .. '/?.lua;' .. package.path
 local uly = require 'ulysses'
+local ffi = require 'ffi'
+local options = require 'ulysses.options'
 -- stdout a line at a time: in a log file (`> log 2>&1`, mpirun's output) the header lines keep
 -- their place beside stderr's warnings and errors (the progress lines flush themselves)
 io.stdout:setvbuf('line')
@@ -46,7 +48,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'data', '', "HDF5 dataset from datasets/prepare.lua; 'embedded' = Genesis 1 (default: data/kjv.h5, or $ULY_DATA/kjv.h5, if present, else embedded)" },
   { 'eval_every', 100, 'validation every N steps (0 = only at the end)' },
   { 'eval_batches', 8, 'validation batches per evaluation (0 = no evaluation)' },
-  { 'out', 'runs/train', 'run directory: log.csv, loss.svg, ckpt/' },
+  { 'out', 'runs/train', 'run directory: log.csv, loss.svg, ckpt/ (a run found there that this one does not resume moves to OUT/previous-N)' },
   { 'stop_after', 0, 'stop after this step, writing a checkpoint (0 = run to --steps); continue with --resume auto' },
   { 'ckpt_every', 0, 'checkpoint every N steps (0 = only at the end)' },
   { 'keep', 3, 'checkpoints kept' },
@@ -61,7 +63,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'zero', 0, '1: shard the AdamW state over the ranks (dist.ZeroAdamW, ZeRO stage 2: gradients reduce-scattered, with --overlap 1 during backward, and freed; parameters all-gathered)' },
   { 'peak_gflops', 0, 'peak for MFU (0: cpu the f32 FMA peak of the threads, or with bf16 on AMX tiles their bf16 peak, measured at start; cuda the GPU\'s dense bf16 peak, by name or estimated)' },
   { 'log_every', 0, 'seconds between progress lines (0 = every step)' },
-  { 'sample', 200, 'tokens to generate at the end (0 = none)' },
+  { 'sample', 200, 'tokens to generate at the end, at most --seq less the prompt (0 = none; needs --seq 2 or more)' },
   { 'prompt', '', 'text prompt for the sample (default: the start of the validation split)' },
   { 'temperature', 0.8, 'sampling temperature (0 = greedy)' },
   { 'top_k', 40, 'sample among the k most likely tokens (0 = all)' },
@@ -85,6 +87,25 @@ local function usage(msg)
   os.exit(0)
 end
 
+-- the flag names, for "did you mean" on a misspelled one
+local FLAG_NAMES = {}
+for i, f in ipairs(FLAGS) do FLAG_NAMES[i] = f[1] end
+local function did_you_mean(key, prefix)
+  local guess = options.nearest(key, FLAG_NAMES)
+  return guess and string.format(" (did you mean '%s%s'?)", prefix, guess) or ''
+end
+
+pcall(ffi.cdef, 'char *realpath(const char *path, char *resolved);')
+pcall(ffi.cdef, 'void free(void *p);')
+-- path with its links, '.' and '..' resolved; nil where it does not exist (path .. '/': not a directory)
+local function realpath(path)
+  local p = ffi.C.realpath(path, nil)
+  if p == nil then return nil end
+  local s = ffi.string(p)
+  ffi.C.free(p)
+  return s
+end
+
 -- an error's text without the file:line prefixes Lua put on it (the user's flag is the place)
 local function clean(err) return (tostring(err):gsub('[^%s:]+%.lua:%d+: ', '')) end
 
@@ -96,15 +117,22 @@ local function one_of(key, v, allowed)
 end
 
 local function check_flags(cfg)
+  for _, f in ipairs(FLAGS) do   -- inf or nan: training forever, or failing after it
+    local v = cfg[f[1]]
+    if type(v) == 'number' and (v ~= v or v == math.huge or v == -math.huge) then
+      usage(string.format('--%s must be a finite number, got %s', f[1], tostring(v)))
+    end
+  end
   local function int(key, lo)
     local v = cfg[key]
     if v ~= math.floor(v) or v < lo then
       usage(string.format('--%s must be an integer >= %d, got %s', key, lo, tostring(v)))
     end
+    if v > 2 ^ 53 then usage(string.format('--%s must be an integer <= 2^53, got %s', key, tostring(v))) end
   end
   local function num(key, lo, hi, open_lo)
     local v = cfg[key]
-    if v ~= v or v < lo or (open_lo and v == lo) or (hi and v >= hi) then
+    if v < lo or (open_lo and v == lo) or (hi and v >= hi) then
       usage(string.format('--%s must be %s %g%s, got %s', key, open_lo and '>' or '>=', lo,
                           hi and string.format(' and < %g', hi) or '', tostring(v)))
     end
@@ -122,6 +150,13 @@ local function check_flags(cfg)
   for _, k in ipairs({ 'min_lr', 'wd', 'clip', 'temperature', 'peak_gflops', 'log_every' }) do num(k, 0) end
   one_of('model', cfg.model, { 'gpt', 'llama' })
   one_of('schedule', cfg.schedule, { 'cosine', 'constant' })
+  if cfg.schedule == 'cosine' and cfg.min_lr > cfg.lr then
+    usage(string.format('--min_lr %g is above --lr %g: the cosine schedule decays from --lr to --min_lr', cfg.min_lr, cfg.lr))
+  end
+  if cfg.sample > 0 and cfg.seq < 2 then   -- a prompt of one token and one to generate
+    usage(string.format('--seq %d leaves no room to sample (a prompt token and a generated one need --seq 2): raise '
+                        .. '--seq, or --sample 0', cfg.seq))
+  end
   one_of('attention', cfg.attention, { 'flash', 'reference' })
   if cfg.checkpoint == 2 and cfg.attention ~= 'flash' then
     usage("--checkpoint 2 keeps flash attention's outputs: it needs --attention flash (or use --checkpoint 1)")
@@ -137,6 +172,10 @@ local function check_flags(cfg)
     if not f then usage(string.format("--resume %s: no such checkpoint (give a file under OUT/ckpt, or 'auto')", cfg.resume)) end
     f:close()
   end
+  if cfg.out == '' then usage('--out must name a directory for the run (log.csv, loss.svg, ckpt/)') end
+  if realpath(cfg.out) and not realpath(cfg.out .. '/') then
+    usage(string.format('--out %s is a file: give a directory for the run (log.csv, loss.svg, ckpt/)', cfg.out))
+  end
 end
 
 -- flags -> cfg (defaults < config file < command line), values typed like the defaults
@@ -150,7 +189,7 @@ local function parse_flags(argv)
     local key, inline = a:match('^%-%-([%w_]+)=(.*)$')
     key = key or a:match('^%-%-([%w_]+)$')
     if not key then usage('unexpected argument ' .. a) end
-    if kinds[key] == nil then usage('unknown flag --' .. key) end
+    if kinds[key] == nil then usage('unknown flag --' .. key .. did_you_mean(key, '--')) end
     local v = inline
     if not v then
       i = i + 1
@@ -166,12 +205,25 @@ local function parse_flags(argv)
     i = i + 1
   end
   if given.config and given.config ~= '' then
-    local chunk, err = loadfile(given.config, 't', {})
+    -- the file sees pure functions only (copies: it cannot change train.lua's), and os.getenv
+    local env = { tonumber = tonumber, tostring = tostring, type = type, pairs = pairs, ipairs = ipairs,
+                  select = select, unpack = unpack, error = error, assert = assert, os = { getenv = os.getenv } }
+    for _, lib in ipairs({ 'math', 'string', 'table' }) do
+      env[lib] = {}
+      for k, f in pairs(_G[lib]) do env[lib][k] = f end
+    end
+    local chunk, err = loadfile(given.config, 't', env)
     if not chunk then usage('cannot read config file: ' .. err) end
     local ok, t = pcall(chunk)
-    if not ok or type(t) ~= 'table' then usage('config file ' .. given.config .. ' must return a table') end
+    if not ok then usage('--config ' .. given.config .. ': ' .. tostring(t)) end
+    if type(t) ~= 'table' then
+      usage(string.format('config file %s must return a table of flags, got %s', given.config, type(t)))
+    end
     for k, v in pairs(t) do
-      if kinds[k] == nil then usage(string.format('config file %s: unknown key %s', given.config, tostring(k))) end
+      if kinds[k] == nil then
+        usage(string.format('config file %s: unknown key %s%s', given.config, tostring(k),
+                            type(k) == 'string' and did_you_mean(k, '') or ''))
+      end
       if type(v) ~= kinds[k] then usage(string.format('config file %s: %s must be a %s', given.config, k, kinds[k])) end
       cfg[k] = v
     end
@@ -243,7 +295,11 @@ local function build_model(cfg, vocab)
   return model
 end
 
-local function mkdir_p(path) os.execute('mkdir -p "' .. path:gsub('"', '\\"') .. '"') end
+-- mkdir -p without a shell (--out may hold $, quotes or backticks)
+local function mkdir_p(path)
+  uly.checkpoint._mkdir_p(path)
+  if not realpath(path .. '/') then usage(string.format('--out: cannot make the directory %s', path)) end
+end
 
 local function main()
   local cfg = parse_flags(arg)
@@ -267,19 +323,38 @@ local function main()
   local function say(...) if main_rank then print(...) end end
   if cfg.threads > 0 then uly.set_num_threads(cfg.threads)
   elseif launched > 1 then uly.set_num_threads(math.max(1, math.floor(uly.get_num_threads() / launched))) end
+  -- OUT holding another run (its checkpoints, or the log and plot of one stopped before its first
+  -- checkpoint): unless this run continues it (--resume auto, or --resume with its newest
+  -- checkpoint), that run moves aside whole to OUT/previous-N (rotation, the log and a later
+  -- `--resume auto` would otherwise mix the two runs, or a fresh log replace its own)
+  local latest = uly.checkpoint.latest(cfg.out .. '/ckpt')
+  local held = latest or file_exists(cfg.out .. '/log.csv') or file_exists(cfg.out .. '/loss.svg')
+  local continues = latest and (cfg.resume == 'auto' or realpath(cfg.resume) == realpath(latest))
+  local dest
+  if held and not continues then
+    local n = 1
+    while file_exists(cfg.out .. '/previous-' .. n) do n = n + 1 end
+    dest = cfg.out .. '/previous-' .. n
+    if cfg.resume ~= '' and cfg.resume ~= 'auto' then   -- a checkpoint in the moved ckpt/: from its new place
+      local dir = cfg.resume:match('^(.*)/') or '.'
+      local path = realpath(dir == '' and '/' or dir) .. '/' .. cfg.resume:match('[^/]*$')   -- the file itself may be a link
+      local ckpt = realpath(cfg.out .. '/ckpt')
+      if ckpt and path:sub(1, #ckpt + 1) == ckpt .. '/' then cfg.resume = dest .. '/ckpt/' .. path:sub(#ckpt + 2) end
+    end
+  end
+  if grid then grid.world_group:barrier() end   -- every rank has looked before rank 0 moves anything
   if main_rank then
     mkdir_p(cfg.out)
-    -- a fresh run into a directory that holds another run's checkpoints: that run moves aside
-    -- whole (its rotation and `--resume auto` would otherwise mix the two runs' steps)
-    local held = cfg.resume == '' and uly.checkpoint.latest(cfg.out .. '/ckpt')
-    if held then
-      local n = 1
-      while file_exists(cfg.out .. '/previous-' .. n) do n = n + 1 end
-      local dest = cfg.out .. '/previous-' .. n
+    if dest then
       mkdir_p(dest)
-      for _, name in ipairs({ 'ckpt', 'log.csv', 'loss.svg' }) do os.rename(cfg.out .. '/' .. name, dest .. '/' .. name) end
-      say(string.format('%s held another run (its latest checkpoint %s): moved to %s; --resume auto continues a run',
-                        cfg.out, held:match('[^/]+$'), dest))
+      for _, name in ipairs({ 'ckpt', 'log.csv', 'loss.svg' }) do
+        local ok, err, code = os.rename(cfg.out .. '/' .. name, dest .. '/' .. name)
+        if not ok and code ~= 2 then   -- (2: ENOENT, a run without a plot)
+          usage(string.format('--out %s holds another run, which could not be moved aside: %s', cfg.out, err))
+        end
+      end
+      say(string.format('%s held another run (%s): moved to %s; --resume auto continues a run', cfg.out,
+                        latest and ('its latest checkpoint ' .. latest:match('[^/]+$')) or 'a log, no checkpoint', dest))
     end
   end
   if grid then grid.world_group:barrier() end

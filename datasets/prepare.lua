@@ -6,7 +6,8 @@
 --
 -- gzip/dictzip, xz and bzip2 inputs are decompressed on the fly (by their magic bytes). The input is
 -- read in chunks into one growing u8 token buffer; the split then copies it once (about two copies
--- of the tokens in memory at the peak). The file is written to OUT.tmp and renamed over OUT.
+-- of the tokens in memory at the peak). The file is written to OUT.tmp and renamed over OUT; an OUT
+-- (or OUT.tmp) that is one of the inputs, or an existing file that is not HDF5, is refused.
 local here = (debug.getinfo(1, 'S').source:match('^@(.*)/[^/]*$') or '.')
 local root = here .. '/..'
 package.path = root .. '/lua/?.lua;' .. root .. '/lua/?/init.lua;' .. package.path
@@ -21,6 +22,17 @@ local CHUNK = 1 * 2 ^ 20
 local function fail(fmt, ...) error('prepare: ' .. string.format(fmt, ...), 0) end
 
 local function shq(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+
+pcall(ffi.cdef, 'char *realpath(const char *path, char *resolved);')
+pcall(ffi.cdef, 'void free(void *p);')
+-- path with its links, '.' and '..' resolved; nil where it does not exist
+local function realpath(path)
+  local p = ffi.C.realpath(path, nil)
+  if p == nil then return nil end
+  local s = ffi.string(p)
+  ffi.C.free(p)
+  return s
+end
 
 local function now()
   local ok, uly = pcall(require, 'ulysses')
@@ -229,6 +241,24 @@ local function check(opts)
   local valid = opts.valid == nil and 0.05 or tonumber(opts.valid)
   if not valid or valid < 0 or valid >= 1 then fail('valid must be a fraction in [0, 1), got %s', tostring(opts.valid)) end
   local name = opts.name or (opts.out:match('([^/]*)$'):gsub('%.h5$', ''))
+  -- the output (and OUT.tmp, written first) must not replace an input, nor a file that is not HDF5
+  for _, path in ipairs(inputs) do
+    local r = realpath(path)
+    for _, o in ipairs({ opts.out, opts.out .. '.tmp' }) do
+      if r and r == realpath(o) then
+        fail("writing '%s' (%s) would replace the input '%s': give another output path%s", o,
+             o == opts.out and 'the output' or "the output's temporary file", path,
+             opts.out:match('%.h5$') and '' or string.format(' (e.g. %s.h5)', (opts.out:gsub('%.[^./]*$', ''))))
+      end
+    end
+  end
+  local f = io.open(opts.out, 'rb')
+  local head = f and f:read(8)
+  if f then f:close() end
+  if head and head ~= '\137HDF\r\n\26\n' then
+    fail("out '%s' exists and is not an HDF5 file, which writing would replace: give another output path, or remove it",
+         opts.out)
+  end
   return inputs, valid, name
 end
 
