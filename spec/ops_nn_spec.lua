@@ -484,6 +484,34 @@ describe('rope', function()
     assert(R.max_abs(helpers.list(x:rope(1) - x:rope(0))) > 1e-2, 'offset had no effect')
   end)
 
+  -- the (cos, sin) of a call of >= 65536 (position, pair)s are kept for the next calls the same
+  -- range covers (q and k of every layer, forward, recomputation and backward)
+  it('reuses the kept cos/sin of a large call: the bits of computing them per call, forward and backward', function()
+    helpers.reseed(104)
+    local x, g = uly.randn(1, 4096, 2, 32), uly.randn(1, 4096, 2, 32)
+    -- 64 positions x 16 pairs a piece: too few to keep a table, so each piece computes its own
+    local function pieces(t, off, theta)
+      local parts = {}
+      for s = 0, 4095, 64 do parts[#parts + 1] = t:narrow(2, s + 1, 64):rope(off + s, theta) end
+      return uly.cat(parts, 2)
+    end
+    local function grad_of(fn)
+      local leaf = R.leaf(x:clone())
+      fn(leaf):backward(g)
+      return leaf.grad
+    end
+    for _, c in ipairs({ { 0 }, { 1000 }, { 0, 500 }, { 1000 } }) do
+      local off, theta = c[1], c[2]
+      local ref = pieces(x, off, theta)
+      helpers.assert_close(x:rope(off, theta), ref, 0, 0, 'whole, offset ' .. off)        -- makes or reuses the table
+      helpers.assert_close(x:narrow(2, 101, 300):rope(off + 100, theta), ref:narrow(2, 101, 300), 0, 0,
+                           'a range inside it, offset ' .. off)
+      helpers.assert_close(grad_of(function(t) return t:rope(off, theta) end),
+                           grad_of(function(t) return pieces(t, off, theta) end), 0, 0, 'backward, offset ' .. off)
+    end
+    helpers.assert_close(x:rope(7), ref_rope(helpers.list(x), 1, 4096, 2, 32, 7, 10000), 1e-5, 2e-6, 'reference')
+  end)
+
   it('works on a non-contiguous input', function()
     helpers.reseed(102)
     local base = uly.randn(2, 3, 7, 4) -- [B, H, T, D]

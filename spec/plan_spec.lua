@@ -62,6 +62,17 @@ describe('memory planner', function()
     assert.is_true(est.parts.attention > 0 and est.untracked > 0)
   end)
 
+  it("counts RoPE's kept cos/sin table (CPU, from 65536 position-pairs) as untracked", function()
+    local base = { model = 'llama', preset = 'small', attention = 'flash', heads = 4, kv_heads = 2, dim = 128 }
+    base.seq = 4096                                   -- 4096 positions x 16 pairs: kept, 4096 x 32 floats
+    assert.are.equal(4096 * 32 * 4, plan.estimate(base).untracked)
+    base.seq = 2048                                   -- 32768 pairs: computed per call, nothing kept
+    assert.are.equal(0, plan.estimate(base).untracked)
+    base.model, base.preset = 'gpt', 'small'          -- no RoPE
+    base.seq, base.heads, base.kv_heads = 4096, nil, nil
+    assert.are.equal(0, plan.estimate(base).untracked)
+  end)
+
   it('bf16 activations: less memory, and what it does not model refused', function()
     local base = { model = 'llama', preset = 'small', seq = 4096, attention = 'flash', checkpoint = true, tile = 1024 }
     local f32 = plan.estimate(base)

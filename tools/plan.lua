@@ -23,7 +23,7 @@
 -- collector runs when the bytes held grow past a threshold that follows them up and down
 -- (lua/ulysses/tensor.lua: wrap) or
 -- when checkpoint/chunked force it. Memory malloc'ed inside kernels (the reference attention's
--- dS scratch) is outside the allocator's counters: reported as `untracked`.
+-- dS scratch, RoPE's kept cos/sin table) is outside the allocator's counters: reported as `untracked`.
 -- On a GPU (--device cuda) the same replay runs against the device pool (512 B granularity,
 -- garbage capped at 1/16 of the GPU's memory), the CUDA attention takes no pool scratch, and the
 -- kernels' stream-ordered temporaries (bf16 operand copies, chunked score scratch) are the
@@ -466,7 +466,14 @@ local function norm(self, x, rows, kind, mod)
   return out
 end
 
-local function rope(self, x)
+-- the CPU kernel keeps the (cos, sin) table of its last large call, T positions x D floats,
+-- malloc'ed (kernels/cpu/rope.c: from 65536 (position, pair)s, up to 256 MiB): untracked, held
+local ROPE_TABLE_MIN, ROPE_TABLE_MAX = 65536, 256 * 2 ^ 20
+local function rope(self, x, T, D)
+  local bytes = T * D * F
+  if self.kernels ~= 'cuda' and T * D / 2 >= ROPE_TABLE_MIN and bytes <= ROPE_TABLE_MAX then
+    self.rope_table = math.max(self.rope_table or 0, bytes)
+  end
   local direct = self.k16 and x.es == 2
   local xs = (x.es == 2 and not direct) and f32_copy(self, x) or contiguous(self, x)
   local out = direct and result16(self, elems(x), 'activations') or output(self, elems(x), x.es == 2, 'activations')
@@ -729,7 +736,7 @@ local function self_attention(self, c, blk, x)
     local q = self:view(recv, B * N * hq * D * es, { narrow = true, contig = false })
     local k = self:view(recv, B * N * gk * D * es, { narrow = true, contig = false })
     local v = self:view(recv, B * N * gk * D * es, { narrow = true, contig = false })
-    if c.rope then q, k = rope(self, q), rope(self, k) end
+    if c.rope then q, k = rope(self, q, N, D), rope(self, k, N, D) end
     local o = attend(self, q, k, v, { B = B, Tq = N, Tk = N, H = hq, Hkv = gk, D = D, threads = c.threads })
     local os_ = contiguous(self, o)
     local mine, back = B * N * hq * D, B * n * H * D    -- o's elements, y's elements
@@ -751,7 +758,7 @@ local function self_attention(self, c, blk, x)
     local q = self:view(qkv, rows * H * D * es, { narrow = true, contig = false })
     local k = self:view(qkv, rows * G * D * es, { narrow = true, contig = false })
     local v = self:view(qkv, rows * G * D * es, { narrow = true, contig = false })
-    if c.rope then q, k = rope(self, q), rope(self, k) end
+    if c.rope then q, k = rope(self, q, n, D), rope(self, k, n, D) end
     y = attend(self, q, k, v, { B = B, Tq = n, Tk = n, H = H, Hkv = G, D = D, threads = c.threads })
   end
   y = self:view(y)
@@ -1170,7 +1177,8 @@ function M.estimate(cfg)
   end
   local parts = {}
   for _, k in ipairs(M.PARTS) do parts[k] = sim.at_peak[k] or 0 end
-  return { total = sim.peak, parts = parts, untracked = sim.untracked, with_untracked = sim.peak + sim.untracked,
+  local untracked = sim.untracked + (sim.rope_table or 0)
+  return { total = sim.peak, parts = parts, untracked = untracked, with_untracked = sim.peak + untracked,
            phase = sim.peak_phase, params = nparams, config = c }
 end
 
@@ -1243,7 +1251,7 @@ function M.report(est)
   add('  %-14s %12s   (the allocator high-water mark, uly.memory().peak)', 'total', fmt(est.total))
   add('  %-14s %12s   %s', 'untracked', fmt(est.untracked), c.kernels == 'cuda'
       and "the CUDA kernels' largest stream-ordered temporaries (bf16 operand copies, score chunks)"
-      or "kernel scratch malloc'ed outside the allocator (reference attention dS)")
+      or "kernel memory malloc'ed outside the allocator (reference attention dS, RoPE's cos/sin table)")
   add('  %-14s %12s', 'total + untracked', fmt(est.with_untracked))
   return table.concat(lines, '\n')
 end
