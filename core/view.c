@@ -7,8 +7,9 @@
 
 static uly_tensor *record(int op, uly_tensor *in, uly_tensor *out, const int64_t *ints, int n_ints) {
     if (!out) return NULL;
-    /* autograd does not see this view: a write into it later, with grad on, would go unnoticed */
-    if (!uly_grad_enabled() && out->storage == in->storage && (in->requires_grad || in->nograd_view))
+    /* autograd does not see this view (or its base): a write into it later, with grad on, would
+     * go unnoticed */
+    if (out->storage == in->storage && ((!uly_grad_enabled() && in->requires_grad) || in->nograd_view))
         out->nograd_view = 1;
     uly_node *n = uly_node_begin(op, 1, &in);
     if (n && n_ints) memcpy(n->i, ints, sizeof(int64_t) * (size_t)n_ints);
