@@ -1,7 +1,9 @@
 -- spec/recompute_spec.lua — activation checkpointing (nn.checkpoint, Block/model checkpoint
 -- flag): the same loss and bit-identical gradients as without it, dropout included; a smaller
 -- activation peak; errors in the replay surface from backward; nothing is kept after the graph
--- is dropped. Tiled MLP and loss (nn.chunked, config.tile): equal to untiled, lower peak.
+-- is dropped. Tiled MLP and loss (nn.chunked, config.tile): equal to untiled, lower peak. An input
+-- written in place before backward is an error; parameters inside get gradients without any input
+-- requiring grad.
 local uly = require 'ulysses'
 local helpers = require 'helpers'
 local nn = uly.nn
@@ -326,5 +328,80 @@ describe('tiled MLP and loss (nn.chunked)', function()
       assert.is_true(res[32].peak < 0.8 * res[false].peak,
                      string.format('%s peak %d tiled vs %d', Model.__name, res[32].peak, res[false].peak))
     end
+  end)
+end)
+
+describe('what a replay reads (nn.checkpoint, nn.checkpoint_except_attention, nn.chunked)', function()
+  before_each(function() helpers.reseed(53) end)
+
+  local segments = {
+    ['nn.checkpoint'] = nn.checkpoint,
+    ['nn.checkpoint_except_attention'] = nn.checkpoint_except_attention,
+  }
+
+  it('an input written in place after the forward is an error in backward, not wrong gradients', function()
+    for name, ck in pairs(segments) do
+      local p = uly.tensor({ 1, 2, 3 }, { requires_grad = true })
+      local h = p * 1
+      local loss = ck(function(t, scale) return (t * t):sum() * scale end, h, 2)
+      uly.no_grad(function() h:copy_(h * 3) end)
+      local err = helpers.error_of(function() loss:backward() end)
+      assert.truthy(err:find(name .. ': argument 1 f32[3] was modified in place after the forward used it '
+                             .. '(version 1, expected 0)', 1, true), err)
+      assert.truthy(err:find('clone it before writing into it', 1, true), err)
+    end
+    -- an untouched input replays as before
+    local p = uly.tensor({ 1, 2, 3 }, { requires_grad = true })
+    nn.checkpoint(function(t) return (t * t):sum() end, p * 1):backward()
+    helpers.assert_close(p.grad, { 2, 4, 6 }, 0, 0)
+  end)
+
+  it('nn.chunked: x or a `with` tensor written in place after the forward is an error in backward', function()
+    local W = uly.randn(4, 5, { requires_grad = true })
+    local function f(hs, ts) return uly.cross_entropy(hs:matmul(W), ts, { reduction = 'sum' }) end
+    for _, which in ipairs({ 'x', 'with[1]' }) do
+      local h = uly.randn(2, 6, 4, { requires_grad = true }) * 1
+      local tg = uly.tensor({ { 0, 1, 2, 3, 4, 0 }, { 4, 3, 2, 1, 0, 1 } }, { dtype = 'i32' })
+      local loss = nn.chunked(f, h, { dim = 2, size = 2, with = { tg }, reduce = 'sum' })
+      uly.no_grad(function()
+        if which == 'x' then h:copy_(h * 2) else tg:fill_(0) end
+      end)
+      local err = helpers.error_of(function() loss:backward() end)
+      assert.truthy(err:find('nn.chunked: ' .. which .. ' ', 1, true), err)
+      assert.truthy(err:find('was modified in place after the forward used it', 1, true), err)
+    end
+  end)
+
+  it('parameters inside get their gradients when no input requires grad', function()
+    local lin = nn.Linear(4, 3)
+    local x = uly.randn(2, 5, 4)                 -- raw data
+    local function f(t) return lin(t):gelu() end
+    ;(f(x) * f(x)):sum():backward()
+    local want_w, want_b = lin.weight.grad:clone(), lin.bias.grad:clone()
+    for name, ck in pairs(segments) do
+      lin:zero_grad()
+      local y = ck(f, x)
+      assert.is_true(y.requires_grad, name)
+      ;(y * y):sum():backward()
+      assert.is_not_nil(lin.weight.grad, name)
+      helpers.assert_close(lin.weight.grad, want_w, 0, 0, name)
+      helpers.assert_close(lin.bias.grad, want_b, 0, 0, name)
+      assert.is_nil(x.grad)
+    end
+    -- a segment that uses no parameter: backward replays it and finds nothing to do
+    nn.checkpoint(function(t) return t * 2 end, x):sum():backward()
+    nn.chunked(function(t) return t * 2 end, x, { dim = 2, size = 2 }):sum():backward()
+    -- nn.chunked, 'cat' and 'sum' (row-wise, to float rounding: other row counts, other kernels)
+    lin:zero_grad()
+    local y2 = nn.chunked(f, x, { dim = 2, size = 2 })
+    assert.is_true(y2.requires_grad)
+    ;(y2 * y2):sum():backward()
+    helpers.assert_close(lin.weight.grad, want_w, 1e-5, 1e-6)
+    helpers.assert_close(lin.bias.grad, want_b, 1e-5, 1e-6)
+    lin:zero_grad()
+    local l = nn.chunked(function(t) local z = f(t) return (z * z):sum() end, x, { dim = 2, size = 2, reduce = 'sum' })
+    l:backward()
+    helpers.assert_close(lin.weight.grad, want_w, 1e-5, 1e-6)
+    assert.is_nil(x.grad)
   end)
 end)

@@ -374,11 +374,13 @@ local function param_handles(what, params)
     params:_check_handles()
     return params._arrays.params, params._n
   end
-  local list = tensor_list(what, params)
+  local list, unique, seen = tensor_list(what, params), {}, {}
   for i, t in ipairs(list) do
     if not is_tensor(t) or t._h == nil then raise(string.format('%s: parameter %d is not a live tensor', what, i)) end
+    local key = tostring(ffi.cast('uintptr_t', t._h))   -- a tensor listed twice is counted and scaled once
+    if not seen[key] then seen[key] = true; unique[#unique + 1] = t end
   end
-  return handle_array(list), #list
+  return handle_array(unique), #unique
 end
 
 function optim._clip(arr, n, max_norm)

@@ -10,6 +10,14 @@
 -- attention's forward again: on long sequences attention is most of a block's time, and keeping
 -- its output costs one more tensor of the input's size per segment.
 --
+-- What a replay reads must be what the forward read: the tensor arguments (nn.chunked: x and the
+-- `with` tensors) have their versions recorded, and a backward after one of them was written in
+-- place is an error, as for any op's saved tensor. Not caught: tensors reached otherwise (the
+-- parameters inside fn, tensors in table arguments) written in place before backward, e.g. an
+-- optimizer step between forward and backward: the replay then uses their new values.
+-- When no tensor argument requires grad, the segment is still recorded (its output requires
+-- grad), so that the parameters used inside fn receive their gradients.
+--
 -- The backward hook is a C callback into Lua (core/custom.c), so the C call that starts a
 -- backward must not come from JIT-compiled code: Tensor:backward is kept interpreted.
 return function(nn, U)
@@ -47,6 +55,35 @@ return function(nn, U)
     return callback
   end
 
+  -- the storage versions of a list of tensors, and the check that they are unchanged
+  local function versions(list)
+    local v = {}
+    for k, t in ipairs(list) do v[k] = t:version() end
+    return v
+  end
+  local function check_versions(name, list, labels, recorded)
+    for k, t in ipairs(list) do
+      local now = t:version()
+      if now ~= recorded[k] then
+        error(string.format('%s: %s %s was modified in place after the forward used it (version %d, expected %d); '
+                            .. 'the replay in backward would read the new values: clone it before writing into it',
+                            name, labels[k], t:describe(), now, recorded[k]), 0)
+      end
+    end
+  end
+
+  -- the C node for a segment: its tensor inputs, or, when none requires grad, one throwaway leaf
+  -- that does (the parameters inside still need the replay); returns the output and whether the
+  -- inputs were replaced (their grad_inputs then are not theirs)
+  local function record(uly, C, T, inputs, y, id)
+    local any = false
+    for _, t in ipairs(inputs) do any = any or t.requires_grad end
+    if not any then inputs = { uly.zeros(1, { device = y:device(), requires_grad = true }) } end
+    local hs = ffi.new('uly_tensor *[?]', math.max(#inputs, 1))
+    for k, t in ipairs(inputs) do hs[k - 1] = t._h end
+    return T.wrap(C.uly_custom_op(#inputs, hs, y._h, get_callback(C, T), id)), not any
+  end
+
   -- checkpoint(name, keep, fn, ...): nn.checkpoint, or with keep nn.checkpoint_except_attention.
   -- The segment's forward records onto its own tape (keep) or none, and goes on taking from the
   -- tape being replayed, if any (a segment nested in a replayed one); its replay takes from its
@@ -56,11 +93,15 @@ return function(nn, U)
     local C, T = uly.C, require 'ulysses.tensor'
     local args = { n = select('#', ...), ... }
     if not uly.is_grad_enabled() then return fn(...) end
-    local tensors, where = {}, {}
+    local tensors, where, labels = {}, {}, {}
     for i = 1, args.n do
-      if uly.is_tensor(args[i]) then tensors[#tensors + 1] = args[i]; where[#tensors] = i end
+      if uly.is_tensor(args[i]) then
+        tensors[#tensors + 1] = args[i]
+        where[#tensors], labels[#tensors] = i, 'argument ' .. i
+      end
     end
     if #tensors > 4 then error(name .. ': at most 4 tensor arguments, got ' .. #tensors, 3) end
+    local recorded = versions(tensors)
     local rng = uly.rng_state()
     local before = held()
     local tape = keep and attention_keep.new_tape() or nil
@@ -72,7 +113,9 @@ return function(nn, U)
     sweep(C)
     next_id = next_id + 1
     local id = next_id
+    local anchored -- no input takes a gradient: gin[0] is the throwaway leaf's
     pending[id] = function(g_handle, gin)
+      check_versions(name, tensors, labels, recorded)
       -- replay with the forward's random numbers, from detached copies of the inputs
       local now = uly.rng_state()
       uly.set_rng_state(rng)
@@ -80,7 +123,7 @@ return function(nn, U)
       local leaves = {}
       for i = 1, args.n do replay_args[i] = args[i] end
       for k, t in ipairs(tensors) do
-        if gin[k - 1] ~= nil then
+        if not anchored and gin[k - 1] ~= nil then
           leaves[k] = t:detach():requires_grad_(true)
           replay_args[where[k]] = leaves[k]
         else
@@ -93,7 +136,8 @@ return function(nn, U)
       uly.set_rng_state(now)
       if not ok then error(out, 0) end
       C.uly_tensor_retain(g_handle)
-      out:backward(T.wrap(g_handle))
+      local g = T.wrap(g_handle)
+      if out.requires_grad then out:backward(g) end   -- else fn used nothing that takes a gradient
       out = nil
       for k, leaf in pairs(leaves) do
         local gk = leaf.grad
@@ -102,14 +146,15 @@ return function(nn, U)
       leaves, replay_args = nil, nil
       collectgarbage()   -- the replayed segment's activations and gradients, before the next one
     end
-    local hs = ffi.new('uly_tensor *[?]', math.max(#tensors, 1))
-    for k, t in ipairs(tensors) do hs[k - 1] = t._h end
-    return T.wrap(C.uly_custom_op(#tensors, hs, y._h, get_callback(C, T), id))
+    local out
+    out, anchored = record(uly, C, T, tensors, y, id)
+    return out
   end
 
   -- nn.checkpoint(fn, x1, ..., xn): y = fn(x1, ..., xn) (one tensor), recomputed in backward.
   -- Inputs that are tensors take gradients (at most 4); other arguments are passed through.
-  -- Parameters used inside fn receive their gradients from the replay.
+  -- Parameters used inside fn receive their gradients from the replay, also when no input
+  -- requires grad (raw data); the tensor arguments must not be written in place before backward.
   function nn.checkpoint(fn, ...) return checkpoint('nn.checkpoint', false, fn, ...) end
 
   -- nn.checkpoint_except_attention(fn, x1, ..., xn): the same, but the flash attentions inside fn
@@ -145,6 +190,9 @@ return function(nn, U)
     end
     if #starts <= 1 then return call(x, 1) end
     local recording = uly.is_grad_enabled()
+    local read, labels = { x }, { 'x' }
+    for k, w in ipairs(with) do read[k + 1], labels[k + 1] = w, 'with[' .. k .. ']' end
+    local recorded = versions(read)
     -- forward, one slice at a time, without recording, into one preallocated output
     local rngs, out, total = {}, nil, nil
     uly.no_grad(function()
@@ -170,7 +218,10 @@ return function(nn, U)
     sweep(C)
     next_id = next_id + 1
     local id = next_id
+    local anchored -- x takes no gradient: gin[0] is the throwaway leaf's
     pending[id] = function(g_handle, gin)
+      check_versions('nn.chunked', read, labels, recorded)
+      local gx = (not anchored and gin[0] ~= nil) and gin[0] or nil   -- x's gradient buffer
       C.uly_tensor_retain(g_handle)
       local g = T.wrap(g_handle)
       local now = uly.rng_state()
@@ -179,11 +230,11 @@ return function(nn, U)
           local before = held()
           uly.set_rng_state(rngs[i])
           local xs = slice(x, s0):detach()
-          if gin[0] ~= nil then xs = xs:contiguous():requires_grad_(true) end
+          if gx ~= nil then xs = xs:contiguous():requires_grad_(true) end
           local y = uly.enable_grad(call, xs, s0)
-          y:backward(reduce == 'sum' and g or slice(g, s0):contiguous())
-          if gin[0] ~= nil and xs.grad then
-            local h = C.uly_tensor_narrow(gin[0], dim - 1, s0 - 1, math.min(size, n - s0 + 1))
+          if y.requires_grad then y:backward(reduce == 'sum' and g or slice(g, s0):contiguous()) end
+          if gx ~= nil and xs.grad then
+            local h = C.uly_tensor_narrow(gx, dim - 1, s0 - 1, math.min(size, n - s0 + 1))
             local view = T.wrap(h)
             T.check(C.uly_tensor_accumulate_(view._h, xs.grad._h))
           end
@@ -194,8 +245,9 @@ return function(nn, U)
       uly.set_rng_state(now)
       if not ok then error(err, 0) end
     end
-    local hs = ffi.new('uly_tensor *[1]', x._h)
-    return T.wrap(C.uly_custom_op(1, hs, result._h, get_callback(C, T), id))
+    local y
+    y, anchored = record(uly, C, T, { x }, result, id)
+    return y
   end
 
   -- nn.on_backward(x, fn) -> x (a view) for the forward; in backward the gradient passes through

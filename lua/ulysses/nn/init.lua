@@ -1,7 +1,8 @@
 -- lua/ulysses/nn/init.lua — neural-network modules: `local nn = require('ulysses').nn`.
--- nn.Module (class helper, parameter/child registration in a stable order, train/eval,
--- zero_grad, printing) and the layers Linear, Embedding, LayerNorm, RMSNorm, Dropout, GELU,
--- Sequential, ModuleList, MLP and SwiGLU. Pure Lua over the tensor ops; no globals.
+-- nn.Module (class helper, parameter/child registration in a stable order, a tensor shared by
+-- layers listed once, train/eval, zero_grad, printing) and the layers Linear, Embedding,
+-- LayerNorm, RMSNorm, Dropout, GELU, Sequential, ModuleList, MLP and SwiGLU. Pure Lua over the
+-- tensor ops; no globals.
 --
 -- Layout: nn.Linear stores its weight as [in, out] (not PyTorch's [out, in]), so forward is
 -- x:matmul(weight) + bias with no transpose; x may have any leading dims ([B, T, in]).
@@ -93,15 +94,24 @@ function Module:children()
   return out
 end
 
-local function collect(m, prefix, out)
-  for _, k in ipairs(m._params) do out[#out + 1] = { prefix .. tostring(k), m[k] } end
-  for _, k in ipairs(m._children) do collect(m[k], prefix .. tostring(k) .. '.', out) end
+-- each tensor once, under the first name it is reached by (a module or weight shared between
+-- layers, as PyTorch allows, is one parameter: counted, clipped, stepped and saved once)
+local function collect(m, prefix, out, seen)
+  for _, k in ipairs(m._params) do
+    local p = m[k]
+    if not seen[p] then
+      seen[p] = true
+      out[#out + 1] = { prefix .. tostring(k), p }
+    end
+  end
+  for _, k in ipairs(m._children) do collect(m[k], prefix .. tostring(k) .. '.', out, seen) end
 end
 
--- iterator over (name, tensor): own parameters first, then each child's, in registration order
+-- iterator over (name, tensor): own parameters first, then each child's, in registration order;
+-- a shared tensor comes once, with its first name
 function Module:named_parameters()
   local list = {}
-  collect(self, '', list)
+  collect(self, '', list, {})
   local i = 0
   return function()
     i = i + 1
