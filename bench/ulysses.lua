@@ -359,7 +359,7 @@ local function main()
     { 'model', 'N', 'P', 'step ms', 'fwd ms', 'bwd ms', 'a2a ms', 'a2a share', 'fwd MB sent', 'bwd MB sent',
       'a2a calls', 'copies fwd', 'copies bwd', 'peak MiB' }, lrows,
     { 'a2a ms = seconds inside all_to_all counted by the comm layer (slowest rank; includes waiting for other ranks)',
-      'copies = uly.dist.exchange_copies() per layer: 0 in forward (no packing), 2 in backward (the staging buffers)' })
+      'copies = uly.dist.exchange_copies() per layer: 0 in forward (no packing); in backward 0 in f32 with G >= P, else staging buffers' })
 
   local function seen(set)
     local out = {}
@@ -374,8 +374,9 @@ local function main()
   end
   print_table('3. packing copies made by the exchanges (uly.dist.exchange_copies(), every N above)',
     { 'model', 'P', 'exchange fwd', 'exchange bwd', 'layer fwd', 'layer bwd' }, cprows,
-    { 'expected: 0 in forward (MPI datatypes read qkv and write the result in place), 2 in backward (one staging ' ..
-      'buffer per exchange, whose received gradients are added into the input gradient)' })
+    { 'expected: 0 in forward (MPI datatypes read qkv and write the result in place); in backward 0 where the ' ..
+      'exchange is f32, the input gradient new and no K/V head went to two ranks (G >= P): received straight into ' ..
+      'it; else one staging buffer per exchange, added into the input gradient' })
 
   print_table('4. bytes sent per rank per layer forward: Ulysses MEASURED vs other schemes COMPUTED from formulas',
     { 'model', 'N', 'P', 'Ulysses MB (measured)', 'Megatron-SP MB (computed)', 'x Ulysses',

@@ -300,7 +300,9 @@ static uly_tensor *edge_grad(uly_edge *e) {
 }
 
 /* rules that can write input k's uninitialised gradient buffer (n->fresh) instead of adding into zeros */
-static int writes_fresh(int op, int k) { return op == ULY_OP_MATMUL || (op == ULY_OP_ADDMM && k < 2); }
+static int writes_fresh(int op, int k) {
+    return op == ULY_OP_MATMUL || (op == ULY_OP_ADDMM && k < 2) || op == ULY_OP_ULYSSES_QKV || op == ULY_OP_ULYSSES_OUT;
+}
 
 /* bf16 activations: ops save bf16 inputs as bf16, and the rules compute in f32, so each such saved
  * tensor reaches its rule as an f32 copy, made just before and freed just after; except where the

@@ -222,7 +222,8 @@ uly_tensor *uly_ulysses_heads_to_seq(uly_comm *c, uly_tensor *o, int64_t heads, 
 
 /* backward of qkv_to_heads: each sender receives its heads' gradients for its tokens from every
  * rank into a staging buffer (a K/V head sent to several ranks comes back several times), then
- * adds them into gin. */
+ * adds them into gin; or, where gin is new (n->fresh: autograd.c) and every element of it comes
+ * from one rank in gin's dtype, straight into gin, the forward's exchange reversed. */
 int uly_bw_ulysses_qkv(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     if (!gin[0]) return 0;
     uly_comm *c = (uly_comm *)(intptr_t)n->i[0];
@@ -231,9 +232,24 @@ int uly_bw_ulysses_qkv(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     plan p;
     if (plan_make(&p, c, d->shape[0], n->i[3], n->i[1], n->i[2], d->shape[3])) return -1;
     int P = p.P, r = p.r;
-    int64_t per_token = 0; /* staging: for each source j, [B, n_r, w_j, D] */
-    for (int j = 0; j < P; j++) per_token += p.w[j];
+    int64_t per_token = 0, kv_sent = 0; /* staging: for each source j, [B, n_r, w_j, D] */
+    for (int j = 0; j < P; j++) { per_token += p.w[j]; kv_sent += p.gk[j]; }
     const int xt = (int)n->i[4];   /* the forward's exchange dtype */
+    if ((n->fresh & 1) && xt == d->dtype && kv_sent == p.G) {
+        uly_tensor *send = in_dtype(g, xt);
+        uly_comm_layout *to = malloc(2 * (size_t)P * sizeof *to), *hd = to + P;
+        int rc = (!send || !to) ? uly_set_error("ulysses backward: out of memory") : 0;
+        for (int j = 0; !rc && j < P; j++) {
+            to[j] = run1(p.tok0[j] * p.w[r] * p.D, p.B, p.N * p.w[r] * p.D, p.ntok[j] * p.w[r] * p.D);
+            hd[j] = heads_of(&p, j, p.B * p.ntok[r]);
+        }
+        if (!rc) rc = uly_comm_all_to_all_layout_on(c, dev, uly_ptr(send), to, uly_ptr(d), hd, xt);
+        free(to);
+        uly_tensor_release(send);
+        plan_free(&p);
+        return rc;
+    }
+    if ((n->fresh & 1) && uly_tensor_fill_(d, 0.0)) { plan_free(&p); return -1; }
     int64_t stage_shape[1] = {p.B * p.ntok[r] * per_token * p.D};
     uly_tensor *stage = uly_new_contiguous(1, stage_shape, ULY_DTYPE_F32, dev);
     uly_tensor *send = in_dtype(g, xt), *recv = stage ? receive_buffer(stage, xt) : NULL;
@@ -300,7 +316,9 @@ int uly_bw_ulysses_qkv(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     return rc;
 }
 
-/* backward of heads_to_seq: the reverse exchange into a staging tensor, added into gin */
+/* backward of heads_to_seq: the reverse exchange into a staging tensor, added into gin; or
+ * straight into gin where it is new (n->fresh) and of the exchange's dtype (every element of it
+ * comes from one rank) */
 int uly_bw_ulysses_out(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     if (!gin[0]) return 0;
     uly_comm *c = (uly_comm *)(intptr_t)n->i[0];
@@ -308,6 +326,15 @@ int uly_bw_ulysses_out(uly_node *n, uly_tensor *g, uly_tensor **gin) {
     plan p;
     if (plan_make(&p, c, d->shape[0], n->i[3], n->i[1], 1, d->shape[3])) return -1;
     const int xt = (int)n->i[4];
+    if ((n->fresh & 1) && xt == d->dtype) {
+        uly_tensor *send = in_dtype(g, xt);
+        int rc = send ? exchange_out(c, &p, uly_dev(d), uly_ptr(d), uly_ptr(send), 0, xt)
+                      : uly_set_error("ulysses backward: out of memory");
+        uly_tensor_release(send);
+        plan_free(&p);
+        return rc;
+    }
+    if ((n->fresh & 1) && uly_tensor_fill_(d, 0.0)) { plan_free(&p); return -1; }
     uly_tensor *stage = uly_new_like(d);
     uly_tensor *send = in_dtype(g, xt), *recv = stage ? receive_buffer(stage, xt) : NULL;
     int rc = (!stage || !send || !recv) ? uly_set_error("ulysses backward: out of memory")

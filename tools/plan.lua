@@ -726,10 +726,14 @@ local function self_attention(self, c, blk, x)
     local recv = result(self, heads * es, 'communication')
     recv.es = qkv.es
     exchange_end(self, send, stage_floats, heads)
+    -- backward receives straight into the new gradient (core/ulysses.c) when the exchange is f32
+    -- and no K/V head went to two ranks; else into a staging buffer, added after
+    local f32_exchange = self.precision ~= 'bf16' and not self.act16
+    local direct_qkv = f32_exchange and c.stage_width == H + 2 * G
     self:record(recv, { qkv }, nil, function(sim)
-      local stage = sim:alloc(stage_floats * F, 'communication')
+      local stage = not direct_qkv and sim:alloc(stage_floats * F, 'communication')
       exchange_end(sim, exchange_begin(sim, heads), heads, stage_floats)
-      sim:unref(stage)
+      if stage then sim:unref(stage) end
     end)
     self:unref(src)
     self:wrapped()
@@ -747,9 +751,9 @@ local function self_attention(self, c, blk, x)
     exchange_end(self, send, mine, back)
     local ob = f32_bytes(o)
     self:record(y, { o }, nil, function(sim)
-      local stage = sim:alloc(ob, 'communication')
+      local stage = not f32_exchange and sim:alloc(ob, 'communication')
       exchange_end(sim, exchange_begin(sim, back), back, mine)
-      sim:unref(stage)
+      if stage then sim:unref(stage) end
     end)
     self:unref(os_)
     self:wrapped()
