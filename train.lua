@@ -13,7 +13,6 @@
 local here = debug.getinfo(1, 'S').source:match('^@(.*)/[^/]*$') or '.'
 package.path = here .. '/lua/?.lua;' .. here .. '/lua/?/init.lua;' .. here .. '/?.lua;' .. package.path
 local uly = require 'ulysses'
-local ffi = require 'ffi'
 local options = require 'ulysses.options'
 -- stdout a line at a time: in a log file (`> log 2>&1`, mpirun's output) the header lines keep
 -- their place beside stderr's warnings and errors (the progress lines flush themselves)
@@ -95,16 +94,7 @@ local function did_you_mean(key, prefix)
   return guess and string.format(" (did you mean '%s%s'?)", prefix, guess) or ''
 end
 
-pcall(ffi.cdef, 'char *realpath(const char *path, char *resolved);')
-pcall(ffi.cdef, 'void free(void *p);')
--- path with its links, '.' and '..' resolved; nil where it does not exist (path .. '/': not a directory)
-local function realpath(path)
-  local p = ffi.C.realpath(path, nil)
-  if p == nil then return nil end
-  local s = ffi.string(p)
-  ffi.C.free(p)
-  return s
-end
+local realpath = require('ulysses.paths').realpath   -- nil where the path does not exist
 
 -- an error's text without the file:line prefixes Lua put on it (the user's flag is the place)
 local function clean(err) return (tostring(err):gsub('[^%s:]+%.lua:%d+: ', '')) end

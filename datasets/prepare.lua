@@ -23,16 +23,7 @@ local function fail(fmt, ...) error('prepare: ' .. string.format(fmt, ...), 0) e
 
 local function shq(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
 
-pcall(ffi.cdef, 'char *realpath(const char *path, char *resolved);')
-pcall(ffi.cdef, 'void free(void *p);')
--- path with its links, '.' and '..' resolved; nil where it does not exist
-local function realpath(path)
-  local p = ffi.C.realpath(path, nil)
-  if p == nil then return nil end
-  local s = ffi.string(p)
-  ffi.C.free(p)
-  return s
-end
+local realpath = require('ulysses.paths').realpath
 
 local function now()
   local ok, uly = pcall(require, 'ulysses')

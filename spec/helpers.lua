@@ -241,6 +241,20 @@ function M.exists(path)
   return f ~= nil
 end
 
+-- a file's bytes (nil when it cannot be read), and bytes into a file
+function M.read_file(path)
+  local f = io.open(path, 'rb')
+  if not f then return nil end
+  local s = f:read('*a')
+  f:close()
+  return s
+end
+function M.write_file(path, s)
+  local f = assert(io.open(path, 'wb'))
+  f:write(s)
+  f:close()
+end
+
 -- a shell command's output (stdout and stderr) and exit status
 function M.run(cmd)
   local p = assert(io.popen(cmd .. ' 2>&1; echo "exit=$?"'))

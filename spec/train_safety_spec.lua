@@ -13,19 +13,7 @@ local function run(args) return helpers.run('bin/ulysses train.lua ' .. args) en
 local SMALL = '--data embedded --preset tiny --layers 1 --seq 16 --batch 2 --warmup 1 --lr 3e-3 --min_lr 3e-4 '
   .. '--threads 1 --eval_batches 0 --sample 0 '
 
-local function read_file(path)
-  local f = io.open(path, 'rb')
-  if not f then return nil end
-  local s = f:read('*a')
-  f:close()
-  return s
-end
-
-local function write_file(path, s)
-  local f = assert(io.open(path, 'wb'))
-  f:write(s)
-  f:close()
-end
+local read_file, write_file = helpers.read_file, helpers.write_file
 
 -- the sorted file names in dir
 local function ls(dir)

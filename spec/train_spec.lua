@@ -12,13 +12,7 @@ local function run(args) return helpers.run('bin/ulysses train.lua ' .. args) en
 
 local TINY = '--data embedded --preset tiny --seq 32 --batch 8 --warmup 5 --lr 3e-3 --min_lr 3e-4 --threads 2 '
 
-local function read_file(path)
-  local f = io.open(path, 'rb')
-  if not f then return nil end
-  local s = f:read('*a')
-  f:close()
-  return s
-end
+local read_file = helpers.read_file
 
 describe('train.lua', function()
   it('trains on the embedded text with progress, eval, log, plot, checkpoint and a sample', function()
