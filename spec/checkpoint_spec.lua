@@ -161,6 +161,114 @@ describe_h5('uly.checkpoint', function()
     assert.matches('could not be evaluated', error_of(function() ckpt.deserialize('os.exit(1)', 'config') end))
   end)
 
+  it('refuses at save a value that could not be loaded back: too deep, or too many tables', function()
+    local function nest(depth) -- depth tables, each the first element of the one before
+      local t = {}
+      local c = t
+      for _ = 2, depth do c[1] = {}; c = c[1] end
+      return t
+    end
+    local model = nn.Linear(2, 2)
+    local p = path('deep.h5')
+    ckpt.save(p, { model = model, extra = nest(198) })   -- the deepest the parser reads back
+    local c = ckpt.load(p, { model = model }).extra
+    for _ = 2, 198 do c = c[1] end
+    assert.are.same({}, c)
+    local err = error_of(function() ckpt.save(p, { model = model, step = 2, extra = nest(199) }) end)
+    assert.matches('checkpoint.save: extra[1][1]', err, 1, true)
+    assert.matches('is nested 199 tables deep; at most 198 levels can be loaded back: flatten it', err, 1, true)
+    local many = {}
+    for i = 1, 70000 do many[i] = { i } end   -- a constant each: over the 65536 of one chunk
+    err = error_of(function() ckpt.save(p, { model = model, step = 2, config = { runs = many } }) end)
+    assert.matches('checkpoint.save: config could not be loaded back (config:1: main function has more than 65536 '
+                   .. 'constants)', err, 1, true)
+    assert.is_nil(ckpt.load(p, { model = model }).step)   -- the checkpoint before the refused saves
+  end)
+
+  it('a checkpoint whose saved values cannot be read changes nothing: model, optimizer and RNG', function()
+    local model = make_model()
+    local opt = uly.optim.AdamW(model:parameters(), { lr = 2e-3 })
+    train(model, opt, 2)
+    local p = path('bad_extra.h5')
+    ckpt.save(p, { model = model, optim = opt, step = 2, extra = { note = 'x' } })
+    local f = h5.open(p, 'r+')   -- a value this library cannot read (written by hand, or by a buggy version)
+    f:set_attr('', 'extra', '{' .. ('{'):rep(300) .. ('}'):rep(301))
+    f:close()
+    local other = make_model()
+    local opt2 = uly.optim.AdamW(other:parameters(), { lr = 2e-3 })
+    local before, rng_before = snapshot(other), uly.rng_state()
+    local err = error_of(function() ckpt.load(p, { model = other, optim = opt2 }) end)
+    assert.matches('checkpoint.load: extra is not a valid saved value', err, 1, true)
+    assert.are.same(before, snapshot(other))
+    assert.are.equal(0, opt2.step_count)
+    assert.are.same(values(uly.zeros(5, 7)), values(opt2.state.exp_avg[1]))
+    local rng = uly.rng_state()
+    assert.are.equal(tostring(rng_before.seed), tostring(rng.seed))
+    assert.are.equal(tostring(rng_before.offset), tostring(rng.offset))
+  end)
+
+  it('loads into non-contiguous parameters (a transposed leaf)', function()
+    local Holder = nn.Module:extend('Holder')
+    function Holder:__init(v)
+      self:param('a', uly.ones(2) * v)
+      self:param('w', (uly.randn(3, 2) + v):t())   -- [2, 3], not contiguous
+    end
+    local saved = Holder(1)
+    assert.is_false(saved.w:is_contiguous())
+    local p = path('noncontig.h5')
+    ckpt.save(p, { model = saved })
+    local other = Holder(7)
+    ckpt.load(p, { model = other })
+    assert.are.same(snapshot(saved), snapshot(other))
+    assert.is_false(other.w:is_contiguous())   -- the parameter itself was filled, not replaced
+  end)
+
+  it('keeps each parameter\'s own optimizer step; a file without them gives each optim_step', function()
+    -- b gets a grad from step 3 on: its own step count stays 2 behind the optimizer's
+    local a, b = uly.randn(3, 2, { requires_grad = true }), uly.randn(4, { requires_grad = true })
+    local Two = nn.Module:extend('Two')
+    function Two:__init(x, y) self:param('a', x); self:param('b', y) end
+    local function run(model, opt, from, to)
+      for s = from, to do
+        opt:zero_grad()
+        local loss = (model.a * model.a):sum()
+        if s >= 3 then loss = loss + (model.b * model.b):sum() end
+        loss:backward()
+        opt:step()
+      end
+    end
+    local model = Two(a, b)
+    local opt = uly.optim.AdamW(model:parameters(), { lr = 0.1, weight_decay = 0 })
+    run(model, opt, 1, 3)
+    assert.are.same({ 3, 1 }, opt.param_steps)
+    local p = path('param_steps.h5')
+    ckpt.save(p, { model = model, optim = opt, step = 3 })
+    local fresh = Two(a:detach():clone():requires_grad_(true), b:detach():clone():requires_grad_(true))
+    local opt2 = uly.optim.AdamW(fresh:parameters(), { lr = 0.1, weight_decay = 0 })
+    ckpt.load(p, { model = fresh, optim = opt2 })
+    assert.are.same({ 3, 1 }, opt2.param_steps)
+    run(model, opt, 4, 5)
+    run(fresh, opt2, 4, 5)
+    assert.are.same(snapshot(model), snapshot(fresh))
+    -- saved without per-parameter steps (as before they existed, or by ZeroAdamW): both get optim_step
+    local function as_saved(sd) return { kind = 'AdamW', params = opt.params, state_dict = function() return sd end } end
+    local sd = opt:state_dict()
+    sd.param_steps = nil
+    ckpt.save(p, { model = model, optim = as_saved(sd) })
+    ckpt.load(p, { model = fresh, optim = opt2 })
+    assert.are.same({ 5, 5 }, opt2.param_steps)
+    -- a count that cannot be is refused before anything changes
+    sd.param_steps = { 5, 6 }
+    ckpt.save(p, { model = model, optim = as_saved(sd) })
+    local other = Two(uly.zeros(3, 2), uly.zeros(4))
+    local opt3 = uly.optim.AdamW(other:parameters())
+    local err = error_of(function() ckpt.load(p, { model = other, optim = opt3 }) end)
+    assert.matches('does not match (nothing was loaded)', err, 1, true)
+    assert.matches('optim_param_steps has no step count in [0, optim_step] for b', err, 1, true)
+    assert.are.same(values(uly.zeros(3, 2)), values(other.a))
+    assert.are.same({ 0, 0 }, opt3.param_steps)
+  end)
+
   it('refuses a wrong shape, naming the parameter and both shapes, and leaves the model unchanged', function()
     local p = path('shape.h5')
     ckpt.save(p, { model = make_model(7), step = 1 })

@@ -166,6 +166,79 @@ describe('optim.SGD', function()
   end)
 end)
 
+describe('optim per-parameter steps', function()
+  before_each(function() helpers.reseed(3308) end)
+
+  -- w has a grad on every step, c on steps 2 and 4, b from step 3 on (each its own step count, as
+  -- in torch.optim): at step 3 they take steps 3, 1 and 2, at step 4 steps 4, 2 and 2
+  local has_grad = { w = { 1, 2, 3, 4 }, c = { 2, 4 }, b = { 3, 4 } }
+  local function run(make, ref_update)
+    local ts = { w = uly.randn(4, 3, { requires_grad = true }), c = uly.randn(2, 3, { requires_grad = true }),
+                 b = uly.randn(5, { requires_grad = true }) }
+    local opt = make({ ts.w, ts.c, ts.b })
+    local ref = {}
+    for name, t in pairs(ts) do ref[name] = { p = helpers.list(t), s1 = {}, s2 = {}, step = 0 } end
+    for name, r in pairs(ref) do for i = 1, #r.p do r.s1[i], r.s2[i] = 0, 0 end end
+    for step = 1, 4 do
+      opt:zero_grad()
+      for _, name in ipairs({ 'w', 'c', 'b' }) do
+        for _, s in ipairs(has_grad[name]) do
+          if s == step then
+            local r = ref[name]
+            local g = randn_list(#r.p)
+            set_grad(ts[name], helpers.from_flat(g, ts[name]:shape()))
+            r.step = r.step + 1
+            ref_update(r, g, ts[name]:dim() >= 2)
+          end
+        end
+      end
+      opt:step()
+    end
+    for _, name in ipairs({ 'w', 'c', 'b' }) do helpers.assert_close(ts[name], ref[name].p, 1e-5, 1e-6, name) end
+    assert.are.same({ 4, 2, 2 }, opt.param_steps)
+    assert.are.equal(4, opt.step_count)
+    return opt, ref
+  end
+
+  it('AdamW: bias correction counts the steps on which the parameter had a grad', function()
+    local lr, b1, b2, eps, wd = 0.05, 0.8, 0.99, 1e-6, 0.2
+    local opt, ref = run(function(ps) return optim.AdamW(ps, { lr = lr, betas = { b1, b2 }, eps = eps, weight_decay = wd }) end,
+                         function(r, g, decayed) adamw_ref(r.p, r.s1, r.s2, g, lr, b1, b2, eps, decayed and wd or 0, r.step) end)
+    helpers.assert_close(opt.state.exp_avg[3], ref.b.s1, 1e-5, 1e-6, 'exp_avg of b')
+  end)
+
+  it('SGD: the momentum buffer starts as the grad on the parameter\'s first update', function()
+    local lr, momentum, dampening, wd = 0.1, 0.9, 0.5, 0.01
+    local opt, ref = run(function(ps) return optim.SGD(ps, { lr = lr, momentum = momentum, dampening = dampening,
+                                                             weight_decay = wd }) end,
+                         function(r, g) sgd_ref(r.p, r.s1, g, lr, momentum, dampening, wd, false, r.step) end)
+    helpers.assert_close(opt.state.momentum_buf[3], ref.b.s1, 1e-5, 1e-6, 'momentum_buf of b')
+  end)
+
+  it('state_dict keeps them; a state without them gives every parameter its step', function()
+    local w, b = uly.randn(3, 2, { requires_grad = true }), uly.randn(4, { requires_grad = true })
+    local opt = optim.AdamW({ w, b })
+    set_grad(w, uly.randn(3, 2))
+    opt:step()
+    local sd = opt:state_dict()
+    assert.are.same({ 1, 0 }, sd.param_steps)
+    local opt2 = optim.AdamW({ w:detach(), b:detach() })
+    opt2:load_state_dict(sd)
+    assert.are.same({ 1, 0 }, opt2.param_steps)
+    sd.param_steps = nil   -- saved before per-parameter steps, or by ZeroAdamW
+    opt2:load_state_dict(sd)
+    assert.are.same({ 1, 1 }, opt2.param_steps)
+    sd.param_steps = { 1, 2 }
+    local ok, err = pcall(opt.load_state_dict, opt, sd)
+    assert.is_false(ok)
+    assert.truthy(err:find('param_steps[2] must be an integer in [0, step = 1], got 2', 1, true), err)
+    assert.are.same({ 1, 0 }, opt.param_steps)
+    sd.param_steps = { 1 }
+    ok, err = pcall(opt.load_state_dict, opt, sd)
+    assert.truthy(err:find('param_steps must be a list of 2 step counts (one per parameter), got 1 entries', 1, true), err)
+  end)
+end)
+
 describe('optim.grad_norm and clip_grad_norm', function()
   before_each(function() helpers.reseed(3303) end)
 

@@ -7,12 +7,14 @@
 -- Layout (h5dump / h5py can read it): "model/<name>" one dataset per named_parameters() entry;
 -- "optim/<state>/<name>" optimizer state (exp_avg, exp_avg_sq, momentum_buf) by parameter name;
 -- root attributes: format, format_version, step and optim_step (numbers), rng_seed and rng_offset
--- (decimal strings: exact uint64), optim_kind, optim_hyper, config, data, extra (Lua-literal
--- strings), created (UTC), library_version, num_parameter_tensors.
+-- (decimal strings: exact uint64), optim_kind, optim_hyper, optim_param_steps (parameter name ->
+-- its own step count; a file without it gives every parameter optim_step), config, data, extra
+-- (Lua-literal strings), created (UTC), library_version, num_parameter_tensors.
 --
 -- Saves are atomic: written to "<path>.tmp.<pid>.<n>" and renamed over `path` after an fsync,
--- so a crash or an error leaves the previous checkpoint intact and no temporary file. Loads check
--- every name, shape and dtype before anything in the model or optimizer is changed. The saving
+-- so a crash or an error leaves the previous checkpoint intact and no temporary file; a value
+-- that could not be read back is refused. Loads check every name, shape and dtype and read every
+-- other value before anything in the model, optimizer or random generator is changed. The saving
 -- process writes the whole checkpoint: under MPI, save from one rank.
 local ffi = require 'ffi'
 local T = require 'ulysses.tensor'
@@ -46,9 +48,17 @@ local function key_less(a, b)
   return a < b
 end
 
+-- tables nested deeper than this cannot be read back: LuaJIT's parser takes at most 198 nested
+-- table constructors after 'return' ("chunk has too many syntax levels")
+local MAX_DEPTH = 198
+
 local serialize
-local function table_literal(t, where, seen, out)
+local function table_literal(t, where, seen, out, depth)
   if seen[t] then raise(string.format('checkpoint.save: %s refers to itself; only tree-shaped tables can be saved', where)) end
+  if depth > MAX_DEPTH then
+    raise(string.format('checkpoint.save: %s is nested %d tables deep; at most %d levels can be loaded back: '
+                        .. 'flatten it', where, depth, MAX_DEPTH))
+  end
   seen[t] = true
   local n = #t
   local keys = {}
@@ -68,25 +78,25 @@ local function table_literal(t, where, seen, out)
   end
   for i = 1, n do
     sep()
-    serialize(t[i], where .. '[' .. i .. ']', seen, out)
+    serialize(t[i], where .. '[' .. i .. ']', seen, out, depth)
   end
   for _, k in ipairs(keys) do
     sep()
     if type(k) == 'string' and k:match('^[%a_][%w_]*$') and not KEYWORDS[k] then
       out[#out + 1] = k .. '='
-      serialize(t[k], where .. '.' .. k, seen, out)
+      serialize(t[k], where .. '.' .. k, seen, out, depth)
     else
       out[#out + 1] = '['
-      serialize(k, where, seen, out)
+      serialize(k, where, seen, out, depth)
       out[#out + 1] = ']='
-      serialize(t[k], where .. '[' .. tostring(k) .. ']', seen, out)
+      serialize(t[k], where .. '[' .. tostring(k) .. ']', seen, out, depth)
     end
   end
   out[#out + 1] = '}'
   seen[t] = nil
 end
 
-function serialize(v, where, seen, out)
+function serialize(v, where, seen, out, depth)
   local tv = type(v)
   if tv == 'string' then out[#out + 1] = string.format('%q', v)
   elseif tv == 'number' then out[#out + 1] = number_literal(v)
@@ -95,18 +105,25 @@ function serialize(v, where, seen, out)
     if T.is_tensor(v) then
       raise(string.format('checkpoint.save: %s is a tensor; put tensors in the model or save them with uly.h5', where))
     end
-    table_literal(v, where, seen, out)
+    table_literal(v, where, seen, out, depth + 1)
   else
     raise(string.format('checkpoint.save: %s is a %s; only strings, numbers, booleans and tables of them can be saved',
                         where, tv))
   end
 end
 
--- a deterministic Lua literal for v (sorted keys, numbers with %.17g)
+-- a deterministic Lua literal for v (sorted keys, numbers with %.17g), checked to load back
 function M.serialize(v, where)
+  where = where or 'value'
   local out = {}
-  serialize(v, where or 'value', {}, out)
-  return table.concat(out)
+  serialize(v, where, {}, out, 0)
+  local s = table.concat(out)
+  local ok, err = load('return ' .. s, '=' .. where, 't', {})   -- compiled, not run: the parser's other limits
+  if not ok then
+    raise(string.format('checkpoint.save: %s could not be loaded back (%s); save a smaller or flatter value', where,
+                        tostring(err)))
+  end
+  return s
 end
 
 -- the value of a literal written by serialize, evaluated with no access to any global
@@ -231,6 +248,11 @@ local function write_checkpoint(f, what)
     end
     f:set_attr('', 'optim_kind', tostring(sd.kind))
     if type(sd.step) == 'number' then f:set_attr('', 'optim_step', sd.step) end
+    if sd.param_steps ~= nil then
+      local steps = {}
+      for i, name in ipairs(pnames) do steps[name] = sd.param_steps[i] end
+      f:set_attr('', 'optim_param_steps', M.serialize(steps, 'optimizer param_steps'))
+    end
     f:set_attr('', 'optim_hyper', M.serialize(sd.hyper or {}, 'optimizer hyper'))
   end
   local rng = U().rng_state()
@@ -345,7 +367,27 @@ local function check_optim(f, opt, by_key, strict, problems, plan)
     hyper = M.deserialize(read_attr(f, 'optim_hyper', true), 'optim_hyper'),
     state = {},
   }
-  if type(sd.step) ~= 'number' then problems[#problems + 1] = '  the file has no optim_step number' end
+  local step = sd.step
+  if type(step) ~= 'number' or step < 0 or step ~= math.floor(step) then
+    problems[#problems + 1] = '  the file has no optim_step (a non-negative integer)'
+    step = math.huge
+  end
+  local lr = type(sd.hyper) == 'table' and sd.hyper.lr
+  if type(sd.hyper) ~= 'table' or (lr ~= nil and (type(lr) ~= 'number' or not (lr >= 0))) then
+    problems[#problems + 1] = '  optim_hyper is not a table with lr a number >= 0'
+  end
+  local steps = f:attr('', 'optim_param_steps')   -- absent in older files: every parameter has optim_step
+  if steps ~= nil then
+    steps = M.deserialize(steps, 'optim_param_steps')
+    sd.param_steps = {}
+    for i, name in ipairs(pnames) do
+      local s = type(steps) == 'table' and steps[name]
+      if type(s) ~= 'number' or s < 0 or s > step or s ~= math.floor(s) then
+        problems[#problems + 1] = string.format('  optim_param_steps has no step count in [0, optim_step] for %s', name)
+      end
+      sd.param_steps[i] = s
+    end
+  end
   local file_keys = {}
   if f:exists('optim') then
     for _, ds in ipairs(f:list('optim')) do file_keys[ds:match('^optim/([^/]+)/')] = true end
@@ -376,6 +418,12 @@ local function check_optim(f, opt, by_key, strict, problems, plan)
   return sd
 end
 
+-- dataset `name` into t; a non-contiguous t (a transposed parameter) through a contiguous copy
+local function read_into(f, name, t)
+  if t:is_contiguous() then return f:read_into(name, t) end
+  t:copy_(f:read_into(name, T.empty(t:shape(), { dtype = t:dtype(), device = t:device() })))
+end
+
 local function load_from(f, opts)
   if read_attr(f, 'format', true) ~= FORMAT then
     raise(string.format("checkpoint.load: %s is not a ulysses checkpoint (format attribute is '%s')", f.path,
@@ -399,10 +447,22 @@ local function load_from(f, opts)
     raise(string.format('checkpoint.load: %s does not match (nothing was loaded):\n%s', f.path,
                         table.concat(problems, '\n')))
   end
+  -- every other value read and checked too, before anything changes
+  local res = {
+    step = f:attr('', 'step'),
+    config = M.deserialize(read_attr(f, 'config', true), 'config'),
+    data = M.deserialize(read_attr(f, 'data', true), 'data'),
+    extra = M.deserialize(read_attr(f, 'extra', true), 'extra'),
+    rng = { seed = parse_u64(read_attr(f, 'rng_seed', true), 'rng_seed'),
+            offset = parse_u64(read_attr(f, 'rng_offset', true), 'rng_offset') },
+    optim_kind = f:attr('', 'optim_kind'),
+    created = f:attr('', 'created'),
+    library_version = f:attr('', 'library_version'),
+  }
   -- everything checked: copy
   U().no_grad(function()
     for i, e in ipairs(plan) do
-      local ok, err = pcall(f.read_into, f, e[1], e[2])
+      local ok, err = pcall(read_into, f, e[1], e[2])
       if not ok then   -- a corrupt tensor (its checksum) or an unreadable one, found while copying
         raise(string.format('checkpoint.load: %s%s', tostring(err):gsub('^[^:]*%.lua:%d+: ', ''),
                             i > 1 and string.format(' (%d tensors before it were already loaded: load a good checkpoint '
@@ -411,19 +471,8 @@ local function load_from(f, opts)
     end
   end)
   if sd then opts.optim:load_state_dict(sd) end
-  local rng = { seed = parse_u64(read_attr(f, 'rng_seed', true), 'rng_seed'),
-                offset = parse_u64(read_attr(f, 'rng_offset', true), 'rng_offset') }
-  U().set_rng_state(rng)
-  return {
-    step = f:attr('', 'step'),
-    config = M.deserialize(read_attr(f, 'config', true), 'config'),
-    data = M.deserialize(read_attr(f, 'data', true), 'data'),
-    extra = M.deserialize(read_attr(f, 'extra', true), 'extra'),
-    rng = rng,
-    optim_kind = f:attr('', 'optim_kind'),
-    created = f:attr('', 'created'),
-    library_version = f:attr('', 'library_version'),
-  }
+  U().set_rng_state(res.rng)
+  return res
 end
 
 local LOAD_KEYS = { model = true, optim = true, strict = true }

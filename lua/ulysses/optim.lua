@@ -3,7 +3,7 @@
 --
 --   optim.AdamW(params, {lr = 3e-4, betas = {0.9, 0.95}, eps = 1e-8, weight_decay = 0.1})
 --   optim.SGD(params, {lr = 1e-3, momentum = 0, dampening = 0, weight_decay = 0, nesterov = false})
---   opt:step(); opt:zero_grad(set_to_none = true); opt.lr = x; opt.step_count; opt.params
+--   opt:step(); opt:zero_grad(set_to_none = true); opt.lr = x; opt.step_count; opt.params; opt.param_steps
 --   opt:state_dict(); opt:load_state_dict(sd); opt:grad_norm(); opt:clip_grad_norm(max_norm)
 --   optim.grad_norm(params); optim.clip_grad_norm(params, max_norm)
 --   optim.schedule.cosine{lr =, warmup =, steps =, min_lr =}; .constant{lr =, warmup =}; .from_opts(o)
@@ -13,6 +13,9 @@
 -- (weights, embeddings; not norms and biases) unless a group sets weight_decay; SGD, like
 -- PyTorch, decays every tensor unless a group says otherwise. The updates are those of
 -- torch.optim.AdamW / torch.optim.SGD, run in C (core/optim.c) over every parameter in one call.
+-- As in PyTorch, a step skips the parameters without a grad, and each parameter counts its own
+-- steps (opt.param_steps[i]; opt.step_count counts calls of opt:step()): one that first gets a
+-- grad late starts AdamW's bias correction and SGD's momentum buffer on its own first update.
 --
 -- Gradient accumulation needs nothing from the optimizer: backward ADDS into .grad, so
 --   opt:zero_grad()
@@ -135,6 +138,12 @@ local function zeros_like(t)
   return T.empty(t:shape(), { device = t:device() }):fill_(0)
 end
 
+local function zero_steps(list)
+  local steps = {}
+  for i = 1, #list do steps[i] = 0 end
+  return steps
+end
+
 local function handle_array(list)
   local arr = handles_t(math.max(#list, 1))
   for i, t in ipairs(list) do arr[i - 1] = t._h end
@@ -167,6 +176,7 @@ function Optimizer:_cache(lists)
   self._lists, self._arrays = lists, {}
   for name, list in pairs(lists) do self._arrays[name] = handle_array(list) end
   self._n = #self.params
+  self._due = {}
   self._wd = doubles_t(math.max(self._n, 1))
   for i, w in ipairs(self.weight_decays) do self._wd[i - 1] = w end
 end
@@ -199,8 +209,62 @@ function Optimizer:clip_grad_norm(max_norm)
   return optim._clip(self._arrays.params, self._n, max_norm)
 end
 
--- { kind, step, hyper = {...}, state = { name = {tensor per parameter} } }; the state tensors are
--- the optimizer's own (not copies): save them before the next step changes them
+-- the cached lists cut down to the parameters with due[i] == k: arrays, weight decays, count
+function Optimizer:_subset(due, k)
+  local idx = {}
+  for i = 1, self._n do if due[i] == k then idx[#idx + 1] = i end end
+  local arrays, wd = {}, doubles_t(#idx)
+  for name, list in pairs(self._lists) do
+    if #list > 0 then   -- SGD without momentum keeps no buffers
+      local arr = handles_t(#idx)
+      for j, i in ipairs(idx) do arr[j - 1] = list[i]._h end
+      arrays[name] = arr
+    end
+  end
+  for j, i in ipairs(idx) do wd[j - 1] = self.weight_decays[i] end
+  return arrays, wd, #idx
+end
+
+-- one opt:step(): the C step, self:_run(arrays, weight_decays, n, step, lr), for the parameters
+-- with a grad, which then count the step. Those whose next step s has the same key(s) share a
+-- call: one on the cached arrays when all do (the usual case; the C step skips parameters
+-- without a grad), else one per key on arrays of their own (each call checks its own parameters
+-- before it changes any).
+function Optimizer:_update(key)
+  local lr = self:_lr()
+  self:_check_handles()
+  local due, steps = self._due, self.param_steps   -- due[i]: parameter i's key, false without a grad
+  local first, mixed = nil, false
+  for i = 1, self._n do
+    local g = C.uly_tensor_grad(self.params[i]._h)
+    due[i] = g ~= nil and key(steps[i] + 1)
+    if g ~= nil then
+      C.uly_tensor_release(g)
+      first = first or due[i]
+      mixed = mixed or due[i] ~= first
+    end
+  end
+  if not mixed then
+    if first then self:_run(self._arrays, self._wd, self._n, first, lr) end
+    for i = 1, self._n do if due[i] then steps[i] = steps[i] + 1 end end
+  else
+    for i = 1, self._n do
+      local k = due[i]
+      if k then
+        local arrays, wd, n = self:_subset(due, k)
+        self:_run(arrays, wd, n, k, lr)
+        for j = i, self._n do
+          if due[j] == k then steps[j], due[j] = steps[j] + 1, false end
+        end
+      end
+    end
+  end
+  self.step_count = self.step_count + 1
+end
+
+-- { kind, step, param_steps = {steps per parameter}, hyper = {...}, state = { name = {tensor per
+-- parameter} } }; the state tensors are the optimizer's own (not copies): save them before the
+-- next step changes them
 function Optimizer:state_dict()
   local state = {}
   for _, name in ipairs(self._state_names) do
@@ -208,11 +272,14 @@ function Optimizer:state_dict()
     for i, t in ipairs(self.state[name]) do list[i] = t end
     state[name] = list
   end
-  return { kind = self.kind, step = self.step_count, hyper = self:_hyper(), state = state }
+  local param_steps = {}
+  for i, s in ipairs(self.param_steps) do param_steps[i] = s end
+  return { kind = self.kind, step = self.step_count, param_steps = param_steps, hyper = self:_hyper(), state = state }
 end
 
 -- copy a state_dict's tensors into this optimizer's state (all checked before any copy) and
--- restore the step count and lr; other hyperparameters stay as constructed
+-- restore the step counts and lr; other hyperparameters stay as constructed. Without param_steps
+-- (a state saved before they existed, or ZeroAdamW's) every parameter gets `step`.
 function Optimizer:load_state_dict(sd)
   local what = self.kind .. ':load_state_dict'
   if type(sd) ~= 'table' then raise(what .. ': expected a state_dict table, got ' .. type(sd)) end
@@ -221,6 +288,19 @@ function Optimizer:load_state_dict(sd)
   end
   if not is_int(sd.step) or sd.step < 0 then
     raise(what .. ': step must be a non-negative integer, got ' .. tostring(sd.step))
+  end
+  local steps = sd.param_steps
+  if steps ~= nil then
+    if type(steps) ~= 'table' or #steps ~= #self.params then
+      raise(string.format('%s: param_steps must be a list of %d step counts (one per parameter), got %s', what,
+                          #self.params, type(steps) == 'table' and #steps .. ' entries' or type(steps)))
+    end
+    for i, s in ipairs(steps) do
+      if not is_int(s) or s < 0 or s > sd.step then
+        raise(string.format('%s: param_steps[%d] must be an integer in [0, step = %d], got %s', what, i, sd.step,
+                            tostring(s)))
+      end
+    end
   end
   if type(sd.state) ~= 'table' then raise(what .. ': the state_dict has no state table') end
   local lr = sd.hyper and sd.hyper.lr
@@ -249,6 +329,7 @@ function Optimizer:load_state_dict(sd)
     end
   end
   self.step_count = sd.step
+  for i = 1, #self.params do self.param_steps[i] = steps and steps[i] or sd.step end
   if lr ~= nil then self.lr = lr end
 end
 
@@ -292,6 +373,7 @@ function optim.AdamW(params, opts)
     _state_names = { 'exp_avg', 'exp_avg_sq' },
   }, AdamW)
   self.params, self.weight_decays = optim._adamw_params('AdamW', params, self.weight_decay)
+  self.param_steps = zero_steps(self.params)
   local m, v = {}, {}
   for i, p in ipairs(self.params) do m[i], v[i] = zeros_like(p), zeros_like(p) end
   self.state = { exp_avg = m, exp_avg_sq = v }
@@ -303,14 +385,12 @@ function AdamW:_hyper()
   return { lr = self.lr, betas = { self.betas[1], self.betas[2] }, eps = self.eps, weight_decay = self.weight_decay }
 end
 
-function AdamW:step()
-  local lr = self:_lr()
-  self:_check_handles()
-  local step = self.step_count + 1
-  local a = self._arrays
-  check(C.uly_adamw_step(a.params, a.exp_avg, a.exp_avg_sq, self._wd, self._n, lr, self.betas[1], self.betas[2],
-                         self.eps, step))
-  self.step_count = step
+local function own_step(s) return s end
+
+function AdamW:step() self:_update(own_step) end
+
+function AdamW:_run(a, wd, n, step, lr)
+  check(C.uly_adamw_step(a.params, a.exp_avg, a.exp_avg_sq, wd, n, lr, self.betas[1], self.betas[2], self.eps, step))
 end
 
 ---------------------------------------------------------------- SGD
@@ -338,6 +418,7 @@ function optim.SGD(params, opts)
   local wd = self.weight_decay
   self.params, self.weight_decays = collect('SGD', params, { params = true, weight_decay = true },
                                             function() return wd end)
+  self.param_steps = zero_steps(self.params)
   local bufs = {}
   if self.momentum ~= 0 then
     for i, p in ipairs(self.params) do bufs[i] = zeros_like(p) end
@@ -352,14 +433,15 @@ function SGD:_hyper()
            nesterov = self.nesterov }
 end
 
-function SGD:step()
-  local lr = self:_lr()
-  self:_check_handles()
-  local step = self.step_count + 1
-  local bufs = self.momentum ~= 0 and self._arrays.momentum_buf or nil
-  check(C.uly_sgd_step(self._arrays.params, bufs, self._wd, self._n, lr, self.momentum, self.dampening,
-                       self.nesterov and 1 or 0, step))
-  self.step_count = step
+-- SGD's update depends on the step only through whether it is the parameter's first (the
+-- momentum buffer starts as the grad): 1 for a first step, 2 for any later one
+local function first_or_later(s) return s == 1 and 1 or 2 end
+
+function SGD:step() self:_update(first_or_later) end
+
+function SGD:_run(a, wd, n, step, lr)
+  local bufs = self.momentum ~= 0 and a.momentum_buf or nil
+  check(C.uly_sgd_step(a.params, bufs, wd, n, lr, self.momentum, self.dampening, self.nesterov and 1 or 0, step))
 end
 
 ---------------------------------------------------------------- gradient norm and clipping
