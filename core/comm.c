@@ -1,7 +1,7 @@
-/* core/comm.c — the process grid: MPI started (or not) and the world, sequence-parallel and
- * data-parallel groups made from it, shutdown (an abort when a collective timed out, since MPI
- * cannot finish cleanly then), the deadline every wait uses (uly_dist_set_timeout; else
- * ULY_COMM_TIMEOUT; else 600 s), and the byte/time stats.
+/* core/comm.c — the process grid: MPI started (or not), every rank's sp agreed on, and the world,
+ * sequence-parallel and data-parallel groups made from it, shutdown (an abort when a collective
+ * timed out, since MPI cannot finish cleanly then), the deadline every wait uses
+ * (uly_dist_set_timeout; else ULY_COMM_TIMEOUT; else 600 s), and the byte/time stats.
  *
  * Without MPI (the library built without it, or the process not launched by mpirun) the world
  * has one rank, MPI is never initialised, and every collective is a local copy or a no-op.
@@ -119,6 +119,40 @@ static int start_mpi(int *world) {
     return 0;
 }
 
+static int init_stranded;   /* the grid agreement timed out: MPI cannot shut down cleanly */
+
+/* every rank's sp before anything is split (no rank may build another grid): each rank judges the
+ * same table, so a mismatch is the same error on every rank; waits as a collective does */
+static int agree_on_grid(int sp_size, int world) {
+    int *all = calloc((size_t)world, sizeof *all);
+    if (!all) return uly_set_error("uly_dist_init: out of memory");
+    MPI_Request req;
+    if (MPI_Iallgather(&sp_size, 1, MPI_INT, all, 1, MPI_INT, MPI_COMM_WORLD, &req) != MPI_SUCCESS) {
+        free(all);
+        return uly_set_error("uly_dist_init: MPI_Iallgather failed");
+    }
+    double deadline = uly_grid.timeout > 0 ? comm_now() + uly_grid.timeout : 0;
+    for (int done = 0; MPI_Test(&req, &done, MPI_STATUS_IGNORE), !done;) {
+        if (deadline > 0 && comm_now() > deadline) {
+            init_stranded = 1;   /* MPI may still write into `all`: leaked */
+            return uly_set_error("uly_dist_init: timed out after %g s waiting for every rank to call dist.init (a rank "
+                                 "failed or ended before it): end the job (uly.dist.abort)", uly_grid.timeout);
+        }
+        struct timespec ts = {0, 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    int same = 1;
+    for (int r = 1; r < world; r++) same &= all[r] == all[0];
+    msgbuf m = {.n = 0};
+    if (!same) {
+        comm_put(&m, "uly_dist_init: the ranks passed different sp (sequence-parallel group sizes):");
+        for (int r = 0; r < world && r < 16; r++) comm_put(&m, "%s rank %d sp = %d", r ? "," : "", r, all[r]);
+        comm_put(&m, "%s: every rank must call dist.init with the same sp", world > 16 ? ", ..." : "");
+    }
+    free(all);
+    return same ? 0 : uly_set_error("%s", m.s);
+}
+
 static int mpi_group(uly_comm *g, const char *name, int color) {
     g->name = name;
     if (MPI_Comm_split(MPI_COMM_WORLD, color, uly_grid.rank, &g->data) != MPI_SUCCESS ||
@@ -160,7 +194,6 @@ static void free_group(uly_comm *g) {
 }
 
 int uly_dist_init(int sp_size) {
-    if (sp_size < 1) return uly_set_error("uly_dist_init: sp = %d: the sequence-parallel group size must be at least 1", sp_size);
     if (uly_grid.initialized) {
         if (sp_size == uly_grid.sp) return 0;
         return uly_set_error("uly_dist_init: the grid is already set up with sp = %d; it cannot change to sp = %d in the "
@@ -171,6 +204,7 @@ int uly_dist_init(int sp_size) {
     uly_grid.rank = 0;
 #ifdef ULY_WITH_MPI
     if (start_mpi(&world)) return -1;
+    if (world > 1 && agree_on_grid(sp_size, world)) return -1;   /* before any check of sp: the same error everywhere */
 #else
     if (launched_size() > 1)
         return uly_set_error("uly_dist_init: launched by mpirun with %d ranks, but libulysses was built without MPI: "
@@ -178,6 +212,7 @@ int uly_dist_init(int sp_size) {
 #endif
     uly_grid.mpi = world > 0;
     if (!uly_grid.mpi) world = 1;
+    if (sp_size < 1) return uly_set_error("uly_dist_init: sp = %d: the sequence-parallel group size must be at least 1", sp_size);
     if (world % sp_size) {
         if (!uly_grid.mpi)
             return uly_set_error("uly_dist_init: sp = %d needs %d ranks, but this process is a world of 1 rank (not "
@@ -224,6 +259,9 @@ int uly_dist_finalize(void) {
     int broken = 0;
     const uly_comm *groups[3] = {&uly_grid.world, &uly_grid.sp_group, &uly_grid.dp_group};
     for (int i = 0; i < 3; i++) broken |= groups[i]->broken || comm_device_aborted(groups[i]);
+#ifdef ULY_WITH_MPI
+    broken |= init_stranded;
+#endif
     if (uly_grid.initialized && uly_grid.mpi && !broken) agree_to_finish();
     if (uly_grid.initialized) {
         free_group(&uly_grid.world);

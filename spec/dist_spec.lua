@@ -486,13 +486,13 @@ describe('dist fails fast instead of hanging', function()
   local mpirun = not under_mpirun and uly.has('mpi') and os.execute('command -v mpirun >/dev/null 2>&1')
   mpirun = mpirun == 0 or mpirun == true
 
-  -- run a Lua script on 2 ranks under `timeout 60`; returns its output and exit status
-  local function job(script, env)
+  -- run a Lua script on np (default 2) ranks under `timeout 60`; returns its output and exit status
+  local function job(script, env, np)
     local root = require('ulysses.ffi').root
     local cmd = string.format(
       "cd %s && %s OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 " ..
       "OMPI_MCA_hwloc_base_binding_policy=none LUA_PATH='lua/?.lua;lua/?/init.lua;;' " ..
-      "timeout 60 mpirun -np 2 luajit -e %s 2>&1; echo \"rc=$?\"", shq(root), env or '', shq(script))
+      "timeout 60 mpirun -np %d luajit -e %s 2>&1; echo \"rc=$?\"", shq(root), env or '', np or 2, shq(script))
     local p = io.popen(cmd)
     local out = p:read('*a')
     p:close()
@@ -511,6 +511,25 @@ describe('dist fails fast instead of hanging', function()
       end)]])
     helpers.assert_failed_not_hung(rc, out)
     assert.matches('ulysses: rank 1: [^\n]*rank one gives up', out)
+  end)
+
+  it('ranks that pass different sp to dist.init all fail, before any grid is made', function()
+    if not mpirun then return pending('needs mpirun and a library built with MPI') end
+    -- on 2 ranks rank 1 asks for sp = 2, on 4 ranks rank 3 for sp = 4; the others for sp = 1 / 2
+    for _, np in ipairs({ 2, 4 }) do
+      local out, rc = job(string.format([[
+        local dist = require('ulysses').dist
+        local r = dist.rank()
+        local ok, err = pcall(dist.init, { sp = r == %d and %d or %d })
+        print(string.format('rank %%d: %%s', r, ok and 'made a grid' or err))]], np - 1, np, np / 2), nil, np)
+      assert.equal(0, rc, out)
+      local want = np == 2 and 'rank 0 sp = 1, rank 1 sp = 2' or 'rank 0 sp = 2, rank 1 sp = 2, rank 2 sp = 2, rank 3 sp = 4'
+      for r = 0, np - 1 do
+        assert.matches('rank ' .. r .. ': [^\n]*uly_dist_init: the ranks passed different sp %(sequence%-parallel group '
+                       .. 'sizes%): ' .. want:gsub('%-', '%%-') .. ': every rank must call dist.init with the same sp', out)
+      end
+      assert.not_matches('made a grid', out, 1, true)
+    end
   end)
 
   it('a rank that skips a collective and ends fails the other at once, naming the collective', function()

@@ -60,6 +60,36 @@ end
 
 local LLAMA = { preset = 'tiny', layers = 3, heads = 4, kv_heads = 2, dim = 32, hidden = 48, seq = 32 }
 
+-- the error of fn(...) (nil if none), after checking that every rank of the group got the same one
+local function same_error_everywhere(group, fn, ...)
+  local ok, err = pcall(fn, ...)
+  local msg = ok and '' or tostring(err):gsub('^[^:]*:%d+: ', '')
+  local h = 0
+  for i = 1, #msg do h = (h * 31 + msg:byte(i)) % 2147483647 end
+  group:check_same('the error message', { #msg, h })
+  return not ok and msg or nil
+end
+
+-- three Linear(2, 2); `skip` lists layers this rank's forward leaves out; `extra` (a parameter)
+-- is added to the output on ranks where it is given. Returns the loss.
+local function small_forward(m, sync, skip, extra)
+  local h = uly.randn(3, 2)
+  for i = 1, 3 do
+    if not skip[i] then
+      if sync then h = sync:mark(h, m[i]) end
+      h = m[i](h)
+    end
+  end
+  if extra then h = h + extra end
+  return (h * h):sum()
+end
+
+local function small_model()
+  uly.manual_seed(3)
+  local nn = uly.nn
+  return nn.Sequential(nn.Linear(2, 2, { std = 1 }), nn.Linear(2, 2, { std = 1 }), nn.Linear(2, 2, { std = 1 }))
+end
+
 describe('gradient all-reduce overlapped with backward (dist.grad_sync) #mpi', function()
   local cases = {
     { 'GPT with tied embeddings', GPT, { preset = 'tiny', layers = 3, heads = 4, dim = 32, seq = 16 }, 14 },
@@ -101,6 +131,78 @@ describe('gradient all-reduce overlapped with backward (dist.grad_sync) #mpi', f
     assert.is_true(info.started_in_backward >= info.buckets / 2)
     if grid().world > 1 then assert.equal(helpers.expected_device_path(), grid().world_group:device_path()) end
     if not real then helpers.reset_simulated_device() end
+  end)
+
+  it('refuses ranks whose forwards marked different layers, on every rank, at any step', function()
+    local g = grid()
+    local w = g.world_group
+    -- step 1: every rank runs every layer; step 2: rank 1 skips layer 2 (stochastic depth)
+    local m = small_model()
+    local sync = dist.grad_sync(m:parameters(), w)
+    uly.manual_seed(10 + g.rank)
+    small_forward(m, sync, {}):backward()
+    sync:finish()
+    local first = grads(m:parameters())
+    local ref = small_model()
+    uly.manual_seed(10 + g.rank)
+    small_forward(ref, nil, {}):backward()
+    dist.all_reduce_grads(ref:parameters(), w)
+    m:zero_grad()
+    local loss = small_forward(m, sync, { [2] = g.rank == 1 })
+    local err = same_error_everywhere(w, loss.backward, loss)
+    if not err then sync:finish() end   -- (a world of one: nothing to disagree)
+    local pending = w:pending()
+    -- the sync goes on once the ranks agree again
+    m:zero_grad()
+    uly.manual_seed(10 + g.rank)
+    small_forward(m, sync, {}):backward()
+    sync:finish()
+    assert.is_true(largest_difference(first, grads(ref:parameters())) <= 1e-6)
+    assert.is_true(largest_difference(grads(m:parameters()), grads(ref:parameters())) <= 1e-6)
+    assert.equal(0, pending)
+    if g.world == 1 then return assert.is_nil(err) end
+    assert.is_string(err, 'no error though rank 1 skipped a layer')
+    assert.matches('grad_sync: the layout of the gradient buffer', err, 1, true)
+    assert.matches("forward passes marked different layers", err, 1, true)
+    assert.matches('dist.all_reduce_grads', err, 1, true)
+  end)
+
+  it('sums what dist.all_reduce_grads sums when a parameter has a gradient on some ranks only', function()
+    local g = grid()
+    local function run(use_sync)
+      local m = small_model()
+      local extra = uly.zeros(3, 2, { requires_grad = true })
+      local params = m:parameters()
+      params[#params + 1] = extra
+      local sync = use_sync and dist.grad_sync(params, g.world_group, { bucket_bytes = 16 })
+      uly.manual_seed(20 + g.rank)
+      small_forward(m, sync, {}, g.rank % 2 == 0 and extra or nil):backward()   -- no grad on odd ranks
+      if sync then sync:finish({ scale = 0.5 }) else dist.all_reduce_grads(params, g.world_group, { scale = 0.5 }) end
+      return grads(params)
+    end
+    local got, want = run(true), run(false)
+    assert.is_true(largest_difference(got, want) <= 1e-6)
+    assert.is_true(math.abs(got[#got][1]) > 0)
+  end)
+
+  it('refuses parameter lists that differ between the ranks, naming the first difference', function()
+    local g = grid()
+    local w, odd = g.world_group, g.rank % 2 == 1
+    local nn = uly.nn
+    -- the same element count, other shapes; then another dtype
+    local m = odd and nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 3)) or nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2))
+    local shapes = same_error_everywhere(w, dist.grad_sync, m:parameters(), w)
+    local typed = uly.zeros(2, 3, { dtype = odd and 'bf16' or 'f32', requires_grad = true })
+    local dtypes = same_error_everywhere(w, dist.grad_sync, { uly.zeros(4, { requires_grad = true }), typed }, w)
+    local counts = same_error_everywhere(w, dist.grad_sync, odd and { typed } or m:parameters(), w)
+    if g.world == 1 then return end
+    local a, b = m:parameters()[1]:shape(), { m:parameters()[1]:shape()[2], m:parameters()[1]:shape()[1] }
+    if odd then a, b = b, a end
+    assert.matches(string.format('grad_sync: the ranks of group world hold different parameters: parameter 1 is '
+                                 .. 'f32[%d, %d] on rank 0 but f32[%d, %d] on rank 1', a[1], a[2], b[1], b[2]),
+                   shapes or 'no error', 1, true)
+    assert.matches('parameter 2 is f32[2, 3] on rank 0 but bf16[2, 3] on rank 1', dtypes or 'no error', 1, true)
+    assert.matches('grad_sync: the number of parameters differs between the ranks', counts or 'no error', 1, true)
   end)
 
   it('refuses a second forward before finish, with a message that says what to do', function()

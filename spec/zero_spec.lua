@@ -192,7 +192,7 @@ describe('dist.ZeroAdamW: AdamW with its state sharded over the ranks #mpi', fun
       return flat_params(m)
     end
     local weights = {}
-    for i, p in ipairs(am:parameters()) do weights[i] = p:clone() end
+    for i, p in ipairs(am:parameters()) do weights[i] = p:detach():clone() end
     local want = continue('adamw', asd, weights)
     local d1 = param_difference(continue('zero', asd, weights), want)
     local d2 = param_difference(continue('adamw', zsd, weights), want)
@@ -234,6 +234,34 @@ describe('dist.ZeroAdamW: AdamW with its state sharded over the ranks #mpi', fun
     assert.same(helpers.list(before.state.exp_avg[1]:view(-1)), helpers.list(o3.state.exp_avg[1]:view(-1)))
     g.world_group:barrier()
     if g.rank == 0 then helpers.rmtree(dir) end
+  end)
+
+  it('refuses parameter lists that differ between the ranks, on every rank, before changing any', function()
+    local g = grid()
+    local w, odd = g.world_group, g.rank % 2 == 1
+    local nn = uly.nn
+    uly.manual_seed(5 + g.rank)
+    -- the same element count, other shapes (rank 0's weights would be broadcast over the others')
+    local m = odd and nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 3)) or nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2))
+    local before = flat_params(m)
+    local function error_of(list)
+      local ok, err = pcall(dist.ZeroAdamW, list, w, { lr = LR })
+      local msg = ok and '' or tostring(err):gsub('^[^:]*:%d+: ', '')
+      local h = 0
+      for i = 1, #msg do h = (h * 31 + msg:byte(i)) % 2147483647 end
+      w:check_same('the error message', { #msg, h })   -- every rank raised the same
+      return msg
+    end
+    local shapes = error_of(m:parameters())
+    local counts = error_of(odd and { m:parameters()[1] } or m:parameters())
+    assert.are.same(before, flat_params(m))
+    if g.world == 1 then return end
+    local a = m:parameters()[1]:shape()
+    if odd then a = { a[2], a[1] } end
+    assert.matches(string.format('ZeroAdamW: the ranks of group world hold different parameters: parameter 1 is '
+                                 .. 'f32[%d, %d] on rank 0 but f32[%d, %d] on rank 1', a[1], a[2], a[2], a[1]),
+                   shapes, 1, true)
+    assert.matches('ZeroAdamW: the number of parameters differs between the ranks', counts, 1, true)
   end)
 
   it('on device cuda follows the CPU', function()

@@ -195,6 +195,41 @@ function Group:check_same(what, values)
   check(C.uly_comm_check_same(self._c, tostring(what or 'a value'), arr, n))
 end
 
+-- raises the same error on every rank, naming the first difference, when the ranks' lists of
+-- tensors (parameters) differ in length or in any tensor's dtype or shape (in order): a flat
+-- buffer over them would otherwise mix up different parameters' elements
+local MAX_DIMS = 8   -- ULY_MAX_DIMS
+function Group:check_same_params(what, params)
+  local n = #params
+  self:check_same(what .. ': the number of parameters', { n })
+  if n == 0 or self:size() == 1 then return end
+  local W = 2 + MAX_DIMS   -- a row per tensor: dtype, number of dims, the dims (0 past them)
+  local mine = T.empty({ n * W }, { dtype = 'i64', device = 'cpu' }):fill_(0)
+  local row = ffi.cast('int64_t *', mine:data_ptr())
+  for i, p in ipairs(params) do
+    local shape = p:shape()
+    row[(i - 1) * W], row[(i - 1) * W + 1] = C.uly_tensor_dtype(H(p, what .. ': parameter ' .. i)), #shape
+    for d, s in ipairs(shape) do row[(i - 1) * W + 1 + d] = s end
+  end
+  local all = self:all_gather(mine)
+  local rows = ffi.cast('int64_t *', all:data_ptr())
+  local function desc(r, i)
+    local at, dims = (r * n + i - 1) * W, {}
+    for d = 1, tonumber(rows[at + 1]) do dims[d] = tostring(tonumber(rows[at + 1 + d])) end
+    return string.format('%s[%s]', T.DTYPE_NAMES[tonumber(rows[at])] or '?', table.concat(dims, ', '))
+  end
+  for i = 1, n do
+    for r = 1, self:size() - 1 do
+      local a, b = desc(0, i), desc(r, i)
+      if a ~= b then
+        raise(string.format('%s: the ranks of group %s hold different parameters: parameter %d is %s on rank 0 but '
+                            .. '%s on rank %d; every rank must build the same model and pass its parameters in the '
+                            .. 'same order', what, self:name(), i, a, b, r))
+      end
+    end
+  end
+end
+
 ---------------------------------------------------------------- the grid
 local function grid()
   if C.uly_dist_initialized() == 0 then

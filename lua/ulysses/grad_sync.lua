@@ -15,6 +15,9 @@
 -- weights, a parameter marked twice), starts the remaining buckets, waits for all of them and
 -- copies the sums back into the grads (then multiplies by opts.scale, as all_reduce_grads).
 -- The sums are those of dist.all_reduce_grads (per element; the bucketing differs).
+-- The ranks must hold the same parameters (checked when the sync is made) and mark the same
+-- layers in the same order (checked every step, as the layout follows the marks): otherwise
+-- every rank raises the same error, and dist.all_reduce_grads is the way to sync such models.
 --
 -- With gradient accumulation pass grad_sync to the last micro-batch's forward only: the marks
 -- of one forward are used by the next backward, and finish() starts over.
@@ -52,6 +55,7 @@ function M.new(dist, params, group, opts)
   if target ~= nil and not (type(target) == 'table' and target.sharded and target._sync_plan) then
     raise('grad_sync: target must be a dist.ZeroAdamW (use opt:grad_sync())')
   end
+  if not target then group:check_same_params('grad_sync', params) end   -- (ZeroAdamW checked its own)
   return setmetatable({ params = params, index = index, group = group, bucket_elems = math.floor(bucket_bytes / 4),
                         marks = {}, step = nil, plan = nil, last = nil, target = target }, GradSync)
 end
@@ -90,6 +94,23 @@ function GradSync:mark(x, what)
   return uly.nn.on_backward(x, function() self:_fired(k) end)
 end
 
+-- Every rank must lay the buffer out alike, or the all-reduces would sum different parameters'
+-- gradients. A rank's marks may change from step to step (a layer skipped), so this is checked
+-- every step (one small collective); on a mismatch every rank raises the same error.
+local function agree(self, order)
+  local ok, err = pcall(self.group.check_same, self.group,
+                        'grad_sync: the layout of the gradient buffer (parameter numbers, in the order the '
+                        .. 'layers this forward marked finish in backward)', order)
+  if ok then return end
+  err = tostring(err)
+  if not err:find('differs between the ranks', 1, true) then error(err, 0) end
+  self.marks = {}
+  raise(err .. '. The ranks\' forward passes marked different layers, or the same ones in another order (a '
+        .. 'layer skipped on some ranks, as stochastic depth does): run every layer on every rank (scale a '
+        .. 'skipped layer\'s output by 0 instead), or leave grad_sync out of the forward and call '
+        .. 'dist.all_reduce_grads after backward')
+end
+
 -- the flat layout for this forward's marks: the order backward finishes parameters in, then the rest
 local function layout(self)
   local n, count = #self.params, {}
@@ -101,7 +122,8 @@ local function layout(self)
     end
   end
   for i = 1, n do if count[i] ~= 1 then order[#order + 1] = i end end
-  if self.target then return self.target:_sync_plan(), owner end
+  if self.target then return self.target:_sync_plan(), owner end   -- a fixed layout: any marks agree
+  agree(self, order)
   local signature = table.concat(order, ',')
   local plan = self.plan
   local device = self.params[1]:device()

@@ -15,8 +15,9 @@
 --   local loss = model:loss(x, y, { grad_sync = sync }); loss:backward(); sync:finish()
 --   opt:clip_grad_norm(1.0); opt:step()
 --
--- Made once, after model:to(device): the parameters become views of one flat f32 buffer (the
--- same tensor objects, laid out last parameter first; their values broadcast from the group's
+-- Made once, after model:to(device), by every rank of the group with the same parameters
+-- (their dtypes and shapes, in order, are checked first): the parameters become views of one
+-- flat f32 buffer (the same tensor objects, laid out last parameter first; their values broadcast from the group's
 -- rank 0, so every rank starts alike). The buffer is cut into buckets of opts.bucket_bytes (default 64 MiB; each a multiple of
 -- G elements, the last padded with zeros); rank r owns the r-th 1/G of every bucket. A step
 -- copies each grad into a flat gradient buffer of the same layout (a parameter without a grad
@@ -136,6 +137,8 @@ function M.new(dist, params, group, opts)
                           .. '(model:to(device)) before making the optimizer', i, p:device(), device))
     end
   end
+  -- before anything changes: the flat buffer (broadcast from rank 0) must hold the same parameters everywhere
+  group:check_same_params(what, list)
   local G, r = group:size(), group:rank()
   local layout = plan_layout(list, G, r, math.floor(bucket_bytes / 4))
   local self = setmetatable({
