@@ -139,6 +139,12 @@ local model_cfg = Model { preset = opts.preset, seq = 8 }.config
 
 local function run_torch(T, B)
   local script = (require 'ulysses.ffi').root .. '/../shared/peers/torch_gpt_bench.py'
+  local f = io.open(script, 'rb')
+  if not f then   -- the peers' scripts sit beside the repository, not in it
+    return nil, 'no PyTorch peer: ' .. script .. ' is not there (--torch runs the peer script of ../shared/peers/, '
+      .. 'a checkout beside this repository)'
+  end
+  f:close()
   local corpus = opts.corpus
   if corpus == '' then
     for _, c in ipairs({ 'data/raw/kjv.txt', '/usr/share/common-licenses/GPL-3' }) do
