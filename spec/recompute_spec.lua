@@ -114,6 +114,27 @@ describe('activation checkpointing', function()
     local z = uly.no_grad(function() return nn.checkpoint(function(t) return t + 1 end, uly.ones(2)) end)
     assert.is_nil(z.grad_fn)
   end)
+
+  -- busted loads the package afresh for every spec file while the previous file's graphs may still
+  -- be alive: their nodes, freed later, must not take the replays of this load's segments with them
+  it('keeps the replays of two loads of the package apart', function()
+    local factory = require 'ulysses.nn.checkpoint'
+    local tensor = require 'ulysses.tensor'
+    local hook = tensor.after_collect
+    local first, second = {}, {}
+    factory(first, function() return uly end)
+    factory(second, function() return uly end)
+    tensor.after_collect = hook
+    local w = uly.randn(3, { requires_grad = true })
+    local function segment(load) return load.checkpoint(function(t) return (t * w):sum() end, uly.randn(3)) end
+    local old = segment(first)     -- a graph of the first load, alive
+    local y = segment(second)      -- one of the second
+    old = nil
+    for _ = 1, 6 do collectgarbage() end
+    second.checkpoint_pending()    -- takes in the freed ids
+    y:backward()
+    assert.is_not_nil(w.grad)
+  end)
 end)
 
 describe('checkpointing except attention (nn.checkpoint_except_attention)', function()

@@ -24,8 +24,14 @@ return function(nn, U)
   local ffi = require 'ffi'
   local attention_keep = require 'ulysses.attention_keep'
 
-  local pending = {}       -- id -> replay closure, until the C node is freed
-  local next_id = 0
+  -- id -> replay closure, until the C node is freed; the ids handed out; the C callback. One set
+  -- per process, not per load of this module: the C side's queue of freed ids is process-wide, so
+  -- a second load with ids of its own (busted loads the package afresh for every spec file; a
+  -- REPL user may reload it) would drop the first load's replays when its nodes are freed
+  local registry = debug.getregistry()
+  local shared = registry['ulysses.custom_ops'] or { pending = {}, next_id = 0 }
+  registry['ulysses.custom_ops'] = shared
+  local pending = shared.pending
   local released = ffi.new('int64_t[64]')
   -- bytes held by tensors, host and device together: segments run on either
   local held = require('ulysses.tensor').held_bytes
@@ -42,17 +48,16 @@ return function(nn, U)
   -- (they hold the segment's inputs and, through fn, the model)
   require('ulysses.tensor').after_collect = function() sweep(U().C) end
 
-  local callback -- created on first use (one per process)
-  local function get_callback(C, T)
-    if callback then return callback end
-    callback = ffi.cast('uly_custom_backward', function(id, g, gin)
+  local function get_callback(C)   -- created on first use (one per process)
+    if shared.callback then return shared.callback end
+    shared.callback = ffi.cast('uly_custom_backward', function(id, g, gin)
       local replay = pending[tonumber(id)]
       if not replay then return C.uly_fail('checkpoint: nothing recorded for this segment (freed?)') end
       local ok, err = pcall(replay, g, gin)
       if ok then return 0 end
       return C.uly_fail(tostring(err))
     end)
-    return callback
+    return shared.callback
   end
 
   -- the storage versions of a list of tensors, and the check that they are unchanged
@@ -81,7 +86,7 @@ return function(nn, U)
     if not any then inputs = { uly.zeros(1, { device = y:device(), requires_grad = true }) } end
     local hs = ffi.new('uly_tensor *[?]', math.max(#inputs, 1))
     for k, t in ipairs(inputs) do hs[k - 1] = t._h end
-    return T.wrap(C.uly_custom_op(#inputs, hs, y._h, get_callback(C, T), id)), not any
+    return T.wrap(C.uly_custom_op(#inputs, hs, y._h, get_callback(C), id)), not any
   end
 
   -- checkpoint(name, keep, fn, ...): nn.checkpoint, or with keep nn.checkpoint_except_attention.
@@ -111,8 +116,8 @@ return function(nn, U)
     if held() - before > 2 ^ 20 then collectgarbage() end
     if not uly.is_tensor(y) then error(name .. ': the function must return one tensor', 3) end
     sweep(C)
-    next_id = next_id + 1
-    local id = next_id
+    shared.next_id = shared.next_id + 1
+    local id = shared.next_id
     local anchored -- no input takes a gradient: gin[0] is the throwaway leaf's
     pending[id] = function(g_handle, gin)
       check_versions(name, tensors, labels, recorded)
@@ -216,8 +221,8 @@ return function(nn, U)
     local result = reduce == 'sum' and total or out
     if not recording then return result end
     sweep(C)
-    next_id = next_id + 1
-    local id = next_id
+    shared.next_id = shared.next_id + 1
+    local id = shared.next_id
     local anchored -- x takes no gradient: gin[0] is the throwaway leaf's
     pending[id] = function(g_handle, gin)
       check_versions('nn.chunked', read, labels, recorded)
@@ -259,14 +264,14 @@ return function(nn, U)
     local C, T = uly.C, require 'ulysses.tensor'
     if not uly.is_grad_enabled() or not x.requires_grad then return x end
     sweep(C)
-    next_id = next_id + 1
-    local id = next_id
+    shared.next_id = shared.next_id + 1
+    local id = shared.next_id
     pending[id] = function(g_handle, gin)
       if gin[0] ~= nil then T.check(C.uly_tensor_accumulate_(gin[0], g_handle)) end
       fn()
     end
     local hs = ffi.new('uly_tensor *[1]', x._h)
-    return T.wrap(C.uly_custom_op(1, hs, x:detach()._h, get_callback(C, T), id))
+    return T.wrap(C.uly_custom_op(1, hs, x:detach()._h, get_callback(C), id))
   end
 
   -- number of segments whose replay is still held (for leak checks)
