@@ -1,7 +1,8 @@
 -- spec/cuda_emu_spec.lua — checks of the CUDA emulator itself (kernels/cuda/emu/), on rules a
 -- kernel could break unseen until it runs on a GPU: setmaxnreg's register pool (a warpgroup that
--- grows waits until another shrinks), dynamic shared memory over 48 KiB only once allowed
--- (spec/support/emu_rules.cpp, built here against the emulator).
+-- grows waits until another shrinks), dynamic shared memory over 48 KiB only once allowed, a
+-- wgmma's product and its operands unchanged from issue to wait (spec/support/emu_rules.cpp,
+-- built here against the emulator).
 local helpers = require 'helpers'
 local base = require 'ulysses.ffi'
 
@@ -13,7 +14,7 @@ local plain = 'env -u LD_PRELOAD -u ASAN_OPTIONS '
 
 describe('the CUDA emulator', function()
   it('moves setmaxnreg registers through the block\'s pool, stops where a GPU would wait forever, and refuses '
-     .. 'shared memory a kernel was not allowed', function()
+     .. 'shared memory a kernel was not allowed, and checks a wgmma\'s product and operands', function()
     if not helpers.exists(emu_dir .. '/libulysses_cuemu.so') then pending('no ' .. emu_dir .. '/libulysses_cuemu.so') return end
     local _, has_cxx = helpers.run('command -v c++')
     if has_cxx ~= 0 then pending('no C++ compiler') return end
@@ -41,6 +42,17 @@ describe('the CUDA emulator', function()
     out, rc = helpers.run(plain .. helpers.shq(exe) .. ' smem')
     assert.are.equal(0, rc, out)
     assert.are.equal('refused 1 ran 1\nexit=0\n', out)
+    -- a wgmma with A and B through descriptors: the product; an operand written between its issue
+    -- and its wait (a row of A that only another warp's lanes take, an element of B) stops it
+    out, rc = helpers.run(plain .. helpers.shq(exe) .. ' wgmma')
+    assert.are.equal(0, rc, out)
+    assert.are.equal('wgmma ok\nexit=0\n', out)
+    for mode, operand in pairs { ['wgmma-a-late'] = 'A', ['wgmma-b-late'] = 'B' } do
+      out, rc = helpers.run(plain .. helpers.shq(exe) .. ' ' .. mode)
+      assert.are_not.equal(0, rc, mode .. ': ' .. out)
+      assert.truthy(out:find("cuda emulator: a wgmma's " .. operand .. ' tile changed between its issue and its wait', 1, true),
+                    mode .. ': ' .. out)
+    end
     helpers.rmtree(dir)
   end)
 end)

@@ -34,23 +34,27 @@ __device__ static inline void mma_bf16_16816(float c[4], const uint32_t a[4], co
     mine.b[0] = b[0];
     mine.b[1] = b[1];
     uly_emu::warp_gather(&mine, sizeof mine, all);
-    float A[16][16], Bm[16][8];
-    for (int l = 0; l < 32; l++) {
-        int g = l >> 2, t = l & 3;
-        for (int e = 0; e < 2; e++) {
-            A[g][2 * t + e] = mma_bf16_at(all[l].a[0], e);
-            A[g + 8][2 * t + e] = mma_bf16_at(all[l].a[1], e);
-            A[g][2 * t + 8 + e] = mma_bf16_at(all[l].a[2], e);
-            A[g + 8][2 * t + 8 + e] = mma_bf16_at(all[l].a[3], e);
-            Bm[2 * t + e][g] = mma_bf16_at(all[l].b[0], e);
-            Bm[2 * t + 8 + e][g] = mma_bf16_at(all[l].b[1], e);
-        }
-    }
+    /* this lane's rows of A (g, g + 8: lanes 4 g .. 4 g + 3 hold them) and columns of B (2 t,
+     * 2 t + 1: column n is held by lanes 4 n .. 4 n + 3) */
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float A[2][16], Bm[2][16];
+    for (int u = 0; u < 4; u++)
+        for (int e = 0; e < 2; e++) {
+            const regs &row = all[4 * g + u];
+            A[0][2 * u + e] = mma_bf16_at(row.a[0], e);
+            A[1][2 * u + e] = mma_bf16_at(row.a[1], e);
+            A[0][2 * u + 8 + e] = mma_bf16_at(row.a[2], e);
+            A[1][2 * u + 8 + e] = mma_bf16_at(row.a[3], e);
+            for (int h = 0; h < 2; h++) {
+                const regs &col = all[4 * (2 * t + h) + u];
+                Bm[h][2 * u + e] = mma_bf16_at(col.b[0], e);
+                Bm[h][2 * u + 8 + e] = mma_bf16_at(col.b[1], e);
+            }
+        }
     for (int i = 0; i < 4; i++) {
-        int r = g + 8 * (i >> 1), n = 2 * t + (i & 1);
+        const float *a_row = A[i >> 1], *b_col = Bm[i & 1];   /* row g + 8 (i >> 1), column 2 t + (i & 1) */
         float s = 0.0f;
-        for (int k = 0; k < 16; k++) s += A[r][k] * Bm[k][n];
+        for (int k = 0; k < 16; k++) s += a_row[k] * b_col[k];
         c[i] += s;
     }
 }

@@ -49,7 +49,7 @@ struct wgmma_op {
     float *d;
     int n, trans;
     uint64_t desc;
-    float a[16][16];
+    float a[2][16];                     /* this thread's rows of A: g and g + 8 (lane = 4 g + t) */
     unsigned group;
     std::vector<uint16_t> b_at_issue;   /* the B elements this thread reads, as they were at issue */
     bool a_shared;                      /* A through a descriptor (desc_a), checked again at the wait */
@@ -520,8 +520,36 @@ uint32_t shared_offset(const void *p) {
     return (uint32_t)(c - dyn_smem);
 }
 
-static uint16_t wgmma_b_bits(uint64_t desc, int trans, int k, int n);
-static float wgmma_b(uint64_t desc, int trans, int k, int n);
+/* element (k, n) of the 16 x N bf16 tile a descriptor points at (PTX ISA, the warpgroup matrix
+ * descriptor: start address, leading and stride byte offsets, each >> 4; bits 62-63 the
+ * swizzle). 128-byte swizzle: lines of 128 bytes, the 16-byte chunk index XORed with the line's
+ * index modulo 8 (address bits 4-6 ^= bits 7-9). K-major (trans 0): a line holds one n, k along
+ * it; MN-major (trans 1): a line holds one k, n along it (n < 64: one atom); groups of 8 lines
+ * `stride` bytes apart. The descriptor is decoded once per tile (b_tile), the elements read
+ * through it (b_bits). */
+struct b_tile { uint32_t start, sbo; int trans; };
+static b_tile b_decode(uint64_t desc, int trans) {
+    unsigned swz = (unsigned)(desc >> 62);
+    if (swz != 1) { fprintf(stderr, "cuda emulator: wgmma descriptor swizzle %u (only 128-byte is emulated)\n", swz); abort(); }
+    return b_tile{(uint32_t)(desc & 0x3fff) << 4, (uint32_t)((desc >> 32) & 0x3fff) << 4, trans};
+}
+static inline uint16_t b_bits(const b_tile &t, int k, int n) {
+    if (t.trans && n >= 64) { fprintf(stderr, "cuda emulator: MN-major wgmma B wider than one 128-byte atom\n"); abort(); }
+    int line = t.trans ? k : n, along = t.trans ? n : k;
+    uint32_t addr = t.start + (uint32_t)(line / 8) * t.sbo + (uint32_t)(line % 8) * 128 + (uint32_t)along * 2;
+    addr ^= ((addr >> 7) & 7) << 4;
+    if (addr + 2 > dyn_smem_bytes) { fprintf(stderr, "cuda emulator: wgmma B read past shared memory\n"); abort(); }
+    uint16_t bits;
+    memcpy(&bits, dyn_smem + addr, 2);
+    return bits;
+}
+static inline float bf16_bits_to_float(uint16_t bits) {
+    uint32_t u = (uint32_t)bits << 16;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
 
 /* the B elements (k, column) this thread's accumulators take, in a fixed order (wgmma_wait's) */
 template <typename F>
@@ -539,21 +567,31 @@ void wgmma_queue(float *d, int n, const float *a16x16, uint64_t desc, int trans)
     wgmma_op op;
     op.d = d; op.n = n; op.trans = trans; op.desc = desc; op.group = f.wg_commits;
     op.a_shared = false; op.desc_a = 0; op.trans_a = 0; op.accumulate = true;
-    memcpy(op.a, a16x16, sizeof op.a);
-    op.b_at_issue.reserve((size_t)n * 4);
-    each_b_of_thread(n, [&](int k, int c) { op.b_at_issue.push_back(wgmma_b_bits(desc, trans, k, c)); });
+    const unsigned g = (B.cur & 31) >> 2;
+    memcpy(op.a[0], a16x16 + 16 * g, sizeof op.a[0]);
+    memcpy(op.a[1], a16x16 + 16 * (g + 8), sizeof op.a[1]);
+    op.b_at_issue.resize((size_t)n * 4);
+    const b_tile b = b_decode(desc, trans);
+    uint16_t *bits = op.b_at_issue.data();
+    each_b_of_thread(n, [&](int k, int c) { *bits++ = b_bits(b, k, c); });
     f.wgmmas.push_back(std::move(op));
 }
-/* this thread's warp's 16 rows of a 64 x 16 A tile: laid out as a B with its rows as n, K-major
- * or (trans_a) MN-major */
-static void wgmma_a_rows(uint64_t desc_a, int trans_a, float a[16][16]) {
-    const int w = (int)((B.cur >> 5) & 3);
-    for (int r = 0; r < 16; r++)
-        for (int k = 0; k < 16; k++) a[r][k] = wgmma_b(desc_a, trans_a, k, 16 * w + r);
+/* the rows of a 64 x 16 A tile this thread's accumulators take (its warp's rows g and g + 8):
+ * laid out as a B with its rows as n, K-major or (trans_a) MN-major. The warp's lanes together
+ * read all of its 16 rows, so a row changed between issue and wait is seen by some lane. */
+static void wgmma_a_rows(uint64_t desc_a, int trans_a, float a[2][16]) {
+    const int w = (int)((B.cur >> 5) & 3), g = (int)((B.cur & 31) >> 2);
+    const b_tile t = b_decode(desc_a, trans_a);
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 16; k++) a[h][k] = bf16_bits_to_float(b_bits(t, k, 16 * w + g + 8 * h));
 }
 void wgmma_queue_ss(float *d, int n, uint64_t desc_a, uint64_t desc_b, int trans_b, int accumulate, int trans_a) {
-    float a[16][16];
-    wgmma_a_rows(desc_a, trans_a, a);
+    float a[16][16];   /* this thread's two rows (g, g + 8) filled in, where wgmma_queue takes them */
+    const unsigned g = (B.cur & 31) >> 2;
+    float mine[2][16];
+    wgmma_a_rows(desc_a, trans_a, mine);
+    memcpy(a[g], mine[0], sizeof mine[0]);
+    memcpy(a[g + 8], mine[1], sizeof mine[1]);
     wgmma_queue(d, n, &a[0][0], desc_b, trans_b);
     wgmma_op &op = B.fibers[B.cur].wgmmas.back();
     op.a_shared = true;
@@ -563,35 +601,8 @@ void wgmma_queue_ss(float *d, int n, uint64_t desc_a, uint64_t desc_b, int trans
 }
 void wgmma_commit() { B.fibers[B.cur].wg_commits++; }
 
-/* element (k, n) of the 16 x N bf16 tile a descriptor points at (PTX ISA, the warpgroup matrix
- * descriptor: start address, leading and stride byte offsets, each >> 4; bits 62-63 the
- * swizzle). 128-byte swizzle: lines of 128 bytes, the 16-byte chunk index XORed with the line's
- * index modulo 8 (address bits 4-6 ^= bits 7-9). K-major (trans 0): a line holds one n, k along
- * it; MN-major (trans 1): a line holds one k, n along it (n < 64: one atom); groups of 8 lines
- * `stride` bytes apart. */
-static uint16_t wgmma_b_bits(uint64_t desc, int trans, int k, int n) {
-    uint32_t start = (uint32_t)(desc & 0x3fff) << 4, sbo = (uint32_t)((desc >> 32) & 0x3fff) << 4;
-    unsigned swz = (unsigned)(desc >> 62);
-    if (swz != 1) { fprintf(stderr, "cuda emulator: wgmma descriptor swizzle %u (only 128-byte is emulated)\n", swz); abort(); }
-    if (trans && n >= 64) { fprintf(stderr, "cuda emulator: MN-major wgmma B wider than one 128-byte atom\n"); abort(); }
-    int line = trans ? k : n, along = trans ? n : k;
-    uint32_t addr = start + (uint32_t)(line / 8) * sbo + (uint32_t)(line % 8) * 128 + (uint32_t)along * 2;
-    addr ^= ((addr >> 7) & 7) << 4;
-    if (addr + 2 > dyn_smem_bytes) { fprintf(stderr, "cuda emulator: wgmma B read past shared memory\n"); abort(); }
-    uint16_t bits;
-    memcpy(&bits, dyn_smem + addr, 2);
-    return bits;
-}
-static float wgmma_b(uint64_t desc, int trans, int k, int n) {
-    uint32_t u = (uint32_t)wgmma_b_bits(desc, trans, k, n) << 16;
-    float v;
-    memcpy(&v, &u, 4);
-    return v;
-}
-
 void wgmma_wait(unsigned in_flight) {
     fiber &f = B.fibers[B.cur];
-    unsigned lane = B.cur & 31, g = lane >> 2, t = lane & 3;
     if (B.eager_copies) {
         /* ULY_EMU_ASYNC=eager: the other threads run first (a wgmma takes time), so that a buffer
          * given back before the wait (an mbarrier arrival, then a TMA load landing at once) is
@@ -607,7 +618,7 @@ void wgmma_wait(unsigned in_flight) {
     for (wgmma_op &op : f.wgmmas) {
         if (op.group + in_flight >= f.wg_commits) { left.push_back(std::move(op)); continue; }
         if (op.a_shared) {
-            float a[16][16];
+            float a[2][16];
             wgmma_a_rows(op.desc_a, op.trans_a, a);
             if (memcmp(a, op.a, sizeof a)) {
                 fprintf(stderr, "cuda emulator: a wgmma's A tile changed between its issue and its wait (written after "
@@ -615,19 +626,22 @@ void wgmma_wait(unsigned in_flight) {
                 abort();
             }
         }
-        size_t at = 0;
-        each_b_of_thread(op.n, [&](int k, int c) {
-            if (wgmma_b_bits(op.desc, op.trans, k, c) != op.b_at_issue[at++]) {
-                fprintf(stderr, "cuda emulator: a wgmma's B tile changed between its issue and its wait (written after "
-                                "the issue, or overwritten before wgmma.wait_group)\n");
-                abort();
-            }
-        });
+        const b_tile b = b_decode(op.desc, op.trans);
+        const uint16_t *issued = op.b_at_issue.data();
+        bool same = true;
+        each_b_of_thread(op.n, [&](int k, int c) { same &= b_bits(b, k, c) == *issued++; });
+        if (!same) {
+            fprintf(stderr, "cuda emulator: a wgmma's B tile changed between its issue and its wait (written after "
+                            "the issue, or overwritten before wgmma.wait_group)\n");
+            abort();
+        }
+        /* B as read (and checked) above: b_at_issue[32 j + 16 h + k] is (k, 8 j + 2 t + h) */
         for (int j = 0; j < op.n / 8; j++)
             for (int i = 0; i < 4; i++) {
-                int r = (int)g + 8 * (i >> 1), c = 8 * j + 2 * (int)t + (i & 1);
+                const float *row = op.a[i >> 1];   /* row g + 8 (i >> 1) */
+                const uint16_t *col = &op.b_at_issue[32 * (size_t)j + 16 * (size_t)(i & 1)];
                 float s = 0.0f;
-                for (int k = 0; k < 16; k++) s += op.a[r][k] * wgmma_b(op.desc, op.trans, k, c);
+                for (int k = 0; k < 16; k++) s += row[k] * bf16_bits_to_float(col[k]);
                 op.d[4 * j + i] = op.accumulate ? op.d[4 * j + i] + s : s;
             }
     }
