@@ -125,7 +125,8 @@ fi
 
 if build build-asan -DCMAKE_BUILD_TYPE=Debug -DULY_SANITIZE=ON -DULY_CUDA=OFF; then
   asan=$(gcc -print-file-name=libasan.so)
-  # #release_only specs check a whole benchmark process or the compiler's output: once, above
+  # #release_only specs check a whole benchmark process, the compiler's output or the planner's
+  # numbers: once, above
   unsanitized=--exclude-tags=mpi,gpu,release_only
   SPEC_ARGS="$unsanitized" run_specs "Debug + sanitizers" ULY_LIB=build-asan/libulysses.so LD_PRELOAD="$asan" \
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1
