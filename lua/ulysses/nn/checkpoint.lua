@@ -21,6 +21,13 @@
 -- The backward hook is a C callback into Lua (core/custom.c), so the C call that starts a
 -- backward must not come from JIT-compiled code: Tensor:backward is kept interpreted.
 return function(nn, U)
+  -- Interpreted, never compiled: this function and every function inside it (jit.off's second
+  -- argument). The segments' explicit collections must find the segment's temporaries dead, and a
+  -- compiled trace through these wrappers, which inlines the segment's function, can keep them
+  -- reachable from its stack slots: the million-token DNA step then peaked at 7.66 GiB where the
+  -- planner (which replays the collections) says 5.91; 262,144 tokens 1.8 GiB against 1.49, and
+  -- 1.49 with these interpreted. They run once per segment, around much work in C.
+  jit.off(true, true)
   local ffi = require 'ffi'
   local attention_keep = require 'ulysses.attention_keep'
 
