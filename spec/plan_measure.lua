@@ -65,7 +65,9 @@ local function measure(pc, grid)
   -- Two things free dropped tensors earlier than the package's growth trigger, by amounts that
   -- vary run to run: LuaJIT's incremental collector (paced by unrelated Lua allocations, e.g.
   -- busted's timing strings) and compiled traces, which decide whether a dead local still holds
-  -- a tensor (LuaJIT seeds its trace penalties randomly). Either can only lower the real peak.
+  -- a tensor (LuaJIT seeds its trace penalties randomly). Either can only lower the real peak
+  -- (the one place a trace kept temporaries alive, nn.checkpoint's wrappers around their
+  -- collections, always runs interpreted: spec/recompute_spec.lua).
   -- Measure the step with both out of the way, so exactly what the planner models happens (its
   -- estimate is the upper bound; the explicit full collections still run).
   collectgarbage('stop')
