@@ -134,13 +134,7 @@ local function measure(fns)
 end
 
 ---------------------------------------------------------------- header
-local function read_file(path)
-  local f = io.open(path, 'rb')
-  if not f then return nil end
-  local s = f:read('*a')
-  f:close()
-  return s
-end
+local read_file = require('ulysses.paths').read_file
 
 local function command_line()
   local parts = {}

@@ -198,13 +198,7 @@ local function split_dna(buf, recs, valid)
 end
 
 ---------------------------------------------------------------- provenance
-local function read_all(path)
-  local f = io.open(path, 'rb')
-  if not f then return nil end
-  local s = f:read('*a')
-  f:close()
-  return s
-end
+local read_all = require('ulysses.paths').read_file
 
 -- the .provenance files fetch.sh wrote next to the inputs (NAME.provenance or STEM.provenance)
 local function provenance(inputs, name)

@@ -242,13 +242,7 @@ function M.exists(path)
 end
 
 -- a file's bytes (nil when it cannot be read), and bytes into a file
-function M.read_file(path)
-  local f = io.open(path, 'rb')
-  if not f then return nil end
-  local s = f:read('*a')
-  f:close()
-  return s
-end
+M.read_file = require('ulysses.paths').read_file
 function M.write_file(path, s)
   local f = assert(io.open(path, 'wb'))
   f:write(s)

@@ -31,12 +31,7 @@ local function tmpfile(ext)
   return base .. ext
 end
 
-local function slurp(path)
-  local f = assert(io.open(path, 'rb'))
-  local s = f:read('*a')
-  f:close()
-  return s
-end
+local function slurp(path) return assert(helpers.read_file(path), 'cannot read ' .. path) end
 
 local exists = helpers.exists
 

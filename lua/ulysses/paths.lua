@@ -1,6 +1,6 @@
--- lua/ulysses/paths.lua — file-system paths without a shell: realpath (links, '.' and '..'
--- resolved) for comparing paths, as train.lua and datasets/prepare.lua do before they move or
--- write anything. Needs only the FFI, not the library.
+-- lua/ulysses/paths.lua — files without a shell: realpath (links, '.' and '..' resolved) for
+-- comparing paths, as train.lua and datasets/prepare.lua do before they move or write anything,
+-- and a whole file's bytes. Needs only the FFI, not the library.
 local ffi = require 'ffi'
 
 pcall(ffi.cdef, 'char *realpath(const char *path, char *resolved);')
@@ -14,6 +14,15 @@ function M.realpath(path)
   if p == nil then return nil end
   local s = ffi.string(p)
   ffi.C.free(p)
+  return s
+end
+
+-- a file's bytes; nil where it cannot be read
+function M.read_file(path)
+  local f = io.open(path, 'rb')
+  if not f then return nil end
+  local s = f:read('*a')
+  f:close()
   return s
 end
 
