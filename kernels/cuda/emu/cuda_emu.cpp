@@ -550,7 +550,6 @@ static inline float bf16_bits_to_float(uint16_t bits) {
     return v;
 }
 
-
 /* the B elements (k, column) this thread's accumulators take, in a fixed order (wgmma_wait's) */
 template <typename F>
 static void each_b_of_thread(int n, F fn) {
@@ -560,21 +559,28 @@ static void each_b_of_thread(int n, F fn) {
             for (int k = 0; k < 16; k++) fn(k, 8 * j + 2 * (int)t + h);
 }
 
-/* queued; B is read now and again at the wait, which must find the same bytes: a tile written
- * after the issue (not yet landed, no fence) or overwritten before the wait is an error */
-void wgmma_queue(float *d, int n, const float *a16x16, uint64_t desc, int trans) {
+/* queued, with this thread's rows of A (g and g + 8 of its warp's 16); B is read now and again at
+ * the wait, which must find the same bytes: a tile written after the issue (not yet landed, no
+ * fence) or overwritten before the wait is an error */
+static wgmma_op &queue_rows(float *d, int n, const float rows[2][16], uint64_t desc, int trans) {
     fiber &f = B.fibers[B.cur];
     wgmma_op op;
     op.d = d; op.n = n; op.trans = trans; op.desc = desc; op.group = f.wg_commits;
     op.a_shared = false; op.desc_a = 0; op.trans_a = 0; op.accumulate = true;
-    const unsigned g = (B.cur & 31) >> 2;
-    memcpy(op.a[0], a16x16 + 16 * g, sizeof op.a[0]);
-    memcpy(op.a[1], a16x16 + 16 * (g + 8), sizeof op.a[1]);
+    memcpy(op.a, rows, sizeof op.a);
     op.b_at_issue.resize((size_t)n * 4);
     const b_tile b = b_decode(desc, trans);
     uint16_t *bits = op.b_at_issue.data();
     each_b_of_thread(n, [&](int k, int c) { *bits++ = b_bits(b, k, c); });
     f.wgmmas.push_back(std::move(op));
+    return f.wgmmas.back();
+}
+void wgmma_queue(float *d, int n, const float *a16x16, uint64_t desc, int trans) {
+    const unsigned g = (B.cur & 31) >> 2;
+    float rows[2][16];
+    memcpy(rows[0], a16x16 + 16 * g, sizeof rows[0]);
+    memcpy(rows[1], a16x16 + 16 * (g + 8), sizeof rows[1]);
+    queue_rows(d, n, rows, desc, trans);
 }
 /* the rows of a 64 x 16 A tile this thread's accumulators take (its warp's rows g and g + 8):
  * laid out as a B with its rows as n, K-major or (trans_a) MN-major. The warp's lanes together
@@ -586,14 +592,9 @@ static void wgmma_a_rows(uint64_t desc_a, int trans_a, float a[2][16]) {
         for (int k = 0; k < 16; k++) a[h][k] = bf16_bits_to_float(b_bits(t, k, 16 * w + g + 8 * h));
 }
 void wgmma_queue_ss(float *d, int n, uint64_t desc_a, uint64_t desc_b, int trans_b, int accumulate, int trans_a) {
-    float a[16][16];   /* this thread's two rows (g, g + 8) filled in, where wgmma_queue takes them */
-    const unsigned g = (B.cur & 31) >> 2;
-    float mine[2][16];
-    wgmma_a_rows(desc_a, trans_a, mine);
-    memcpy(a[g], mine[0], sizeof mine[0]);
-    memcpy(a[g + 8], mine[1], sizeof mine[1]);
-    wgmma_queue(d, n, &a[0][0], desc_b, trans_b);
-    wgmma_op &op = B.fibers[B.cur].wgmmas.back();
+    float rows[2][16];
+    wgmma_a_rows(desc_a, trans_a, rows);
+    wgmma_op &op = queue_rows(d, n, rows, desc_b, trans_b);
     op.a_shared = true;
     op.desc_a = desc_a;
     op.trans_a = trans_a;

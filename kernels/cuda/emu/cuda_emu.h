@@ -89,7 +89,8 @@ uint32_t shared_offset(const void *p);
 void wgmma_queue(float *d, int n, const float *a16x16, uint64_t desc, int trans);
 /* the same with A (64 x 16, 128-byte swizzle; K-major, or trans_a: MN-major) through a descriptor
  * too: this thread reads the rows its accumulators take (g and g + 8 of its warp's 16 w.., lane
- * 4 g + t; the warp's lanes together all 16), at the issue and again at the wait; accumulate 0: d = A B at the wait, d's old value ignored */
+ * 4 g + t; the warp's lanes together all 16), at the issue and again at the wait; accumulate 0:
+ * d = A B at the wait, d's old value ignored */
 void wgmma_queue_ss(float *d, int n, uint64_t desc_a, uint64_t desc_b, int trans_b, int accumulate, int trans_a);
 void wgmma_commit();
 void wgmma_wait(unsigned in_flight);
