@@ -207,9 +207,9 @@ static int s_flash_backward(float *dq, float *dk, float *dv, const float *d, con
     flash_problem h = host_problem(p);
     return flash_attention_backward(UF(dq), UF(dk), UF(dv), UC(d), UC(o), UC(lse), UF(delta), UF(scr), &h);
 }
-static void s_optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float dc, float b1, float b2,
-                          float ss, float bc2, float eps) {
-    optim_adamw(UF(p), UC(g), UF(m), UF(v), n, dc, b1, b2, ss, bc2, eps);
+static void s_optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float dc, float b1, float a1,
+                          float b2, float a2, float ss, float bc2, float eps) {
+    optim_adamw(UF(p), UC(g), UF(m), UF(v), n, dc, b1, a1, b2, a2, ss, bc2, eps);
 }
 static void s_optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float mom, float damp,
                         int nest, int init) {
@@ -220,9 +220,10 @@ static void s_optim_scale(float *x, int64_t n, float s) { optim_scale(UF(x), n, 
 
 /* the one-launch AdamW of a device backend, as the loop it stands for (exercises the core's path) */
 static void s_optim_adamw_multi(int n, float *const *p, const float *const *g, float *const *m, float *const *v,
-                                const int64_t *sizes, const float *decay, float b1, float b2, float ss, float bc2,
-                                float eps) {
-    for (int i = 0; i < n; i++) optim_adamw(UF(p[i]), UC(g[i]), UF(m[i]), UF(v[i]), sizes[i], decay[i], b1, b2, ss, bc2, eps);
+                                const int64_t *sizes, const float *decay, float b1, float a1, float b2, float a2,
+                                float ss, float bc2, float eps) {
+    for (int i = 0; i < n; i++)
+        optim_adamw(UF(p[i]), UC(g[i]), UF(m[i]), UF(v[i]), sizes[i], decay[i], b1, a1, b2, a2, ss, bc2, eps);
 }
 
 static void s_pack_layout(void *dst, const void *src, const uly_comm_layout *L, int64_t es) {

@@ -96,8 +96,8 @@ static int adamw_multi(uly_tensor *const *params, uly_tensor *const *exp_avg, ul
         uly_bump_version(params[i]); uly_bump_version(exp_avg[i]); uly_bump_version(exp_avg_sq[i]);
         k++;
     }
-    if (k) be->optim_adamw_multi(k, p, (const float *const *)g, m, v, sizes, decay, (float)beta1, (float)beta2, step_size,
-                                 bc2_sqrt, (float)eps);
+    if (k) be->optim_adamw_multi(k, p, (const float *const *)g, m, v, sizes, decay, (float)beta1, (float)(1.0 - beta1),
+                                 (float)beta2, (float)(1.0 - beta2), step_size, bc2_sqrt, (float)eps);
     free(p);
     return 1;
 }
@@ -130,7 +130,8 @@ int uly_adamw_step(uly_tensor *const *params, uly_tensor *const *exp_avg, uly_te
         if (!p->grad) continue;
         const float decay = (float)(1.0 - lr * (weight_decay ? weight_decay[i] : 0.0));
         uly_be(p)->optim_adamw(uly_f32(p), uly_f32(p->grad), uly_f32(m), uly_f32(v), uly_tensor_numel(p), decay,
-                    (float)beta1, (float)beta2, step_size, bc2_sqrt, (float)eps);
+                    (float)beta1, (float)(1.0 - beta1), (float)beta2, (float)(1.0 - beta2), step_size, bc2_sqrt,
+                    (float)eps);
         uly_bump_version(p); uly_bump_version(m); uly_bump_version(v);
     }
     return uly_device_check(op, ULY_DEVICE_CUDA);

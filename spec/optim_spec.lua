@@ -80,6 +80,22 @@ describe('optim.AdamW', function()
     helpers.assert_close(st.exp_avg[3], { 0, 0, 0 }, 0, 0, 'state of the param without grad')
   end)
 
+  -- torch.optim.AdamW passes 1 - beta as a Python float (double) that the f32 kernel rounds once:
+  -- float(1 - 0.999) = 0.0010000000475, where 1.0f - 0.999f = 0.00099998713 (1.3e-5 relative)
+  it('rounds 1 - beta from double, as torch.optim.AdamW does: one step from zero state, exactly', function()
+    local ffi = require 'ffi'
+    local f32 = function(x) return tonumber(ffi.new('float[1]', x)[0]) end
+    for _, betas in ipairs { { 0.9, 0.999 }, { 0.8, 0.95 }, { 0.6, 0.99 } } do
+      local p = uly.zeros(4, { requires_grad = true })
+      local opt = optim.AdamW({ p }, { lr = 0.1, betas = betas, weight_decay = 0 })
+      set_grad(p, uly.ones(4))
+      opt:step()
+      local st = opt:state_dict().state
+      assert.are.equal(f32(1 - betas[1]), helpers.list(st.exp_avg[1])[1], 'exp_avg, beta1 ' .. betas[1])
+      assert.are.equal(f32(1 - betas[2]), helpers.list(st.exp_avg_sq[1])[1], 'exp_avg_sq, beta2 ' .. betas[2])
+    end
+  end)
+
   it('decays only tensors with 2+ dims by default; groups override', function()
     local b = uly.randn(9, { requires_grad = true })
     local w = uly.randn(4, 6, { requires_grad = true })

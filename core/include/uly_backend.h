@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define ULY_BACKEND_ABI 10
+#define ULY_BACKEND_ABI 11
 #define ULY_VIEW_MAX_DIMS 8
 
 /* a strided window over backend memory: element [0, ..., 0] at p, strides in elements */
@@ -113,7 +113,8 @@ typedef struct uly_backend {
 
     /* ---- optimizers ---- */
     void (*optim_adamw)(float *p, const float *g, float *m, float *v, int64_t n, float decay, float beta1,
-                        float beta2, float step_size, float bc2_sqrt, float eps);
+                        float one_minus_beta1, float beta2, float one_minus_beta2, float step_size, float bc2_sqrt,
+                        float eps);
     void (*optim_sgd)(float *p, const float *g, float *buf, int64_t n, float lr, float weight_decay, float momentum,
                       float dampening, int nesterov, int init);
     double (*optim_sumsq)(const float *x, int64_t n);
@@ -154,8 +155,8 @@ typedef struct uly_backend {
     /* ---- AdamW over n parameters in one launch (host arrays of device pointers; NULL: the core
      *      calls optim_adamw per parameter). Same arithmetic as optim_adamw, element by element. ---- */
     void (*optim_adamw_multi)(int n, float *const *p, const float *const *g, float *const *m, float *const *v,
-                              const int64_t *sizes, const float *decay, float beta1, float beta2, float step_size,
-                              float bc2_sqrt, float eps);
+                              const int64_t *sizes, const float *decay, float beta1, float one_minus_beta1,
+                              float beta2, float one_minus_beta2, float step_size, float bc2_sqrt, float eps);
 
     /* ---- the ZeRO collectives on device memory, queued like comm_all_reduce_start (ordered after
      *      the compute queued so far, joined by comm_join); count is each rank's block, in

@@ -320,10 +320,12 @@ int64_t bf16_twin_calls(void);
 /* ==== optimizers (optim.c) — begin ==========================================================
  * In place over ONE contiguous f32 parameter of n elements; g is its gradient, m / v / buf its
  * state (same n). The caller (core/optim.c) computes the scalars in double and validates. */
-/* p *= decay; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= step_size * m / (sqrt(v)/bc2_sqrt + eps)
- * with decay = 1 - lr wd, step_size = lr / (1 - b1^step), bc2_sqrt = sqrt(1 - b2^step) */
+/* p *= decay; m = b1 m + a1 g; v = b2 v + a2 g^2; p -= step_size * m / (sqrt(v)/bc2_sqrt + eps)
+ * with decay = 1 - lr wd, step_size = lr / (1 - b1^step), bc2_sqrt = sqrt(1 - b2^step), and
+ * a1 = 1 - b1, a2 = 1 - b2 computed in double before rounding to f32, as torch.optim.AdamW's
+ * Python floats are (1.0f - 0.999f is 0.00099998713, float(1 - 0.999) is 0.0010000000475) */
 void optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float decay, float beta1,
-                 float beta2, float step_size, float bc2_sqrt, float eps);
+                 float one_minus_beta1, float beta2, float one_minus_beta2, float step_size, float bc2_sqrt, float eps);
 /* d = g + wd p; buf = init ? d : momentum buf + (1 - dampening) d; p -= lr (nesterov ? d + momentum buf : buf);
  * buf == NULL: no momentum, p -= lr d */
 void optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float weight_decay, float momentum,

@@ -1,6 +1,6 @@
 /* kernels/cpu/optim.c — the optimizer loops over one contiguous f32 parameter of n elements.
  *
- *   optim_adamw: p *= decay; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+ *   optim_adamw: p *= decay; m = b1 m + a1 g; v = b2 v + a2 g^2 (a = 1 - b, rounded from double);
  *                p -= step_size * m / (sqrt(v) / bc2_sqrt + eps)              (PyTorch AdamW)
  *   optim_sgd:   d = g + wd p; buf = init ? d : momentum buf + (1-dampening) d;
  *                d = nesterov ? d + momentum buf : buf; p -= lr d             (PyTorch SGD)
@@ -46,9 +46,9 @@ static inline void sqrt_n(float *restrict d, const float *restrict s, int64_t n)
 #define SUB 512 /* elements per pass of the three AdamW loops (their buffers stay in L1) */
 
 static void adamw_chunk(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
-                        int64_t n, float decay, float b1, float b2, float step_size, float bc2_sqrt, float eps)
+                        int64_t n, float decay, float b1, float a1, float b2, float a2, float step_size,
+                        float bc2_sqrt, float eps)
 {
-    const float a1 = 1.0f - b1, a2 = 1.0f - b2;
     float root[SUB];
     for (int64_t o = 0; o < n; o += SUB) {
         const int64_t len = n - o < SUB ? n - o : SUB;
@@ -69,13 +69,14 @@ static void adamw_chunk(float *restrict p, const float *restrict g, float *restr
 }
 
 void optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float decay, float beta1,
-                 float beta2, float step_size, float bc2_sqrt, float eps)
+                 float one_minus_beta1, float beta2, float one_minus_beta2, float step_size, float bc2_sqrt, float eps)
 {
     const int64_t nc = n_chunks(n);
 #pragma omp parallel for schedule(static) if (n > PAR_MIN)
     for (int64_t c = 0; c < nc; c++) {
         const int64_t o = c * CHUNK;
-        adamw_chunk(p + o, g + o, m + o, v + o, chunk_len(n, c), decay, beta1, beta2, step_size, bc2_sqrt, eps);
+        adamw_chunk(p + o, g + o, m + o, v + o, chunk_len(n, c), decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                    step_size, bc2_sqrt, eps);
     }
 }
 

@@ -163,14 +163,14 @@ int64_t cu_cross_entropy_forward(float *loss, float *lse, const float *logits, c
                                  int64_t V, int64_t ignore);
 void cu_cross_entropy_backward(float *dlogits, const float *dloss, const float *logits, const float *lse, const void *t,
                                int tb, int64_t rows, int64_t V, int64_t ignore);
-void cu_optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float decay, float b1, float b2,
-                    float step_size, float bc2_sqrt, float eps);
+void cu_optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float decay, float b1, float a1, float b2,
+                    float a2, float step_size, float bc2_sqrt, float eps);
 void cu_optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float momentum, float damp,
                   int nesterov, int init);
 double cu_optim_sumsq(const float *x, int64_t n);
 void cu_optim_adamw_multi(int n, float *const *p, const float *const *g, float *const *m, float *const *v,
-                          const int64_t *sizes, const float *decay, float b1, float b2, float step_size, float bc2_sqrt,
-                          float eps);
+                          const int64_t *sizes, const float *decay, float b1, float a1, float b2, float a2,
+                          float step_size, float bc2_sqrt, float eps);
 void cu_optim_scale(float *x, int64_t n, float s);
 /* gemm.cu */
 int cu_gemm_operand_ok(int64_t rows, int64_t cols, int64_t rs, int64_t cs);

@@ -383,25 +383,26 @@ extern "C" int cu_cross_entropy_backward_bf16(float *dlogits, const float *dloss
 }
 
 /* ---- optimizers ---- */
-__global__ static void adamw_k(float *p, const float *g, float *m, float *v, int64_t n, float decay, float b1, float b2,
-                               float step_size, float bc2_sqrt, float eps) {
+/* a1 = 1 - b1 and a2 = 1 - b2 as the host rounded them from double (kernels/cpu/kernels.h) */
+__global__ static void adamw_k(float *p, const float *g, float *m, float *v, int64_t n, float decay, float b1, float a1,
+                               float b2, float a2, float step_size, float bc2_sqrt, float eps) {
     ULY_CU_FOR(i, n) {
         float gi = g[i];
-        float mi = b1 * m[i] + (1.0f - b1) * gi, vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        float mi = b1 * m[i] + a1 * gi, vi = b2 * v[i] + a2 * gi * gi;
         m[i] = mi;
         v[i] = vi;
         p[i] = p[i] * decay - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
     }
 }
-extern "C" void cu_optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float decay, float b1, float b2,
-                               float step_size, float bc2_sqrt, float eps) {
-    LAUNCH(adamw_k, n, p, g, m, v, n, decay, b1, b2, step_size, bc2_sqrt, eps);
+extern "C" void cu_optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float decay, float b1, float a1,
+                               float b2, float a2, float step_size, float bc2_sqrt, float eps) {
+    LAUNCH(adamw_k, n, p, g, m, v, n, decay, b1, a1, b2, a2, step_size, bc2_sqrt, eps);
 }
 /* AdamW over many parameters in one launch: element e of the concatenation belongs to the
  * parameter whose [offset, next offset) holds it (binary search over the prefix offsets) */
 typedef struct { float *p; const float *g; float *m, *v; int64_t offset; float decay; } adamw_part;
-__global__ static void adamw_multi_k(const adamw_part *parts, int n, int64_t total, float b1, float b2, float step_size,
-                                     float bc2_sqrt, float eps) {
+__global__ static void adamw_multi_k(const adamw_part *parts, int n, int64_t total, float b1, float a1, float b2,
+                                     float a2, float step_size, float bc2_sqrt, float eps) {
     ULY_CU_FOR(e, total) {
         int lo = 0, hi = n - 1;
         while (lo < hi) {
@@ -411,15 +412,15 @@ __global__ static void adamw_multi_k(const adamw_part *parts, int n, int64_t tot
         const adamw_part &q = parts[lo];
         int64_t i = e - q.offset;
         float gi = q.g[i];
-        float mi = b1 * q.m[i] + (1.0f - b1) * gi, vi = b2 * q.v[i] + (1.0f - b2) * gi * gi;
+        float mi = b1 * q.m[i] + a1 * gi, vi = b2 * q.v[i] + a2 * gi * gi;
         q.m[i] = mi;
         q.v[i] = vi;
         q.p[i] = q.p[i] * q.decay - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
     }
 }
 extern "C" void cu_optim_adamw_multi(int n, float *const *p, const float *const *g, float *const *m, float *const *v,
-                                     const int64_t *sizes, const float *decay, float b1, float b2, float step_size,
-                                     float bc2_sqrt, float eps) {
+                                     const int64_t *sizes, const float *decay, float b1, float a1, float b2, float a2,
+                                     float step_size, float bc2_sqrt, float eps) {
     if (n <= 0) return;
     adamw_part *host = (adamw_part *)malloc((size_t)n * sizeof *host), *dev = NULL;
     if (!host) { uly_cu_fail_msg("optim_adamw_multi", "out of host memory"); return; }
@@ -440,7 +441,7 @@ extern "C" void cu_optim_adamw_multi(int n, float *const *p, const float *const 
     }
     if (uly_cu_stream_wait("optim_adamw_multi")) return;   /* the copy may still read host: kept */
     free(host);   /* copied */
-    LAUNCH(adamw_multi_k, total, dev, n, total, b1, b2, step_size, bc2_sqrt, eps);
+    LAUNCH(adamw_multi_k, total, dev, n, total, b1, a1, b2, a2, step_size, bc2_sqrt, eps);
     cudaFreeAsync(dev, uly_cu_stream);
 }
 
