@@ -211,9 +211,9 @@ static void s_optim_adamw(float *p, const float *g, float *m, float *v, int64_t 
                           float b2, float a2, float ss, float bc2, float eps) {
     optim_adamw(UF(p), UC(g), UF(m), UF(v), n, dc, b1, a1, b2, a2, ss, bc2, eps);
 }
-static void s_optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float mom, float damp,
+static void s_optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float mom, float keep,
                         int nest, int init) {
-    optim_sgd(UF(p), UC(g), UF(buf), n, lr, wd, mom, damp, nest, init);
+    optim_sgd(UF(p), UC(g), UF(buf), n, lr, wd, mom, keep, nest, init);
 }
 static double s_optim_sumsq(const float *x, int64_t n) { return optim_sumsq(UC(x), n); }
 static void s_optim_scale(float *x, int64_t n, float s) { optim_scale(UF(x), n, s); }

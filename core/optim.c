@@ -161,7 +161,7 @@ int uly_sgd_step(uly_tensor *const *params, uly_tensor *const *momentum_buf, con
         uly_tensor *p = params[i], *b = use_buf ? momentum_buf[i] : NULL;
         if (!p->grad) continue;
         uly_be(p)->optim_sgd(uly_f32(p), uly_f32(p->grad), b ? uly_f32(b) : NULL, uly_tensor_numel(p), (float)lr,
-                  (float)(weight_decay ? weight_decay[i] : 0.0), (float)momentum, (float)dampening,
+                  (float)(weight_decay ? weight_decay[i] : 0.0), (float)momentum, (float)(1.0 - dampening),
                   nesterov != 0, step == 1);
         uly_bump_version(p);
         if (b) uly_bump_version(b);

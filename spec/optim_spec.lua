@@ -96,6 +96,21 @@ describe('optim.AdamW', function()
     end
   end)
 
+  it('SGD rounds 1 - dampening from double, as torch.optim.SGD does: the second step\'s buffer, exactly', function()
+    local ffi = require 'ffi'
+    local f32 = function(x) return tonumber(ffi.new('float[1]', x)[0]) end
+    for _, c in ipairs { { 0.9, 0.95 }, { 0.5, 0.33 }, { 0.99, 0.999 } } do   -- where 1.0f - dampening differs
+      local p = uly.zeros(3, { requires_grad = true })
+      local opt = optim.SGD({ p }, { lr = 0.1, momentum = c[1], dampening = c[2] })
+      for _ = 1, 2 do   -- the first step sets the buffer to the grad (1); the second: momentum + (1 - dampening)
+        set_grad(p, uly.ones(3))
+        opt:step()
+      end
+      assert.are.equal(f32(f32(c[1]) + f32(1 - c[2])), helpers.list(opt.state.momentum_buf[1])[1],
+                       'momentum ' .. c[1] .. ', dampening ' .. c[2])
+    end
+  end)
+
   it('decays only tensors with 2+ dims by default; groups override', function()
     local b = uly.randn(9, { requires_grad = true })
     local w = uly.randn(4, 6, { requires_grad = true })

@@ -116,7 +116,7 @@ typedef struct uly_backend {
                         float one_minus_beta1, float beta2, float one_minus_beta2, float step_size, float bc2_sqrt,
                         float eps);
     void (*optim_sgd)(float *p, const float *g, float *buf, int64_t n, float lr, float weight_decay, float momentum,
-                      float dampening, int nesterov, int init);
+                      float one_minus_dampening, int nesterov, int init);
     double (*optim_sumsq)(const float *x, int64_t n);
     void (*optim_scale)(float *x, int64_t n, float s);
 

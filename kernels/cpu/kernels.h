@@ -327,9 +327,9 @@ int64_t bf16_twin_calls(void);
 void optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float decay, float beta1,
                  float one_minus_beta1, float beta2, float one_minus_beta2, float step_size, float bc2_sqrt, float eps);
 /* d = g + wd p; buf = init ? d : momentum buf + (1 - dampening) d; p -= lr (nesterov ? d + momentum buf : buf);
- * buf == NULL: no momentum, p -= lr d */
+ * buf == NULL: no momentum, p -= lr d. 1 - dampening comes computed in double (as torch.optim.SGD's) */
 void optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float weight_decay, float momentum,
-               float dampening, int nesterov, int init);
+               float one_minus_dampening, int nesterov, int init);
 /* sum of x[i]^2 in double; fixed chunks added in order: the same value at any thread count */
 double optim_sumsq(const float *x, int64_t n);
 /* x *= s */

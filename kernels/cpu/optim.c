@@ -98,10 +98,10 @@ static void sgd_chunk(float *restrict p, const float *restrict g, float *restric
 }
 
 void optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float weight_decay, float momentum,
-               float dampening, int nesterov, int init)
+               float one_minus_dampening, int nesterov, int init)
 {
     const int64_t nc = n_chunks(n);
-    const float keep = 1.0f - dampening;
+    const float keep = one_minus_dampening;
 #pragma omp parallel for schedule(static) if (n > PAR_MIN)
     for (int64_t c = 0; c < nc; c++) {
         const int64_t o = c * CHUNK;

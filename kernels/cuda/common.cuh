@@ -165,7 +165,7 @@ void cu_cross_entropy_backward(float *dlogits, const float *dloss, const float *
                                int tb, int64_t rows, int64_t V, int64_t ignore);
 void cu_optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float decay, float b1, float a1, float b2,
                     float a2, float step_size, float bc2_sqrt, float eps);
-void cu_optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float momentum, float damp,
+void cu_optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float momentum, float keep,
                   int nesterov, int init);
 double cu_optim_sumsq(const float *x, int64_t n);
 void cu_optim_adamw_multi(int n, float *const *p, const float *const *g, float *const *m, float *const *v,

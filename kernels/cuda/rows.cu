@@ -445,21 +445,22 @@ extern "C" void cu_optim_adamw_multi(int n, float *const *p, const float *const 
     cudaFreeAsync(dev, uly_cu_stream);
 }
 
-__global__ static void sgd_k(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float mom, float damp,
+/* keep = 1 - dampening, as the host rounded it from double */
+__global__ static void sgd_k(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float mom, float keep,
                              int nesterov, int init) {
     ULY_CU_FOR(i, n) {
         float d = g[i] + wd * p[i];
         if (buf) {
-            float b = init ? d : mom * buf[i] + (1.0f - damp) * d;
+            float b = init ? d : mom * buf[i] + keep * d;
             buf[i] = b;
             d = nesterov ? d + mom * b : b;
         }
         p[i] -= lr * d;
     }
 }
-extern "C" void cu_optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float momentum, float damp,
+extern "C" void cu_optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float momentum, float keep,
                              int nesterov, int init) {
-    LAUNCH(sgd_k, n, p, g, buf, n, lr, wd, momentum, damp, nesterov, init);
+    LAUNCH(sgd_k, n, p, g, buf, n, lr, wd, momentum, keep, nesterov, init);
 }
 /* sum of squares: up to SUMSQ_BLOCKS partial sums (how many is a function of n only), added in order */
 #define SUMSQ_BLOCKS 1024
