@@ -32,6 +32,9 @@ int uly_has_feature(const char *name) {
 #ifdef _OPENMP
     if (!strcmp(name, "openmp")) return 1;
 #endif
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+    if (!strcmp(name, "fma")) return 1; /* CPU kernels built with fused multiply-add (optim.c's MADD) */
+#endif
     return 0;
 }
 

@@ -423,6 +423,36 @@ describe('device tensors', function()
       return losses, params, m, grads
     end
 
+    -- the update itself has the CPU's bits (torch.optim's ops rounded as ATen's CPU kernels round:
+    -- kernels/cpu/optim.c), for one parameter and for many in one launch (adamw_multi)
+    it('AdamW and SGD: the CPU\'s bits for the same parameters and grads, one tensor or many', function()
+      local shapes = { { 37 }, { 33, 31 }, { 70, 90 } }
+      local function run(device, make)
+        helpers.reseed(17)
+        local params, grads = {}, {}
+        for k, shape in ipairs(shapes) do params[k] = uly.randn(shape):to(device):requires_grad_() end
+        local opt = make(params)
+        for s = 1, 3 do
+          for k, p in ipairs(params) do
+            local g = uly.randn(shapes[k]):mul(10 ^ ((s + k) % 5 - 2)):to(device)
+            assert(uly.C.uly_tensor_set_grad(p._h, g._h) == 0)
+          end
+          opt:step()
+        end
+        for k, p in ipairs(params) do params[k] = p:cpu() end
+        return params
+      end
+      for name, make in pairs {
+        AdamW = function(ps) return uly.optim.AdamW({ { params = ps, weight_decay = 0.1 } }, { lr = 1e-2, eps = 1e-8 }) end,
+        ['AdamW, one tensor'] = function(ps) return uly.optim.AdamW({ ps[3] }, { lr = 1e-2, weight_decay = 0.1 }) end,
+        SGD = function(ps) return uly.optim.SGD(ps, { lr = 0.05, momentum = 0.9, dampening = 0.1, weight_decay = 0.1 }) end,
+        ['SGD nesterov'] = function(ps) return uly.optim.SGD(ps, { lr = 0.05, momentum = 0.8, nesterov = true }) end,
+      } do
+        local pc, pd = run('cpu', make), run('cuda', make)
+        for k = 1, #shapes do helpers.assert_close(pd[k], pc[k], 0, 0, name .. ': parameter ' .. k) end
+      end
+    end)
+
     for _, case in ipairs({ { 'GPT', GPT, { preset = 'tiny', dropout = 0.1 } },
                             { 'Llama (GQA)', Llama, { preset = 'tiny', kv_heads = 2 } },
                             { 'Llama with activation checkpointing, tiled MLP and loss, a window', Llama,

@@ -1,11 +1,19 @@
 /* kernels/cpu/optim.c — the optimizer loops over one contiguous f32 parameter of n elements.
  *
- *   optim_adamw: p *= decay; m = b1 m + a1 g; v = b2 v + a2 g^2 (a = 1 - b, rounded from double);
- *                p -= step_size * m / (sqrt(v) / bc2_sqrt + eps)              (PyTorch AdamW)
- *   optim_sgd:   d = g + wd p; buf = init ? d : momentum buf + (1-dampening) d;
- *                d = nesterov ? d + momentum buf : buf; p -= lr d             (PyTorch SGD)
+ *   optim_adamw: torch.optim.AdamW's single-tensor update (its default), op for op:
+ *                p1 = p * decay; m = madd(g, a1, m * b1); v = madd(a2 * g, g, v * b2);
+ *                p = p1 + (-step_size * m) / (sqrt(v) / bc2_sqrt + eps)
+ *   optim_sgd:   torch.optim.SGD's: d = madd(p, wd, g) (wd != 0); buf = init ? d : madd(d, 1 - dampening,
+ *                buf * momentum); d = nesterov ? madd(buf, momentum, d) : buf; p = madd(d, -lr, p)
  *   optim_sumsq: sum of x^2 in double, over fixed chunks summed in chunk order
  *   optim_scale: x *= s
+ *
+ * Same bits as PyTorch: every product, quotient, root and sum is rounded to f32 where ATen's
+ * kernels round it, and madd(a, b, c) = a b + c is one fused multiply-add (one rounding) where
+ * ATen's vectorised add_(alpha) / addcmul_ use one (vec::fmadd: on CPUs with FMA), else a
+ * product and a sum. So this file is compiled with -ffp-contract=off (CMakeLists.txt): the
+ * compiler must not fuse what PyTorch rounds twice. Checked element for element against
+ * PyTorch 1.13 on an AVX-512 CPU (spec/optim_spec.lua; its reference is this sequence in Lua).
  *
  * Every loop runs over fixed chunks of CHUNK elements (a function of n only), split over the
  * OpenMP threads when n is large: each element takes the same code path at any thread count,
@@ -19,6 +27,12 @@
 #include <immintrin.h>
 #elif defined(__ARM_NEON) && defined(__aarch64__)
 #include <arm_neon.h>
+#endif
+
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+#define MADD(a, b, c) fmaf(a, b, c) /* one rounding: ATen's vec::fmadd on this CPU */
+#else
+#define MADD(a, b, c) ((a) * (b) + (c)) /* two: ATen's fmadd where the CPU has no FMA */
 #endif
 
 #define PAR_MIN 32768 /* elements below which a loop stays on one thread */
@@ -56,14 +70,14 @@ static void adamw_chunk(float *restrict p, const float *restrict g, float *restr
         const float *restrict gg = g + o;
 #pragma omp simd
         for (int64_t i = 0; i < len; i++) {
-            mm[i] = b1 * mm[i] + a1 * gg[i];
-            vv[i] = b2 * vv[i] + a2 * (gg[i] * gg[i]);
+            mm[i] = MADD(gg[i], a1, mm[i] * b1);          /* exp_avg.mul_(beta1).add_(grad, alpha=1-beta1) */
+            vv[i] = MADD(a2 * gg[i], gg[i], vv[i] * b2);  /* exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1-beta2) */
         }
         sqrt_n(root, vv, len);
 #pragma omp simd
         for (int64_t i = 0; i < len; i++) {
-            const float denom = root[i] / bc2_sqrt + eps;
-            pp[i] = pp[i] * decay - step_size * (mm[i] / denom);
+            const float denom = root[i] / bc2_sqrt + eps; /* (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps) */
+            pp[i] = pp[i] * decay + (-step_size * mm[i]) / denom; /* param.mul_(decay); .addcdiv_(exp_avg, denom, value=-step_size) */
         }
     }
 }
@@ -83,17 +97,21 @@ void optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float 
 static void sgd_chunk(float *restrict p, const float *restrict g, float *restrict buf, int64_t n, float lr,
                       float wd, float momentum, float keep, int nesterov, int init)
 {
+    const float neg_lr = -lr;
     if (!buf) { /* no momentum */
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) p[i] -= lr * (g[i] + wd * p[i]);
+        for (int64_t i = 0; i < n; i++) {
+            const float d = wd != 0.0f ? MADD(p[i], wd, g[i]) : g[i]; /* grad.add(param, alpha=weight_decay) */
+            p[i] = MADD(d, neg_lr, p[i]);                              /* param.add_(d_p, alpha=-lr) */
+        }
         return;
     }
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) {
-        const float d = g[i] + wd * p[i];
-        const float b = init ? d : momentum * buf[i] + keep * d;
+        const float d = wd != 0.0f ? MADD(p[i], wd, g[i]) : g[i];
+        const float b = init ? d : MADD(d, keep, buf[i] * momentum);  /* buf.mul_(momentum).add_(d_p, alpha=1-dampening) */
         buf[i] = b;
-        p[i] -= lr * (nesterov ? d + momentum * b : b);
+        p[i] = MADD(nesterov ? MADD(b, momentum, d) : b, neg_lr, p[i]); /* d_p.add(buf, alpha=momentum) */
     }
 }
 
@@ -101,11 +119,10 @@ void optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float 
                float one_minus_dampening, int nesterov, int init)
 {
     const int64_t nc = n_chunks(n);
-    const float keep = one_minus_dampening;
 #pragma omp parallel for schedule(static) if (n > PAR_MIN)
     for (int64_t c = 0; c < nc; c++) {
         const int64_t o = c * CHUNK;
-        sgd_chunk(p + o, g + o, buf ? buf + o : NULL, chunk_len(n, c), lr, weight_decay, momentum, keep,
+        sgd_chunk(p + o, g + o, buf ? buf + o : NULL, chunk_len(n, c), lr, weight_decay, momentum, one_minus_dampening,
                   nesterov, init);
     }
 }

@@ -383,16 +383,22 @@ extern "C" int cu_cross_entropy_backward_bf16(float *dlogits, const float *dloss
 }
 
 /* ---- optimizers ---- */
-/* a1 = 1 - b1 and a2 = 1 - b2 as the host rounded them from double (kernels/cpu/kernels.h) */
+/* a1 = 1 - b1 and a2 = 1 - b2 as the host rounded them from double (kernels/cpu/kernels.h).
+ * Each element as kernels/cpu/optim.c does it (torch.optim.AdamW's ops, rounded where ATen's CPU
+ * kernels round): the _rn intrinsics keep nvcc from fusing a product into a sum that the CPU
+ * rounds twice, so the GPU's update has the CPU's bits. */
+__device__ static inline void adamw_one(float *p, float g, float *m, float *v, float decay, float b1, float a1,
+                                        float b2, float a2, float step_size, float bc2_sqrt, float eps) {
+    const float mi = __fmaf_rn(g, a1, __fmul_rn(*m, b1));
+    const float vi = __fmaf_rn(__fmul_rn(a2, g), g, __fmul_rn(*v, b2));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
+    *m = mi;
+    *v = vi;
+    *p = __fadd_rn(__fmul_rn(*p, decay), __fdiv_rn(__fmul_rn(-step_size, mi), denom));
+}
 __global__ static void adamw_k(float *p, const float *g, float *m, float *v, int64_t n, float decay, float b1, float a1,
                                float b2, float a2, float step_size, float bc2_sqrt, float eps) {
-    ULY_CU_FOR(i, n) {
-        float gi = g[i];
-        float mi = b1 * m[i] + a1 * gi, vi = b2 * v[i] + a2 * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = p[i] * decay - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
-    }
+    ULY_CU_FOR(i, n) adamw_one(p + i, g[i], m + i, v + i, decay, b1, a1, b2, a2, step_size, bc2_sqrt, eps);
 }
 extern "C" void cu_optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float decay, float b1, float a1,
                                float b2, float a2, float step_size, float bc2_sqrt, float eps) {
@@ -411,11 +417,7 @@ __global__ static void adamw_multi_k(const adamw_part *parts, int n, int64_t tot
         }
         const adamw_part &q = parts[lo];
         int64_t i = e - q.offset;
-        float gi = q.g[i];
-        float mi = b1 * q.m[i] + a1 * gi, vi = b2 * q.v[i] + a2 * gi * gi;
-        q.m[i] = mi;
-        q.v[i] = vi;
-        q.p[i] = q.p[i] * q.decay - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+        adamw_one(q.p + i, q.g[i], q.m + i, q.v + i, q.decay, b1, a1, b2, a2, step_size, bc2_sqrt, eps);
     }
 }
 extern "C" void cu_optim_adamw_multi(int n, float *const *p, const float *const *g, float *const *m, float *const *v,
@@ -448,14 +450,14 @@ extern "C" void cu_optim_adamw_multi(int n, float *const *p, const float *const 
 /* keep = 1 - dampening, as the host rounded it from double */
 __global__ static void sgd_k(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float mom, float keep,
                              int nesterov, int init) {
-    ULY_CU_FOR(i, n) {
-        float d = g[i] + wd * p[i];
+    ULY_CU_FOR(i, n) { /* torch.optim.SGD's ops, rounded as kernels/cpu/optim.c */
+        float d = wd != 0.0f ? __fmaf_rn(p[i], wd, g[i]) : g[i];
         if (buf) {
-            float b = init ? d : mom * buf[i] + keep * d;
+            float b = init ? d : __fmaf_rn(d, keep, __fmul_rn(buf[i], mom));
             buf[i] = b;
-            d = nesterov ? d + mom * b : b;
+            d = nesterov ? __fmaf_rn(b, mom, d) : b;
         }
-        p[i] -= lr * d;
+        p[i] = __fmaf_rn(d, -lr, p[i]);
     }
 }
 extern "C" void cu_optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float wd, float momentum, float keep,

@@ -415,6 +415,8 @@ function uly.cpu_bf16_kernels(on)
 end
 -- how many times a CPU bf16 kernel (uly.cpu_bf16_kernels) has run in this process
 function uly.cpu_bf16_kernel_calls() return tonumber(C.uly_cpu_bf16_kernel_calls()) end
+-- whether the library was built with a feature: 'mpi', 'hdf5', 'cuda', 'openmp', 'fma' (CPU
+-- kernels with fused multiply-adds: the optimizers then round as PyTorch's do on such CPUs)
 function uly.has(feature) return C.uly_has_feature(feature) ~= 0 end
 
 -- wall-clock seconds from a monotonic clock (for progress lines and benchmarks)

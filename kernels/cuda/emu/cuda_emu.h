@@ -174,6 +174,13 @@ static inline int __any_sync(unsigned mask, int pred) {
     return any;
 }
 #define __expf(x) expf(x)   /* glibc declares its own __expf */
+/* IEEE round-to-nearest arithmetic (nvcc never fuses these): the host's, where the emulator is
+ * built for a CPU without FMA (no contraction); fmaf is libm's exact fused multiply-add */
+static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __fsqrt_rn(float a) { return sqrtf(a); }
 static inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t __float_as_uint(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 /* one thread runs at a time: atomics are plain read-modify-writes */
