@@ -323,11 +323,13 @@ int64_t bf16_twin_calls(void);
 /* p *= decay; m = b1 m + a1 g; v = b2 v + a2 g^2; p -= step_size * m / (sqrt(v)/bc2_sqrt + eps)
  * with decay = 1 - lr wd, step_size = lr / (1 - b1^step), bc2_sqrt = sqrt(1 - b2^step), and
  * a1 = 1 - b1, a2 = 1 - b2 computed in double before rounding to f32, as torch.optim.AdamW's
- * Python floats are (1.0f - 0.999f is 0.00099998713, float(1 - 0.999) is 0.0010000000475) */
+ * Python floats are (1.0f - 0.999f is 0.00099998713, float(1 - 0.999) is 0.0010000000475);
+ * every op rounded as ATen's kernels round it (optim.c): torch.optim.AdamW's bits */
 void optim_adamw(float *p, const float *g, float *m, float *v, int64_t n, float decay, float beta1,
                  float one_minus_beta1, float beta2, float one_minus_beta2, float step_size, float bc2_sqrt, float eps);
 /* d = g + wd p; buf = init ? d : momentum buf + (1 - dampening) d; p -= lr (nesterov ? d + momentum buf : buf);
- * buf == NULL: no momentum, p -= lr d. 1 - dampening comes computed in double (as torch.optim.SGD's) */
+ * buf == NULL: no momentum, p -= lr d. 1 - dampening comes computed in double (as torch.optim.SGD's);
+ * rounded as ATen's kernels round (optim.c): torch.optim.SGD's bits */
 void optim_sgd(float *p, const float *g, float *buf, int64_t n, float lr, float weight_decay, float momentum,
                float one_minus_dampening, int nesterov, int init);
 /* sum of x[i]^2 in double; fixed chunks added in order: the same value at any thread count */

@@ -10,10 +10,11 @@
  *
  * Same bits as PyTorch: every product, quotient, root and sum is rounded to f32 where ATen's
  * kernels round it, and madd(a, b, c) = a b + c is one fused multiply-add (one rounding) where
- * ATen's vectorised add_(alpha) / addcmul_ use one (vec::fmadd: on CPUs with FMA), else a
- * product and a sum. So this file is compiled with -ffp-contract=off (CMakeLists.txt): the
+ * ATen's vectorised add_(alpha) (vec::fmadd) and addcmul_ (as its build compiles it) use one on
+ * CPUs with FMA, else a product and a sum. So this file is compiled with -ffp-contract=off (CMakeLists.txt): the
  * compiler must not fuse what PyTorch rounds twice. Checked element for element against
- * PyTorch 1.13 on an AVX-512 CPU (spec/optim_spec.lua; its reference is this sequence in Lua).
+ * PyTorch 1.13 on an AVX-512 CPU (spec/optim_torch_bits_spec.lua: this sequence in Lua, and
+ * torch.optim itself where /usr/bin/python3 has torch).
  *
  * Every loop runs over fixed chunks of CHUNK elements (a function of n only), split over the
  * OpenMP threads when n is large: each element takes the same code path at any thread count,
