@@ -1,0 +1,126 @@
+# bench/peers/torch_models.py — the GPT and Llama of models/ written again in PyTorch, from their
+# formulas (functional, float64), to check ours against an independent implementation: the loss
+# and every parameter's gradient for weights and tokens that spec/models_torch_spec.lua writes.
+#
+#   GPT:   h = wte[x] + wpe[:T]; per block h += attn(LN1(h)); h += proj(gelu_tanh(fc(LN2(h))));
+#          logits = LN_f(h) wte^T (tied)
+#   Llama: h = tok[x]; per layer h += attn(RMS1(h)) with RoPE (interleaved pairs, angle
+#          t theta^(-2i/D)) on q and k and grouped K/V heads (query head h reads K/V head
+#          h // (H / Hkv)); h += w2(silu(w1 x) * w3 x) of RMS2(h); logits = RMS_f(h) output
+#          (or tok^T when tied)
+#   attention: causal softmax(q k^T / sqrt(D)) v; a Linear's weight is [in, out] as in models/
+#   loss: mean cross-entropy over all B T positions
+#
+# usage: python3 bench/peers/torch_models.py DIR
+#   reads  DIR/config.txt (key=value lines), DIR/params.txt ("name d1 d2 ..." per line, in order),
+#          DIR/<name>.f32 (raw little-endian f32), DIR/x.i32 and DIR/y.i32 ([B, T] token ids)
+#   writes DIR/loss.f64 and DIR/<name>.grad.f64 (raw f64)
+import math
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def read_config(d):
+    cfg = {}
+    for line in open(f'{d}/config.txt'):
+        k, v = line.strip().split('=', 1)
+        cfg[k] = v if k == 'model' else float(v) if '.' in v or 'e' in v else int(v)
+    return cfg
+
+
+def read_params(d):
+    params = {}
+    for line in open(f'{d}/params.txt'):
+        name, *dims = line.split()
+        w = np.fromfile(f'{d}/{name}.f32', dtype='<f4').astype(np.float64).reshape([int(n) for n in dims])
+        params[name] = torch.from_numpy(w).requires_grad_()
+    return params
+
+
+def attention(q, k, v):
+    """q [B, T, H, D], k and v [B, T, Hkv, D] -> [B, T, H * D], causal"""
+    B, T, H, D = q.shape
+    k = k.repeat_interleave(H // k.shape[2], dim=2)
+    v = v.repeat_interleave(H // v.shape[2], dim=2)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+    s = q @ k.transpose(-1, -2) / math.sqrt(D)
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float('-inf'))
+    return (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, H * D)
+
+
+def rope(x, theta):
+    """x [B, T, H, D]: pair (x[2i], x[2i+1]) at position t rotated by t theta^(-2i/D)"""
+    T, D = x.shape[1], x.shape[3]
+    freq = theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * freq[None, :]
+    c, s = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+
+
+def rmsnorm(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def self_attention(P, pre, a, cfg, heads, kv_heads, theta=None):
+    B, T, C = a.shape
+    D = C // heads
+    qkv = a @ P[pre + 'wqkv.weight']
+    if pre + 'wqkv.bias' in P:
+        qkv = qkv + P[pre + 'wqkv.bias']
+    qkv = qkv.view(B, T, heads + 2 * kv_heads, D)
+    q, k, v = qkv[:, :, :heads], qkv[:, :, heads:heads + kv_heads], qkv[:, :, heads + kv_heads:]
+    if theta is not None:
+        q, k = rope(q, theta), rope(k, theta)
+    y = attention(q, k, v) @ P[pre + 'proj.weight']
+    return y + P[pre + 'proj.bias'] if pre + 'proj.bias' in P else y
+
+
+def linear(P, pre, x):
+    y = x @ P[pre + 'weight']
+    return y + P[pre + 'bias'] if pre + 'bias' in P else y
+
+
+def gpt(P, x, cfg):
+    T, C, eps = x.shape[1], cfg['dim'], cfg['eps']
+    h = P['wte.weight'][x] + P['wpe.weight'][:T]
+    for l in range(1, cfg['layers'] + 1):
+        b = f'blocks.{l}.'
+        a = F.layer_norm(h, (C,), P[b + 'norm1.weight'], P[b + 'norm1.bias'], eps)
+        h = h + self_attention(P, b + 'attn.', a, cfg, cfg['heads'], cfg['heads'])
+        m = F.layer_norm(h, (C,), P[b + 'norm2.weight'], P[b + 'norm2.bias'], eps)
+        h = h + linear(P, b + 'mlp.proj.', F.gelu(linear(P, b + 'mlp.fc.', m), approximate='tanh'))
+    h = F.layer_norm(h, (C,), P['ln_f.weight'], P['ln_f.bias'], eps)
+    return h @ P['wte.weight'].t()
+
+
+def llama(P, x, cfg):
+    eps, theta = cfg['eps'], cfg['rope_theta']
+    h = P['tok_embeddings.weight'][x]
+    for l in range(1, cfg['layers'] + 1):
+        b = f'layers.{l}.'
+        a = rmsnorm(h, P[b + 'norm1.weight'], eps)
+        h = h + self_attention(P, b + 'attn.', a, cfg, cfg['heads'], cfg['kv_heads'], theta)
+        m = rmsnorm(h, P[b + 'norm2.weight'], eps)
+        h = h + (F.silu(m @ P[b + 'mlp.w1.weight']) * (m @ P[b + 'mlp.w3.weight'])) @ P[b + 'mlp.w2.weight']
+    h = rmsnorm(h, P['norm.weight'], eps)
+    return h @ (P['tok_embeddings.weight'].t() if cfg['tied'] else P['output.weight'])
+
+
+def main(d):
+    cfg, P = read_config(d), read_params(d)
+    x = torch.from_numpy(np.fromfile(f'{d}/x.i32', dtype='<i4').astype(np.int64)).view(cfg['batch'], cfg['seq'])
+    y = torch.from_numpy(np.fromfile(f'{d}/y.i32', dtype='<i4').astype(np.int64)).view(cfg['batch'], cfg['seq'])
+    logits = (gpt if cfg['model'] == 'gpt' else llama)(P, x, cfg)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    np.array([loss.item()], dtype='<f8').tofile(f'{d}/loss.f64')
+    for name, p in P.items():
+        p.grad.numpy().astype('<f8').tofile(f'{d}/{name}.grad.f64')
+
+
+if __name__ == '__main__':
+    main(sys.argv[1])

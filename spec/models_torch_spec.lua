@@ -1,0 +1,88 @@
+-- spec/models_torch_spec.lua — the GPT and Llama models against an independent implementation:
+-- bench/peers/torch_models.py writes both again in PyTorch from their formulas (float64) and
+-- computes the loss and every gradient for our weights and tokens; ours (f32) must agree to f32
+-- accuracy. It checks the conventions no op-level spec can: the fused QKV's head order, GQA's
+-- grouping, RoPE's pairs and angles, the norms' eps, GELU's tanh form, the tied head, the loss's
+-- mean. Runs where /usr/bin/python3 has torch and numpy (Debian: python3-torch); pending elsewhere.
+local ffi = require 'ffi'
+local uly = require 'ulysses'
+local helpers = require 'helpers'
+local GPT = require 'models.gpt'
+local Llama = require 'models.llama'
+
+local PEER = require('ulysses.ffi').root .. '/bench/peers/torch_models.py'
+
+local function has_torch()
+  return select(2, helpers.run('/usr/bin/python3 -c "import torch, numpy"')) == 0
+end
+
+-- the model's config, parameters and tokens into dir, in the peer's format
+local function write_case(dir, model, x, y)
+  local cfg = model.config
+  local lines = { 'model=' .. cfg.model, 'batch=' .. x:size(1), 'seq=' .. x:size(2) }
+  for _, k in ipairs { 'layers', 'heads', 'kv_heads', 'dim', 'eps', 'rope_theta' } do
+    if cfg[k] then lines[#lines + 1] = string.format('%s=%.17g', k, cfg[k]) end
+  end
+  lines[#lines + 1] = 'tied=' .. (cfg.tied and 1 or 0)
+  helpers.write_file(dir .. '/config.txt', table.concat(lines, '\n') .. '\n')
+  local names = {}
+  for name, p in model:named_parameters() do
+    names[#names + 1] = name .. ' ' .. table.concat(p:shape(), ' ')
+    helpers.write_file(dir .. '/' .. name .. '.f32', ffi.string(p:data(), p:numel() * 4))
+  end
+  helpers.write_file(dir .. '/params.txt', table.concat(names, '\n') .. '\n')
+  helpers.write_file(dir .. '/x.i32', ffi.string(x:data(), x:numel() * 4))
+  helpers.write_file(dir .. '/y.i32', ffi.string(y:data(), y:numel() * 4))
+end
+
+-- a raw f64 file as a tensor of the given shape
+local function read_f64(path, shape)
+  local bytes = assert(helpers.read_file(path), 'the peer wrote no ' .. path)
+  local t = uly.zeros(shape, { dtype = 'f64' })
+  assert.are.equal(t:numel() * 8, #bytes, path .. ': size')
+  ffi.copy(t:data(), bytes, #bytes)
+  return t
+end
+
+local CASES = {
+  { 'GPT (biases, tied head)', GPT, { preset = 'tiny', heads = 4 } },
+  { 'GPT without biases', GPT, { preset = 'tiny', bias = false, eps = 1e-6 } },
+  { 'Llama (GQA 4:2, own output)', Llama, { preset = 'tiny' } },
+  { 'Llama (one K/V head, tied, rope_theta 500000, 3 layers)', Llama,
+    { preset = 'tiny', kv_heads = 1, tied = true, rope_theta = 500000, layers = 3 } },
+}
+
+describe('models against PyTorch', function()
+  for _, case in ipairs(CASES) do
+    it(case[1] .. ': the loss and every gradient of bench/peers/torch_models.py (float64)', function()
+      if not has_torch() then
+        pending('no PyTorch: /usr/bin/python3 cannot import torch and numpy (Debian: python3-torch)')
+      end
+      helpers.reseed(91)
+      local model = case[2](case[3])
+      -- weights off their init (norm gains 1, biases 0 would hide a swapped or missing one)
+      uly.no_grad(function()
+        for _, p in ipairs(model:parameters()) do p:copy_(p + uly.randn(p:shape()):mul(0.05)) end
+      end)
+      local B, T = 2, 23
+      local x, y = helpers.token_ids(B, T, model.config.vocab), helpers.token_ids(B, T, model.config.vocab)
+      local loss = model:loss(x, y)
+      loss:backward()
+      local dir = helpers.mkdtemp()
+      write_case(dir, model, x, y)
+      local out, code = helpers.run('/usr/bin/python3 ' .. helpers.shq(PEER) .. ' ' .. helpers.shq(dir))
+      assert.are.equal(0, code, out)
+      local theirs = read_f64(dir .. '/loss.f64', { 1 }):item()
+      assert.is_true(math.abs(loss:item() - theirs) <= 1e-6 * math.abs(theirs),
+                     string.format('loss %.9g, PyTorch (float64) %.9g', loss:item(), theirs))
+      local count = 0
+      for name, p in model:named_parameters() do
+        local g = read_f64(dir .. '/' .. name .. '.grad.f64', p:shape())
+        helpers.assert_within(p.grad, g, 2e-5, 'gradient of ' .. name)
+        count = count + 1
+      end
+      assert.is_true(count >= 10, 'parameters compared: ' .. count)
+      helpers.rmtree(dir)
+    end)
+  end
+end)
