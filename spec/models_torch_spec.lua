@@ -3,7 +3,7 @@
 -- computes the loss and every gradient for our weights and tokens; ours (f32) must agree to f32
 -- accuracy. It checks the conventions no op-level spec can: the fused QKV's head order, GQA's
 -- grouping, RoPE's pairs and angles, the norms' eps, GELU's tanh form, the tied head, the loss's
--- mean. Runs where /usr/bin/python3 has torch and numpy (Debian: python3-torch); pending elsewhere.
+-- mean, and what a sliding window and document ids hide. Runs where /usr/bin/python3 has torch and numpy (Debian: python3-torch); pending elsewhere.
 local ffi = require 'ffi'
 local uly = require 'ulysses'
 local helpers = require 'helpers'
@@ -17,10 +17,10 @@ local function has_torch()
 end
 
 -- the model's config, parameters and tokens into dir, in the peer's format
-local function write_case(dir, model, x, y)
+local function write_case(dir, model, x, y, doc)
   local cfg = model.config
   local lines = { 'model=' .. cfg.model, 'batch=' .. x:size(1), 'seq=' .. x:size(2) }
-  for _, k in ipairs { 'layers', 'heads', 'kv_heads', 'dim', 'eps', 'rope_theta' } do
+  for _, k in ipairs { 'layers', 'heads', 'kv_heads', 'dim', 'eps', 'rope_theta', 'window' } do
     if cfg[k] then lines[#lines + 1] = string.format('%s=%.17g', k, cfg[k]) end
   end
   lines[#lines + 1] = 'tied=' .. (cfg.tied and 1 or 0)
@@ -33,6 +33,7 @@ local function write_case(dir, model, x, y)
   helpers.write_file(dir .. '/params.txt', table.concat(names, '\n') .. '\n')
   helpers.write_file(dir .. '/x.i32', ffi.string(x:data(), x:numel() * 4))
   helpers.write_file(dir .. '/y.i32', ffi.string(y:data(), y:numel() * 4))
+  if doc then helpers.write_file(dir .. '/doc.i32', ffi.string(doc:data(), doc:numel() * 4)) end
 end
 
 -- a raw f64 file as a tensor of the given shape
@@ -50,7 +51,24 @@ local CASES = {
   { 'Llama (GQA 4:2, own output)', Llama, { preset = 'tiny' } },
   { 'Llama (one K/V head, tied, rope_theta 500000, 3 layers)', Llama,
     { preset = 'tiny', kv_heads = 1, tied = true, rope_theta = 500000, layers = 3 } },
+  { 'GPT with a sliding window of 5 (flash attention)', GPT, { preset = 'tiny', window = 5 } },
+  { 'Llama with a window of 7 and documents (flash attention)', Llama, { preset = 'tiny', window = 7 },
+    { 5, 6, 12 } },   -- document lengths of each sequence (T = 23)
 }
+
+-- document ids [B, T] (i32) from lengths, the second sequence's shifted by 2
+local function documents(B, T, lengths)
+  local ids = {}
+  for b = 1, B do
+    local row, doc, left = {}, 0, lengths[1] + (b == 2 and 2 or 0)
+    for t = 1, T do
+      if left == 0 then doc = doc + 1; left = lengths[doc % #lengths + 1] end
+      row[t], left = doc, left - 1
+    end
+    ids[b] = row
+  end
+  return uly.tensor(ids, { dtype = 'i32' })
+end
 
 describe('models against PyTorch', function()
   for _, case in ipairs(CASES) do
@@ -66,10 +84,11 @@ describe('models against PyTorch', function()
       end)
       local B, T = 2, 23
       local x, y = helpers.token_ids(B, T, model.config.vocab), helpers.token_ids(B, T, model.config.vocab)
-      local loss = model:loss(x, y)
+      local doc = case[4] and documents(B, T, case[4])
+      local loss = model:loss(x, y, { doc = doc })
       loss:backward()
       local dir = helpers.mkdtemp()
-      write_case(dir, model, x, y)
+      write_case(dir, model, x, y, doc)
       local out, code = helpers.run('/usr/bin/python3 ' .. helpers.shq(PEER) .. ' ' .. helpers.shq(dir))
       assert.are.equal(0, code, out)
       local theirs = read_f64(dir .. '/loss.f64', { 1 }):item()

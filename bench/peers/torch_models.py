@@ -8,14 +8,18 @@
 #          t theta^(-2i/D)) on q and k and grouped K/V heads (query head h reads K/V head
 #          h // (H / Hkv)); h += w2(silu(w1 x) * w3 x) of RMS2(h); logits = RMS_f(h) output
 #          (or tok^T when tied)
-#   attention: causal softmax(q k^T / sqrt(D)) v; a Linear's weight is [in, out] as in models/
+#   attention: softmax(q k^T / sqrt(D)) v where query i sees key j iff j <= i (causal), and
+#          i - window <= j with a window, and doc[b, i] == doc[b, j] with document ids (the
+#          masks of core/include/uly.h); a Linear's weight is [in, out] as in models/
 #   loss: mean cross-entropy over all B T positions
 #
 # usage: python3 bench/peers/torch_models.py DIR
 #   reads  DIR/config.txt (key=value lines), DIR/params.txt ("name d1 d2 ..." per line, in order),
-#          DIR/<name>.f32 (raw little-endian f32), DIR/x.i32 and DIR/y.i32 ([B, T] token ids)
+#          DIR/<name>.f32 (raw little-endian f32), DIR/x.i32 and DIR/y.i32 ([B, T] token ids),
+#          DIR/doc.i32 ([B, T] document ids) if there is one
 #   writes DIR/loss.f64 and DIR/<name>.grad.f64 (raw f64)
 import math
+import os
 import sys
 
 import numpy as np
@@ -40,14 +44,26 @@ def read_params(d):
     return params
 
 
-def attention(q, k, v):
-    """q [B, T, H, D], k and v [B, T, Hkv, D] -> [B, T, H * D], causal"""
+def hidden(T, window, doc):
+    """[B or 1, 1, T, T]: True where query i must not see key j"""
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    mask = j > i
+    if window is not None:
+        mask = mask | (j < i - window)
+    mask = mask[None, None]
+    if doc is not None:
+        mask = mask | (doc[:, None, :, None] != doc[:, None, None, :])
+    return mask
+
+
+def attention(q, k, v, window, doc):
+    """q [B, T, H, D], k and v [B, T, Hkv, D] -> [B, T, H * D]"""
     B, T, H, D = q.shape
     k = k.repeat_interleave(H // k.shape[2], dim=2)
     v = v.repeat_interleave(H // v.shape[2], dim=2)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
     s = q @ k.transpose(-1, -2) / math.sqrt(D)
-    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float('-inf'))
+    s = s.masked_fill(hidden(T, window, doc), float('-inf'))
     return (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, H * D)
 
 
@@ -75,7 +91,7 @@ def self_attention(P, pre, a, cfg, heads, kv_heads, theta=None):
     q, k, v = qkv[:, :, :heads], qkv[:, :, heads:heads + kv_heads], qkv[:, :, heads + kv_heads:]
     if theta is not None:
         q, k = rope(q, theta), rope(k, theta)
-    y = attention(q, k, v) @ P[pre + 'proj.weight']
+    y = attention(q, k, v, cfg.get('window'), cfg.get('doc')) @ P[pre + 'proj.weight']
     return y + P[pre + 'proj.bias'] if pre + 'proj.bias' in P else y
 
 
@@ -114,6 +130,8 @@ def main(d):
     cfg, P = read_config(d), read_params(d)
     x = torch.from_numpy(np.fromfile(f'{d}/x.i32', dtype='<i4').astype(np.int64)).view(cfg['batch'], cfg['seq'])
     y = torch.from_numpy(np.fromfile(f'{d}/y.i32', dtype='<i4').astype(np.int64)).view(cfg['batch'], cfg['seq'])
+    if os.path.exists(f'{d}/doc.i32'):
+        cfg['doc'] = torch.from_numpy(np.fromfile(f'{d}/doc.i32', dtype='<i4')).view(cfg['batch'], cfg['seq'])
     logits = (gpt if cfg['model'] == 'gpt' else llama)(P, x, cfg)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     loss.backward()
