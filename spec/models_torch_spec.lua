@@ -16,7 +16,8 @@ local function has_torch()
   return select(2, helpers.run('/usr/bin/python3 -c "import torch, numpy"')) == 0
 end
 
--- the model's config, parameters and tokens into dir, in the peer's format
+-- the model's config, parameters (uly.safetensors: the peer reads the format on its own) and
+-- tokens into dir
 local function write_case(dir, model, x, y, doc)
   local cfg = model.config
   local lines = { 'model=' .. cfg.model, 'batch=' .. x:size(1), 'seq=' .. x:size(2) }
@@ -25,12 +26,7 @@ local function write_case(dir, model, x, y, doc)
   end
   lines[#lines + 1] = 'tied=' .. (cfg.tied and 1 or 0)
   helpers.write_file(dir .. '/config.txt', table.concat(lines, '\n') .. '\n')
-  local names = {}
-  for name, p in model:named_parameters() do
-    names[#names + 1] = name .. ' ' .. table.concat(p:shape(), ' ')
-    helpers.write_file(dir .. '/' .. name .. '.f32', ffi.string(p:data(), p:numel() * 4))
-  end
-  helpers.write_file(dir .. '/params.txt', table.concat(names, '\n') .. '\n')
+  uly.safetensors.save(dir .. '/model.safetensors', model)
   helpers.write_file(dir .. '/x.i32', ffi.string(x:data(), x:numel() * 4))
   helpers.write_file(dir .. '/y.i32', ffi.string(y:data(), y:numel() * 4))
   if doc then helpers.write_file(dir .. '/doc.i32', ffi.string(doc:data(), doc:numel() * 4)) end

@@ -14,10 +14,12 @@
 #   loss: mean cross-entropy over all B T positions
 #
 # usage: python3 bench/peers/torch_models.py DIR
-#   reads  DIR/config.txt (key=value lines), DIR/params.txt ("name d1 d2 ..." per line, in order),
-#          DIR/<name>.f32 (raw little-endian f32), DIR/x.i32 and DIR/y.i32 ([B, T] token ids),
-#          DIR/doc.i32 ([B, T] document ids) if there is one
+#   reads  DIR/config.txt (key=value lines), DIR/model.safetensors (the parameters by name, as
+#          uly.safetensors.save writes them: read here with json and numpy, from the format's
+#          description), DIR/x.i32 and DIR/y.i32 ([B, T] token ids), DIR/doc.i32 ([B, T]
+#          document ids) if there is one
 #   writes DIR/loss.f64 and DIR/<name>.grad.f64 (raw f64)
+import json
 import math
 import os
 import sys
@@ -36,10 +38,22 @@ def read_config(d):
 
 
 def read_params(d):
+    """DIR/model.safetensors: u64 header length, JSON header, little-endian data"""
+    raw = open(f'{d}/model.safetensors', 'rb').read()
+    n = int.from_bytes(raw[:8], 'little')
+    header = json.loads(raw[8:8 + n])
+    header.pop('__metadata__', None)
+    data = raw[8 + n:]
     params = {}
-    for line in open(f'{d}/params.txt'):
-        name, *dims = line.split()
-        w = np.fromfile(f'{d}/{name}.f32', dtype='<f4').astype(np.float64).reshape([int(n) for n in dims])
+    for name, e in header.items():
+        begin, end = e['data_offsets']
+        if e['dtype'] == 'F32':
+            w = np.frombuffer(data[begin:end], dtype='<f4')
+        elif e['dtype'] == 'BF16':
+            w = (np.frombuffer(data[begin:end], dtype='<u2').astype(np.uint32) << 16).view(np.float32)
+        else:
+            raise SystemExit(f'{name}: dtype {e["dtype"]} is not a parameter dtype here')
+        w = w.astype(np.float64).reshape(e['shape'])
         params[name] = torch.from_numpy(w).requires_grad_()
     return params
 
