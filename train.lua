@@ -52,6 +52,8 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'ckpt_every', 0, 'checkpoint every N steps (0 = only at the end)' },
   { 'keep', 3, 'checkpoints kept' },
   { 'resume', '', "'auto' (latest in OUT/ckpt) or a checkpoint path" },
+  { 'init', '', 'start from the weights of this safetensors file (uly.safetensors: every name and shape must match the model; --resume replaces them)' },
+  { 'export', '', 'write the final weights to this safetensors file (PyTorch / Hugging Face tools read it)' },
   { 'seed', 1337, 'seed for initialisation, data order and dropout' },
   { 'threads', 0, 'threads for kernels and BLAS (0 = all cores; under mpirun: cores / ranks)' },
   { 'device', 'cpu', 'cpu | cuda (ULY_CUDA_SIMULATE=1 runs the cuda code path in host memory)' },
@@ -161,6 +163,21 @@ local function check_flags(cfg)
     local f = io.open(cfg.resume, 'rb')
     if not f then usage(string.format("--resume %s: no such checkpoint (give a file under OUT/ckpt, or 'auto')", cfg.resume)) end
     f:close()
+  end
+  if cfg.init ~= '' then
+    local f = io.open(cfg.init, 'rb')
+    if not f then usage(string.format('--init %s: no such file (give a .safetensors file of weights)', cfg.init)) end
+    f:close()
+  end
+  if cfg.export ~= '' then   -- found now, not after training
+    local dir = cfg.export:match('^(.*)/[^/]*$') or '.'
+    if cfg.export:sub(-1) == '/' or realpath(cfg.export .. '/') then
+      usage(string.format('--export %s is a directory: give the file to write (e.g. %s/model.safetensors)', cfg.export,
+                          (cfg.export:gsub('/$', ''))))
+    end
+    if not realpath((dir == '' and '/' or dir) .. '/') then
+      usage(string.format('--export %s: no directory %s to write it in (make it first)', cfg.export, dir))
+    end
   end
   if cfg.out == '' then usage('--out must name a directory for the run (log.csv, loss.svg, ckpt/)') end
   if realpath(cfg.out) and not realpath(cfg.out .. '/') then
@@ -377,6 +394,11 @@ local function main()
     end
   end
   local model = build_model(cfg, train_data.vocab_size)
+  if cfg.init ~= '' then
+    local ok, err = pcall(uly.safetensors.load_into, model, cfg.init)
+    if not ok then usage('--init ' .. (clean(err):gsub('^safetensors%.load_into: ', ''))) end
+    say(string.format('weights from %s', cfg.init))
+  end
   if cfg.device ~= 'cpu' then
     local ok, err = pcall(model.to, model, cfg.device)
     if not ok then usage('--device ' .. cfg.device .. ': ' .. clean(err)) end
@@ -593,6 +615,13 @@ local function main()
     title = string.format('%s %s on %s', mc.model, mc.preset, data_path:match('([^/]+)$')),
     hlines = train_data.entropy_bits and { { y = train_data.entropy_bits * math.log(2), label = 'unigram entropy' } } or nil })
   print(string.format('log: %s  plot: %s  checkpoints: %s', log_path, cfg.out .. '/loss.svg', ckpt_dir))
+  if cfg.export ~= '' and main_rank then
+    local mc_plain = common.plain_config(model.config)
+    local ok, err = pcall(uly.safetensors.save, cfg.export, model, { metadata = {
+      format = 'pt', ulysses_model = tostring(mc.model), ulysses_config = uly.checkpoint.serialize(mc_plain, 'config') } })
+    if not ok then usage('--export ' .. clean(err)) end
+    print('weights: ' .. cfg.export)
+  end
 
   if cfg.sample > 0 then
     local prompt

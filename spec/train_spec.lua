@@ -172,6 +172,46 @@ describe('train.lua', function()
     fb:close()
   end)
 
+  it('--export writes the final weights as safetensors and --init starts another run from them', function()
+    local a, b = tmpdir(), tmpdir()
+    local common = TINY .. '--eval_every 0 --sample 0 '
+    local out, code = run(common .. '--steps 3 --out ' .. a .. ' --export ' .. a .. '/w.safetensors')
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('weights: ' .. a .. '/w.safetensors', 1, true), out)
+    -- the export holds the weights the final checkpoint holds, bit for bit, and the model's config
+    local w, meta = uly.safetensors.load(a .. '/w.safetensors')
+    local ck = uly.h5.open(a .. '/ckpt/step_000003.h5')
+    local n = 0
+    for name, t in pairs(w) do
+      local c = ck:read('model/' .. name)
+      assert.are.same(c:shape(), t:shape(), name)
+      local pc, pt = c:data(), t:data()
+      for i = 0, t:numel() - 1 do assert(pc[i] == pt[i], name) end
+      n = n + 1
+    end
+    ck:close()
+    assert.are.equal(#require('models.gpt') { preset = 'tiny', seq = 32 }:parameters(), n)
+    assert.are.equal('gpt', meta.ulysses_model)
+    assert.truthy(meta.ulysses_config:find('preset="tiny"', 1, true), meta.ulysses_config)
+    -- a run from those weights with a learning rate too small to move them exports them back
+    out, code = run(common .. '--steps 1 --lr 1e-12 --min_lr 0 --out ' .. b .. ' --init ' .. a .. '/w.safetensors --export '
+                    .. b .. '/w.safetensors')
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('weights from ' .. a .. '/w.safetensors', 1, true), out)
+    local w2 = uly.safetensors.load(b .. '/w.safetensors')
+    for name, t in pairs(w) do
+      local p, q = t:data(), w2[name]:data()
+      for i = 0, t:numel() - 1 do
+        assert(math.abs(p[i] - q[i]) <= 1e-9, string.format('%s[%d]: %.9g vs %.9g', name, i, p[i], q[i]))
+      end
+    end
+    -- weights of another model: every mismatch named, before training
+    out, code = run(common .. '--model llama --steps 1 --out ' .. b .. '/l --init ' .. a .. '/w.safetensors')
+    assert.are.equal(2, code, out)
+    assert.truthy(out:find('train.lua: --init ' .. a .. '/w.safetensors: 17 parameters of the model are not in it: '
+                           .. '"tok_embeddings.weight"', 1, true), out)
+  end)
+
   it('says what is wrong with bad flags and missing data', function()
     local out, code = run('--no_such_flag 1')
     assert.are.equal(2, code)
@@ -200,6 +240,9 @@ describe('train.lua', function()
       ['--device gpu'] = "--device gpu: say 'cuda'",
       ['--device cuda:0'] = "--device cuda:0: say 'cuda'",
       ['--resume /nonexistent/ckpt.h5'] = '--resume /nonexistent/ckpt.h5: no such checkpoint',
+      ['--init /nonexistent/w.safetensors'] = '--init /nonexistent/w.safetensors: no such file',
+      ['--export /nonexistent/w.safetensors'] = '--export /nonexistent/w.safetensors: no directory /nonexistent to write it in',
+      ['--export spec'] = '--export spec is a directory: give the file to write (e.g. spec/model.safetensors)',
       ["--prompt 'In the beginning God created the heaven and the earth'"] =
         '--prompt is 53 tokens, which leaves no room to sample within --seq 32',
     }) do
