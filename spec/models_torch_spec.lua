@@ -68,7 +68,9 @@ end
 
 describe('models against PyTorch', function()
   for _, case in ipairs(CASES) do
-    it(case[1] .. ': the loss and every gradient of bench/peers/torch_models.py (float64)', function()
+    -- #release_only: the models' numbers, checked once (the sanitizer pass runs these code paths in
+    -- models_spec and the op specs)
+    it(case[1] .. ': the loss and every gradient of bench/peers/torch_models.py (float64) #release_only', function()
       if not has_torch() then
         pending('no PyTorch: /usr/bin/python3 cannot import torch and numpy (Debian: python3-torch)')
       end
