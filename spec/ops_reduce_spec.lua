@@ -191,6 +191,38 @@ describe('sum / mean / max over one dim', function()
     end
   end)
 
+  it('min and argmax: values and 1-based indices, the first of ties; over all elements too', function()
+    local x = uly.tensor({ { 1, 3, 3, 2 }, { 5, 5, 5, 5 }, { -1, -2, -7, -7 } })
+    local v, i = x:min(2)
+    helpers.assert_close(v, { 1, 5, -7 }, 0, 0, 'row min')
+    helpers.assert_close(i, { 1, 1, 3 }, 0, 0, 'row argmin')
+    local vk = x:min(1, true)
+    assert.are.same({ 1, 4 }, vk:shape())
+    helpers.assert_close(vk, { -1, -2, -7, -7 }, 0, 0, 'column min, keepdim')
+    assert.are.equal(-7, x:min():item())
+    helpers.assert_close(x:argmax(2), { 2, 1, 1 }, 0, 0, 'row argmax')
+    assert.are.same({ 3, 1 }, x:argmax(2, true):shape())
+    assert.are.equal('i64', x:argmax(1):dtype())
+    assert.are.equal(5, x:argmax():item(), 'flat index of the first maximum')
+    assert.are.equal(11, x:neg():argmax():item(), 'flat index of the first minimum')
+  end)
+
+  it('gradcheck min over every dim and full min; abs: exact values, gradient sign(x), 0 at 0', function()
+    helpers.reseed(84)
+    local x = R.leaf(separated({ 3, 4 }))
+    for d = -2, 2 do
+      if d ~= 0 then helpers.gradcheck(function(t) return (t:min(d)) end, { x }) end
+    end
+    helpers.gradcheck(function(t) return t:min() end, { x })
+    local vals = { -2.5, 0, 3, -0.125, 7, -2 ^ -100 }
+    local a = R.leaf(uly.tensor(vals))
+    local y = a:abs()
+    helpers.assert_close(y, { 2.5, 0, 3, 0.125, 7, 2 ^ -100 }, 0, 0, 'abs values')
+    y:backward(uly.tensor({ 1, 2, 3, 4, 5, 6 }))
+    helpers.assert_close(a.grad, { -1, 0, 3, -4, 5, -6 }, 0, 0, 'abs gradient')
+    helpers.gradcheck(function(t) return t:abs() end, { R.leaf(separated({ 5, 3 })) })
+  end)
+
   it('max over a 1-element dim returns the input and index 1', function()
     helpers.reseed(31)
     local x = uly.randn(3, 1, 4)

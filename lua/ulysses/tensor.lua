@@ -546,6 +546,11 @@ function Tensor:div(b)
 end
 function Tensor:scale(s) return wrap(C.uly_mul_scalar(H(self, 'scale'), s)) end
 function Tensor:neg() return wrap(C.uly_mul_scalar(H(self, 'neg'), -1)) end
+-- |x| as relu(x) + relu(-x): the exact values (one term is 0), gradient sign(x) and 0 at 0 (as PyTorch)
+function Tensor:abs()
+  H(self, 'abs')
+  return self:relu() + self:neg():relu()
+end
 function Tensor:pow(e)
   if type(e) ~= 'number' then raise('pow: exponent must be a number, got ' .. type(e)) end
   return wrap(C.uly_pow_scalar(H(self, 'pow'), e))
@@ -563,6 +568,20 @@ function Tensor:mean(d, keepdim)
   return wrap(C.uly_mean(h, cdim(h, d, 'mean'), keepdim and 1 or 0))
 end
 -- max() -> value; max(dim) -> values, indices (1-based positions along dim, i64)
+-- the smallest value over dim d and its 1-based index (the first of tied minima), or of all: -max(-x)
+function Tensor:min(d, keepdim)
+  H(self, 'min')
+  if d == nil then return self:neg():max():neg() end
+  local v, i = self:neg():max(d, keepdim)
+  return v:neg(), i
+end
+-- 1-based indices (i64) of the largest values over dim d, the first of tied maxima; without d the
+-- index into the flattened tensor
+function Tensor:argmax(d, keepdim)
+  H(self, 'argmax')
+  if d == nil then return select(2, self:reshape(self:numel()):max(1)) end
+  return select(2, self:max(d, keepdim))
+end
 function Tensor:max(d, keepdim)
   local h = H(self, 'max')
   if d == nil then return wrap(C.uly_max_all(h)) end
