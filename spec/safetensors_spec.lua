@@ -1,7 +1,7 @@
 -- spec/safetensors_spec.lua — uly.safetensors: round trips in every dtype, the exact bytes of a
 -- small file (the format's layout), a model saved and loaded into another, a file written by
--- another program (Python's json and struct: F16, escaped names), the JSON header parser, errors
--- that name the file and tensor, and atomic saves.
+-- another program (Python's json and struct: F16, escaped names), errors that name the file and
+-- tensor, and atomic saves. (The JSON reader itself: spec/json_spec.lua.)
 local ffi = require 'ffi'
 local uly = require 'ulysses'
 local helpers = require 'helpers'
@@ -124,24 +124,6 @@ open(sys.argv[1], 'wb').write(struct.pack('<Q', len(text)) + text.encode() + dat
     assert.are.equal(0.1, t.dbl:item())
     assert.are.same({}, t.dbl:shape())
     assert.are.same({ format = 'pt', who = 'caf\195\169 \226\152\131' }, meta)
-  end)
-
-  it('parses JSON: nesting, escapes, numbers; errors say at which byte', function()
-    local j = st._json_decode
-    assert.are.same({ a = { 1, -2.5, 3e2, { b = true, c = false } }, ['q"\\/'] = 'x\ty' },
-                    j(' { "a" : [1, -2.5, 3E2, {"b": true, "c": false}], "q\\"\\\\\\/" : "x\\ty" } '))
-    assert.are.same({}, j('{}'))
-    for bad, what in pairs {
-      ['{"a": 1'] = 'expected "," or "}"', ['{"a" 1}'] = 'expected ":"', ['{"a": "x}'] = 'unterminated string',
-      ['{"a": 1} x'] = 'text after', ['{"a": 1, "a": 2}'] = 'appears twice', ['{"a": "\\q"}'] = 'bad escape',
-      ['{"a": "\\ud800"}'] = 'unpaired surrogate', [string.rep('[', 40) .. string.rep(']', 40)] = 'nested deeper',
-      ['{"a": -}'] = 'unexpected',
-    } do
-      local v, err = j(bad)
-      assert.is_nil(v, bad)
-      assert.matches(what, err, 1, true)
-      assert.matches('at byte %d+ of the header', err)
-    end
   end)
 
   it('refuses broken files, naming the file, the tensor and what is wrong', function()

@@ -2,6 +2,8 @@
 -- per-step progress line (loss, throughput, FLOP/s, MFU, memory, ETA), crash-safe CSV / JSON
 -- Lines writers and readers, and a dependency-free SVG line chart for loss curves.
 -- Pure Lua: it does not load the C library (Progress uses uly.clock only when ulysses is loaded).
+local json = require 'ulysses.json'
+
 local log = {}
 
 local floor, abs, huge = math.floor, math.abs, math.huge
@@ -336,14 +338,7 @@ local function csv_cell(v, key)
   return v
 end
 
-local JSON_ESC = { ['"'] = '\\"', ['\\'] = '\\\\', ['\n'] = '\\n', ['\r'] = '\\r', ['\t'] = '\\t',
-                   ['\b'] = '\\b', ['\f'] = '\\f' }
-
-local function json_string(s)
-  return '"' .. s:gsub('[%c"\\]', function(c)
-    return JSON_ESC[c] or string.format('\\u%04x', c:byte())
-  end) .. '"'
-end
+local json_string = json.string
 
 local function json_value(v, depth)
   local t = type(v)
@@ -477,114 +472,14 @@ function log.read_csv(path)
   return records, header
 end
 
--- a small JSON reader (objects, arrays, strings, numbers, true/false/null) for JSON Lines
-local function json_decoder(text, where)
-  local pos = 1
-  local function fail(msg) error(string.format('%s: %s at character %d', where, msg, pos), 0) end
-  local function skip() pos = text:find('[^ \t\r\n]', pos) or #text + 1 end
-  local value
-  local function utf8(cp)
-    if cp < 0x80 then return string.char(cp) end
-    if cp < 0x800 then return string.char(0xC0 + floor(cp / 64), 0x80 + cp % 64) end
-    if cp < 0x10000 then
-      return string.char(0xE0 + floor(cp / 4096), 0x80 + floor(cp / 64) % 64, 0x80 + cp % 64)
-    end
-    return string.char(0xF0 + floor(cp / 262144), 0x80 + floor(cp / 4096) % 64, 0x80 + floor(cp / 64) % 64,
-                       0x80 + cp % 64)
-  end
-  local ESC = { b = '\b', f = '\f', n = '\n', r = '\r', t = '\t', ['"'] = '"', ['\\'] = '\\', ['/'] = '/' }
-  local function str()
-    local buf = {}
-    pos = pos + 1
-    while true do
-      local j = text:find('["\\]', pos)
-      if not j then fail('unterminated string') end
-      buf[#buf + 1] = text:sub(pos, j - 1)
-      if text:sub(j, j) == '"' then
-        pos = j + 1
-        return table.concat(buf)
-      end
-      local c = text:sub(j + 1, j + 1)
-      if c == 'u' then
-        local cp = tonumber(text:sub(j + 2, j + 5), 16) or fail('bad \\u escape')
-        pos = j + 6
-        if cp >= 0xD800 and cp < 0xDC00 and text:sub(pos, pos + 1) == '\\u' then
-          local lo = tonumber(text:sub(pos + 2, pos + 5), 16)
-          if lo and lo >= 0xDC00 and lo < 0xE000 then
-            cp = 0x10000 + (cp - 0xD800) * 1024 + (lo - 0xDC00)
-            pos = pos + 6
-          end
-        end
-        buf[#buf + 1] = utf8(cp)
-      else
-        buf[#buf + 1] = ESC[c] or fail('bad escape \\' .. c)
-        pos = j + 2
-      end
-    end
-  end
-  function value()
-    skip()
-    local c = text:sub(pos, pos)
-    if c == '{' then
-      local obj = {}
-      pos = pos + 1
-      skip()
-      if text:sub(pos, pos) == '}' then pos = pos + 1 return obj end
-      while true do
-        skip()
-        if text:sub(pos, pos) ~= '"' then fail('expected a key') end
-        local k = str()
-        skip()
-        if text:sub(pos, pos) ~= ':' then fail("expected ':'") end
-        pos = pos + 1
-        obj[k] = value()
-        skip()
-        local d = text:sub(pos, pos)
-        pos = pos + 1
-        if d == '}' then return obj end
-        if d ~= ',' then fail("expected ',' or '}'") end
-      end
-    elseif c == '[' then
-      local arr, n = {}, 0
-      pos = pos + 1
-      skip()
-      if text:sub(pos, pos) == ']' then pos = pos + 1 return arr end
-      while true do
-        n = n + 1
-        arr[n] = value()
-        skip()
-        local d = text:sub(pos, pos)
-        pos = pos + 1
-        if d == ']' then return arr end
-        if d ~= ',' then fail("expected ',' or ']'") end
-      end
-    elseif c == '"' then return str()
-    elseif text:find('^true', pos) then pos = pos + 4 return true
-    elseif text:find('^false', pos) then pos = pos + 5 return false
-    elseif text:find('^null', pos) then pos = pos + 4 return nil
-    else
-      local num = text:match('^-?%d+%.?%d*[eE]?[-+]?%d*', pos)
-      if not num or not tonumber(num) then fail('unexpected ' .. (c == '' and 'end of line' or "'" .. c .. "'")) end
-      pos = pos + #num
-      return tonumber(num)
-    end
-  end
-  return function()
-    local v = value()
-    skip()
-    if pos <= #text then fail('trailing characters') end
-    return v
-  end
-end
-
 -- log.read_jsonl(path) -> list of records, one per non-empty line (null values are missing)
 function log.read_jsonl(path)
   local records, lineno = {}, 0
   for line in (read_all(path, 'read_jsonl') .. '\n'):gmatch('([^\n]*)\n') do
     lineno = lineno + 1
     if line:find('%S') then
-      local ok, v = pcall(json_decoder(line, string.format('read_jsonl %s line %d', path, lineno)))
-      if not ok then error(v, 2) end
+      local v, err = json.decode(line)
+      if err then error(string.format('read_jsonl %s line %d: %s', path, lineno, err), 2) end
       records[#records + 1] = v
     end
   end

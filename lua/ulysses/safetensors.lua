@@ -21,6 +21,7 @@ local bit = require 'bit'
 local lib = require 'ulysses.ffi'
 local T = require 'ulysses.tensor'
 local options = require 'ulysses.options'
+local json = require 'ulysses.json'
 local C = lib.C
 local raise, check, is_tensor = T.raise, T.check, T.is_tensor
 
@@ -38,123 +39,12 @@ pcall(ffi.cdef, 'char *strerror(int errnum);')
 local M = {}
 
 local MAX_HEADER = 100 * 1024 * 1024   -- the format's own limit on the header's size
-local MAX_DEPTH = 32                   -- JSON nesting a header needs: 3
 -- file dtype -> ours, its bytes per element
 local FROM_FILE = { F32 = { 'f32', 4 }, BF16 = { 'bf16', 2 }, F64 = { 'f64', 8 }, I32 = { 'i32', 4 },
                     I64 = { 'i64', 8 }, F16 = { 'f32', 2 } }
 local TO_FILE = { f32 = 'F32', bf16 = 'BF16', f64 = 'F64', i32 = 'I32', i64 = 'I64' }
 
----------------------------------------------------------------- JSON (the header's subset and more)
-local ESCAPES = { ['"'] = '\\"', ['\\'] = '\\\\', ['\n'] = '\\n', ['\r'] = '\\r', ['\t'] = '\\t', ['\b'] = '\\b',
-                  ['\f'] = '\\f' }
-local function json_string(s)
-  return '"' .. s:gsub('[%c"\\]', function(c) return ESCAPES[c] or string.format('\\u%04x', c:byte()) end) .. '"'
-end
-
-local function utf8(cp)
-  if cp < 0x80 then return string.char(cp) end
-  if cp < 0x800 then return string.char(0xC0 + bit.rshift(cp, 6), 0x80 + bit.band(cp, 0x3F)) end
-  if cp < 0x10000 then
-    return string.char(0xE0 + bit.rshift(cp, 12), 0x80 + bit.band(bit.rshift(cp, 6), 0x3F), 0x80 + bit.band(cp, 0x3F))
-  end
-  return string.char(0xF0 + bit.rshift(cp, 18), 0x80 + bit.band(bit.rshift(cp, 12), 0x3F),
-                     0x80 + bit.band(bit.rshift(cp, 6), 0x3F), 0x80 + bit.band(cp, 0x3F))
-end
-
--- s decoded; errors are plain strings ('at byte N: what'), the caller adds the file
-local function json_decode(s)
-  local pos = 1
-  local function fail(what) error({ json = string.format('at byte %d of the header: %s', pos, what) }) end
-  local function skip() pos = s:find('[^ \t\r\n]', pos) or #s + 1 end
-  local value
-  local function str()
-    pos = pos + 1
-    local parts = {}
-    while true do
-      local stop = s:find('["\\%c]', pos)
-      if not stop then fail('unterminated string') end
-      parts[#parts + 1] = s:sub(pos, stop - 1)
-      local c = s:sub(stop, stop)
-      if c == '"' then pos = stop + 1; return table.concat(parts) end
-      if c ~= '\\' then pos = stop; fail('control character in a string') end
-      local e = s:sub(stop + 1, stop + 1)
-      local simple = ({ ['"'] = '"', ['\\'] = '\\', ['/'] = '/', b = '\b', f = '\f', n = '\n', r = '\r', t = '\t' })[e]
-      if simple then parts[#parts + 1] = simple; pos = stop + 2
-      elseif e == 'u' then
-        local hex = s:match('^%x%x%x%x', stop + 2)
-        if not hex then pos = stop; fail('bad \\u escape') end
-        local cp = tonumber(hex, 16)
-        pos = stop + 6
-        if cp >= 0xD800 and cp < 0xDC00 then   -- a surrogate pair
-          local lo = s:match('^\\u(%x%x%x%x)', pos)
-          lo = lo and tonumber(lo, 16)
-          if not lo or lo < 0xDC00 or lo > 0xDFFF then fail('unpaired surrogate in a \\u escape') end
-          cp = 0x10000 + (cp - 0xD800) * 0x400 + (lo - 0xDC00)
-          pos = pos + 6
-        end
-        parts[#parts + 1] = utf8(cp)
-      else pos = stop; fail('bad escape \\' .. e) end
-    end
-  end
-  function value(depth)
-    if depth > MAX_DEPTH then fail('nested deeper than ' .. MAX_DEPTH) end
-    skip()
-    local c = s:sub(pos, pos)
-    if c == '{' then
-      local out = {}
-      pos = pos + 1
-      skip()
-      if s:sub(pos, pos) == '}' then pos = pos + 1; return out end
-      while true do
-        skip()
-        if s:sub(pos, pos) ~= '"' then fail('expected a string key') end
-        local k = str()
-        if out[k] ~= nil then fail('key "' .. k .. '" appears twice') end
-        skip()
-        if s:sub(pos, pos) ~= ':' then fail('expected ":"') end
-        pos = pos + 1
-        out[k] = value(depth + 1)
-        skip()
-        c = s:sub(pos, pos)
-        pos = pos + 1
-        if c == '}' then return out end
-        if c ~= ',' then pos = pos - 1; fail('expected "," or "}"') end
-      end
-    elseif c == '[' then
-      local out = {}
-      pos = pos + 1
-      skip()
-      if s:sub(pos, pos) == ']' then pos = pos + 1; return out end
-      while true do
-        out[#out + 1] = value(depth + 1)
-        skip()
-        c = s:sub(pos, pos)
-        pos = pos + 1
-        if c == ']' then return out end
-        if c ~= ',' then pos = pos - 1; fail('expected "," or "]"') end
-      end
-    elseif c == '"' then return str()
-    elseif s:find('^true', pos) then pos = pos + 4; return true
-    elseif s:find('^false', pos) then pos = pos + 5; return false
-    elseif s:find('^null', pos) then pos = pos + 4; return nil
-    else
-      local num = s:match('^-?%d+%.?%d*[eE]?[-+]?%d*', pos)
-      if not num or num == '' or num == '-' then fail('unexpected ' .. (c == '' and 'end' or '"' .. c .. '"')) end
-      pos = pos + #num
-      return tonumber(num) or fail('bad number ' .. num)
-    end
-  end
-  local ok, v = pcall(function()
-    local out = value(1)
-    skip()
-    if pos <= #s then fail('text after the header\'s object') end
-    return out
-  end)
-  if ok then return v end
-  if type(v) == 'table' and v.json then return nil, v.json end
-  error(v, 0)
-end
-M._json_decode = json_decode   -- for the specs
+local json_string, json_decode = json.string, json.decode
 
 ---------------------------------------------------------------- files
 local function open(path, mode, what)
