@@ -535,6 +535,29 @@ describe('device tensors', function()
       end
       helpers.rmtree(dir)
     end)
+
+    it('saves a model on the device as safetensors and loads it into one on either device', function()
+      local dir = helpers.mkdtemp()
+      local m = Llama({ preset = 'tiny' }):to('cuda')
+      uly.safetensors.save(dir .. '/w.safetensors', m)
+      local on_host = Llama({ preset = 'tiny', tied = true })   -- no output layer: strict refuses, lax loads
+      assert.matches('1 tensors in it are not parameters of the model: "output.weight"',
+                     helpers.error_of(uly.safetensors.load_into, on_host, dir .. '/w.safetensors'), 1, true)
+      local r = uly.safetensors.load_into(on_host, dir .. '/w.safetensors', { strict = false })
+      assert.are.same({ 'output.weight' }, r.unexpected)
+      helpers.reseed(9)
+      local on_device = Llama({ preset = 'tiny' }):to('cuda')
+      uly.safetensors.load_into(on_device, dir .. '/w.safetensors')
+      local host, dev = {}, {}
+      for name, p in on_host:named_parameters() do host[name] = p end
+      for name, p in on_device:named_parameters() do dev[name] = p end
+      for name, p in m:named_parameters() do
+        assert.equal('cuda', dev[name]:device())
+        helpers.assert_close(dev[name]:cpu(), p:cpu(), 0, 0, name)
+        if host[name] then helpers.assert_close(host[name], p:cpu(), 0, 0, name .. ' (host)') end
+      end
+      helpers.rmtree(dir)
+    end)
   end)
 
   describe('the caching pool', function()
