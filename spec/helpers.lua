@@ -249,6 +249,16 @@ function M.write_file(path, s)
   f:close()
 end
 
+-- PyTorch's Python (Debian's python3-torch), for the specs that check against it; without the
+-- sanitizer runtime a sanitizer pass preloads (torch does not import under it)
+M.torch_python = 'env -u LD_PRELOAD /usr/bin/python3'
+function M.has_torch()
+  if M._has_torch == nil then
+    M._has_torch = select(2, M.run(M.torch_python .. ' -c "import torch, numpy"')) == 0
+  end
+  return M._has_torch
+end
+
 -- a shell command's output (stdout and stderr) and exit status
 function M.run(cmd)
   local p = assert(io.popen(cmd .. ' 2>&1; echo "exit=$?"'))

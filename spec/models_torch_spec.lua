@@ -12,9 +12,6 @@ local Llama = require 'models.llama'
 
 local PEER = require('ulysses.ffi').root .. '/bench/peers/torch_models.py'
 
-local function has_torch()
-  return select(2, helpers.run('/usr/bin/python3 -c "import torch, numpy"')) == 0
-end
 
 -- the model's config, parameters (uly.safetensors: the peer reads the format on its own) and
 -- tokens into dir
@@ -71,7 +68,7 @@ describe('models against PyTorch', function()
     -- #release_only: the models' numbers, checked once (the sanitizer pass runs these code paths in
     -- models_spec and the op specs)
     it(case[1] .. ': the loss and every gradient of bench/peers/torch_models.py (float64) #release_only', function()
-      if not has_torch() then
+      if not helpers.has_torch() then
         pending('no PyTorch: /usr/bin/python3 cannot import torch and numpy (Debian: python3-torch)')
       end
       helpers.reseed(91)
@@ -87,7 +84,7 @@ describe('models against PyTorch', function()
       loss:backward()
       local dir = helpers.mkdtemp()
       write_case(dir, model, x, y, doc)
-      local out, code = helpers.run('/usr/bin/python3 ' .. helpers.shq(PEER) .. ' ' .. helpers.shq(dir))
+      local out, code = helpers.run(helpers.torch_python .. ' ' .. helpers.shq(PEER) .. ' ' .. helpers.shq(dir))
       assert.are.equal(0, code, out)
       local theirs = read_f64(dir .. '/loss.f64', { 1 }):item()
       assert.is_true(math.abs(loss:item() - theirs) <= 1e-6 * math.abs(theirs),

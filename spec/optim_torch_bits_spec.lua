@@ -156,7 +156,7 @@ for name, make in (('adamw', lambda ps: torch.optim.AdamW(ps, lr=2e-3, betas=(0.
 ]]
 
   it('AdamW and SGD: 3 steps equal torch.optim\'s bits, run by PyTorch (where /usr/bin/python3 has torch and numpy)', function()
-    if select(2, helpers.run('/usr/bin/python3 -c "import torch, numpy"')) ~= 0 then
+    if not helpers.has_torch() then
       pending('no PyTorch: /usr/bin/python3 cannot import torch and numpy (Debian: python3-torch)')
       return
     end
@@ -168,7 +168,7 @@ for name, make in (('adamw', lambda ps: torch.optim.AdamW(ps, lr=2e-3, betas=(0.
     local g = {}
     for s = 1, steps do g[s] = uly.randn(1, n):mul(10 ^ (s - 2)); dump('g' .. s, g[s]) end
     helpers.write_file(dir .. '/peer.py', PEER)
-    local out, code = helpers.run(string.format('/usr/bin/python3 %s %s %d %d', helpers.shq(dir .. '/peer.py'),
+    local out, code = helpers.run(string.format('%s %s %s %d %d', helpers.torch_python, helpers.shq(dir .. '/peer.py'),
                                                 helpers.shq(dir), n, steps))
     assert.are.equal(0, code, out)
     for _, name in ipairs { 'adamw', 'sgd' } do
