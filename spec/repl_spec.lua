@@ -29,7 +29,9 @@ describe('bin/ulysses', function()
       '1 + 41',
       'uly.ones(2) *',   -- an expression that goes on on the next line
       '7',
+      '= 6 * 7 + 1',      -- the Lua 5.1 prompt's `=`
     }, '\n') .. '\n')
+    assert.truthy(out:find('\n43\n', 1, true), out)
     assert.truthy(out:find('tensor(6.) f32[]', 1, true), out)
     assert.truthy(out:find('matmul: inner dimensions differ: f32[2, 3] @ f32[2, 3]', 1, true), out)
     assert.truthy(out:find('line1\nline2', 1, true), out)

@@ -76,6 +76,7 @@ end
 -- compile `src` as an expression first, then as statements; the third result says the input
 -- may only be unfinished (either reading ran out at its end: `uly.randn(2) *`, `for i = 1, 3 do`)
 local function compile(src, env)
+  src = src:gsub('^%s*=', '', 1)   -- `= expr`, the Lua 5.1 prompt's way to print a value
   local fn, err = loadstring('return ' .. src, '=stdin')
   local unfinished = not fn and err:match("near '<eof>'$") ~= nil
   if not fn then
