@@ -30,8 +30,12 @@ describe('bin/ulysses', function()
       'uly.ones(2) *',   -- an expression that goes on on the next line
       '7',
       '= 6 * 7 + 1',      -- the Lua 5.1 prompt's `=`
+      'x:sofmax(1)',      -- misspelt: the nearest method or function as a hint
+      'uly.rnadn(2)',
     }, '\n') .. '\n')
     assert.truthy(out:find('\n43\n', 1, true), out)
+    assert.truthy(out:find("attempt to call method 'sofmax' (a nil value) (did you mean :softmax?)", 1, true), out)
+    assert.truthy(out:find("attempt to call field 'rnadn' (a nil value) (did you mean uly.randn?)", 1, true), out)
     assert.truthy(out:find('tensor(6.) f32[]', 1, true), out)
     assert.truthy(out:find('matmul: inner dimensions differ: f32[2, 3] @ f32[2, 3]', 1, true), out)
     assert.truthy(out:find('line1\nline2', 1, true), out)

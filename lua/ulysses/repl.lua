@@ -69,8 +69,23 @@ local function to_stderr(msg)
   io.stderr:write(msg, '\n')
 end
 
+-- a misspelt method or function (`x:sofmax(1)`, `uly.zero(3)`): the nearest tensor method or
+-- uly function, appended as a hint
+local function with_hint(msg)
+  local kind, name = msg:match("attempt to call (%a+) '([%w_]+)' %(a nil value%)")
+  local uly = package.loaded.ulysses
+  if not name or not uly or (kind ~= 'method' and kind ~= 'field') then return msg end
+  local names = {}
+  local from = kind == 'method' and require('ulysses.tensor').Tensor or uly
+  for k, v in pairs(from) do if type(k) == 'string' and type(v) == 'function' then names[#names + 1] = k end end
+  table.sort(names)
+  local guess = require('ulysses.options').nearest(name, names)
+  if not guess then return msg end
+  return string.format("%s (did you mean %s%s?)", msg, kind == 'method' and ':' or 'uly.', guess)
+end
+
 local function report_error(err)
-  to_stderr((tostring(err):gsub('\nstack traceback:.*', '')))
+  to_stderr(with_hint((tostring(err):gsub('\nstack traceback:.*', ''))))
 end
 
 -- compile `src` as an expression first, then as statements; the third result says the input
