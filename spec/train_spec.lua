@@ -5,6 +5,7 @@
 -- sequence-parallel run (P = 2, 4) follows the single-process loss curve step by step.
 local uly = require 'ulysses'
 local helpers = require 'helpers'
+local ffi = require 'ffi'
 
 local tmpdir = helpers.mkdtemp
 
@@ -193,6 +194,17 @@ describe('train.lua', function()
     assert.are.equal(#require('models.gpt') { preset = 'tiny', seq = 32 }:parameters(), n)
     assert.are.equal('gpt', meta.ulysses_model)
     assert.truthy(meta.ulysses_config:find('preset="tiny"', 1, true), meta.ulysses_config)
+    -- checkpoint.export makes the same weights of the checkpoint, with its config and step
+    assert.are.equal(n, uly.checkpoint.export(a .. '/ckpt/step_000003.h5', a .. '/c.safetensors'))
+    local wc, mc = uly.safetensors.load(a .. '/c.safetensors')
+    for name, t in pairs(w) do assert.are.equal(ffi.string(t:data(), t:nbytes()), ffi.string(wc[name]:data(), t:nbytes()), name) end
+    assert.are.equal(meta.ulysses_config, mc.ulysses_config)
+    assert.are.equal('3', mc.ulysses_step)
+    assert.matches('is not an HDF5 file', helpers.error_of(uly.checkpoint.export, a .. '/c.safetensors', a .. '/d.safetensors'),
+                   1, true)
+    assert.matches('checkpoint.export: ' .. a .. "/embedded.h5 has no 'format' attribute; is it a ulysses checkpoint?",
+                   helpers.error_of(uly.checkpoint.export, a .. '/embedded.h5', a .. '/d.safetensors'), 1, true)
+    assert.is_nil(read_file(a .. '/d.safetensors'))
     -- a run from those weights with a learning rate too small to move them exports them back
     out, code = run(common .. '--steps 1 --lr 1e-12 --min_lr 0 --out ' .. b .. ' --init ' .. a .. '/w.safetensors --export '
                     .. b .. '/w.safetensors')

@@ -3,6 +3,7 @@
 --   checkpoint.load(path, {model = m, optim = opt, strict = true}) -> {step, config, data, extra, rng, ...}
 --   checkpoint.latest(dir) -> newest dir/step_NNNNNN.h5 by step, or nil
 --   checkpoint.save_rotating(dir, step, what, keep = 3) -> path; keeps the newest `keep`
+--   checkpoint.export(path, out) -> n; the model's weights as a safetensors file (uly.safetensors)
 --
 -- Layout (h5dump / h5py can read it): "model/<name>" one dataset per named_parameters() entry;
 -- "optim/<state>/<name>" optimizer state (exp_avg, exp_avg_sq, momentum_buf) by parameter name;
@@ -303,10 +304,10 @@ function M.save(path, what)
 end
 
 ---------------------------------------------------------------- load
-local function read_attr(f, key, required)
+local function read_attr(f, key, required, what)
   local v = f:attr('', key)
   if v == nil and required then
-    raise(string.format("checkpoint.load: %s has no '%s' attribute; is it a ulysses checkpoint?", f.path, key))
+    raise(string.format("%s: %s has no '%s' attribute; is it a ulysses checkpoint?", what or 'checkpoint.load', f.path, key))
   end
   return v
 end
@@ -492,6 +493,36 @@ function M.load(path, opts)
   f:close()
   if not ok2 then raise(tostring(res)) end
   return res
+end
+
+-- the model weights of checkpoint `path` as the safetensors file `out` (uly.safetensors; every
+-- tensor's checksum verified as it is read), with the model's config, step and the checkpoint it
+-- came from in the metadata; returns the number of tensors written
+function M.export(path, out)
+  if type(path) ~= 'string' or path == '' then raise('checkpoint.export: path must be a non-empty string') end
+  if type(out) ~= 'string' or out == '' then raise('checkpoint.export: out must be a non-empty string (a .safetensors path)') end
+  local ok, f = pcall(h5.open, path, 'r')
+  if not ok then raise('checkpoint.export: ' .. tostring(f):gsub('^[^:]*%.lua:%d+: ', '')) end
+  local ok2, res = pcall(function()
+    if read_attr(f, 'format', true, 'checkpoint.export') ~= FORMAT then
+      raise(string.format("checkpoint.export: %s is not a ulysses checkpoint (format attribute is '%s')", path,
+                          tostring(f:attr('', 'format'))))
+    end
+    local tensors, n = {}, 0
+    for _, p in ipairs(f:list('model')) do   -- read whole, so each tensor's checksum is verified
+      local info = f:info(p)
+      tensors[p:sub(#'model/' + 1)] = f:read_into(p, T.empty(info.shape, { dtype = info.dtype }))
+      n = n + 1
+    end
+    local step = f:attr('', 'step')
+    return { tensors = tensors, n = n, metadata = { format = 'pt', ulysses_config = read_attr(f, 'config', true, 'checkpoint.export'),
+                                                   ulysses_step = step and string.format('%.17g', step) or nil,
+                                                   ulysses_checkpoint = path } }
+  end)
+  f:close()
+  if not ok2 then raise(tostring(res):gsub('^[^:]*%.lua:%d+: ', '')) end
+  require('ulysses.safetensors').save(out, res.tensors, { metadata = res.metadata })
+  return res.n
 end
 
 ---------------------------------------------------------------- directories
