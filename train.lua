@@ -397,6 +397,25 @@ local function main()
   if cfg.init ~= '' then
     local ok, err = pcall(uly.safetensors.load_into, model, cfg.init)
     if not ok then usage('--init ' .. (clean(err):gsub('^safetensors%.load_into: ', ''))) end
+    -- weights exported by train.lua carry their model's config: heads that the shapes cannot tell
+    -- apart are an error, other differences (eps, rope_theta, window, ...) a note
+    local _, meta = uly.safetensors.header(cfg.init)
+    local ok_cfg, saved = pcall(uly.checkpoint.deserialize, meta.ulysses_config or 'nil', 'config')
+    if ok_cfg and type(saved) == 'table' then
+      local notes = {}
+      for _, k in ipairs({ 'model', 'heads', 'kv_heads', 'eps', 'rope_theta', 'window', 'tied', 'bias', 'attention' }) do
+        local mine, theirs = model.config[k], saved[k]
+        if mine ~= theirs then
+          if theirs ~= nil and (k == 'model' or k == 'heads' or k == 'kv_heads') then
+            usage(string.format('--init %s: its weights are of a model with %s = %s, this run\'s has %s (set --%s %s)',
+                                cfg.init, k, tostring(theirs), tostring(mine), k, tostring(theirs)))
+          end
+          notes[#notes + 1] = string.format('%s %s (exported with %s)', k, tostring(mine),
+                                            theirs == nil and 'none' or tostring(theirs))
+        end
+      end
+      if #notes > 0 then say('note: --init ' .. cfg.init .. ': ' .. table.concat(notes, ', ')) end
+    end
     say(string.format('weights from %s', cfg.init))
   end
   if cfg.device ~= 'cpu' then

@@ -217,6 +217,13 @@ describe('train.lua', function()
         assert(math.abs(p[i] - q[i]) <= 1e-9, string.format('%s[%d]: %.9g vs %.9g', name, i, p[i], q[i]))
       end
     end
+    -- the same shapes with other heads: refused (the exported config says so); other settings noted
+    out, code = run(common .. '--heads 4 --steps 1 --out ' .. b .. '/h --init ' .. a .. '/w.safetensors')
+    assert.are.equal(2, code, out)
+    assert.truthy(out:find("train.lua: --init " .. a .. "/w.safetensors: its weights are of a model with heads = 2, this run's has 4 (set --heads 2)", 1, true), out)
+    out, code = run(common .. '--window 8 --steps 1 --out ' .. b .. '/n --init ' .. a .. '/w.safetensors')
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('note: --init ' .. a .. '/w.safetensors: window 8 (exported with none)', 1, true), out)
     -- weights of another model: every mismatch named, before training
     out, code = run(common .. '--model llama --steps 1 --out ' .. b .. '/l --init ' .. a .. '/w.safetensors')
     assert.are.equal(2, code, out)
