@@ -74,6 +74,17 @@ describe('ffi surface', function()
     end
   end)
 
+  -- a peak measured up to 3 times while it stays at or below `floor`: another process on the
+  -- machine can only slow a measurement down, so the best of a few is the one to bound
+  local function best_peak(measure, floor)
+    local best = measure()
+    for _ = 2, 3 do
+      if best > floor then break end
+      best = math.max(best, measure())
+    end
+    return best
+  end
+
   -- the AMX tiles' bf16 peak: above the f32 FMA peak, below 1024 FLOP a cycle a thread at 6 GHz
   -- (one 16 x 16 x 32 tile product per 16 cycles); 0 where AMX is off
   it('measures the AMX bf16 peak within physical bounds, or 0 without AMX', function()
@@ -82,8 +93,9 @@ describe('ffi surface', function()
       return
     end
     for _, threads in ipairs({ 1, 2 }) do
-      local peak = uly.cpu_amx_peak_flops(threads)
-      assert.is_true(peak > uly.cpu_peak_flops(threads), ('%d threads: %g FLOP/s'):format(threads, peak))
+      local f32 = uly.cpu_peak_flops(threads)
+      local peak = best_peak(function() return uly.cpu_amx_peak_flops(threads) end, f32)
+      assert.is_true(peak > f32, ('%d threads: %g FLOP/s, the f32 FMA peak %g'):format(threads, peak, f32))
       assert.is_true(peak < 1024 * 6e9 * threads, ('%d threads: %g FLOP/s'):format(threads, peak))
     end
   end)
@@ -96,8 +108,9 @@ describe('ffi surface', function()
     local ok, err = pcall(function()
       if uly.cpu_avx512_bf16(true) ~= 'on' then return end   -- wherever the CPU has it
       for _, threads in ipairs({ 1, 2 }) do
-        local peak = uly.cpu_avx512_bf16_peak_flops(threads)
-        assert.is_true(peak > uly.cpu_peak_flops(threads) / 4, ('%d threads: %g FLOP/s'):format(threads, peak))
+        local f32 = uly.cpu_peak_flops(threads)
+        local peak = best_peak(function() return uly.cpu_avx512_bf16_peak_flops(threads) end, f32 / 4)
+        assert.is_true(peak > f32 / 4, ('%d threads: %g FLOP/s, the f32 FMA peak %g'):format(threads, peak, f32))
         assert.is_true(peak < 2 * 64 * 6e9 * threads, ('%d threads: %g FLOP/s'):format(threads, peak))
       end
     end)
