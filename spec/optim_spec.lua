@@ -317,6 +317,18 @@ describe('optim.grad_norm and clip_grad_norm', function()
     local n2 = optim.clip_grad_norm(ps, max_norm * 2)
     assert.truthy(math.abs(n2 - max_norm) <= 1e-5 * max_norm)
     same_bits(ps[1].grad, kept, 'grad below max_norm')
+    -- as torch.nn.utils.clip_grad_norm_: a norm within 1e-6 below max_norm is scaled too
+    -- (max_norm / (norm + 1e-6) < 1)
+    local norm = optim.grad_norm(ps)
+    local before1 = helpers.list(ps[1].grad)
+    optim.clip_grad_norm(ps, norm + 4e-7)
+    local c1 = (norm + 4e-7) / (norm + 1e-6)
+    local after1, changed = helpers.list(ps[1].grad), 0
+    for i, x in ipairs(before1) do
+      assert.truthy(math.abs(after1[i] - x * c1) <= 1e-7 * math.abs(x), 'element ' .. i)
+      if after1[i] ~= x then changed = changed + 1 end
+    end
+    assert.truthy(changed > 0, 'scaled by ' .. c1)
   end)
 
   it('returns a non-finite norm without scaling', function()

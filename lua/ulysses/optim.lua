@@ -471,10 +471,11 @@ function optim._clip(arr, n, max_norm)
   end
   local norm = C.uly_grad_norm(arr, n)
   if norm < 0 then raise(T.last_error()) end
-  -- a NaN or infinite norm is returned as it is, grads untouched: the caller decides (skip the step)
-  if norm == norm and norm < math.huge and norm > max_norm then
-    check(C.uly_grad_scale_(arr, n, max_norm / (norm + 1e-6)))
-  end
+  -- a NaN or infinite norm is returned as it is, grads untouched: the caller decides (skip the step).
+  -- As torch.nn.utils.clip_grad_norm_: scaled whenever max_norm / (norm + 1e-6) < 1 (so also for
+  -- a norm within 1e-6 below max_norm)
+  local coef = max_norm / (norm + 1e-6)
+  if norm == norm and norm < math.huge and coef < 1 then check(C.uly_grad_scale_(arr, n, coef)) end
   return norm
 end
 
@@ -486,7 +487,7 @@ function optim.grad_norm(params)
   return norm
 end
 
--- scale the grads by max_norm / (norm + 1e-6) when their norm exceeds max_norm; returns the norm
+-- scale the grads by max_norm / (norm + 1e-6) when that is below 1 (as PyTorch); returns the norm
 -- before clipping
 function optim.clip_grad_norm(params, max_norm)
   local arr, n = param_handles('clip_grad_norm', params)

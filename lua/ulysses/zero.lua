@@ -254,15 +254,16 @@ function ZeroAdamW:grad_norm()
   return math.sqrt(t:item())
 end
 
--- collective: scales the reduced gradient by max_norm / (norm + 1e-6) when its norm exceeds
--- max_norm (as optim.clip_grad_norm); returns the norm before clipping (NaN or inf: untouched)
+-- collective: scales the reduced gradient by max_norm / (norm + 1e-6) when that is below 1 (as
+-- optim.clip_grad_norm and PyTorch); returns the norm before clipping (NaN or inf: untouched)
 function ZeroAdamW:clip_grad_norm(max_norm)
   if type(max_norm) ~= 'number' or not (max_norm >= 0) then
     raise('ZeroAdamW:clip_grad_norm: max_norm must be a number >= 0, got ' .. tostring(max_norm))
   end
   local norm = self:grad_norm()
-  if norm == norm and norm < math.huge and norm > max_norm and #self._segs > 0 then
-    check(C.uly_grad_scale_(self._seg_p, #self._segs, max_norm / (norm + 1e-6)))
+  local coef = max_norm / (norm + 1e-6)
+  if norm == norm and norm < math.huge and coef < 1 and #self._segs > 0 then
+    check(C.uly_grad_scale_(self._seg_p, #self._segs, coef))
   end
   return norm
 end
