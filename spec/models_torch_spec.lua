@@ -3,7 +3,7 @@
 -- computes the loss and every gradient for our weights and tokens; ours (f32) must agree to f32
 -- accuracy. It checks the conventions no op-level spec can: the fused QKV's head order, GQA's
 -- grouping, RoPE's pairs and angles, the norms' eps, GELU's tanh form, the tied head, the loss's
--- mean, and what a sliding window and document ids hide. Runs where /usr/bin/python3 has torch and numpy (Debian: python3-torch); pending elsewhere.
+-- mean, what a sliding window and document ids hide, and greedy decoding through the KV cache. Runs where /usr/bin/python3 has torch and numpy (Debian: python3-torch); pending elsewhere.
 local ffi = require 'ffi'
 local uly = require 'ulysses'
 local helpers = require 'helpers'
@@ -15,13 +15,14 @@ local PEER = require('ulysses.ffi').root .. '/bench/peers/torch_models.py'
 
 -- the model's config, parameters (uly.safetensors: the peer reads the format on its own) and
 -- tokens into dir
-local function write_case(dir, model, x, y, doc)
+local function write_case(dir, model, x, y, doc, greedy)
   local cfg = model.config
   local lines = { 'model=' .. cfg.model, 'batch=' .. x:size(1), 'seq=' .. x:size(2) }
   for _, k in ipairs { 'layers', 'heads', 'kv_heads', 'dim', 'eps', 'rope_theta', 'window' } do
     if cfg[k] then lines[#lines + 1] = string.format('%s=%.17g', k, cfg[k]) end
   end
   lines[#lines + 1] = 'tied=' .. (cfg.tied and 1 or 0)
+  if greedy then lines[#lines + 1] = string.format('greedy=%d\nprompt=%d', greedy.n, greedy.prompt) end
   helpers.write_file(dir .. '/config.txt', table.concat(lines, '\n') .. '\n')
   uly.safetensors.save(dir .. '/model.safetensors', model)
   helpers.write_file(dir .. '/x.i32', ffi.string(x:data(), x:numel() * 4))
@@ -83,7 +84,8 @@ describe('models against PyTorch', function()
       local loss = model:loss(x, y, { doc = doc })
       loss:backward()
       local dir = helpers.mkdtemp()
-      write_case(dir, model, x, y, doc)
+      local greedy = not doc and { n = 12, prompt = 5 } or nil   -- greedy decoding too (no documents there)
+      write_case(dir, model, x, y, doc, greedy)
       local out, code = helpers.run(helpers.torch_python .. ' ' .. helpers.shq(PEER) .. ' ' .. helpers.shq(dir))
       assert.are.equal(0, code, out)
       local theirs = read_f64(dir .. '/loss.f64', { 1 }):item()
@@ -96,6 +98,21 @@ describe('models against PyTorch', function()
         count = count + 1
       end
       assert.is_true(count >= 10, 'parameters compared: ' .. count)
+      if greedy then   -- model:generate with its KV cache against whole forward passes in float64
+        local theirs_ids = helpers.read_file(dir .. '/greedy.i32')
+        local gaps = read_f64(dir .. '/greedy_gap.f64', { greedy.n })
+        local ids = model:generate(x:narrow(1, 1, 1):narrow(2, 1, greedy.prompt):contiguous(),
+                                   { max_new_tokens = greedy.n, temperature = 0 })
+        assert.are.equal(greedy.n, #ids)
+        local want, gap = ffi.cast('const int32_t *', theirs_ids), gaps:data()
+        for i = 1, greedy.n do
+          if ids[i] ~= want[i - 1] then   -- only a near tie may go either way (then the rest differs)
+            assert.is_true(gap[i - 1] < 1e-4, string.format('greedy token %d: %d, PyTorch %d (top-2 gap %.3g)', i,
+                                                            ids[i], want[i - 1], gap[i - 1]))
+            break
+          end
+        end
+      end
       helpers.rmtree(dir)
     end)
   end

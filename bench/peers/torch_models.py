@@ -18,7 +18,10 @@
 #          uly.safetensors.save writes them: read here with json and numpy, from the format's
 #          description), DIR/x.i32 and DIR/y.i32 ([B, T] token ids), DIR/doc.i32 ([B, T]
 #          document ids) if there is one
-#   writes DIR/loss.f64 and DIR/<name>.grad.f64 (raw f64)
+#   writes DIR/loss.f64 and DIR/<name>.grad.f64 (raw f64); with greedy=N in the config also
+#          DIR/greedy.i32, N tokens that greedy decoding appends to the first prompt= tokens of x's
+#          first row (each from a whole forward pass over the prefix, no cache), and
+#          DIR/greedy_gap.f64, each step's gap between the two largest logits
 import json
 import math
 import os
@@ -152,6 +155,17 @@ def main(d):
     np.array([loss.item()], dtype='<f8').tofile(f'{d}/loss.f64')
     for name, p in P.items():
         p.grad.numpy().astype('<f8').tofile(f'{d}/{name}.grad.f64')
+    if cfg.get('greedy'):
+        seq, gaps = x[:1, :cfg['prompt']], []
+        cfg.pop('doc', None)
+        with torch.no_grad():
+            for _ in range(cfg['greedy']):
+                last = (gpt if cfg['model'] == 'gpt' else llama)(P, seq, cfg)[0, -1]
+                top = last.topk(2).values
+                gaps.append((top[0] - top[1]).item())
+                seq = torch.cat([seq, last.argmax().view(1, 1)], dim=1)
+        seq[0, cfg['prompt']:].numpy().astype('<i4').tofile(f'{d}/greedy.i32')
+        np.array(gaps, dtype='<f8').tofile(f'{d}/greedy_gap.f64')
 
 
 if __name__ == '__main__':
