@@ -395,11 +395,10 @@ local function main()
   end
   local model = build_model(cfg, train_data.vocab_size)
   if cfg.init ~= '' then
-    local ok, err = pcall(uly.safetensors.load_into, model, cfg.init)
-    if not ok then usage('--init ' .. (clean(err):gsub('^safetensors%.load_into: ', ''))) end
     -- weights exported by train.lua carry their model's config: heads that the shapes cannot tell
     -- apart are an error, other differences (eps, rope_theta, window, ...) a note
-    local _, meta = uly.safetensors.header(cfg.init)
+    local ok_h, header_or_err, meta = pcall(uly.safetensors.header, cfg.init)
+    if not ok_h then usage('--init ' .. (clean(header_or_err):gsub('^safetensors%.header: ', ''))) end
     local ok_cfg, saved = pcall(uly.checkpoint.deserialize, meta.ulysses_config or 'nil', 'config')
     if ok_cfg and type(saved) == 'table' then
       local notes = {}
@@ -416,6 +415,8 @@ local function main()
       end
       if #notes > 0 then say('note: --init ' .. cfg.init .. ': ' .. table.concat(notes, ', ')) end
     end
+    local ok, err = pcall(uly.safetensors.load_into, model, cfg.init)
+    if not ok then usage('--init ' .. (clean(err):gsub('^safetensors%.load_into: ', ''))) end
     say(string.format('weights from %s', cfg.init))
   end
   if cfg.device ~= 'cpu' then
@@ -638,7 +639,10 @@ local function main()
     local mc_plain = common.plain_config(model.config)
     local ok, err = pcall(uly.safetensors.save, cfg.export, model, { metadata = {
       format = 'pt', ulysses_model = tostring(mc.model), ulysses_config = uly.checkpoint.serialize(mc_plain, 'config') } })
-    if not ok then usage('--export ' .. clean(err)) end
+    if not ok then
+      usage(string.format('--export %s (the final checkpoint in %s holds the weights: uly.checkpoint.export writes '
+                          .. 'them as safetensors later)', clean(err), ckpt_dir))
+    end
     print('weights: ' .. cfg.export)
   end
 

@@ -224,11 +224,16 @@ describe('train.lua', function()
     out, code = run(common .. '--window 8 --steps 1 --out ' .. b .. '/n --init ' .. a .. '/w.safetensors')
     assert.are.equal(0, code, out)
     assert.truthy(out:find('note: --init ' .. a .. '/w.safetensors: window 8 (exported with none)', 1, true), out)
-    -- weights of another model: every mismatch named, before training
+    -- weights of another model, or of more layers: said before training
     out, code = run(common .. '--model llama --steps 1 --out ' .. b .. '/l --init ' .. a .. '/w.safetensors')
     assert.are.equal(2, code, out)
-    assert.truthy(out:find('train.lua: --init ' .. a .. '/w.safetensors: 17 parameters of the model are not in it: '
-                           .. '"tok_embeddings.weight"', 1, true), out)
+    assert.truthy(out:find("train.lua: --init " .. a .. "/w.safetensors: its weights are of a model with model = gpt, "
+                           .. "this run's has llama (set --model gpt)", 1, true), out)
+    out, code = run(common .. '--layers 3 --steps 1 --out ' .. b .. '/l3 --init ' .. a .. '/w.safetensors')
+    assert.are.equal(2, code, out)
+    assert.truthy(out:find('train.lua: --init ' .. a .. '/w.safetensors: 12 parameters of the model are not in it: '
+                           .. '"blocks.3.norm1.weight"', 1, true), out)
+    assert.falsy(out:find('step 1', 1, true), out)
   end)
 
   it('says what is wrong with bad flags and missing data', function()
