@@ -24,7 +24,10 @@ local function utf8(cp)
                      0x80 + bit.band(bit.rshift(cp, 6), 0x3F), 0x80 + bit.band(cp, 0x3F))
 end
 
--- s decoded, or nil and what is wrong ('at character N: what'); null decodes to nil
+local UNESCAPE = { ['"'] = '"', ['\\'] = '\\', ['/'] = '/', b = '\b', f = '\f', n = '\n', r = '\r', t = '\t' }
+
+-- s decoded, or nil and what is wrong ('at character N: what'); null decodes to nil (an array
+-- keeps its place: [1, null, 3] gives {1, nil, 3})
 function json.decode(s)
   local pos = 1
   local function fail(what) error({ json = string.format('at character %d: %s', pos, what) }) end
@@ -41,7 +44,7 @@ function json.decode(s)
       if c == '"' then pos = stop + 1; return table.concat(parts) end
       if c ~= '\\' then pos = stop; fail('control character in a string') end
       local e = s:sub(stop + 1, stop + 1)
-      local simple = ({ ['"'] = '"', ['\\'] = '\\', ['/'] = '/', b = '\b', f = '\f', n = '\n', r = '\r', t = '\t' })[e]
+      local simple = UNESCAPE[e]
       if simple then parts[#parts + 1] = simple; pos = stop + 2
       elseif e == 'u' then
         local hex = s:match('^%x%x%x%x', stop + 2)
@@ -88,8 +91,10 @@ function json.decode(s)
       pos = pos + 1
       skip()
       if s:sub(pos, pos) == ']' then pos = pos + 1; return out end
+      local n = 0
       while true do
-        out[#out + 1] = value(depth + 1)
+        n = n + 1
+        out[n] = value(depth + 1)
         skip()
         c = s:sub(pos, pos)
         pos = pos + 1
