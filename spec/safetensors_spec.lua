@@ -174,6 +174,19 @@ open(sys.argv[1], 'wb').write(struct.pack('<Q', len(text)) + text.encode() + dat
     assert.are.equal('m.safetensors\nexit=0\n', out)
   end)
 
+  it('works in a process whose code declared stdio with its own FILE type first', function()
+    local p = dir .. '/f.safetensors'
+    local code = string.format([[
+      local ffi = require 'ffi'
+      ffi.cdef 'typedef struct FILE FILE; FILE *fopen(const char *, const char *); int fclose(FILE *);'
+      local uly = require 'ulysses'
+      uly.safetensors.save(%q, { a = uly.ones(3) })
+      io.write('sum ', uly.safetensors.load(%q).a:sum():item(), '\n')]], p, p)
+    local out, rc = helpers.run('bin/ulysses -e ' .. helpers.shq(code))
+    assert.are.equal(0, rc, out)
+    assert.truthy(out:find('sum 3', 1, true), out)
+  end)
+
   it('load_into checks every name, shape and dtype before changing a parameter', function()
     local m = GPT { preset = 'tiny' }
     local before = {}

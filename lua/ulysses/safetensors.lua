@@ -25,16 +25,17 @@ local json = require 'ulysses.json'
 local C = lib.C
 local raise, check, is_tensor = T.raise, T.check, T.is_tensor
 
-pcall(ffi.cdef, [[
-  typedef struct uly_stdio_file uly_stdio_file;
-  uly_stdio_file *fopen(const char *path, const char *mode);
-  size_t fread(void *ptr, size_t size, size_t n, uly_stdio_file *f);
-  size_t fwrite(const void *ptr, size_t size, size_t n, uly_stdio_file *f);
-  int fseeko(uly_stdio_file *f, int64_t offset, int whence);
-  int fclose(uly_stdio_file *f);
-  int getpid(void);
-]])
-pcall(ffi.cdef, 'char *strerror(int errnum);')
+-- one declaration per cdef, FILE * as void *: another module (or the user) may have declared
+-- some of them already, with its own FILE type
+for _, decl in ipairs {
+  'void *fopen(const char *path, const char *mode);',
+  'size_t fread(void *ptr, size_t size, size_t n, void *f);',
+  'size_t fwrite(const void *ptr, size_t size, size_t n, void *f);',
+  'int fseeko(void *f, int64_t offset, int whence);',
+  'int fclose(void *f);',
+  'int getpid(void);',
+  'char *strerror(int errnum);',
+} do pcall(ffi.cdef, decl) end
 
 local M = {}
 
