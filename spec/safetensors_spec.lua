@@ -187,6 +187,29 @@ open(sys.argv[1], 'wb').write(struct.pack('<Q', len(text)) + text.encode() + dat
     assert.truthy(out:find('sum 3', 1, true), out)
   end)
 
+  it('tools/inspect.lua lists a file\'s tensors, sizes and metadata (safetensors, a checkpoint)', function()
+    local p = dir .. '/t.safetensors'
+    st.save(p, { ['a.weight'] = uly.zeros(3, 4), b = uly.zeros(5, { dtype = 'i64' }) }, { metadata = { format = 'pt' } })
+    local out, rc = helpers.run('bin/ulysses tools/inspect.lua ' .. helpers.shq(p))
+    assert.are.equal(0, rc, out)
+    assert.truthy(out:find(p .. ': safetensors, 2 tensors, 17 elements, 88 B', 1, true), out)
+    assert.truthy(out:find('a.weight  F32    [3, 4]              48 B', 1, true), out)
+    assert.truthy(out:find('b         I64    [5]                 40 B', 1, true), out)
+    assert.truthy(out:find('metadata:\n  format = pt', 1, true), out)
+    if uly.has('hdf5') then
+      local c = dir .. '/c.h5'
+      uly.checkpoint.save(c, { model = GPT { preset = 'tiny' }, step = 7 })
+      out, rc = helpers.run('bin/ulysses tools/inspect.lua ' .. helpers.shq(c))
+      assert.are.equal(0, rc, out)
+      assert.truthy(out:find(c .. ': HDF5, ulysses-checkpoint, 28 tensors', 1, true), out)
+      assert.truthy(out:find('model/wte.weight', 1, true), out)
+      assert.truthy(out:find('  step = 7', 1, true), out)
+    end
+    out, rc = helpers.run('bin/ulysses tools/inspect.lua ' .. helpers.shq(dir .. '/none'))
+    assert.are.equal(2, rc, out)
+    assert.truthy(out:find("tools/inspect.lua: cannot open '" .. dir .. "/none' for reading", 1, true), out)
+  end)
+
   it('load_into checks every name, shape and dtype before changing a parameter', function()
     local m = GPT { preset = 'tiny' }
     local before = {}
