@@ -44,6 +44,7 @@ local MAX_HEADER = 100 * 1024 * 1024   -- the format's own limit on the header's
 local FROM_FILE = { F32 = { 'f32', 4 }, BF16 = { 'bf16', 2 }, F64 = { 'f64', 8 }, I32 = { 'i32', 4 },
                     I64 = { 'i64', 8 }, F16 = { 'f32', 2 } }
 local TO_FILE = { f32 = 'F32', bf16 = 'BF16', f64 = 'F64', i32 = 'I32', i64 = 'I64' }
+local FLOATING = { f32 = true, bf16 = true, f64 = true }
 
 local json_string, json_decode = json.string, json.decode
 
@@ -179,6 +180,18 @@ local function read_tensor(f, path, name, e, start, what)
   return t
 end
 
+-- the tensors of entries {{name, entry}, ...} from path, in that order (the file opened once)
+local function read_tensors(path, list, start, what)
+  local f = open(path, 'rb', what)
+  local out = {}
+  local ok, err = pcall(function()
+    for i, e in ipairs(list) do out[i] = read_tensor(f, path, e[1], e[2], start, what) end
+  end)
+  ffi.C.fclose(f)
+  if not ok then error(err, 0) end
+  return out
+end
+
 ---------------------------------------------------------------- API
 function M.header(path)
   local header, metadata = read_header(path, 'safetensors.header')
@@ -188,13 +201,10 @@ end
 
 function M.load(path)
   local header, metadata, start = read_header(path, 'safetensors.load')
-  local f = open(path, 'rb', 'safetensors.load')
+  local list = {}
+  for name, e in pairs(header) do list[#list + 1] = { name, e } end
   local out = {}
-  local ok, err = pcall(function()
-    for name, e in pairs(header) do out[name] = read_tensor(f, path, name, e, start, 'safetensors.load') end
-  end)
-  ffi.C.fclose(f)
-  if not ok then error(err, 0) end
+  for i, t in ipairs(read_tensors(path, list, start, 'safetensors.load')) do out[list[i][1]] = t end
   return out, metadata
 end
 
@@ -319,12 +329,11 @@ function M.load_into(model, path, opts)
       end
       found[name] = file_name
       local ps = p:shape()
-      if #ps ~= #e.shape or shape_str(ps) ~= shape_str(e.shape) then
+      if shape_str(ps) ~= shape_str(e.shape) then
         raise(string.format('safetensors.load_into: %s: tensor "%s" is %s %s, parameter "%s" is %s %s', path, file_name,
                             e.file_dtype, shape_str(e.shape), name, p:dtype(), shape_str(ps)))
       end
-      local floating = { f32 = true, bf16 = true, f64 = true }
-      if floating[p:dtype()] ~= floating[e.dtype] then
+      if FLOATING[p:dtype()] ~= FLOATING[e.dtype] then
         raise(string.format('safetensors.load_into: %s: tensor "%s" is %s, parameter "%s" is %s', path, file_name,
                             e.file_dtype, name, p:dtype()))
       end
@@ -346,17 +355,8 @@ function M.load_into(model, path, opts)
                         table.concat(msg, '; ')))
   end
   -- every tensor read before any parameter changes
-  local f = open(path, 'rb', 'safetensors.load_into')
-  local values = {}
-  local ok, err = pcall(function()
-    for i, job in ipairs(plan) do values[i] = read_tensor(f, path, job[1], job[2], start, 'safetensors.load_into') end
-  end)
-  ffi.C.fclose(f)
-  if not ok then error(err, 0) end
-  local prev = C.uly_set_grad_enabled(0)
-  local copied, cerr = pcall(function() for i, job in ipairs(plan) do job[3]:copy_(values[i]) end end)
-  C.uly_set_grad_enabled(prev)
-  if not copied then error(cerr, 0) end
+  local values = read_tensors(path, plan, start, 'safetensors.load_into')
+  require('ulysses').no_grad(function() for i, job in ipairs(plan) do job[3]:copy_(values[i]) end end)
   local loaded = {}
   for _, name in ipairs(order) do if found[name] then loaded[#loaded + 1] = name end end
   return { loaded = loaded, missing = missing, unexpected = unexpected }
