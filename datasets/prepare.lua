@@ -164,6 +164,13 @@ local function read_dna(inputs)
   return buf, recs
 end
 
+-- the tokens of inputs as one u8 buffer {p, n} (for DNA also its records {name, start, len}, start
+-- 0-based into the buffer), as prepare reads them; tools/score.lua reads its inputs so
+function M.read_tokens(kind, inputs)
+  if kind == 'text' then return read_text(inputs) end
+  return read_dna(inputs)
+end
+
 ---------------------------------------------------------------- splits
 -- text: the last `valid` fraction of the stream
 local function split_text(buf, valid)

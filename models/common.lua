@@ -250,11 +250,15 @@ end
 M.sample_from = sample_from
 
 -- generate(model, prompt i32 [1, P], {max_new_tokens = 100, temperature = 1, top_k = 0,
--- cache = true, cache_dtype}) -> list of new token ids. With the KV cache each new token runs the model
--- on one position: O(T) attention per token. cache = false recomputes the whole prefix
--- (O(T^2); kept for checking the cache). Uses the global generator (uly.manual_seed).
+-- cache = true, cache_dtype, slide = false}) -> list of new token ids. With the KV cache each new
+-- token runs the model on one position: O(T) attention per token. cache = false recomputes the
+-- whole prefix (O(T^2); kept for checking the cache). A prompt and new tokens beyond the context
+-- length config.seq are an error, unless slide = true: then whenever the context is full the model
+-- starts again on its last seq/2 tokens (a prompt longer than the context is cut to its last
+-- seq/2 tokens likewise), so any number of tokens can be generated, each seeing at least seq/2
+-- before it. Uses the global generator (uly.manual_seed): one uniform draw per token.
 function M.generate(model, prompt, opts)
-  opts = options.check('generate', opts, { 'max_new_tokens', 'temperature', 'top_k', 'cache', 'cache_dtype' })
+  opts = options.check('generate', opts, { 'max_new_tokens', 'temperature', 'top_k', 'cache', 'cache_dtype', 'slide' })
   local n_new = opts.max_new_tokens or 100
   local temperature = opts.temperature or 1.0
   local cfg = model.config
@@ -272,9 +276,16 @@ function M.generate(model, prompt, opts)
   if top_k ~= nil and (type(top_k) ~= 'number' or top_k ~= math.floor(top_k) or top_k < 0) then
     T.raise('generate: top_k must be an integer >= 0 (0 = all tokens), got ' .. tostring(top_k))
   end
+  if opts.slide ~= nil and type(opts.slide) ~= 'boolean' then
+    T.raise('generate: slide must be true or false, got ' .. tostring(opts.slide))
+  end
   local P = prompt:size(2)
-  if P + n_new > cfg.seq then
-    T.raise(string.format('generate: prompt %d + %d new tokens exceed the context length %d', P, n_new, cfg.seq))
+  if opts.slide and cfg.seq < 2 and n_new > 0 then
+    T.raise('generate: slide = true needs a context length (config.seq) of 2 or more, got ' .. cfg.seq)
+  end
+  if P + n_new > cfg.seq and not opts.slide then
+    T.raise(string.format('generate: prompt %d + %d new tokens exceed the context length %d (slide = true '
+                          .. 'continues past it on the last %d tokens)', P, n_new, cfg.seq, math.max(1, math.floor(cfg.seq / 2))))
   end
   local was_training = model.training
   model:eval()
@@ -290,22 +301,20 @@ function M.generate(model, prompt, opts)
   unshard(model)
   local out = {}
   local device = model:parameters()[1]:device()
-  -- whatever happens below, the model leaves as it came (training mode, sharded attention)
-  local ok, err = pcall(uly.no_grad, function()
+  local Hkv, D = cfg.kv_heads or cfg.heads, cfg.dim / cfg.heads
+  -- bf16 on the GPU in bf16 precision: half the memory, read in place (the same numbers)
+  local cache_dtype = opts.cache_dtype or ((device ~= 'cpu' and uly.matmul_precision() == 'bf16') and 'bf16' or 'f32')
+  -- n tokens after the context ids (a list), appended to out
+  local function run(ids, n)
     local caches
     if opts.cache ~= false then
       caches = {}
-      local Hkv, D = cfg.kv_heads or cfg.heads, cfg.dim / cfg.heads
-      -- bf16 on the GPU in bf16 precision: half the memory, read in place (the same numbers)
-      local dtype = opts.cache_dtype or ((device ~= 'cpu' and uly.matmul_precision() == 'bf16') and 'bf16' or 'f32')
       for l = 1, cfg.layers do
-        caches[l] = uly.nn.KVCache(1, P + n_new, Hkv, D, { dtype = dtype, device = device })
+        caches[l] = uly.nn.KVCache(1, #ids + n, Hkv, D, { dtype = cache_dtype, device = device })
       end
     end
-    local ids = {}
-    for i = 1, P do ids[i] = prompt[1][i]:item() end
-    local next_input, pos = prompt:to(device), 0
-    for _ = 1, n_new do
+    local next_input, pos = uly.tensor({ ids }, { dtype = 'i32', device = device }), 0
+    for _ = 1, n do
       local logits
       if caches then
         logits = model:forward(next_input, { pos = pos, caches = caches })
@@ -318,6 +327,21 @@ function M.generate(model, prompt, opts)
       out[#out + 1] = tok
       ids[#ids + 1] = tok
       next_input = uly.tensor({ { tok } }, { dtype = 'i32', device = device })
+    end
+  end
+  -- whatever happens below, the model leaves as it came (training mode, sharded attention)
+  local ok, err = pcall(uly.no_grad, function()
+    local ctx = prompt:to { dtype = 'i32', device = 'cpu' }:contiguous():totable()[1]
+    local keep = math.floor(cfg.seq / 2)
+    local function last_keep(ids)
+      local t = {}
+      for i = #ids - keep + 1, #ids do t[#t + 1] = ids[i] end
+      return t
+    end
+    if #ctx >= cfg.seq then ctx = last_keep(ctx) end   -- (only with slide)
+    while #out < n_new do
+      run(ctx, math.min(n_new - #out, cfg.seq - #ctx))
+      if #out < n_new then ctx = last_keep(ctx) end
     end
   end)
   for _, e in ipairs(swapped) do e[1].attend = e[2] end

@@ -3,6 +3,7 @@
 local uly = require 'ulysses'
 local lib = require 'ulysses.ffi'
 local ffi = require 'ffi'
+local helpers = require 'helpers'
 
 describe('ffi surface', function()
   it('every declared function resolves in the library', function()
@@ -24,6 +25,19 @@ describe('ffi surface', function()
     assert.is_nil(seen.uly_tensor)
     -- and a name that is not there fails to resolve (the check above can fail)
     assert.is_false(pcall(function() return lib.C.uly_no_such_function end))
+  end)
+
+  it('every submodule the package loads on first use is there (uly.optim, uly.pretrained, ...)', function()
+    local init = helpers.read_file((require 'ulysses.ffi').root .. '/lua/ulysses/init.lua')
+    local list = assert(init:match('\nlocal lazy = (%b{})'), 'the lazy table of lua/ulysses/init.lua')
+    local n = 0
+    for name in list:gmatch('([%w_]+) = true') do
+      local ok, m = pcall(function() return uly[name] end)
+      assert.is_true(ok, 'uly.' .. name .. ': ' .. tostring(m))
+      assert.are.equal('table', type(m), 'uly.' .. name)
+      n = n + 1
+    end
+    assert.is_true(n >= 9, list)
   end)
 
   it('declared_functions matches every prototype line of the header', function()

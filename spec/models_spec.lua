@@ -348,6 +348,53 @@ describe('models', function()
     end
   end)
 
+  it('generate with slide = true continues past the context on its last seq/2 tokens', function()
+    local common = require 'models.common'
+    for _, Model in ipairs({ GPT, Llama }) do
+      local m = Model { preset = 'tiny', seq = 8 }
+      -- the rule written out: each token from a whole forward pass over the context, which
+      -- restarts from its last 4 tokens whenever it holds 8 (a prompt of 8 or more: its last 4)
+      local function reference(prompt_ids, n)
+        local ctx, out = {}, {}
+        for i = math.max(1, #prompt_ids >= 8 and #prompt_ids - 3 or 1), #prompt_ids do ctx[#ctx + 1] = prompt_ids[i] end
+        for _ = 1, n do
+          if #ctx == 8 then ctx = { ctx[5], ctx[6], ctx[7], ctx[8] } end
+          local logits = uly.no_grad(function() return m(uly.tensor({ ctx }, { dtype = 'i32' })) end)
+          local tok = common.sample_from(logits[1][#ctx]:totable(), 0.9, 20, uly.rand(1):item())
+          out[#out + 1], ctx[#ctx + 1] = tok, tok
+        end
+        return out
+      end
+      for _, P in ipairs({ 3, 8, 11 }) do
+        local prompt = ids(1, P, 256)
+        local pl = prompt:totable()[1]
+        uly.manual_seed(5)
+        local want = reference(pl, 21)
+        for _, cache in ipairs({ true, false }) do
+          uly.manual_seed(5)
+          local got = m:generate(prompt, { max_new_tokens = 21, temperature = 0.9, top_k = 20, slide = true, cache = cache })
+          assert.are.same(want, got, Model.__name .. ' prompt ' .. P .. ' cache ' .. tostring(cache))
+        end
+      end
+      -- within the context, slide changes nothing
+      local prompt = ids(1, 3, 256)
+      uly.manual_seed(2)
+      local a = m:generate(prompt, { max_new_tokens = 5, temperature = 0.9, slide = true })
+      uly.manual_seed(2)
+      assert.are.same(a, m:generate(prompt, { max_new_tokens = 5, temperature = 0.9 }))
+    end
+    local e = helpers.error_of(GPT { preset = 'tiny', seq = 8 }.generate, GPT { preset = 'tiny', seq = 8 },
+                               uly.tensor({ { 1, 2, 3 } }, { dtype = 'i32' }), { max_new_tokens = 6 })
+    assert.truthy(e:find('generate: prompt 3 + 6 new tokens exceed the context length 8 (slide = true continues past it '
+                         .. 'on the last 4 tokens)', 1, true), e)
+    e = helpers.error_of(GPT { preset = 'tiny', seq = 1 }.generate, GPT { preset = 'tiny', seq = 1 },
+                         uly.tensor({ { 1 } }, { dtype = 'i32' }), { max_new_tokens = 2, slide = true })
+    assert.truthy(e:find('generate: slide = true needs a context length (config.seq) of 2 or more, got 1', 1, true), e)
+    e = helpers.error_of(GPT { preset = 'tiny' }.generate, GPT { preset = 'tiny' },
+                         uly.tensor({ { 1 } }, { dtype = 'i32' }), { slide = 'yes' })
+    assert.truthy(e:find('generate: slide must be true or false, got yes', 1, true), e)
+  end)
+
   it('generate refuses bad arguments by name and leaves the model as it came when it fails', function()
     local m = GPT { preset = 'tiny', dropout = 0.5 }
     local prompt = uly.tensor({ { 1, 2, 3 } }, { dtype = 'i32' })

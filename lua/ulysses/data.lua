@@ -5,6 +5,7 @@
 --   local x, y = data:next()          -- i32 [B, T_local]; y is x shifted by one on the global sequence
 --   (documents = true: x, y, docs = data:next(), docs i32 [B, T] the document id of every position
 --    of the whole window, numbered from 0; targets that would cross a document boundary are -1)
+--   data:encode('And God said') / data:decode(ids), or uly.data.codec('text' | 'dna') without a file
 --
 -- Random windows come from the loader's own counter-based generator (splitmix64 of the seed and
 -- the draw index), so loader:state() / loader:set_state() resume exactly and every sequence-parallel
@@ -425,6 +426,19 @@ function Loader:encode(s)
   local t = T.empty({ 1, n }, { dtype = 'i32', device = 'cpu' })
   ffi.copy(t:data(), toks, n * 4)
   return t
+end
+
+-- uly.data.codec(kind): a dataset kind's encode and decode without its file ('text': bytes,
+-- vocabulary 256; 'dna': ACGTN and '|', vocabulary 6), as a loader of that kind has them
+local Codec = { encode = Loader.encode, decode = Loader.decode }
+Codec.__index = Codec
+function Codec:__tostring() return string.format('codec %s (vocab %d)', self.kind, self.vocab_size) end
+
+function M.codec(kind)
+  if kind ~= 'text' and kind ~= 'dna' then
+    raise(string.format("data.codec: kind must be 'text' or 'dna', got %s", type(kind) == 'string' and "'" .. kind .. "'" or tostring(kind)))
+  end
+  return setmetatable({ kind = kind, vocab_size = kind == 'dna' and DNA.vocab_size or 256 }, Codec)
 end
 
 function Loader:close()

@@ -452,7 +452,7 @@ end
 uly.nn = require 'ulysses.nn'
 
 -- submodules loaded on first use (uly.optim, uly.data, ...), so `require 'ulysses'` stays cheap
-local lazy = { optim = true, data = true, checkpoint = true, safetensors = true, h5 = true, log = true, generate = true, dist = true, cuda = true }
+local lazy = { optim = true, data = true, checkpoint = true, safetensors = true, h5 = true, log = true, pretrained = true, dist = true, cuda = true }
 setmetatable(uly, { __index = function(t, k)
   if lazy[k] then
     local m = require('ulysses.' .. k)

@@ -1,0 +1,110 @@
+-- tools/generate.lua — text or DNA from a trained model: a run directory, checkpoint or
+-- safetensors file (uly.pretrained.load), a prompt, and how to sample.
+--
+--   bin/ulysses tools/generate.lua SOURCE [--prompt TEXT | --prompt_file FILE] [--tokens 200]
+--     [--temperature 0.8] [--top_k 40] [--samples 1] [--seed 1] [--raw 1]
+--     [--device cpu|cuda] [--precision auto|f32|bf16] [--kind text|dna] [--data H5]
+--
+-- Without a prompt it starts from the first 16 tokens of the validation split of the data the
+-- model was trained on, where that file is still found. Any number of tokens can be asked for:
+-- when the context fills, the model goes on from its last half (generate's slide = true). Each
+-- sample prints its prompt and continuation under a header; --raw prints only the continuations,
+-- one per line, for piping. The same seed gives the same samples.
+local uly = require 'ulysses'
+local cli = require 'ulysses.cli'
+
+local TOOL = 'tools/generate.lua'
+local FLAGS = {
+  { 'prompt', '', 'the text (or DNA letters) to continue' },
+  { 'prompt_file', '', 'read the prompt from this file (whitespace in DNA skipped; FASTA header lines dropped)' },
+  { 'tokens', 200, 'tokens to generate per sample' },
+  { 'temperature', 0.8, 'sampling temperature (0 = greedy)' },
+  { 'top_k', 40, 'sample among the k most likely tokens (0 = all)' },
+  { 'samples', 1, 'how many samples' },
+  { 'seed', 1, 'seed of the sampling' },
+  { 'raw', 0, '1: print only the continuations, one per line' },
+  { 'device', 'cpu', 'cpu | cuda' },
+  { 'precision', 'auto', 'f32 | bf16 matmuls (auto: bf16 on cuda, f32 on cpu)' },
+  { 'kind', '', 'text | dna: the alphabet (default: the training data\'s, else from the vocabulary)' },
+  { 'data', '', 'the training data file (HDF5): the alphabet, and the default prompt' },
+}
+local USAGE = 'bin/ulysses tools/generate.lua SOURCE [--flag value ...]\n'
+  .. '  SOURCE: a train.lua run directory, a checkpoint (.h5) or a safetensors file'
+
+local function fail(msg) cli.fail(TOOL, msg) end
+local function clean(err) return (tostring(err):gsub('^[^%s:]+%.lua:%d+: ', '')) end
+local function integer(key, lo)
+  return function(v)
+    if v % 1 ~= 0 or v < lo then fail(string.format('--%s must be an integer >= %d, got %s', key, lo, tostring(v))) end
+  end
+end
+
+local cfg, inputs = cli.parse(TOOL, arg, FLAGS, USAGE)
+if #inputs ~= 1 then
+  fail(#inputs == 0 and 'no model given: the argument is a run directory, checkpoint or safetensors file (--help)'
+       or string.format('one model at a time, got %d arguments: %s', #inputs, table.concat(inputs, ' ')))
+end
+integer('tokens', 0)(cfg.tokens)
+integer('top_k', 0)(cfg.top_k)
+integer('samples', 1)(cfg.samples)
+integer('seed', 0)(cfg.seed)
+if not (cfg.temperature >= 0) or cfg.temperature == math.huge then
+  fail('--temperature must be a finite number >= 0 (0 = greedy), got ' .. tostring(cfg.temperature))
+end
+if cfg.raw ~= 0 and cfg.raw ~= 1 then fail('--raw must be 0 or 1, got ' .. cfg.raw) end
+if cfg.prompt ~= '' and cfg.prompt_file ~= '' then fail('--prompt or --prompt_file, not both') end
+if cfg.precision ~= 'auto' and cfg.precision ~= 'f32' and cfg.precision ~= 'bf16' then
+  fail("--precision must be auto, f32 or bf16, got '" .. cfg.precision .. "'")
+end
+if tonumber(os.getenv('OMPI_COMM_WORLD_SIZE') or '1') > 1 then fail('runs as one process, not under mpirun') end
+
+local ok, model, info = pcall(uly.pretrained.load, inputs[1], {
+  device = cfg.device, kind = cfg.kind ~= '' and cfg.kind or nil, data = cfg.data ~= '' and cfg.data or nil })
+if not ok then fail(clean(model):gsub('^pretrained%.load: ', '')) end
+uly.matmul_precision(cfg.precision == 'auto' and (cfg.device == 'cpu' and 'f32' or 'bf16') or cfg.precision)
+local codec = info.codec
+
+-- the prompt: given, from a file, or the start of the training data's validation split
+local prompt
+if cfg.prompt_file ~= '' then
+  local text = require('ulysses.paths').read_file(cfg.prompt_file)
+  if not text then fail("--prompt_file: cannot read '" .. cfg.prompt_file .. "'") end
+  if codec.kind == 'dna' then text = text:gsub('%f[^\n\0]>[^\n]*', '') end   -- FASTA header lines
+  cfg.prompt = text
+end
+if cfg.prompt ~= '' then
+  local ok_p, p = pcall(codec.encode, codec, cfg.prompt)
+  if not ok_p then fail((cfg.prompt_file ~= '' and '--prompt_file ' or '--prompt: ') .. clean(p)) end
+  prompt = p
+elseif info.data_path then
+  local ok_d, d = pcall(uly.data.open, info.data_path, { seq = math.min(16, model.config.seq), batch = 1, random = false,
+                                                        split = 'valid' })
+  if not ok_d then
+    ok_d, d = pcall(uly.data.open, info.data_path, { seq = math.min(16, model.config.seq), batch = 1, random = false })
+  end
+  if not ok_d then fail('no --prompt, and the data file gives none: ' .. clean(d)) end
+  prompt = d:batches()()
+  d:close()
+else
+  fail('--prompt is needed: the data the model was trained on is not found to start from (or give --data FILE)')
+end
+
+local quiet = cfg.raw == 1
+if not quiet then
+  print(string.format('model: %s %s, %d layers, dim %d, %s parameters, context %d; %s%s (%s)', model.config.model or '?',
+                      tostring(model.config.preset), model.config.layers, model.config.dim,
+                      uly.log.format_si(model:num_parameters()), model.config.seq, info.path,
+                      info.step and (' step ' .. info.step) or '', info.kind))
+  print(string.format('sampling: %d tokens, temperature %g, top-k %d, seed %d', cfg.tokens, cfg.temperature, cfg.top_k,
+                      cfg.seed))
+  print('--- prompt (' .. prompt:size(2) .. ' tokens)')
+  print(codec:decode(prompt))
+end
+uly.manual_seed(cfg.seed)
+for i = 1, cfg.samples do
+  local ok_g, ids = pcall(model.generate, model, prompt, { max_new_tokens = cfg.tokens, temperature = cfg.temperature,
+                                                           top_k = cfg.top_k, slide = true })
+  if not ok_g then fail(clean(ids)) end
+  if not quiet then print(string.format('--- sample %d (%d tokens)', i, #ids)) end
+  print(codec:decode(ids))
+end
