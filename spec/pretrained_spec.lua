@@ -264,6 +264,7 @@ describe_h5('uly.pretrained and tools/score.lua, tools/generate.lua', function()
       { 'tools/score.lua ' .. ck .. ' --text A --batch 0', 'tools/score.lua: --batch must be an integer >= 1, got 0' },
       { 'tools/score.lua ' .. ck .. ' --text A --strid 2', "tools/score.lua: unknown flag --strid (did you mean '--stride'?)" },
       { 'tools/score.lua ' .. helpers.shq(dir .. '/none') .. ' --text A', "tools/score.lua: no such file or directory: '" .. dir .. "/none'" },
+      { 'tools/score.lua ' .. ck .. ' --text A --precision fp8', "tools/score.lua: --precision must be auto, f32 or bf16, got 'fp8'" },
       { 'tools/generate.lua', 'tools/generate.lua: no model given' },
       { 'tools/generate.lua ' .. ck .. ' --prompt ACGTZ', "tools/generate.lua: --prompt: encode: character 'Z' at position 5" },
       { 'tools/generate.lua ' .. ck, 'tools/generate.lua: --prompt is needed: the data the model was trained on is not found' },
@@ -278,7 +279,10 @@ describe_h5('uly.pretrained and tools/score.lua, tools/generate.lua', function()
       assert.are.equal(2, rc, c[1] .. '\n' .. out)
       assert.truthy(out:find(c[2], 1, true), c[1] .. '\n' .. out)
     end
-    local out, rc = run('tools/score.lua --help')
+    local out, rc = helpers.run('OMPI_COMM_WORLD_SIZE=2 bin/ulysses tools/generate.lua ' .. ck .. ' --prompt A')
+    assert.are.equal(2, rc, out)
+    assert.truthy(out:find('tools/generate.lua: runs as one process, not under mpirun', 1, true), out)
+    out, rc = run('tools/score.lua --help')
     assert.are.equal(0, rc, out)
     assert.truthy(out:find('--stride', 1, true) and out:find('--per_token', 1, true), out)
   end)

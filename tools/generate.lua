@@ -14,7 +14,7 @@ local uly = require 'ulysses'
 local cli = require 'ulysses.cli'
 
 local TOOL = 'tools/generate.lua'
-local FLAGS = {
+local FLAGS = cli.flags({
   { 'prompt', '', 'the text (or DNA letters) to continue' },
   { 'prompt_file', '', 'read the prompt from this file (whitespace in DNA skipped; FASTA header lines dropped)' },
   { 'tokens', 200, 'tokens to generate per sample' },
@@ -23,16 +23,12 @@ local FLAGS = {
   { 'samples', 1, 'how many samples' },
   { 'seed', 1, 'seed of the sampling' },
   { 'raw', 0, '1: print only the continuations, one per line' },
-  { 'device', 'cpu', 'cpu | cuda' },
-  { 'precision', 'auto', 'f32 | bf16 matmuls (auto: bf16 on cuda, f32 on cpu)' },
-  { 'kind', '', 'text | dna: the alphabet (default: the training data\'s, else from the vocabulary)' },
-  { 'data', '', 'the training data file (HDF5): the alphabet, and the default prompt' },
-}
+}, uly.pretrained.LOAD_FLAGS)
 local USAGE = 'bin/ulysses tools/generate.lua SOURCE [--flag value ...]\n'
   .. '  SOURCE: a train.lua run directory, a checkpoint (.h5) or a safetensors file'
 
 local function fail(msg) cli.fail(TOOL, msg) end
-local function clean(err) return (tostring(err):gsub('^[^%s:]+%.lua:%d+: ', '')) end
+local clean = cli.clean
 local function integer(key, lo)
   return function(v)
     if v % 1 ~= 0 or v < lo then fail(string.format('--%s must be an integer >= %d, got %s', key, lo, tostring(v))) end
@@ -53,15 +49,8 @@ if not (cfg.temperature >= 0) or cfg.temperature == math.huge then
 end
 if cfg.raw ~= 0 and cfg.raw ~= 1 then fail('--raw must be 0 or 1, got ' .. cfg.raw) end
 if cfg.prompt ~= '' and cfg.prompt_file ~= '' then fail('--prompt or --prompt_file, not both') end
-if cfg.precision ~= 'auto' and cfg.precision ~= 'f32' and cfg.precision ~= 'bf16' then
-  fail("--precision must be auto, f32 or bf16, got '" .. cfg.precision .. "'")
-end
-if tonumber(os.getenv('OMPI_COMM_WORLD_SIZE') or '1') > 1 then fail('runs as one process, not under mpirun') end
 
-local ok, model, info = pcall(uly.pretrained.load, inputs[1], {
-  device = cfg.device, kind = cfg.kind ~= '' and cfg.kind or nil, data = cfg.data ~= '' and cfg.data or nil })
-if not ok then fail(clean(model):gsub('^pretrained%.load: ', '')) end
-uly.matmul_precision(cfg.precision == 'auto' and (cfg.device == 'cpu' and 'f32' or 'bf16') or cfg.precision)
+local model, info = uly.pretrained.load_for_tool(TOOL, inputs[1], cfg)
 local codec = info.codec
 
 -- the prompt: given, from a file, or the start of the training data's validation split
@@ -91,10 +80,7 @@ end
 
 local quiet = cfg.raw == 1
 if not quiet then
-  print(string.format('model: %s %s, %d layers, dim %d, %s parameters, context %d; %s%s (%s)', model.config.model or '?',
-                      tostring(model.config.preset), model.config.layers, model.config.dim,
-                      uly.log.format_si(model:num_parameters()), model.config.seq, info.path,
-                      info.step and (' step ' .. info.step) or '', info.kind))
+  print(info.summary)
   print(string.format('sampling: %d tokens, temperature %g, top-k %d, seed %d', cfg.tokens, cfg.temperature, cfg.top_k,
                       cfg.seed))
   print('--- prompt (' .. prompt:size(2) .. ' tokens)')

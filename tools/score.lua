@@ -24,22 +24,18 @@ local ffi = require 'ffi'
 local cli = require 'ulysses.cli'
 
 local TOOL = 'tools/score.lua'
-local FLAGS = {
-  { 'text', {}, 'a string to score (repeatable)' },
+local FLAGS = cli.flags({
+  { 'text', {}, 'a string to score' },
   { 'split', '', 'valid | train: score that split of the training data file (--data, else the one the checkpoint names)' },
   { 'stride', 0, 'tokens between window starts for sequences longer than the context (0 = half the context)' },
   { 'batch', 8, 'windows per forward pass' },
   { 'per_token', '', 'write each scored token (input, position, token, nats) to this TSV file' },
-  { 'device', 'cpu', 'cpu | cuda' },
-  { 'precision', 'auto', 'f32 | bf16 matmuls (auto: bf16 on cuda, f32 on cpu)' },
-  { 'kind', '', 'text | dna: the alphabet (default: the training data\'s, else from the vocabulary)' },
-  { 'data', '', 'the training data file (HDF5), to take the alphabet from' },
-}
+}, uly.pretrained.LOAD_FLAGS)
 local USAGE = 'bin/ulysses tools/score.lua SOURCE [FILE ...] [--text STRING ...] [--flag value ...]\n'
   .. '  SOURCE: a train.lua run directory, a checkpoint (.h5) or a safetensors file'
 
 local function fail(msg) cli.fail(TOOL, msg) end
-local function clean(err) return (tostring(err):gsub('^[^%s:]+%.lua:%d+: ', '')) end
+local clean = cli.clean
 
 local cfg, inputs = cli.parse(TOOL, arg, FLAGS, USAGE)
 if #inputs == 0 then fail('no model given: the first argument is a run directory, checkpoint or safetensors file (--help)') end
@@ -49,17 +45,10 @@ end
 if cfg.split ~= '' and cfg.split ~= 'valid' and cfg.split ~= 'train' then
   fail("--split must be valid or train, got '" .. cfg.split .. "'")
 end
-if tonumber(os.getenv('OMPI_COMM_WORLD_SIZE') or '1') > 1 then fail('runs as one process, not under mpirun') end
 if cfg.batch < 1 or cfg.batch % 1 ~= 0 then fail('--batch must be an integer >= 1, got ' .. cfg.batch) end
 if cfg.stride < 0 or cfg.stride % 1 ~= 0 then fail('--stride must be an integer >= 0, got ' .. cfg.stride) end
-if cfg.precision ~= 'auto' and cfg.precision ~= 'f32' and cfg.precision ~= 'bf16' then
-  fail("--precision must be auto, f32 or bf16, got '" .. cfg.precision .. "'")
-end
 
-local ok, model, info = pcall(uly.pretrained.load, inputs[1], {
-  device = cfg.device, kind = cfg.kind ~= '' and cfg.kind or nil, data = cfg.data ~= '' and cfg.data or nil })
-if not ok then fail(clean(model):gsub('^pretrained%.load: ', '')) end
-uly.matmul_precision(cfg.precision == 'auto' and (cfg.device == 'cpu' and 'f32' or 'bf16') or cfg.precision)
+local model, info = uly.pretrained.load_for_tool(TOOL, inputs[1], cfg)
 local codec, T = info.codec, model.config.seq
 local S = cfg.stride > 0 and cfg.stride or math.max(1, math.floor(T / 2))
 if S > T then fail(string.format('--stride %d is longer than the context %d: tokens between windows would go unscored', S, T)) end
@@ -167,10 +156,7 @@ local function score(seq)
   return total, count
 end
 
-print(string.format('model: %s %s, %d layers, dim %d, %s parameters, context %d; %s%s (%s)', model.config.model or '?',
-                    tostring(model.config.preset), model.config.layers, model.config.dim,
-                    uly.log.format_si(model:num_parameters()), T, info.path,
-                    info.step and (' step ' .. info.step) or '', info.kind))
+print(info.summary)
 print(string.format('windows of %d tokens, stride %d; %s', T, S, info.kind == 'dna'
                     and 'every base scored, the first after the record separator'
                     or 'every token after the first scored'))

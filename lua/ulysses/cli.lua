@@ -23,6 +23,18 @@ function M.usage_text(tool, flags, line)
   return table.concat(out, '\n') .. '\n'
 end
 
+-- the flag lists a, b, ... as one list (a tool's own flags, then shared ones)
+function M.flags(...)
+  local out = {}
+  for _, list in ipairs({ ... }) do
+    for _, f in ipairs(list) do out[#out + 1] = f end
+  end
+  return out
+end
+
+-- an error's text without the file:line prefixes Lua put on it
+function M.clean(err) return (tostring(err):gsub('^[^%s:]+%.lua:%d+: ', '')) end
+
 -- a mistake: the tool's name and what was wrong on stderr, exit 2
 function M.fail(tool, msg)
   io.stderr:write(tool, ': ', msg, '\n')

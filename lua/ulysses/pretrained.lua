@@ -179,4 +179,30 @@ function M.load(source, opts)
                   kind = kind, kind_from = kind_from, codec = codec, data_path = data_path }
 end
 
+-- For the tools (tools/generate.lua, tools/score.lua): the flags that say how to load, to append
+-- to a tool's own (uly.cli), and the load itself: a mistake named with the tool's name, exit 2
+M.LOAD_FLAGS = {
+  { 'device', 'cpu', 'cpu | cuda' },
+  { 'precision', 'auto', 'f32 | bf16 matmuls (auto: bf16 on cuda, f32 on cpu)' },
+  { 'kind', '', 'text | dna: the alphabet (default: the training data\'s, else from the vocabulary)' },
+  { 'data', '', 'the training data file (HDF5), if not the one the checkpoint names' },
+}
+
+function M.load_for_tool(tool, source, cfg)
+  local cli = require 'ulysses.cli'
+  if tonumber(os.getenv('OMPI_COMM_WORLD_SIZE') or '1') > 1 then cli.fail(tool, 'runs as one process, not under mpirun') end
+  if cfg.precision ~= 'auto' and cfg.precision ~= 'f32' and cfg.precision ~= 'bf16' then
+    cli.fail(tool, "--precision must be auto, f32 or bf16, got '" .. cfg.precision .. "'")
+  end
+  local ok, model, info = pcall(M.load, source, { device = cfg.device, kind = cfg.kind ~= '' and cfg.kind or nil,
+                                                  data = cfg.data ~= '' and cfg.data or nil })
+  if not ok then cli.fail(tool, (clean(model):gsub('^pretrained%.load: ', ''))) end
+  U().matmul_precision(cfg.precision == 'auto' and (cfg.device == 'cpu' and 'f32' or 'bf16') or cfg.precision)
+  local c = model.config
+  info.summary = string.format('model: %s %s, %d layers, dim %d, %s parameters, context %d; %s%s (%s)', tostring(c.model),
+                               tostring(c.preset), c.layers, c.dim, U().log.format_si(model:num_parameters()), c.seq,
+                               info.path, info.step and (' step ' .. info.step) or '', info.kind)
+  return model, info
+end
+
 return M
