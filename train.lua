@@ -44,7 +44,8 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'wd', 0.1, 'AdamW weight decay (matrices only)' },
   { 'beta2', 0.95, 'AdamW beta2' },
   { 'clip', 1.0, 'clip the global gradient norm (0 = off)' },
-  { 'data', '', "HDF5 dataset from datasets/prepare.lua; 'embedded' = Genesis 1 (default: data/kjv.h5, or $ULY_DATA/kjv.h5, if present, else embedded)" },
+  { 'data', '', "HDF5 dataset from datasets/prepare.lua, or a text / FASTA / GenBank file (.gz, .xz, .bz2 too), prepared into OUT once; 'embedded' = Genesis 1 (default: data/kjv.h5, or $ULY_DATA/kjv.h5, if present, else embedded)" },
+  { 'data_kind', 'auto', 'how a --data file that is not HDF5 is read: text | dna | auto (FASTA or GenBank is DNA, anything else text)' },
   { 'eval_every', 100, 'validation every N steps (0 = only at the end)' },
   { 'eval_batches', 8, 'validation batches per evaluation (0 = no evaluation)' },
   { 'out', 'runs/train', 'run directory: log.csv, loss.svg, ckpt/ (a run found there that this one does not resume moves to OUT/previous-N)' },
@@ -159,6 +160,7 @@ local function check_flags(cfg)
     usage(string.format("--device %s: say 'cuda' (each rank takes the GPU of its local rank)", cfg.device))
   end
   one_of('device', cfg.device, { 'cpu', 'cuda' })
+  one_of('data_kind', cfg.data_kind, { 'auto', 'text', 'dna' })
   if cfg.resume ~= '' and cfg.resume ~= 'auto' then
     local f = io.open(cfg.resume, 'rb')
     if not f then usage(string.format("--resume %s: no such checkpoint (give a file under OUT/ckpt, or 'auto')", cfg.resume)) end
@@ -263,13 +265,59 @@ local function file_exists(path)
   return false
 end
 
+-- --data FILE that is not HDF5 (text, FASTA, GenBank; compressed or not): prepared into
+-- OUT/<name>.h5 by datasets/prepare.lua, once: a later run reuses it while the file's path, size
+-- and modification time are the ones recorded in it (and --data_kind does not ask for another kind)
+local function prepared(cfg, quiet)
+  local source = realpath(cfg.data)
+  local size, mtime = uly.file_stamp(source)
+  local name = (cfg.data:match('([^/]*)$'):gsub('%.[gG][zZ]$', ''):gsub('%.xz$', ''):gsub('%.bz2$', ''):gsub('%.dz$', '')
+                :gsub('%.[^.]*$', ''))
+  if name == '' then name = 'data' end
+  local out = cfg.out .. '/' .. name .. '.h5'
+  local stamp = string.format('%s|%d|%.0f', source, size, mtime)
+  if file_exists(out) then   -- ours to reuse or replace; anything else is left alone
+    local ok, f = pcall(uly.h5.open, out, 'r')
+    local recorded = ok and f:attr('', 'source_stamp')
+    local kind = ok and f:attr('', 'kind')
+    if ok then f:close() end
+    if type(recorded) ~= 'string' then
+      usage(string.format('--data %s would be prepared into %s, which holds something else (not a file train.lua '
+                          .. 'prepared from a --data file): move it, or give another --out', cfg.data, out))
+    end
+    if recorded == stamp and (cfg.data_kind == 'auto' or cfg.data_kind == kind) then
+      if not quiet then print(string.format('data: %s, prepared from %s (%s) by an earlier run', out, cfg.data, kind)) end
+      return out
+    end
+  end
+  if quiet then return out end   -- (the other ranks: rank 0 prepared it)
+  local prepare = dofile(here .. '/datasets/prepare.lua')
+  local ok, kind = pcall(prepare.detect_kind, cfg.data)
+  if not ok then usage('--data ' .. clean(kind):gsub('^prepare: ', '')) end
+  if cfg.data_kind ~= 'auto' then kind = cfg.data_kind end
+  local ok2, s = pcall(prepare.prepare, { kind = kind, inputs = { cfg.data }, out = out, name = name, quiet = true,
+                                          attrs = { source_stamp = stamp } })
+  if not ok2 then
+    usage(string.format('--data %s (read as %s): %s%s', cfg.data, kind, (clean(s):gsub('^prepare: ', '')),
+                        kind == 'dna' and cfg.data_kind == 'auto' and '; --data_kind text reads it as text' or ''))
+  end
+  print(string.format('data: prepared %s into %s: %s, %d train / %d valid tokens%s, %.1f s', cfg.data, out, kind,
+                      s.n_train, s.n_valid, s.n_records and string.format(', %d records', s.n_records) or '', s.seconds))
+  return out
+end
+
 -- the dataset to train on: --data, else data/kjv.h5, else the embedded text prepared into OUT
 local function resolve_data(cfg, quiet)
   if cfg.data ~= '' and cfg.data ~= 'embedded' then
     if not file_exists(cfg.data) then
-      usage(string.format('--data %s: no such file (prepare one with datasets/prepare.sh, see datasets/README.md)', cfg.data))
+      usage(string.format('--data %s: no such file (an HDF5 dataset from datasets/prepare.sh, or a text, FASTA or '
+                          .. 'GenBank file)', cfg.data))
     end
-    return cfg.data
+    local f = io.open(cfg.data, 'rb')
+    local head = f:read(8)
+    f:close()
+    if head == '\137HDF\r\n\26\n' then return cfg.data end
+    return prepared(cfg, quiet)
   end
   local data_dir = os.getenv('ULY_DATA') or (here .. '/data')   -- where datasets/prepare.sh puts it
   if cfg.data == '' and file_exists(data_dir .. '/kjv.h5') then return data_dir .. '/kjv.h5' end

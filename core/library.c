@@ -1,6 +1,9 @@
 /* core/library.c — library-wide settings: version, features built in, thread count, dtype
- * names and sizes, and the global counter-based random generator (seed + offset). */
+ * names and sizes, the global counter-based random generator (seed + offset), and a file's
+ * size and modification time. */
+#include <errno.h>
 #include <stdint.h>
+#include <sys/stat.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -17,6 +20,15 @@ extern void openblas_set_num_threads(int);
 
 const char *uly_version(void) { return ULY_VERSION; }
 const char *uly_blas_corename(void) { return openblas_get_corename(); }
+
+int uly_file_stamp(const char *path, int64_t *size, int64_t *mtime_ns) {
+    struct stat st;
+    if (!path || !size || !mtime_ns) return uly_set_error("file_stamp: path, size and mtime_ns must not be NULL");
+    if (stat(path, &st) != 0) return uly_set_error("file_stamp: cannot stat '%s': %s", path, strerror(errno));
+    *size = (int64_t)st.st_size;
+    *mtime_ns = (int64_t)st.st_mtim.tv_sec * 1000000000 + (int64_t)st.st_mtim.tv_nsec;
+    return 0;
+}
 
 int uly_has_feature(const char *name) {
     if (!name) return 0;

@@ -78,13 +78,13 @@ local function open_input(path)
   end
   local status = os.tmpname()
   local p = io.popen(string.format('{ %s < %s; echo $? > %s; }', tool, shq(path), shq(status)), 'r')
-  local function close()
+  local function close(partial)   -- partial: read only the start (the tool then dies of a broken pipe)
     p:close()
     local s = io.open(status, 'r')
     local rc = s and s:read('*n')
     if s then s:close() end
     os.remove(status)
-    if rc ~= 0 then fail("'%s < %s' failed (exit status %s): the file is damaged or the tool is missing", tool, path,
+    if rc ~= 0 and not partial then fail("'%s < %s' failed (exit status %s): the file is damaged or the tool is missing", tool, path,
                          tostring(rc)) end
   end
   return p, close, hint or size * 4
@@ -162,6 +162,17 @@ local function read_dna(inputs)
   if #recs == 0 then fail('no sequence records in %s', table.concat(inputs, ', ')) end
   for i, r in ipairs(recs) do r.len = (recs[i + 1] and recs[i + 1].start or buf.n) - r.start end
   return buf, recs
+end
+
+-- 'dna' when the first line that is not blank opens a FASTA ('>name') or GenBank ('LOCUS') record
+-- (after decompression), else 'text'
+function M.detect_kind(path)
+  local f, close = open_input(path)
+  local head = f:read(65536) or ''
+  close(true)
+  local first = head:match('^%s*([^\n]*)') or ''
+  if first:sub(1, 1) == '>' or first:match('^LOCUS%s') then return 'dna' end
+  return 'text'
 end
 
 -- the tokens of inputs as one u8 buffer {p, n} (for DNA also its records {name, start, len}, start
@@ -254,7 +265,8 @@ local function check(opts)
   return inputs, valid, name
 end
 
--- prepare{kind = 'text'|'dna', inputs = {FILE, ...}, out = PATH, valid = 0.05, name = NAME, quiet = false}
+-- prepare{kind = 'text'|'dna', inputs = {FILE, ...}, out = PATH, valid = 0.05, name = NAME, quiet = false,
+--         attrs = {key = value, ...} (more root attributes)}
 -- -> summary table {name, kind, n_train, n_valid, vocab_size, entropy_bits, seconds, out}
 function M.prepare(opts)
   local inputs, valid, name = check(opts)
@@ -304,6 +316,7 @@ function M.prepare(opts)
       end
       f:write_array('record_lengths', lens, 'i64', { R })
     end
+    for k, v in pairs(opts.attrs or {}) do attrs[k] = v end
     for k, v in pairs(attrs) do f:set_attr('/', k, v) end
     f:close()
     h5.commit(tmp, opts.out)

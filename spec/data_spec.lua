@@ -172,6 +172,22 @@ describe('prepare (text)', function()
     assert.near(entropy(train), s.entropy_bits, 1e-12)
   end)
 
+  it('tells DNA (FASTA, GenBank, compressed too) from text by the first line that is not blank', function()
+    local d = helpers.mkdtemp()
+    for name, c in pairs({ ['a.fa'] = { '\n\n>x\nACGT\n', 'dna' }, ['b.gb'] = { 'LOCUS  X 4 bp\nORIGIN\n 1 acgt\n//\n', 'dna' },
+                           ['c.txt'] = { 'In the beginning\n>quoted\n', 'text' }, ['d.txt'] = { '', 'text' },
+                           ['e.fa'] = { string.rep('>r\n' .. string.rep('ACGT', 40000) .. '\n', 3), 'dna' } }) do
+      helpers.write_file(d .. '/' .. name, c[1])
+      assert.are.equal(c[2], prepare.detect_kind(d .. '/' .. name), name)
+    end
+    -- compressed: read from the decompressed start (a large one: the rest is not read)
+    assert.are.equal(0, os.execute('gzip -k ' .. helpers.shq(d .. '/e.fa') .. ' && xz -k ' .. helpers.shq(d .. '/c.txt')))
+    assert.are.equal('dna', prepare.detect_kind(d .. '/e.fa.gz'))
+    assert.are.equal('text', prepare.detect_kind(d .. '/c.txt.xz'))
+    assert.has_error(function() prepare.detect_kind(d .. '/none') end)
+    helpers.rmtree(d)
+  end)
+
   it('runs as a command line tool and reports bad arguments', function()
     local src = write('cli.txt', string.rep('abcab\n', 50))
     local out = path('cli.h5')

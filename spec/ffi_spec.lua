@@ -40,6 +40,22 @@ describe('ffi surface', function()
     assert.is_true(n >= 9, list)
   end)
 
+  it('file_stamp gives a file\'s size and modification time, and nil with the reason for a missing one', function()
+    local dir = helpers.mkdtemp()
+    helpers.write_file(dir .. '/a', 'abc')
+    local size, mtime = uly.file_stamp(dir .. '/a')
+    assert.are.equal(3, size)
+    assert.is_true(math.abs(mtime / 1e9 - os.time()) < 3600, tostring(mtime))
+    helpers.write_file(dir .. '/a', 'abcdef')
+    local size2, mtime2 = uly.file_stamp(dir .. '/a')
+    assert.are.equal(6, size2)
+    assert.is_true(mtime2 >= mtime)
+    local none, why = uly.file_stamp(dir .. '/b')
+    assert.is_nil(none)
+    assert.are.equal("file_stamp: cannot stat '" .. dir .. "/b': No such file or directory", why)
+    helpers.rmtree(dir)
+  end)
+
   it('declared_functions matches every prototype line of the header', function()
     local count = 0
     for line in io.lines(lib.header_path) do

@@ -308,6 +308,60 @@ describe('train.lua', function()
     helpers.rmtree(dir)
   end)
 
+  it('--data FILE (text, FASTA, GenBank, compressed or not) is prepared into OUT once and reused while unchanged', function()
+    local dir, src = tmpdir(), tmpdir()
+    local FLAGS = TINY:gsub('%-%-data embedded ', '') .. '--steps 2 --eval_every 0 --sample 0 --log_every 100 '
+    local text = string.rep('In the beginning was a corpus of plain text. ', 30)
+    helpers.write_file(src .. '/corpus.txt', text)
+    local out, code = run(FLAGS .. '--data ' .. src .. '/corpus.txt --out ' .. dir)
+    assert.are.equal(0, code, out)
+    local n_valid = math.floor(#text * 0.05)
+    assert.truthy(out:find(string.format('data: prepared %s/corpus.txt into %s/corpus.h5: text, %d train / %d valid tokens',
+                                         src, dir, #text - n_valid, n_valid), 1, true), out)
+    local f = uly.h5.open(dir .. '/corpus.h5')
+    local train = f:read('train')
+    assert.are.same({ 'text', #text - n_valid }, { f:attr('', 'kind'), train:numel() })
+    for i = 1, 50 do assert.are.equal(text:byte(i), train[i]:item()) end
+    f:close()
+    -- unchanged: reused (the same kind asked for, or auto); changed: prepared again
+    out, code = run(FLAGS .. '--data_kind text --data ' .. src .. '/corpus.txt --out ' .. dir)
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('data: ' .. dir .. '/corpus.h5, prepared from ' .. src .. '/corpus.txt (text) by an earlier run', 1, true), out)
+    helpers.write_file(src .. '/corpus.txt', text .. text)
+    out, code = run(FLAGS .. '--data ' .. src .. '/corpus.txt --out ' .. dir)
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('data: prepared ' .. src .. '/corpus.txt into ' .. dir .. '/corpus.h5: text, '
+                           .. (2 * #text - math.floor(2 * #text * 0.05)) .. ' train', 1, true), out)
+    -- FASTA, gzipped: DNA, a record each, the model's vocabulary 6; --data_kind text reads it as bytes
+    local seq = string.rep('ACGTTGCA', 60)
+    helpers.write_file(src .. '/g.fa', '>one\n' .. seq .. '\n>two\n' .. seq:reverse() .. '\n')
+    assert.are.equal(0, os.execute('gzip -f ' .. helpers.shq(src .. '/g.fa')))
+    out, code = run(FLAGS .. '--data ' .. src .. '/g.fa.gz --out ' .. dir)
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('data: prepared ' .. src .. '/g.fa.gz into ' .. dir .. '/g.h5: dna, ', 1, true), out)
+    assert.truthy(out:find(', 2 records, ', 1, true), out)
+    assert.truthy(out:find('data: ' .. dir .. '/g.h5, dna, vocab 6,', 1, true), out)
+    out, code = run(FLAGS .. '--data_kind text --data ' .. src .. '/g.fa.gz --out ' .. dir)
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('into ' .. dir .. '/g.h5: text, ', 1, true), out)
+    -- a protein FASTA, and a file of another origin where the prepared one would go
+    helpers.write_file(src .. '/p.fa', '>protein\nMKVLQ\n')
+    out, code = run(FLAGS .. '--data ' .. src .. '/p.fa --out ' .. dir)
+    assert.are.equal(2, code, out)
+    assert.truthy(out:find("train.lua: --data " .. src .. "/p.fa (read as dna): " .. src .. "/p.fa line 2 column 4: 'L' is not "
+                           .. 'a nucleotide code (ACGTU or IUPAC ambiguity letters); is this a protein FASTA?; --data_kind '
+                           .. 'text reads it as text', 1, true), out)
+    local other = uly.h5.create(dir .. '/mine.h5')
+    other:close()
+    helpers.write_file(src .. '/mine.txt', text)
+    out, code = run(FLAGS .. '--data ' .. src .. '/mine.txt --out ' .. dir)
+    assert.are.equal(2, code, out)
+    assert.truthy(out:find('train.lua: --data ' .. src .. '/mine.txt would be prepared into ' .. dir .. '/mine.h5, which holds '
+                           .. 'something else (not a file train.lua prepared from a --data file): move it, or give another --out', 1, true), out)
+    helpers.rmtree(dir)
+    helpers.rmtree(src)
+  end)
+
   it('finds the default data under $ULY_DATA, where datasets/prepare.sh puts it', function()
     local dir = tmpdir()
     local out, code = run(TINY .. '--steps 1 --eval_every 0 --sample 0 --out ' .. dir)   -- makes embedded.h5
@@ -390,6 +444,23 @@ describe('train.lua under mpirun', function()
         follows(uly.log.read_csv(dir .. '/log.csv'), ref, 8, string.format('%s P=%d', model, np))
       end
     end
+  end)
+
+  it('a --data FASTA file is prepared once, by rank 0, and the ranks follow the single-process losses', function()
+    if not has_mpi then pending('no mpirun or a library without MPI') return end
+    local src = tmpdir()
+    local seq = string.rep('ACGTTGCAAGGT', 40)
+    helpers.write_file(src .. '/g.fa', '>one\n' .. seq .. '\n>two\n' .. seq:reverse() .. '\n')
+    local args = TINY:gsub('%-%-data embedded ', '') .. '--data ' .. src .. '/g.fa --steps 4 --eval_every 0 --sample 0 --threads 1 '
+    local ref = reference(args)
+    local dir = tmpdir()
+    local out, code = mpirun(2, args .. '--sp 2 --out ' .. dir)
+    assert.are.equal(0, code, out)
+    local _, prepared = out:gsub('data: prepared ', '')
+    assert.are.equal(1, prepared, out)
+    assert.truthy(out:find('data: ' .. dir .. '/g.h5, dna, vocab 6,', 1, true), out)
+    follows(uly.log.read_csv(dir .. '/log.csv'), ref, 4, 'FASTA P=2')
+    helpers.rmtree(src)
   end)
 
   it('gradient accumulation follows the single-process losses with the all-reduce overlapped or after backward', function()

@@ -28,6 +28,8 @@ void uly_clear_error(void);
 const char *uly_version(void);
 const char *uly_blas_corename(void);       /* OpenBLAS kernel family in use, e.g. "Haswell" */
 int uly_has_feature(const char *name);     /* "mpi", "hdf5", "cuda", "openmp" -> 1/0 */
+int uly_file_stamp(const char *path, int64_t *size, int64_t *mtime_ns); /* a file's bytes and modification
+                                               time (ns since the epoch); -1 with the error set if it cannot be read */
 int uly_set_num_threads(int n);            /* kernels and BLAS; n <= 0 restores the default */
 int uly_get_num_threads(void);
 double uly_cpu_peak_flops(int threads);    /* f32 FMA peak of `threads` threads in FLOP/s, measured (~15 ms) */

@@ -419,6 +419,15 @@ function uly.cpu_bf16_kernel_calls() return tonumber(C.uly_cpu_bf16_kernel_calls
 -- kernels with fused multiply-adds: the optimizers then round as PyTorch's do on such CPUs)
 function uly.has(feature) return C.uly_has_feature(feature) ~= 0 end
 
+-- uly.file_stamp(path) -> size (bytes), mtime (ns since the epoch, a double: exact to ~0.25 us);
+-- nil and the reason where the file cannot be read
+local stamp_size, stamp_mtime = ffi.new('int64_t[1]'), ffi.new('int64_t[1]')
+function uly.file_stamp(path)
+  if type(path) ~= 'string' then raise('file_stamp: path must be a string, got ' .. type(path)) end
+  if C.uly_file_stamp(path, stamp_size, stamp_mtime) ~= 0 then return nil, ffi.string(C.uly_last_error()) end
+  return tonumber(stamp_size[0]), tonumber(stamp_mtime[0])
+end
+
 -- wall-clock seconds from a monotonic clock (for progress lines and benchmarks)
 ffi.cdef [[
   struct uly_timespec { long tv_sec; long tv_nsec; };
