@@ -52,6 +52,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'stop_after', 0, 'stop after this step, writing a checkpoint (0 = run to --steps); continue with --resume auto' },
   { 'ckpt_every', 0, 'checkpoint every N steps (0 = only at the end)' },
   { 'keep', 3, 'checkpoints kept' },
+  { 'save_best', 1, '1: keep the model of the best validation loss so far in OUT/ckpt/best.h5 (weights only); 0: not' },
   { 'resume', '', "'auto' (latest in OUT/ckpt) or a checkpoint path" },
   { 'init', '', 'start from the weights of this safetensors file (uly.safetensors: every name and shape must match the model; --resume replaces them)' },
   { 'export', '', 'write the final weights to this safetensors file (PyTorch / Hugging Face tools read it)' },
@@ -135,7 +136,7 @@ local function check_flags(cfg)
                        'eval_batches', 'stop_after', 'ckpt_every', 'threads', 'sp', 'sample', 'top_k' }) do
     int(k, 0)
   end
-  for _, k in ipairs({ 'documents', 'overlap', 'zero' }) do one_of(k, cfg[k], { 0, 1 }) end
+  for _, k in ipairs({ 'documents', 'overlap', 'zero', 'save_best' }) do one_of(k, cfg[k], { 0, 1 }) end
   one_of('checkpoint', cfg.checkpoint, { 0, 1, 2 })
   num('lr', 0, nil, true)
   num('dropout', 0, 1)
@@ -600,6 +601,25 @@ local function main()
       data = train_data:state(), extra = { data_path = data_path, rng_offsets = offsets } }, cfg.keep)
   end
 
+  -- the best validation loss's weights, OUT/ckpt/best.h5 (atomic, like every checkpoint); a run
+  -- that continues starts from the loss the file records
+  local best_path, best_saved = ckpt_dir .. '/best.h5', nil
+  if main_rank and cfg.save_best ~= 0 and start_step > 0 and file_exists(best_path) then
+    local ok, f = pcall(uly.h5.open, best_path, 'r')
+    if ok then
+      local ok2, extra = pcall(uly.checkpoint.deserialize, f:attr('', 'extra') or 'nil', 'extra')
+      f:close()
+      best_saved = ok2 and type(extra) == 'table' and tonumber(extra.val_loss) or nil
+    end
+  end
+  local function save_best(step, loss)
+    if not main_rank or cfg.save_best == 0 or (best_saved and loss >= best_saved) then return end
+    uly.checkpoint._mkdir_p(ckpt_dir)
+    uly.checkpoint.save(best_path, { model = model, step = step, config = common.plain_config(model.config),
+                                     extra = { data_path = data_path, val_loss = loss } })
+    best_saved = loss
+  end
+
   local function comm_totals()
     if not grid then return 0, 0 end
     local bytes, secs = 0, 0
@@ -655,6 +675,7 @@ local function main()
     if cfg.eval_batches > 0 and ((cfg.eval_every > 0 and step % cfg.eval_every == 0) or step == last_step) then
       val_loss = evaluate()
       progress:eval { step = step, loss = val_loss, bpt = val_loss / math.log(2) }
+      save_best(step, val_loss)
     end
     if writer then
       writer:write { step = step, loss = loss, val_loss = val_loss, lr = opt.lr, grad_norm = norm,
@@ -682,7 +703,8 @@ local function main()
   uly.log.plot_csv(log_path, cfg.out .. '/loss.svg', {
     title = string.format('%s %s on %s', mc.model, mc.preset, data_path:match('([^/]+)$')),
     hlines = train_data.entropy_bits and { { y = train_data.entropy_bits * math.log(2), label = 'unigram entropy' } } or nil })
-  print(string.format('log: %s  plot: %s  checkpoints: %s', log_path, cfg.out .. '/loss.svg', ckpt_dir))
+  print(string.format('log: %s  plot: %s  checkpoints: %s%s', log_path, cfg.out .. '/loss.svg', ckpt_dir,
+                      best_saved and string.format(' (the best validation loss, %.4f: %s)', best_saved, best_path) or ''))
   if cfg.export ~= '' and main_rank then
     local mc_plain = common.plain_config(model.config)
     local ok, err = pcall(uly.safetensors.save, cfg.export, model, { metadata = {

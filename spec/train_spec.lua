@@ -362,6 +362,49 @@ describe('train.lua', function()
     helpers.rmtree(src)
   end)
 
+  it('keeps the weights of the best validation loss in OUT/ckpt/best.h5, across a resume, unless --save_best 0', function()
+    local dir = tmpdir()
+    local args = TINY .. '--steps 20 --eval_every 5 --ckpt_every 5 --sample 0 --log_every 100 --out ' .. dir .. ' '
+    local out, code = run(args .. '--stop_after 10')
+    assert.are.equal(0, code, out)
+    local rows = uly.log.read_csv(dir .. '/log.csv')
+    local best, best_step = math.huge, nil
+    for _, r in ipairs(rows) do if r.val_loss and r.val_loss < best then best, best_step = r.val_loss, r.step end end
+    local function saved()
+      local f = uly.h5.open(dir .. '/ckpt/best.h5')
+      local step, extra = f:attr('', 'step'), uly.checkpoint.deserialize(f:attr('', 'extra'), 'extra')
+      local has_optim = f:exists('optim')
+      f:close()
+      return step, extra, has_optim
+    end
+    local step, extra, has_optim = saved()
+    assert.are.equal(best_step, step)
+    assert.is_true(math.abs(extra.val_loss - best) <= 1e-4 * best, tostring(extra.val_loss))
+    assert.is_false(has_optim)                                  -- weights only
+    assert.truthy(out:find('(the best validation loss, ' .. string.format('%.4f', extra.val_loss) .. ': ' .. dir
+                           .. '/ckpt/best.h5)', 1, true), out)
+    -- the weights are those of that step's model: its checkpoint holds the same tensors
+    local a, b = uly.h5.open(dir .. '/ckpt/best.h5'), uly.h5.open(dir .. string.format('/ckpt/step_%06d.h5', step))
+    for _, name in ipairs(a:list('model')) do
+      helpers.assert_close(a:read(name), b:read(name), 0, 0, name)
+    end
+    a:close() b:close()
+    -- resumed: compared with the loss the file records (here made unbeatable), so it stays
+    local f = uly.h5.open(dir .. '/ckpt/best.h5', 'r+')
+    f:set_attr('', 'extra', uly.checkpoint.serialize({ val_loss = 0.001, data_path = extra.data_path }, 'extra'))
+    f:close()
+    out, code = run(args .. '--resume auto')
+    assert.are.equal(0, code, out)
+    assert.are.equal(step, (saved()))
+    assert.truthy(out:find('(the best validation loss, 0.0010: ', 1, true), out)
+    -- a fresh run moves it aside with the rest of ckpt/; --save_best 0 writes none
+    out, code = run(args .. '--save_best 0 --steps 5')
+    assert.are.equal(0, code, out)
+    assert.is_false(helpers.exists(dir .. '/ckpt/best.h5'))
+    assert.is_true(helpers.exists(dir .. '/previous-1/ckpt/best.h5'))
+    helpers.rmtree(dir)
+  end)
+
   it('finds the default data under $ULY_DATA, where datasets/prepare.sh puts it', function()
     local dir = tmpdir()
     local out, code = run(TINY .. '--steps 1 --eval_every 0 --sample 0 --out ' .. dir)   -- makes embedded.h5

@@ -65,8 +65,9 @@ local function inspect_h5(path)
     if info then rows[#rows + 1] = { name, info.dtype, info.shape } end
   end
   local meta = {}
-  for _, key in ipairs { 'format', 'step', 'optim_kind', 'optim_step', 'config', 'created', 'library_version',   -- checkpoints
-                         'kind', 'name', 'vocab_size', 'n_train', 'n_valid', 'n_records', 'entropy_bits' } do  -- datasets
+  for _, key in ipairs { 'format', 'step', 'optim_kind', 'optim_step', 'config', 'extra', 'created', 'library_version',   -- checkpoints
+                         'kind', 'name', 'vocab_size', 'n_train', 'n_valid', 'n_records', 'entropy_bits', 'source',       -- datasets
+                         'source_stamp' } do
     meta[key] = f:attr('', key)
   end
   f:close()
