@@ -316,6 +316,15 @@ describe_h5('uly.pretrained and tools/score.lua, tools/generate.lua', function()
     out, rc = run(string.format('tools/score.lua %s --split test', helpers.shq(dir .. '/m.h5')))
     assert.are.equal(2, rc, out)
     assert.truthy(out:find("tools/score.lua: --split must be valid or train, got 'test'", 1, true), out)
+    -- a DNA prompt from a FASTA file: its header lines dropped, the letters as --prompt gives them
+    local dna = GPT { preset = 'tiny', vocab = 6, seq = 16 }
+    save_ckpt(dir .. '/dna.h5', dna)
+    helpers.write_file(dir .. '/p.fa', '>chr1 part\nACGTAC\nGGTA\n')
+    local a = run('tools/generate.lua ' .. helpers.shq(dir .. '/dna.h5') .. ' --prompt_file ' .. helpers.shq(dir .. '/p.fa')
+                  .. ' --tokens 30 --temperature 0 --raw 1')
+    local b = run('tools/generate.lua ' .. helpers.shq(dir .. '/dna.h5') .. ' --prompt ACGTACGGTA --tokens 30 --temperature 0 --raw 1')
+    assert.are.equal(b, a)
+    assert.truthy(a:match('^[ACGTN|]+\n$'), a)
     -- no prompt: the first tokens of the validation split of the data the model was trained on
     local valid = uly.data.open(dir .. '/t.h5', { seq = 8, batch = 1, split = 'valid', random = false })
     local first = valid:decode(valid:batches()())

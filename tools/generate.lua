@@ -58,7 +58,7 @@ local prompt
 if cfg.prompt_file ~= '' then
   local text = require('ulysses.paths').read_file(cfg.prompt_file)
   if not text then fail("--prompt_file: cannot read '" .. cfg.prompt_file .. "'") end
-  if codec.kind == 'dna' then text = text:gsub('%f[^\n\0]>[^\n]*', '') end   -- FASTA header lines
+  if codec.kind == 'dna' then text = ('\n' .. text):gsub('\n>[^\n]*', '\n') end   -- FASTA header lines
   cfg.prompt = text
 end
 if cfg.prompt ~= '' then
