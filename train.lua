@@ -178,7 +178,8 @@ local function check_flags(cfg)
       usage(string.format('--export %s is a directory: give the file to write (e.g. %s/model.safetensors)', cfg.export,
                           (cfg.export:gsub('/$', ''))))
     end
-    if not realpath((dir == '' and '/' or dir) .. '/') then
+    local in_out = dir:gsub('/+$', '') == cfg.out:gsub('/+$', '')   -- the run's own directory: made before training
+    if not in_out and not realpath((dir == '' and '/' or dir) .. '/') then
       usage(string.format('--export %s: no directory %s to write it in (make it first)', cfg.export, dir))
     end
   end

@@ -250,7 +250,8 @@ end
 M.sample_from = sample_from
 
 -- generate(model, prompt i32 [1, P], {max_new_tokens = 100, temperature = 1, top_k = 0,
--- cache = true, cache_dtype, slide = false}) -> list of new token ids. With the KV cache each new
+-- cache = true, cache_dtype, slide = false, on_token = fn}) -> list of new token ids (each also
+-- given to on_token as it comes: to print a long generation as it goes). With the KV cache each new
 -- token runs the model on one position: O(T) attention per token. cache = false recomputes the
 -- whole prefix (O(T^2); kept for checking the cache). A prompt and new tokens beyond the context
 -- length config.seq are an error, unless slide = true: then whenever the context is full the model
@@ -258,7 +259,8 @@ M.sample_from = sample_from
 -- seq/2 tokens likewise), so any number of tokens can be generated, each seeing at least seq/2
 -- before it. Uses the global generator (uly.manual_seed): one uniform draw per token.
 function M.generate(model, prompt, opts)
-  opts = options.check('generate', opts, { 'max_new_tokens', 'temperature', 'top_k', 'cache', 'cache_dtype', 'slide' })
+  opts = options.check('generate', opts, { 'max_new_tokens', 'temperature', 'top_k', 'cache', 'cache_dtype', 'slide',
+                                            'on_token' })
   local n_new = opts.max_new_tokens or 100
   local temperature = opts.temperature or 1.0
   local cfg = model.config
@@ -275,6 +277,9 @@ function M.generate(model, prompt, opts)
   local top_k = opts.top_k
   if top_k ~= nil and (type(top_k) ~= 'number' or top_k ~= math.floor(top_k) or top_k < 0) then
     T.raise('generate: top_k must be an integer >= 0 (0 = all tokens), got ' .. tostring(top_k))
+  end
+  if opts.on_token ~= nil and type(opts.on_token) ~= 'function' then
+    T.raise('generate: on_token must be a function (called with each new token id), got ' .. type(opts.on_token))
   end
   if opts.slide ~= nil and type(opts.slide) ~= 'boolean' then
     T.raise('generate: slide must be true or false, got ' .. tostring(opts.slide))
@@ -326,6 +331,7 @@ function M.generate(model, prompt, opts)
       local tok = sample_from(last, temperature, opts.top_k, uly.rand(1):item())
       out[#out + 1] = tok
       ids[#ids + 1] = tok
+      if opts.on_token then opts.on_token(tok) end
       next_input = uly.tensor({ { tok } }, { dtype = 'i32', device = device })
     end
   end

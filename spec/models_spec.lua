@@ -376,10 +376,13 @@ describe('models', function()
           assert.are.same(want, got, Model.__name .. ' prompt ' .. P .. ' cache ' .. tostring(cache))
         end
       end
-      -- within the context, slide changes nothing
+      -- within the context, slide changes nothing; on_token sees each token as it comes
       local prompt = ids(1, 3, 256)
       uly.manual_seed(2)
-      local a = m:generate(prompt, { max_new_tokens = 5, temperature = 0.9, slide = true })
+      local seen = {}
+      local a = m:generate(prompt, { max_new_tokens = 5, temperature = 0.9, slide = true,
+                                     on_token = function(t) seen[#seen + 1] = t end })
+      assert.are.same(a, seen)
       uly.manual_seed(2)
       assert.are.same(a, m:generate(prompt, { max_new_tokens = 5, temperature = 0.9 }))
     end
@@ -393,6 +396,9 @@ describe('models', function()
     e = helpers.error_of(GPT { preset = 'tiny' }.generate, GPT { preset = 'tiny' },
                          uly.tensor({ { 1 } }, { dtype = 'i32' }), { slide = 'yes' })
     assert.truthy(e:find('generate: slide must be true or false, got yes', 1, true), e)
+    e = helpers.error_of(GPT { preset = 'tiny' }.generate, GPT { preset = 'tiny' },
+                         uly.tensor({ { 1 } }, { dtype = 'i32' }), { on_token = 3 })
+    assert.truthy(e:find('generate: on_token must be a function (called with each new token id), got number', 1, true), e)
   end)
 
   it('generate refuses bad arguments by name and leaves the model as it came when it fails', function()

@@ -247,6 +247,30 @@ describe_h5('uly.pretrained and tools/score.lua, tools/generate.lua', function()
       near(nats, want, 1e-3 + 1e-5 * want, c[1])
     end
     assert.truthy(out:find(dir .. '/r.fa:empty%s+0%s+%-'), out)   -- an empty record: nothing to score
+    -- --split valid: the split's token stream (records joined by '|'), every token after the first;
+    -- --per_token's positions count the split's own tokens from 1, as for any input
+    helpers.write_file(dir .. '/g.fa', '>one\nACGTACGTTTGAACGGT\n>two\nGGCATNCCGATTAGCA\n')
+    prepare { kind = 'dna', inputs = { dir .. '/g.fa' }, out = dir .. '/g.h5', valid = 0.5, quiet = true }
+    save_ckpt(dir .. '/dna2.h5', m, dir .. '/g.h5')
+    out, rc = run(string.format('tools/score.lua %s --split valid --per_token %s', helpers.shq(dir .. '/dna2.h5'),
+                                helpers.shq(dir .. '/pt.tsv')))
+    assert.are.equal(0, rc, out)
+    local valid = uly.data.open(dir .. '/g.h5', { seq = 2, split = 'valid', random = false })
+    local fh = uly.h5.open(dir .. '/g.h5')
+    local letters = valid:decode(fh:read('valid'))
+    fh:close()
+    valid:close()
+    local count = row_of(out, dir .. '/g.h5:valid')
+    assert.are.equal(#letters - 1, count)
+    local k = 0
+    for line in io.lines(dir .. '/pt.tsv') do
+      local pos, tok = line:match('^[^\t]+\t(%d+)\t([^\t]*)\t')
+      if pos then
+        k = k + 1
+        assert.are.same({ k + 1, letters:sub(k + 1, k + 1) }, { tonumber(pos), tok })
+      end
+    end
+    assert.are.equal(#letters - 1, k)
   end)
 
   it('tools/score.lua and tools/generate.lua name a wrong input, flag or value and exit 2', function()

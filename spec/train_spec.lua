@@ -176,6 +176,7 @@ describe('train.lua', function()
   it('--export writes the final weights as safetensors and --init starts another run from them', function()
     local a, b = tmpdir(), tmpdir()
     local common = TINY .. '--eval_every 0 --sample 0 '
+    helpers.rmtree(a)   -- --out made by the run, the export written into it
     local out, code = run(common .. '--steps 3 --out ' .. a .. ' --export ' .. a .. '/w.safetensors')
     assert.are.equal(0, code, out)
     assert.truthy(out:find('weights: ' .. a .. '/w.safetensors', 1, true), out)

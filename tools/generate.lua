@@ -8,8 +8,8 @@
 -- Without a prompt it starts from the first 16 tokens of the validation split of the data the
 -- model was trained on, where that file is still found. Any number of tokens can be asked for:
 -- when the context fills, the model goes on from its last half (generate's slide = true). Each
--- sample prints its prompt and continuation under a header; --raw prints only the continuations,
--- one per line, for piping. The same seed gives the same samples.
+-- sample prints its prompt and continuation under a header, each token as it comes; --raw 1
+-- prints only the continuations, each followed by a newline. The same seed gives the same samples.
 local uly = require 'ulysses'
 local cli = require 'ulysses.cli'
 
@@ -22,7 +22,7 @@ local FLAGS = cli.flags({
   { 'top_k', 40, 'sample among the k most likely tokens (0 = all)' },
   { 'samples', 1, 'how many samples' },
   { 'seed', 1, 'seed of the sampling' },
-  { 'raw', 0, '1: print only the continuations, one per line' },
+  { 'raw', 0, '1: print only the continuations, each followed by a newline' },
 }, uly.pretrained.LOAD_FLAGS)
 local USAGE = 'bin/ulysses tools/generate.lua SOURCE [--flag value ...]\n'
   .. '  SOURCE: a train.lua run directory, a checkpoint (.h5) or a safetensors file'
@@ -87,10 +87,15 @@ if not quiet then
   print(codec:decode(prompt))
 end
 uly.manual_seed(cfg.seed)
+-- each token written as it comes (a long generation shows as it goes)
+local function emit(tok)
+  io.stdout:write(codec:decode({ tok }))
+  io.stdout:flush()
+end
 for i = 1, cfg.samples do
-  local ok_g, ids = pcall(model.generate, model, prompt, { max_new_tokens = cfg.tokens, temperature = cfg.temperature,
-                                                           top_k = cfg.top_k, slide = true })
-  if not ok_g then fail(clean(ids)) end
-  if not quiet then print(string.format('--- sample %d (%d tokens)', i, #ids)) end
-  print(codec:decode(ids))
+  if not quiet then print(string.format('--- sample %d (%d tokens)', i, cfg.tokens)) end
+  local ok_g, err = pcall(model.generate, model, prompt, { max_new_tokens = cfg.tokens, temperature = cfg.temperature,
+                                                           top_k = cfg.top_k, slide = true, on_token = emit })
+  if not ok_g then io.stdout:write('\n') fail(clean(err)) end
+  io.stdout:write('\n')
 end

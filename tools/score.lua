@@ -60,7 +60,7 @@ local function add(name, src, n, lead)
   local k = 0
   if lead then p[0] = lead; k = 1 end
   for i = 0, n - 1 do p[k + i] = src[i] end
-  seqs[#seqs + 1] = { name = name, p = p, n = n + k, scored_from = 1 }
+  seqs[#seqs + 1] = { name = name, p = p, n = n + k, lead = k }
 end
 local SEP = codec.kind == 'dna' and uly.data.DNA.SEP or nil
 local prepare = dofile((require 'ulysses.ffi').root .. '/datasets/prepare.lua')
@@ -147,7 +147,7 @@ local function score(seq)
         local v = lp[(r - 1) * L + k]
         total, count = total + v, count + 1
         if per_token then
-          local pos = w.start + k + 2 - (SEP and 1 or 0)   -- the target's place among the input's own tokens
+          local pos = w.start + k + 2 - seq.lead   -- the target's place among the input's own tokens
           per_token:write(string.format('%s\t%d\t%s\t%.6f\n', seq.name, pos, shown(yp[(r - 1) * L + k]), v))
         end
       end
@@ -158,7 +158,8 @@ end
 
 print(info.summary)
 print(string.format('windows of %d tokens, stride %d; %s', T, S, info.kind == 'dna'
-                    and 'every base scored, the first after the record separator'
+                    and 'every base of a record or --text scored, the first after the record separator'
+                        .. (cfg.split ~= '' and ' (--split: every token after the first)' or '')
                     or 'every token after the first scored'))
 local width = 5
 for _, s in ipairs(seqs) do width = math.max(width, #s.name) end
