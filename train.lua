@@ -66,7 +66,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'zero', 0, '1: shard the AdamW state over the ranks (dist.ZeroAdamW, ZeRO stage 2: gradients reduce-scattered, with --overlap 1 during backward, and freed; parameters all-gathered)' },
   { 'peak_gflops', 0, 'peak for MFU (0: cpu the f32 FMA peak of the threads, or with bf16 on AMX tiles their bf16 peak, measured at start; cuda the GPU\'s dense bf16 peak, by name or estimated)' },
   { 'log_every', 0, 'seconds between progress lines (0 = every step)' },
-  { 'sample', 200, 'tokens to generate at the end, at most --seq less the prompt (0 = none; needs --seq 2 or more)' },
+  { 'sample', 200, 'tokens to generate at the end (0 = none; needs --seq 2 or more; past the context the model goes on from its last half)' },
   { 'prompt', '', 'text prompt for the sample (default: the start of the validation split)' },
   { 'temperature', 0.8, 'sampling temperature (0 = greedy)' },
   { 'top_k', 40, 'sample among the k most likely tokens (0 = all)' },
@@ -108,6 +108,18 @@ local function clean(err) return (tostring(err):gsub('[^%s:]+%.lua:%d+: ', '')) 
 local function one_of(key, v, allowed)
   for _, a in ipairs(allowed) do if v == a then return end end
   usage(string.format("--%s must be %s, got '%s'", key, table.concat(allowed, ' | '), tostring(v)))
+end
+
+-- the model's config from the flags (vocab from the data; sp under mpirun)
+local function model_args(cfg, vocab, sp)
+  local mc = { preset = cfg.preset, vocab = vocab, seq = cfg.seq, dropout = cfg.dropout, sp = sp,
+               checkpoint = ({ false, true, 'except_attention' })[cfg.checkpoint + 1], attention = cfg.attention,
+               window = cfg.window > 0 and cfg.window or nil, tile = cfg.tile > 0 and cfg.tile or nil }
+  for _, k in ipairs({ 'layers', 'heads', 'kv_heads', 'dim', 'hidden' }) do
+    if cfg[k] > 0 then mc[k] = cfg[k] end
+  end
+  if cfg.model == 'gpt' then mc.kv_heads = nil end
+  return mc
 end
 
 local function check_flags(cfg)
@@ -241,6 +253,9 @@ local function parse_flags(argv)
   end
   for k, v in pairs(given) do cfg[k] = v end
   check_flags(cfg)
+  -- the model's own checks (its preset, heads dividing dim, ...) now, not after the data is prepared
+  local ok, err = pcall(require('models.' .. cfg.model).count_parameters, model_args(cfg, 256))
+  if not ok then usage(clean(err)) end
   return cfg
 end
 
@@ -277,7 +292,8 @@ local function prepared(cfg, quiet)
                 :gsub('%.[^.]*$', ''))
   if name == '' then name = 'data' end
   local out = cfg.out .. '/' .. name .. '.h5'
-  local stamp = string.format('%s|%d|%.0f', source, size, mtime)
+  local valid = cfg.eval_batches > 0 and 0.05 or 0   -- no validation asked for: every token for training
+  local stamp = string.format('%s|%d|%.0f|%g', source, size, mtime, valid)
   if file_exists(out) then   -- ours to reuse or replace; anything else is left alone
     local ok, f = pcall(uly.h5.open, out, 'r')
     local recorded = ok and f:attr('', 'source_stamp')
@@ -298,9 +314,11 @@ local function prepared(cfg, quiet)
   if not ok then usage('--data ' .. clean(kind):gsub('^prepare: ', '')) end
   if cfg.data_kind ~= 'auto' then kind = cfg.data_kind end
   local ok2, s = pcall(prepare.prepare, { kind = kind, inputs = { cfg.data }, out = out, name = name, quiet = true,
-                                          attrs = { source_stamp = stamp } })
+                                          valid = valid, attrs = { source_stamp = stamp } })
   if not ok2 then
-    usage(string.format('--data %s (read as %s): %s%s', cfg.data, kind, (clean(s):gsub('^prepare: ', '')),
+    local msg = clean(s):gsub('^prepare: ', ''):gsub('; use a larger input or %-%-valid 0$',
+                                                     ': a larger file, or --eval_batches 0 (no validation split)')
+    usage(string.format('--data %s (read as %s): %s%s', cfg.data, kind, msg,
                         kind == 'dna' and cfg.data_kind == 'auto' and '; --data_kind text reads it as text' or ''))
   end
   print(string.format('data: prepared %s into %s: %s, %d train / %d valid tokens%s, %.1f s', cfg.data, out, kind,
@@ -312,13 +330,22 @@ end
 local function resolve_data(cfg, quiet)
   if cfg.data ~= '' and cfg.data ~= 'embedded' then
     if not file_exists(cfg.data) then
+      local near = not cfg.data:find('/', 1, true) and (os.getenv('ULY_DATA') or (here .. '/data')) .. '/' .. cfg.data .. '.h5'
       usage(string.format('--data %s: no such file (an HDF5 dataset from datasets/prepare.sh, or a text, FASTA or '
-                          .. 'GenBank file)', cfg.data))
+                          .. 'GenBank file)%s', cfg.data,
+                          near and file_exists(near) and string.format("; did you mean '%s'?", near) or ''))
     end
-    local f = io.open(cfg.data, 'rb')
-    local head = f:read(8)
-    f:close()
-    if head == '\137HDF\r\n\26\n' then return cfg.data end
+    local ok, what = pcall(dofile(here .. '/datasets/prepare.lua').sniff, cfg.data)
+    if not ok then usage('--data ' .. (clean(what):gsub('^prepare: ', ''))) end
+    if what == 'hdf5' then return cfg.data end
+    if what == 'directory' then
+      usage(string.format('--data %s is a directory: give a file (an HDF5 dataset, or a text, FASTA or GenBank file)', cfg.data))
+    elseif what == 'safetensors' then
+      usage(string.format('--data %s is a safetensors file of weights, not data (--init starts a run from weights)', cfg.data))
+    elseif what == 'binary' and cfg.data_kind ~= 'text' then
+      usage(string.format('--data %s holds NUL bytes: a binary file, not text or DNA (--data_kind text trains on its '
+                          .. 'bytes anyway)', cfg.data))
+    end
     return prepared(cfg, quiet)
   end
   local data_dir = os.getenv('ULY_DATA') or (here .. '/data')   -- where datasets/prepare.sh puts it
@@ -338,16 +365,55 @@ local function resolve_data(cfg, quiet)
   return path
 end
 
+-- The model config a --init or --resume file records (a checkpoint's, or train.lua --export's in
+-- a safetensors file) against this run's model: another architecture is one error naming every
+-- difference and the flags that match it; other differences (eps, window, ...) a note.
+-- -> the saved config (nil where the file records none) and the file's format
+local ARCH_KEYS = { 'model', 'layers', 'heads', 'kv_heads', 'dim', 'hidden', 'vocab', 'seq' }
+local NOTE_KEYS = { 'eps', 'rope_theta', 'window', 'tied', 'bias', 'attention' }
+local function saved_model(model, flag, path, say)
+  local ok, saved, format = pcall(uly.pretrained.saved_config, path)
+  if not ok then
+    local msg = clean(saved):gsub('^pretrained%.load: ', '')
+    if msg:find('has no ulysses_config', 1, true) or msg:find('has no model config', 1, true) then
+      return nil, path:match('%.h5$') and 'checkpoint' or 'safetensors'   -- weights alone: names and shapes decide
+    end
+    usage(string.format('--%s %s', flag, msg))
+  end
+  local mine, diffs, flags = model.config, {}, {}
+  for _, k in ipairs(ARCH_KEYS) do
+    local theirs = saved[k]
+    -- (Llama's context length holds no weights; the vocabulary comes from the data)
+    if theirs ~= nil and mine[k] ~= theirs and not (k == 'seq' and mine.model ~= 'gpt') then
+      diffs[#diffs + 1] = string.format('%s %s (this run: %s)', k, tostring(theirs), tostring(mine[k]))
+      if k ~= 'vocab' then flags[#flags + 1] = string.format('--%s %s', k, tostring(theirs)) end
+    end
+  end
+  if #diffs > 0 then
+    local fix = {}
+    if saved.preset and saved.preset ~= mine.preset then fix[#fix + 1] = '--preset ' .. saved.preset end
+    if #flags > 0 then fix[#fix + 1] = table.concat(flags, ' ') end
+    if saved.vocab and saved.vocab ~= mine.vocab then
+      fix[#fix + 1] = string.format('data of its kind (--data; a vocabulary of %d is %s)', saved.vocab,
+                                    saved.vocab == 256 and 'text' or saved.vocab == 6 and 'DNA' or 'another alphabet')
+    end
+    usage(string.format('--%s %s: %s of another model: %s; to match it: %s', flag, path,
+                        flag == 'init' and 'its weights are' or 'the checkpoint is', table.concat(diffs, ', '),
+                        table.concat(fix, ', or ')))
+  end
+  local notes = {}
+  for _, k in ipairs(NOTE_KEYS) do
+    if mine[k] ~= saved[k] then
+      notes[#notes + 1] = string.format('%s %s (saved with %s)', k, tostring(mine[k]), saved[k] == nil and 'none' or tostring(saved[k]))
+    end
+  end
+  if #notes > 0 then say('note: --' .. flag .. ' ' .. path .. ': ' .. table.concat(notes, ', ')) end
+  return saved, format
+end
+
 local function build_model(cfg, vocab)
   local Model = require('models.' .. cfg.model)   -- gpt or llama (check_flags)
-  local mc = { preset = cfg.preset, vocab = vocab, seq = cfg.seq, dropout = cfg.dropout,
-               sp = cfg.world > 1 and cfg.sp or nil, checkpoint = ({ false, true, 'except_attention' })[cfg.checkpoint + 1], attention = cfg.attention,
-               window = cfg.window > 0 and cfg.window or nil, tile = cfg.tile > 0 and cfg.tile or nil }
-  for _, k in ipairs({ 'layers', 'heads', 'kv_heads', 'dim', 'hidden' }) do
-    if cfg[k] > 0 then mc[k] = cfg[k] end
-  end
-  if cfg.model == 'gpt' then mc.kv_heads = nil end
-  local ok, model = pcall(Model, mc)
+  local ok, model = pcall(Model, model_args(cfg, vocab, cfg.world > 1 and cfg.sp or nil))
   if not ok then usage(clean(model)) end
   return model
 end
@@ -438,35 +504,19 @@ local function main()
   if cfg.sample > 0 and cfg.prompt ~= '' then   -- found now, not after training
     local ok, p = pcall(train_data.encode, train_data, cfg.prompt)
     if not ok then usage('--prompt: ' .. clean(p)) end
-    if p:size(2) >= cfg.seq then
-      usage(string.format('--prompt is %d tokens, which leaves no room to sample within --seq %d: shorten it, raise '
-                          .. '--seq, or --sample 0', p:size(2), cfg.seq))
-    end
   end
   local model = build_model(cfg, train_data.vocab_size)
   if cfg.init ~= '' then
-    -- weights exported by train.lua carry their model's config: heads that the shapes cannot tell
-    -- apart are an error, other differences (eps, rope_theta, window, ...) a note
-    local ok_h, header_or_err, meta = pcall(uly.safetensors.header, cfg.init)
-    if not ok_h then usage('--init ' .. (clean(header_or_err):gsub('^safetensors%.header: ', ''))) end
-    local ok_cfg, saved = pcall(uly.checkpoint.deserialize, meta.ulysses_config or 'nil', 'config')
-    if ok_cfg and type(saved) == 'table' then
-      local notes = {}
-      for _, k in ipairs({ 'model', 'heads', 'kv_heads', 'eps', 'rope_theta', 'window', 'tied', 'bias', 'attention' }) do
-        local mine, theirs = model.config[k], saved[k]
-        if mine ~= theirs then
-          if theirs ~= nil and (k == 'model' or k == 'heads' or k == 'kv_heads') then
-            usage(string.format('--init %s: its weights are of a model with %s = %s, this run\'s has %s (set --%s %s)',
-                                cfg.init, k, tostring(theirs), tostring(mine), k, tostring(theirs)))
-          end
-          notes[#notes + 1] = string.format('%s %s (exported with %s)', k, tostring(mine),
-                                            theirs == nil and 'none' or tostring(theirs))
-        end
-      end
-      if #notes > 0 then say('note: --init ' .. cfg.init .. ': ' .. table.concat(notes, ', ')) end
+    local _, format = saved_model(model, 'init', cfg.init, say)
+    local ok, err
+    if format == 'checkpoint' then   -- its weights only; the generator stays as seeded
+      local rng = uly.rng_state()
+      ok, err = pcall(uly.checkpoint.load, cfg.init, { model = model })
+      uly.set_rng_state(rng)
+    else
+      ok, err = pcall(uly.safetensors.load_into, model, cfg.init)
     end
-    local ok, err = pcall(uly.safetensors.load_into, model, cfg.init)
-    if not ok then usage('--init ' .. (clean(err):gsub('^safetensors%.load_into: ', ''))) end
+    if not ok then usage('--init ' .. (clean(err):gsub('^safetensors%.load_into: ', ''):gsub('^checkpoint%.load: ', ''))) end
     say(string.format('weights from %s', cfg.init))
   end
   if cfg.device ~= 'cpu' then
@@ -494,6 +544,10 @@ local function main()
   if cfg.resume ~= '' then
     local path = cfg.resume ~= 'auto' and cfg.resume or uly.checkpoint.latest(ckpt_dir)
     if path then
+      if select(2, saved_model(model, 'resume', path, say)) == 'safetensors' then
+        usage(string.format('--resume %s: a safetensors file holds weights only (--init starts a run from them); '
+                            .. '--resume takes a checkpoint, OUT/ckpt/step_N.h5, or auto', path))
+      end
       local ok, info = pcall(uly.checkpoint.load, path, { model = model, optim = opt })
       if not ok then usage('--resume ' .. path .. ': ' .. clean(info)) end
       start_step = info.step
@@ -552,6 +606,11 @@ local function main()
                     grid and string.format(' x dp %d; %d ranks = dp %d x sp %d', grid.dp_size, grid.world, grid.dp_size,
                                            grid.sp_size) or '',
                     cfg.lr, cfg.schedule, threads, uly.blas_corename()))
+  if cfg.warmup >= cfg.steps and cfg.warmup > 0 then
+    say(string.format('note: --warmup %d is not below --steps %d: the learning rate rises for the whole run and '
+                      .. 'reaches --lr only at its end (a smaller --warmup gives the %s schedule room)', cfg.warmup,
+                      cfg.steps, cfg.schedule))
+  end
   say(string.format('device: %s%s, matmul precision %s%s, activations %s', device,
                     device == 'cuda' and (' (backend ' .. tostring(uly.cuda.backend()) .. ')') or '', cfg.precision,
                     (device == 'cpu' and cfg.precision == 'bf16') and (' (bf16 GEMM engine: ' .. uly.cpu_bf16_gemm() .. ')') or '',
@@ -726,8 +785,9 @@ local function main()
       local x = full:batches()()
       prompt = x:narrow(2, 1, math.min(16, cfg.seq - 1)):contiguous()
     end
-    local n = math.min(cfg.sample, cfg.seq - prompt:size(2))
-    local ids = model:generate(prompt, { max_new_tokens = n, temperature = cfg.temperature, top_k = cfg.top_k })
+    -- (past the context the model goes on from its last seq/2 tokens: generate's slide)
+    local ids = model:generate(prompt, { max_new_tokens = cfg.sample, temperature = cfg.temperature, top_k = cfg.top_k,
+                                         slide = true })
     -- prompt and continuation on lines of their own: no character can mark the seam (DNA decodes
     -- its record separator as '|', text can hold anything)
     print('sample (temperature ' .. cfg.temperature .. ', top-k ' .. cfg.top_k .. '), prompt then continuation:')

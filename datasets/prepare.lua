@@ -175,6 +175,28 @@ function M.detect_kind(path)
   return 'text'
 end
 
+-- what a file is, from its first bytes (decompressed): 'directory', 'hdf5', 'safetensors' (a
+-- weights file), 'binary' (NUL bytes in its first 64 KiB), else 'text' (text or DNA)
+function M.sniff(path)
+  if realpath(path .. '/') then return 'directory' end
+  local raw = io.open(path, 'rb')
+  if not raw then fail("cannot open input '%s' (no such file or not readable)", path) end
+  local magic = raw:read(8) or ''
+  local size = raw:seek('end')
+  raw:close()
+  if magic == '\137HDF\r\n\26\n' then return 'hdf5' end
+  local f, close = open_input(path)
+  local head = f:read(65536) or ''
+  close(true)
+  if #head >= 10 then
+    local n = 0
+    for i = 8, 1, -1 do n = n * 256 + head:byte(i) end
+    if n >= 2 and n + 8 <= size and head:sub(9, 9) == '{' then return 'safetensors' end
+  end
+  if head:find('\0', 1, true) then return 'binary' end
+  return 'text'
+end
+
 -- the tokens of inputs as one u8 buffer {p, n} (for DNA also its records {name, start, len}, start
 -- 0-based into the buffer), as prepare reads them; tools/score.lua reads its inputs so
 function M.read_tokens(kind, inputs)

@@ -487,6 +487,8 @@ describe('data loader', function()
     assert.matches('opts.seq', err_of(function() uly.data.open(tiny_h5, { batch = 2 }) end), 1, true)
     assert.matches('opts.batch', err_of(function() uly.data.open(tiny_h5, { seq = 4, batch = 0 }) end), 1, true)
     assert.matches("unknown option 'sequence'", err_of(function() uly.data.open(tiny_h5, { sequence = 4 }) end), 1, true)
+    assert.matches("data.open: unknown option 'btach' (did you mean 'batch'?)",
+                   err_of(function() uly.data.open(tiny_h5, { seq = 4, btach = 4 }) end), 1, true)
     assert.matches('opts.shard', err_of(function() uly.data.open(tiny_h5, { seq = 4, shard = { rank = 3, size = 3 } }) end), 1, true)
     assert.matches('5 sequence-parallel ranks cannot share seq = 4',
                    err_of(function() uly.data.open(tiny_h5, { seq = 4, shard = { rank = 0, size = 5 } }) end), 1, true)

@@ -206,6 +206,9 @@ open(sys.argv[1], 'wb').write(struct.pack('<Q', len(text)) + text.encode() + dat
       assert.truthy(out:find('model/wte.weight', 1, true), out)
       assert.truthy(out:find('  step = 7', 1, true), out)
     end
+    out, rc = helpers.run('bin/ulysses tools/inspect.lua ' .. helpers.shq(dir))
+    assert.are.equal(2, rc, out)
+    assert.truthy(out:find('tools/inspect.lua: ' .. dir .. ' is a directory: give a file in it', 1, true), out)
     out, rc = helpers.run('bin/ulysses tools/inspect.lua ' .. helpers.shq(dir .. '/none'))
     assert.are.equal(2, rc, out)
     assert.truthy(out:find("tools/inspect.lua: cannot open '" .. dir .. "/none' for reading", 1, true), out)

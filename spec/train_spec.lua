@@ -40,7 +40,7 @@ describe('train.lua', function()
     assert.are.equal(3, evals, out)
     assert.truthy(out:find('unigram entropy of the training data', 1, true), out)
     assert.truthy(out:find('--- summary ---', 1, true), out)
-    assert.truthy(out:find('\nAnd God said\n--- continuation (', 1, true), out)   -- the prompt, then the sample
+    assert.truthy(out:find('\nAnd God said\n--- continuation (24 tokens)\n', 1, true), out)   -- the prompt, then the sample (past --seq 32)
     -- the CSV log has one row per step; the plot is an SVG with a polyline
     local rows = uly.log.read_csv(dir .. '/log.csv')
     assert.are.equal(60, #rows)
@@ -221,19 +221,39 @@ describe('train.lua', function()
     -- the same shapes with other heads: refused (the exported config says so); other settings noted
     out, code = run(common .. '--heads 4 --steps 1 --out ' .. b .. '/h --init ' .. a .. '/w.safetensors')
     assert.are.equal(2, code, out)
-    assert.truthy(out:find("train.lua: --init " .. a .. "/w.safetensors: its weights are of a model with heads = 2, this run's has 4 (set --heads 2)", 1, true), out)
+    assert.truthy(out:find('train.lua: --init ' .. a .. '/w.safetensors: its weights are of another model: heads 2 (this run: 4); '
+                           .. 'to match it: --heads 2', 1, true), out)
     out, code = run(common .. '--window 8 --steps 1 --out ' .. b .. '/n --init ' .. a .. '/w.safetensors')
     assert.are.equal(0, code, out)
-    assert.truthy(out:find('note: --init ' .. a .. '/w.safetensors: window 8 (exported with none)', 1, true), out)
-    -- weights of another model, or of more layers: said before training
+    assert.truthy(out:find('note: --init ' .. a .. '/w.safetensors: window 8 (saved with none)', 1, true), out)
+    -- weights of another model, or of another size: every difference said at once, before training
     out, code = run(common .. '--model llama --steps 1 --out ' .. b .. '/l --init ' .. a .. '/w.safetensors')
     assert.are.equal(2, code, out)
-    assert.truthy(out:find("train.lua: --init " .. a .. "/w.safetensors: its weights are of a model with model = gpt, "
-                           .. "this run's has llama (set --model gpt)", 1, true), out)
-    out, code = run(common .. '--layers 3 --steps 1 --out ' .. b .. '/l3 --init ' .. a .. '/w.safetensors')
+    assert.truthy(out:find('train.lua: --init ' .. a .. '/w.safetensors: its weights are of another model: model gpt '
+                           .. '(this run: llama), heads 2 (this run: 4); to match it: --model gpt --heads 2', 1, true), out)
+    out, code = run(common .. '--layers 3 --preset small --seq 64 --steps 1 --out ' .. b .. '/l3 --init ' .. a .. '/w.safetensors')
     assert.are.equal(2, code, out)
-    assert.truthy(out:find('train.lua: --init ' .. a .. '/w.safetensors: 12 parameters of the model are not in it: '
-                           .. '"blocks.3.norm1.weight"', 1, true), out)
+    assert.truthy(out:find('train.lua: --init ' .. a .. '/w.safetensors: its weights are of another model: layers 2 (this run: '
+                           .. '3), heads 2 (this run: 4), dim 32 (this run: 256), seq 32 (this run: 64); to match it: --preset '
+                           .. 'tiny, or --layers 2 --heads 2 --dim 32 --seq 32', 1, true), out)
+    -- a checkpoint gives its weights too (the generator as seeded: the run equals the one from the export)
+    out, code = run(common .. '--steps 1 --lr 1e-12 --min_lr 0 --out ' .. b .. '/c --init ' .. a .. '/ckpt/step_000003.h5 --export '
+                    .. b .. '/c/w.safetensors')
+    assert.are.equal(0, code, out)
+    local w3 = uly.safetensors.load(b .. '/c/w.safetensors')
+    for name, t in pairs(w2) do helpers.assert_close(w3[name], t, 0, 0, name) end
+    -- a checkpoint of another model to --resume, a safetensors file to --resume, a dataset to --init
+    out, code = run(common .. '--dim 64 --steps 4 --out ' .. a .. ' --resume auto')
+    assert.are.equal(2, code, out)
+    assert.truthy(out:find('train.lua: --resume ' .. a .. '/ckpt/step_000003.h5: the checkpoint is of another model: dim 32 '
+                           .. '(this run: 64); to match it: --dim 32', 1, true), out)
+    out, code = run(common .. '--steps 4 --out ' .. b .. '/r --resume ' .. a .. '/w.safetensors')
+    assert.are.equal(2, code, out)
+    assert.truthy(out:find('train.lua: --resume ' .. a .. '/w.safetensors: a safetensors file holds weights only (--init starts '
+                           .. 'a run from them); --resume takes a checkpoint, OUT/ckpt/step_N.h5, or auto', 1, true), out)
+    out, code = run(common .. '--steps 1 --out ' .. b .. '/d --init ' .. a .. '/embedded.h5')
+    assert.are.equal(2, code, out)
+    assert.truthy(out:find('train.lua: --init ' .. a .. '/embedded.h5 is a dataset (text), not a model', 1, true), out)
     assert.falsy(out:find('step 1', 1, true), out)
   end)
 
@@ -268,8 +288,6 @@ describe('train.lua', function()
       ['--init /nonexistent/w.safetensors'] = '--init /nonexistent/w.safetensors: no such file',
       ['--export /nonexistent/w.safetensors'] = '--export /nonexistent/w.safetensors: no directory /nonexistent to write it in',
       ['--export spec'] = '--export spec is a directory: give the file to write (e.g. spec/model.safetensors)',
-      ["--prompt 'In the beginning God created the heaven and the earth'"] =
-        '--prompt is 53 tokens, which leaves no room to sample within --seq 32',
     }) do
       out, code = run(TINY .. flags)
       assert.are.equal(2, code, flags .. ':\n' .. out)
@@ -352,6 +370,28 @@ describe('train.lua', function()
     assert.truthy(out:find("train.lua: --data " .. src .. "/p.fa (read as dna): " .. src .. "/p.fa line 2 column 4: 'L' is not "
                            .. 'a nucleotide code (ACGTU or IUPAC ambiguity letters); is this a protein FASTA?; --data_kind '
                            .. 'text reads it as text', 1, true), out)
+    -- what is not data: a directory, weights, a binary file (unless read as bytes on purpose)
+    uly.safetensors.save(src .. '/w.safetensors', { x = uly.zeros(3) })
+    helpers.write_file(src .. '/b.bin', 'ab\0cd' .. string.rep('z', 1000))
+    for _, c in ipairs({
+      { src, '--data ' .. src .. ' is a directory: give a file (an HDF5 dataset, or a text, FASTA or GenBank file)' },
+      { src .. '/w.safetensors', '--data ' .. src .. '/w.safetensors is a safetensors file of weights, not data (--init starts a run from weights)' },
+      { src .. '/b.bin', '--data ' .. src .. '/b.bin holds NUL bytes: a binary file, not text or DNA (--data_kind text trains on its bytes anyway)' },
+    }) do
+      out, code = run(FLAGS .. '--data ' .. c[1] .. ' --out ' .. dir)
+      assert.are.equal(2, code, out)
+      assert.truthy(out:find('train.lua: ' .. c[2], 1, true), out)
+    end
+    out, code = run(FLAGS .. '--data ' .. src .. '/b.bin --data_kind text --out ' .. dir)
+    assert.are.equal(0, code, out)
+    -- a file too small to hold a validation split: said with the flag that helps, which then trains on all of it
+    helpers.write_file(src .. '/tiny.txt', string.rep('x', 10))
+    out, code = run(FLAGS .. '--data ' .. src .. '/tiny.txt --out ' .. dir)
+    assert.are.equal(2, code, out)
+    assert.truthy(out:find('leaves no validation tokens: a larger file, or --eval_batches 0 (no validation split)', 1, true), out)
+    out, code = run(FLAGS .. '--data ' .. src .. '/tiny.txt --eval_batches 0 --seq 4 --out ' .. dir)
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('tiny.h5: text, 10 train / 0 valid tokens', 1, true), out)
     local other = uly.h5.create(dir .. '/mine.h5')
     other:close()
     helpers.write_file(src .. '/mine.txt', text)

@@ -81,6 +81,9 @@ if #files == 0 or files[1] == '-h' or files[1] == '--help' then
   os.exit(#files == 0 and 2 or 0)
 end
 for i, path in ipairs(files) do
+  if require('ulysses.paths').realpath(path .. '/') then
+    fail(string.format('%s is a directory: give a file in it (a run keeps its checkpoints in %s/ckpt)', path, path))
+  end
   local h = io.open(path, 'rb')
   if not h then fail(string.format("cannot open '%s' for reading", path)) end
   local head = h:read(8) or ''

@@ -64,7 +64,16 @@ local function add(name, src, n, lead)
 end
 local SEP = codec.kind == 'dna' and uly.data.DNA.SEP or nil
 local prepare = dofile((require 'ulysses.ffi').root .. '/datasets/prepare.lua')
+local NOT_INPUT = {
+  directory = 'is a directory: give the files in it',
+  hdf5 = 'is an HDF5 file (a dataset or checkpoint), not a sequence: the model comes first; --split valid scores its '
+    .. 'training data',
+  safetensors = 'is a safetensors file of weights, not a sequence: the model comes first',
+}
 for i = 2, #inputs do
+  local ok_k, what = pcall(prepare.sniff, inputs[i])
+  if not ok_k then fail((clean(what):gsub('^prepare: ', ''))) end
+  if NOT_INPUT[what] then fail(inputs[i] .. ' ' .. NOT_INPUT[what]) end
   local ok_r, buf, recs = pcall(prepare.read_tokens, codec.kind, { inputs[i] })
   if not ok_r then fail((clean(buf):gsub('^prepare: ', ''))) end
   if recs then

@@ -71,18 +71,13 @@ M._draw = draw
 ---------------------------------------------------------------- option checks
 local function is_int(v) return type(v) == 'number' and v == math.floor(v) and v > -2 ^ 53 and v < 2 ^ 53 end
 
-local KNOWN = { seq = true, batch = true, split = true, seed = true, shuffle = true, random = true, shard = true,
-                documents = true }
+local KNOWN = { 'batch', 'documents', 'random', 'seed', 'seq', 'shard', 'shuffle', 'split' }
 
 local function check_opts(opts)
   if type(opts) ~= 'table' then
     raise('data.open: options must be a table such as {seq = 1024, batch = 8, split = \'train\'}, got ' .. type(opts))
   end
-  for k in pairs(opts) do
-    if not KNOWN[k] then
-      raise(string.format("data.open: unknown option '%s' (known: batch, documents, seed, seq, shard, shuffle, split)", tostring(k)))
-    end
-  end
+  require('ulysses.options').check('data.open', opts, KNOWN)
   if not (is_int(opts.seq) and opts.seq >= 1) then
     raise('data.open: opts.seq (tokens per window) must be a positive integer, got ' .. tostring(opts.seq))
   end

@@ -62,6 +62,10 @@ local function checkpoint_meta(path)
   local ok, f = pcall(h5.open, path, 'r')
   if not ok then fail('%s', clean(f)) end
   local ok2, res = pcall(function()
+    local data_kind = f:attr('', 'kind')
+    if f:attr('', 'format') == nil and (data_kind == 'text' or data_kind == 'dna') then
+      fail('%s is a dataset (%s), not a model: give the run directory or checkpoint of a model trained on it', path, data_kind)
+    end
     if f:attr('', 'format') ~= 'ulysses-checkpoint' then
       fail("%s is an HDF5 file but not a ulysses checkpoint (its format attribute is '%s')", path, tostring(f:attr('', 'format')))
     end
@@ -90,6 +94,15 @@ local function safetensors_meta(path)
   local ok_cfg, cfg = pcall(U().checkpoint.deserialize, meta.ulysses_config, path .. ' ulysses_config')
   if not ok_cfg or type(cfg) ~= 'table' then fail("%s: its ulysses_config metadata is not a config table", path) end
   return { config = cfg, step = tonumber(meta.ulysses_step) }
+end
+
+-- saved_config(path) -> config, format ('checkpoint' | 'safetensors'), step: the model config a
+-- checkpoint or a safetensors file from train.lua --export records (an error naming what the file
+-- is when it records none)
+function M.saved_config(path)
+  local is_h5 = first_bytes(path, 8) == HDF5_SIGNATURE
+  local meta = is_h5 and checkpoint_meta(path) or safetensors_meta(path)
+  return meta.config, is_h5 and 'checkpoint' or 'safetensors', meta.step
 end
 
 -- the model of a saved config, for one process
@@ -191,8 +204,12 @@ M.LOAD_FLAGS = {
 function M.load_for_tool(tool, source, cfg)
   local cli = require 'ulysses.cli'
   if tonumber(os.getenv('OMPI_COMM_WORLD_SIZE') or '1') > 1 then cli.fail(tool, 'runs as one process, not under mpirun') end
-  if cfg.precision ~= 'auto' and cfg.precision ~= 'f32' and cfg.precision ~= 'bf16' then
-    cli.fail(tool, "--precision must be auto, f32 or bf16, got '" .. cfg.precision .. "'")
+  for _, c in ipairs({ { 'precision', { 'auto', 'f32', 'bf16' } }, { 'device', { 'cpu', 'cuda' } }, { 'kind', { '', 'text', 'dna' } } }) do
+    local ok = false
+    for _, v in ipairs(c[2]) do ok = ok or cfg[c[1]] == v end
+    if not ok then
+      cli.fail(tool, string.format("--%s must be %s, got '%s'", c[1], table.concat(c[2], ', '):gsub('^, ', ''), cfg[c[1]]))
+    end
   end
   local ok, model, info = pcall(M.load, source, { device = cfg.device, kind = cfg.kind ~= '' and cfg.kind or nil,
                                                   data = cfg.data ~= '' and cfg.data or nil })

@@ -17,6 +17,7 @@
 -- ranges inside the file and back to back), and load_into checks every name, shape and dtype
 -- before it changes any parameter. Errors name the file, the tensor and what to do.
 local ffi = require 'ffi'
+local realpath = require('ulysses.paths').realpath
 local bit = require 'bit'
 local lib = require 'ulysses.ffi'
 local T = require 'ulysses.tensor'
@@ -80,6 +81,7 @@ local function shape_str(shape) return '[' .. table.concat(shape, ', ') .. ']' e
 -- the data section's start in the file
 local function read_header(path, what)
   if type(path) ~= 'string' then raise(what .. ': path must be a string, got ' .. type(path)) end
+  if realpath(path .. '/') then raise(string.format('%s: %s is a directory, not a safetensors file', what, path)) end
   local file_size
   do
     local h = io.open(path, 'rb')
@@ -95,7 +97,13 @@ local function read_header(path, what)
   end
   if got ~= 8 then bad(string.format('%d bytes, fewer than the 8 of its header length', file_size)) end
   local n = u64_le(ffi.string(size_bytes, 8))
-  if n > MAX_HEADER then bad(string.format('a header length of %.0f bytes (the format allows 100 MiB)', n)) end
+  if ffi.string(size_bytes, 8) == '\137HDF\r\n\26\n' then
+    bad('it is an HDF5 file (a ulysses checkpoint or dataset: uly.checkpoint and uly.data read those)')
+  end
+  if n > MAX_HEADER then
+    bad(string.format('its first 8 bytes give a header length of %.0f bytes, where the format allows 100 MiB (another '
+                      .. 'kind of file, or a damaged one)', n))
+  end
   if 8 + n > file_size then bad(string.format('its header length %d runs past the end of the file (%d bytes)', n, file_size)) end
   local buf = ffi.new('char[?]', math.max(n, 1))
   if tonumber(ffi.C.fread(buf, 1, n, f)) ~= n then bad('the header could not be read') end
