@@ -43,7 +43,7 @@ local function report(path, kind, rows, meta_title, meta)
   table.sort(keys)
   if #keys > 0 then
     print(meta_title .. ':')
-    for _, k in ipairs(keys) do print(string.format('  %s = %s', k, tostring(meta[k]))) end
+    for _, k in ipairs(keys) do print(string.format('  %s = %s', k, (tostring(meta[k]):gsub('\n', '\n      ')))) end
   end
 end
 
@@ -66,8 +66,8 @@ local function inspect_h5(path)
   end
   local meta = {}
   for _, key in ipairs { 'format', 'step', 'optim_kind', 'optim_step', 'config', 'extra', 'created', 'library_version',   -- checkpoints
-                         'kind', 'name', 'vocab_size', 'n_train', 'n_valid', 'n_records', 'entropy_bits', 'source',       -- datasets
-                         'source_stamp' } do
+                         'kind', 'name', 'vocab_size', 'vocab', 'n_train', 'n_valid', 'valid_fraction', 'split',          -- datasets
+                         'n_records', 'entropy_bits', 'source', 'source_stamp', 'provenance', 'format_version' } do
     meta[key] = f:attr('', key)
   end
   f:close()
