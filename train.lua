@@ -202,8 +202,36 @@ local function check_flags(cfg)
 end
 
 -- flags -> cfg (defaults < config file < command line), values typed like the defaults
+-- --resume: the flags the run was started with (its checkpoints record them) where this command
+-- line and config file do not give them, so `--out OUT --resume auto` continues a run as it was;
+-- flags of this invocation alone (where to write, threads, stopping early, the grid) are not taken
+local NOT_ADOPTED = { resume = true, out = true, config = true, init = true, stop_after = true, threads = true,
+                      log_every = true, peak_gflops = true, sp = true, zero = true, overlap = true }
+local function adopt_run_flags(cfg, explicit)
+  if cfg.resume == '' then return end
+  local path = cfg.resume == 'auto' and uly.checkpoint.latest(cfg.out .. '/ckpt') or cfg.resume
+  if not path or not uly.h5.available then return end
+  local ok, f = pcall(uly.h5.open, path, 'r')
+  if not ok then return end   -- (not a checkpoint: said where it is loaded)
+  local ok2, extra = pcall(uly.checkpoint.deserialize, f:attr('', 'extra') or 'nil', 'extra')
+  f:close()
+  local saved = ok2 and type(extra) == 'table' and type(extra.flags) == 'table' and extra.flags
+  if not saved then return end
+  local taken = {}
+  for _, fl in ipairs(FLAGS) do
+    local k, v = fl[1], saved[fl[1]]
+    if v ~= nil and type(v) == type(fl[2]) and not explicit[k] and not NOT_ADOPTED[k] and v ~= cfg[k] then
+      cfg[k] = v
+      taken[#taken + 1] = string.format('--%s %s', k, tostring(v))
+    end
+  end
+  if #taken > 0 and (tonumber(os.getenv('OMPI_COMM_WORLD_RANK') or '0') or 0) == 0 then
+    print(string.format('resume: the run\'s own flags from %s: %s (flags given here win)', path, table.concat(taken, ' ')))
+  end
+end
+
 local function parse_flags(argv)
-  local cfg, kinds, given = {}, {}, {}
+  local cfg, kinds, given, from_file = {}, {}, {}, nil
   for _, f in ipairs(FLAGS) do cfg[f[1]], kinds[f[1]] = f[2], type(f[2]) end
   local i = 1
   while i <= #argv do
@@ -242,6 +270,7 @@ local function parse_flags(argv)
     if type(t) ~= 'table' then
       usage(string.format('config file %s must return a table of flags, got %s', given.config, type(t)))
     end
+    from_file = t
     for k, v in pairs(t) do
       if kinds[k] == nil then
         usage(string.format('config file %s: unknown key %s%s', given.config, tostring(k),
@@ -252,7 +281,13 @@ local function parse_flags(argv)
     end
   end
   for k, v in pairs(given) do cfg[k] = v end
+  local explicit = {}
+  for k in pairs(given) do explicit[k] = true end
+  for k in pairs(from_file or {}) do explicit[k] = true end
+  adopt_run_flags(cfg, explicit)
   check_flags(cfg)
+  cfg.parsed = {}   -- the flags as given (defaults included), for the checkpoints: before main fills in sp, precision
+  for _, f in ipairs(FLAGS) do cfg.parsed[f[1]] = cfg[f[1]] end
   -- the model's own checks (its preset, heads dividing dim, ...) now, not after the data is prepared
   local ok, err = pcall(require('models.' .. cfg.model).count_parameters, model_args(cfg, 256))
   if not ok then usage(clean(err)) end
@@ -658,7 +693,7 @@ local function main()
     if not main_rank then return end
     return uly.checkpoint.save_rotating(ckpt_dir, step, {
       model = model, optim = optim_state, step = step, config = common.plain_config(model.config),
-      data = train_data:state(), extra = { data_path = data_path, rng_offsets = offsets } }, cfg.keep)
+      data = train_data:state(), extra = { data_path = data_path, rng_offsets = offsets, flags = cfg.parsed } }, cfg.keep)
   end
 
   -- the best validation loss's weights, OUT/ckpt/best.h5 (atomic, like every checkpoint); a run

@@ -148,8 +148,12 @@ describe('train.lua', function()
     assert.are.equal(0, code, out)
     assert.truthy(out:find('blocks recomputed in backward except attention', 1, true), out)
     assert.is_nil(read_file(b .. '/ckpt/step_000020.h5'))
-    out, code = run(common .. '--resume auto --out ' .. b)
+    -- the second half given only where the run is: its checkpoint says how it was started
+    out, code = run('--resume auto --threads 2 --out ' .. b)
     assert.are.equal(0, code, out)
+    assert.truthy(out:find('resume: the run\'s own flags from ' .. b .. '/ckpt/step_000010.h5: --preset tiny --dropout 0.1 '
+                           .. '--checkpoint 2 --seq 32 --batch 8 --steps 20 --lr 0.003 --min_lr 0.0003 --warmup 5 '
+                           .. '--data embedded --eval_every 0 --sample 0 (flags given here win)', 1, true), out)
     assert.truthy(out:find('resumed from ' .. b .. '/ckpt/step_000010.h5 at step 10', 1, true), out)
     -- the logs agree step by step (the resumed run appended to its log)
     local ra, rb = uly.log.read_csv(a .. '/log.csv'), uly.log.read_csv(b .. '/log.csv')
