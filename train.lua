@@ -479,6 +479,11 @@ local function main()
   local rank = grid and grid.rank or 0
   local main_rank = rank == 0
   local function say(...) if main_rank then print(...) end end
+  local cores = uly.get_num_threads()   -- (the default: the cores OpenMP sees)
+  if cfg.threads * launched > cores then
+    say(string.format('note: --threads %d%s is more than the %d cores here: threads then share cores, which is slower',
+                      cfg.threads, launched > 1 and string.format(' x %d ranks', launched) or '', cores))
+  end
   if cfg.threads > 0 then uly.set_num_threads(cfg.threads)
   elseif launched > 1 then uly.set_num_threads(math.max(1, math.floor(uly.get_num_threads() / launched))) end
   -- OUT holding another run (its checkpoints, or the log and plot of one stopped before its first
