@@ -83,4 +83,43 @@ describe('bin/ulysses', function()
     local out = run("bin/ulysses -e 'print(uly.tensor{1, 2, 3}:sum():item())'")
     assert.truthy(out:find('^6\n'), out)
   end)
+
+  it('completes names with Tab: variables, uly and its submodules, fields, and methods after a colon', function()
+    local uly = require 'ulysses'
+    local repl = require 'ulysses.repl'
+    local env = setmetatable({ uly = uly, x = uly.randn(2, 3), lin = uly.nn.Linear(2, 3), xylo = 1 }, { __index = _G })
+    local function c(text) return table.concat(repl.complete(text, env), ' ') end
+    assert.are.equal('uly.cross_entropy', c('uly.cross'))
+    assert.are.equal('uly.nn.Linear', c('uly.nn.Lin'))
+    assert.are.equal('uly.pretrained', c('uly.pre'))            -- loaded on first use, offered before
+    assert.are.equal('uly.optim.AdamW', c('uly.optim.Ad'))
+    assert.are.equal('x:reshape', c('x:resh'))
+    assert.are.equal('x.grad', c('x.gr'))
+    assert.are.equal('x xpcall xylo', c('x'))                    -- the prompt's variables and the globals
+    assert.are.equal('print', c('prin'))
+    assert.are.equal('lin:parameters', c('lin:parameters'))      -- a class's methods; after ':' only functions
+    assert.are.equal('lin.weight', c('lin.wei'))                 -- an object's own fields
+    assert.are.equal('', c('lin:weig'))
+    assert.falsy(c('lin.'):find('lin._', 1, true))               -- internals only when asked for
+    assert.truthy(c('lin._'):find('lin._children', 1, true))
+    assert.are.equal('', c('nothing.here'))
+    assert.are.equal('', c('x.shape.len'))                       -- no calls: a method's result is not looked into
+    assert.are.equal('', c('.'))
+  end)
+
+  it('completes with Tab at a terminal (readline)', function()
+    if os.execute('command -v script >/dev/null 2>&1') ~= 0
+      or not pcall(function() require('ffi').load('readline.so.8') end) then
+      pending('no script(1) or no libreadline.so.8 here')
+      return
+    end
+    -- (a pseudo-terminal: Tab completes in the line readline edits, then the line runs)
+    local home = require('helpers').mkdtemp()   -- (readline's history file goes there)
+    local out = run("(printf 'uly.cross_ent\\t\\n'; sleep 1; printf 'x = uly.ones(2)\\n'; sleep 1; printf 'x:nume\\t()\\n'; "
+                    .. "sleep 1) | TERM=xterm HOME=" .. home .. " timeout 30 script -qec bin/ulysses /dev/null")
+    require('helpers').rmtree(home)
+    assert.truthy(out:find('function: 0x', 1, true), out)
+    assert.truthy(out:find('x:numel()', 1, true), out)
+    assert.truthy(out:find('[\r\n]2\r?\n'), out)   -- x:numel() ran
+  end)
 end)

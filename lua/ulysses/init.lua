@@ -462,7 +462,7 @@ uly.nn = require 'ulysses.nn'
 
 -- submodules loaded on first use (uly.optim, uly.data, ...), so `require 'ulysses'` stays cheap
 local lazy = { optim = true, data = true, checkpoint = true, safetensors = true, h5 = true, log = true, pretrained = true, dist = true, cuda = true }
-setmetatable(uly, { __index = function(t, k)
+setmetatable(uly, { lazy = lazy, __index = function(t, k)   -- (lazy: the REPL completes these names too)
   if lazy[k] then
     local m = require('ulysses.' .. k)
     rawset(t, k, m)

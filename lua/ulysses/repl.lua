@@ -1,7 +1,8 @@
 -- lua/ulysses/repl.lua — the interactive prompt behind bin/ulysses: evaluates expressions and
 -- statements (multi-line input continues with '>>'), prints results readably (tensors with
 -- shape and dtype), keeps going after errors, and uses GNU readline through the FFI for line
--- editing and history when the library is present. Also runs scripts (see bin/ulysses).
+-- editing, history and Tab completion (M.complete) when the library is present. Also runs
+-- scripts (see bin/ulysses).
 local ffi = require 'ffi'
 
 local M = {}
@@ -12,8 +13,62 @@ end
 
 local function stdin_is_terminal() return os.execute('test -t 0') == 0 end
 
--- line input: readline if available, plain io.read otherwise
-local function line_reader()
+-- Tab completion: the words that complete `text` (the word at the cursor: a name, or a path of
+-- names such as uly.nn.Lin or x:res) in env, sorted. A path
+-- is resolved by indexing only (no calls); after ':' only functions (methods) are offered; a
+-- tensor offers the Tensor methods, a module or object its fields and its class's, uly also the
+-- submodules it loads on first use.
+function M.complete(text, env)
+  local base, sep, partial = text:match('^(.-)([.:])([%w_]*)$')
+  if base == '' or (base and not base:match('^[%a_][%w_]*$') and not base:match('^[%a_][%w_.]*[%w_]$')) then
+    return {}
+  end
+  local uly = package.loaded.ulysses
+  local found, seen = {}, {}
+  local function add(k, v)
+    if type(k) ~= 'string' or not k:match('^[%a_][%w_]*$') or seen[k] then return end
+    if k:sub(1, 1) == '_' and partial:sub(1, 1) ~= '_' then return end   -- (internals, unless asked for)
+    if k:sub(1, #partial) ~= partial or (sep == ':' and type(v) ~= 'function') then return end
+    seen[k] = true
+    found[#found + 1] = k
+  end
+  local function add_all(t)   -- a table's keys, then its class's (metatable __index tables)
+    for depth = 1, 8 do
+      if type(t) ~= 'table' then return end
+      for k, v in pairs(t) do add(k, v) end
+      local mt = getmetatable(t)
+      t = mt and mt.__index
+    end
+  end
+  if not base then   -- a variable: the prompt's own, then the globals
+    partial, sep = text, nil
+    for k, v in pairs(env) do add(k, v) end
+    for k, v in pairs(_G) do add(k, v) end
+  else
+    local ok, value = pcall(function()
+      local v
+      for name in base:gmatch('[^.]+') do
+        if v == nil then v = env[name] else v = v[name] end
+        if v == nil then return nil end
+      end
+      return v
+    end)
+    if not ok or value == nil then return {} end
+    if uly and uly.is_tensor(value) then
+      add_all(require('ulysses.tensor').Tensor)
+      if sep == '.' then add('grad', 0) add('requires_grad', 0) end   -- (fields the tensor object reads for itself)
+    else
+      add_all(value)
+      if value == uly and sep == '.' then for k in pairs(getmetatable(uly).lazy or {}) do add(k, true) end end
+    end
+  end
+  table.sort(found)
+  for i, k in ipairs(found) do found[i] = (base and (base .. sep) or '') .. k end
+  return found
+end
+
+-- line input: readline if available (line editing, history, Tab completion), plain io.read otherwise
+local function line_reader(env)
   local ok, rl = pcall(function()
     ffi.cdef [[
       char *readline(const char *prompt);
@@ -21,6 +76,11 @@ local function line_reader()
       int read_history(const char *filename);
       int write_history(const char *filename);
       void free(void *ptr);
+      char *strdup(const char *s);
+      typedef char *uly_rl_compentry_func_t(const char *text, int state);
+      extern uly_rl_compentry_func_t *rl_completion_entry_function;
+      extern const char *rl_basic_word_break_characters;
+      extern int rl_completion_append_character;
     ]]
     return ffi.load('readline.so.8')
   end)
@@ -28,13 +88,35 @@ local function line_reader()
   if ok and interactive then
     local history = (os.getenv('HOME') or '.') .. '/.ulysses_history'
     rl.read_history(history)
-    return function(prompt)
+    -- Tab: M.complete on the word before the cursor ('.' and ':' inside it, operators around it)
+    local break_chars = ' \t\n"\\\'`@$><=;|&{(,+-*/%^#[]~)'
+    local breaks = ffi.new('char[?]', #break_chars + 1, break_chars)
+    local candidates = {}
+    local complete = ffi.cast('uly_rl_compentry_func_t *', function(text, state)
+      if state == 0 then
+        local ok_c, list = pcall(M.complete, ffi.string(text), env)
+        candidates = ok_c and list or {}
+        rl.rl_completion_append_character = 0   -- (a path goes on with '.' or ':')
+      end
+      local c = candidates[state + 1]
+      return c and ffi.C.strdup(c) or nil
+    end)
+    pcall(function()
+      rl.rl_basic_word_break_characters = breaks
+      rl.rl_completion_entry_function = complete
+    end)
+    local read = function(prompt)
       local p = rl.readline(prompt)
       if p == nil then return nil end
       local line = ffi.string(p)
       ffi.C.free(p)
       if line:match('%S') then rl.add_history(line); rl.write_history(history) end
       return line
+    end
+    jit.off(read)   -- readline calls back into Lua (completion): never from a compiled trace
+    return function(prompt)
+      local _ = breaks, complete   -- (kept alive while the reader is)
+      return read(prompt)
     end
   end
   return function(prompt)
@@ -114,7 +196,7 @@ end
 -- error, or, from a pipe or file, a statement left unfinished at the end: Ctrl-D at a terminal
 -- just quits)
 function M.loop(env)
-  local read = line_reader()
+  local read = line_reader(env)
   local uly = env.uly
   io.write(string.format('ulysses %s on %s: `uly` is loaded; %d threads, BLAS %s; uly.cuda.devices() lists GPUs. Ctrl-D quits.\n',
                          uly.version, jit.version, uly.get_num_threads(), uly.blas_corename()))
