@@ -44,7 +44,7 @@ local FLAGS = { -- name, default, help (the type is the default's; nil default =
   { 'wd', 0.1, 'AdamW weight decay (matrices only)' },
   { 'beta2', 0.95, 'AdamW beta2' },
   { 'clip', 1.0, 'clip the global gradient norm (0 = off)' },
-  { 'data', '', "HDF5 dataset from datasets/prepare.lua, or a text / FASTA / GenBank file (.gz, .xz, .bz2 too), prepared into OUT once; 'embedded' = Genesis 1 (default: data/kjv.h5, or $ULY_DATA/kjv.h5, if present, else embedded)" },
+  { 'data', '', "HDF5 dataset from datasets/prepare.lua, or a text / FASTA / GenBank file (.gz, .xz, .bz2 too) or a directory of them, prepared into OUT once; 'embedded' = Genesis 1 (default: data/kjv.h5, or $ULY_DATA/kjv.h5, if present, else embedded)" },
   { 'data_kind', 'auto', 'how a --data file that is not HDF5 is read: text | dna | auto (FASTA or GenBank is DNA, anything else text)' },
   { 'eval_every', 100, 'validation every N steps (0 = only at the end)' },
   { 'eval_batches', 8, 'validation batches per evaluation (0 = no evaluation)' },
@@ -317,18 +317,23 @@ local function file_exists(path)
   return false
 end
 
--- --data FILE that is not HDF5 (text, FASTA, GenBank; compressed or not): prepared into
--- OUT/<name>.h5 by datasets/prepare.lua, once: a later run reuses it while the file's path, size
--- and modification time are the ones recorded in it (and --data_kind does not ask for another kind)
-local function prepared(cfg, quiet)
-  local source = realpath(cfg.data)
-  local size, mtime = uly.file_stamp(source)
-  local name = (cfg.data:match('([^/]*)$'):gsub('%.[gG][zZ]$', ''):gsub('%.xz$', ''):gsub('%.bz2$', ''):gsub('%.dz$', '')
-                :gsub('%.[^.]*$', ''))
+-- --data FILE that is not HDF5 (text, FASTA, GenBank; compressed or not), or a directory of such
+-- files (in name order): prepared into OUT/<name>.h5 by datasets/prepare.lua, once: a later run
+-- reuses it while the files' paths, sizes and modification times are the ones recorded in it (and
+-- --data_kind does not ask for another kind)
+local function prepared(cfg, quiet, inputs)
+  local stamps = {}
+  for _, path in ipairs(inputs) do
+    local source = realpath(path)
+    local size, mtime = uly.file_stamp(source)
+    stamps[#stamps + 1] = string.format('%s|%d|%.0f', source, size, mtime)
+  end
+  local name = (cfg.data:gsub('/+$', ''):match('([^/]*)$'):gsub('%.[gG][zZ]$', ''):gsub('%.xz$', ''):gsub('%.bz2$', '')
+                :gsub('%.dz$', ''):gsub('%.[^.]*$', ''))
   if name == '' then name = 'data' end
   local out = cfg.out .. '/' .. name .. '.h5'
   local valid = cfg.eval_batches > 0 and 0.05 or 0   -- no validation asked for: every token for training
-  local stamp = string.format('%s|%d|%.0f|%g', source, size, mtime, valid)
+  local stamp = table.concat(stamps, ';') .. string.format('|%g', valid)
   if file_exists(out) then   -- ours to reuse or replace; anything else is left alone
     local ok, f = pcall(uly.h5.open, out, 'r')
     local recorded = ok and f:attr('', 'source_stamp')
@@ -345,10 +350,20 @@ local function prepared(cfg, quiet)
   end
   if quiet then return out end   -- (the other ranks: rank 0 prepared it)
   local prepare = dofile(here .. '/datasets/prepare.lua')
-  local ok, kind = pcall(prepare.detect_kind, cfg.data)
-  if not ok then usage('--data ' .. clean(kind):gsub('^prepare: ', '')) end
-  if cfg.data_kind ~= 'auto' then kind = cfg.data_kind end
-  local ok2, s = pcall(prepare.prepare, { kind = kind, inputs = { cfg.data }, out = out, name = name, quiet = true,
+  local kind = cfg.data_kind ~= 'auto' and cfg.data_kind or nil
+  if not kind then   -- each file's kind; a directory's files must agree
+    local first
+    for _, path in ipairs(inputs) do
+      local ok, k = pcall(prepare.detect_kind, path)
+      if not ok then usage('--data ' .. clean(k):gsub('^prepare: ', '')) end
+      if kind and k ~= kind then
+        usage(string.format('--data %s holds DNA and text files (%s is %s, %s is %s): --data_kind says how to read '
+                            .. 'all of them, or give the kinds separate directories', cfg.data, first, kind, path, k))
+      end
+      kind, first = k, first or path
+    end
+  end
+  local ok2, s = pcall(prepare.prepare, { kind = kind, inputs = inputs, out = out, name = name, quiet = true,
                                           valid = valid, attrs = { source_stamp = stamp } })
   if not ok2 then
     local msg = clean(s):gsub('^prepare: ', ''):gsub('; use a larger input or %-%-valid 0$',
@@ -356,8 +371,9 @@ local function prepared(cfg, quiet)
     usage(string.format('--data %s (read as %s): %s%s', cfg.data, kind, msg,
                         kind == 'dna' and cfg.data_kind == 'auto' and '; --data_kind text reads it as text' or ''))
   end
-  print(string.format('data: prepared %s into %s: %s, %d train / %d valid tokens%s, %.1f s', cfg.data, out, kind,
-                      s.n_train, s.n_valid, s.n_records and string.format(', %d records', s.n_records) or '', s.seconds))
+  print(string.format('data: prepared %s%s into %s: %s, %d train / %d valid tokens%s, %.1f s', cfg.data,
+                      #inputs > 1 and string.format(' (%d files)', #inputs) or '', out, kind, s.n_train, s.n_valid,
+                      s.n_records and string.format(', %d records', s.n_records) or '', s.seconds))
   return out
 end
 
@@ -370,18 +386,37 @@ local function resolve_data(cfg, quiet)
                           .. 'GenBank file)%s', cfg.data,
                           near and file_exists(near) and string.format("; did you mean '%s'?", near) or ''))
     end
-    local ok, what = pcall(dofile(here .. '/datasets/prepare.lua').sniff, cfg.data)
-    if not ok then usage('--data ' .. (clean(what):gsub('^prepare: ', ''))) end
-    if what == 'hdf5' then return cfg.data end
-    if what == 'directory' then
-      usage(string.format('--data %s is a directory: give a file (an HDF5 dataset, or a text, FASTA or GenBank file)', cfg.data))
-    elseif what == 'safetensors' then
-      usage(string.format('--data %s is a safetensors file of weights, not data (--init starts a run from weights)', cfg.data))
-    elseif what == 'binary' and cfg.data_kind ~= 'text' then
-      usage(string.format('--data %s holds NUL bytes: a binary file, not text or DNA (--data_kind text trains on its '
-                          .. 'bytes anyway)', cfg.data))
+    local sniff = dofile(here .. '/datasets/prepare.lua').sniff
+    local function what_is(path)
+      local ok, what = pcall(sniff, path)
+      if not ok then usage('--data ' .. (clean(what):gsub('^prepare: ', ''))) end
+      return what
     end
-    return prepared(cfg, quiet)
+    local what = what_is(cfg.data)
+    if what == 'hdf5' then return cfg.data end
+    local inputs = { cfg.data }
+    if what == 'directory' then   -- its files, in name order (hidden ones and subdirectories left out)
+      inputs = {}
+      local dir = cfg.data:gsub('/+$', '')
+      for _, n in ipairs(require('ulysses.paths').list_dir(dir) or {}) do
+        if n:sub(1, 1) ~= '.' and not realpath(dir .. '/' .. n .. '/') then inputs[#inputs + 1] = dir .. '/' .. n end
+      end
+      table.sort(inputs)
+      if #inputs == 0 then usage(string.format('--data %s is a directory without files to train on', cfg.data)) end
+    end
+    for _, path in ipairs(inputs) do
+      local w = path == cfg.data and what or what_is(path)
+      if w == 'hdf5' then
+        usage(string.format('--data %s holds an HDF5 file, %s: give that file alone as --data, or a directory of '
+                            .. 'text or DNA files', cfg.data, path))
+      elseif w == 'safetensors' then
+        usage(string.format('--data %s is a safetensors file of weights, not data (--init starts a run from weights)', path))
+      elseif w == 'binary' and cfg.data_kind ~= 'text' then
+        usage(string.format('--data %s holds NUL bytes: a binary file, not text or DNA (--data_kind text trains on its '
+                            .. 'bytes anyway)', path))
+      end
+    end
+    return prepared(cfg, quiet, inputs)
   end
   local data_dir = os.getenv('ULY_DATA') or (here .. '/data')   -- where datasets/prepare.sh puts it
   if cfg.data == '' and file_exists(data_dir .. '/kjv.h5') then return data_dir .. '/kjv.h5' end

@@ -331,7 +331,7 @@ describe('train.lua', function()
     helpers.rmtree(dir)
   end)
 
-  it('--data FILE (text, FASTA, GenBank, compressed or not) is prepared into OUT once and reused while unchanged', function()
+  it('--data FILE (text, FASTA, GenBank, compressed or not) or a directory of them is prepared into OUT once and reused while unchanged', function()
     local dir, src = tmpdir(), tmpdir()
     local FLAGS = TINY:gsub('%-%-data embedded ', '') .. '--steps 2 --eval_every 0 --sample 0 --log_every 100 '
     local text = string.rep('In the beginning was a corpus of plain text. ', 30)
@@ -378,7 +378,6 @@ describe('train.lua', function()
     uly.safetensors.save(src .. '/w.safetensors', { x = uly.zeros(3) })
     helpers.write_file(src .. '/b.bin', 'ab\0cd' .. string.rep('z', 1000))
     for _, c in ipairs({
-      { src, '--data ' .. src .. ' is a directory: give a file (an HDF5 dataset, or a text, FASTA or GenBank file)' },
       { src .. '/w.safetensors', '--data ' .. src .. '/w.safetensors is a safetensors file of weights, not data (--init starts a run from weights)' },
       { src .. '/b.bin', '--data ' .. src .. '/b.bin holds NUL bytes: a binary file, not text or DNA (--data_kind text trains on its bytes anyway)' },
     }) do
@@ -396,6 +395,32 @@ describe('train.lua', function()
     out, code = run(FLAGS .. '--data ' .. src .. '/tiny.txt --eval_batches 0 --seq 4 --out ' .. dir)
     assert.are.equal(0, code, out)
     assert.truthy(out:find('tiny.h5: text, 10 train / 0 valid tokens', 1, true), out)
+    -- a directory: its files in name order (hidden ones and subdirectories left out), one kind
+    local docs = src .. '/docs'
+    uly.checkpoint._mkdir_p(docs .. '/sub')
+    helpers.write_file(docs .. '/b.txt', string.rep('second document. ', 20))
+    helpers.write_file(docs .. '/a.txt', string.rep('first document. ', 20))
+    helpers.write_file(docs .. '/.hidden', 'not this')
+    out, code = run(FLAGS .. '--data ' .. docs .. ' --out ' .. dir)
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('data: prepared ' .. docs .. ' (2 files) into ' .. dir .. '/docs.h5: text, ', 1, true), out)
+    local fd = uly.h5.open(dir .. '/docs.h5')
+    local toks = fd:read('train')
+    fd:close()
+    local both = string.rep('first document. ', 20) .. string.rep('second document. ', 20)
+    for _, i in ipairs({ 1, 320, 321, toks:numel() }) do assert.are.equal(both:byte(i), toks[i]:item(), 'token ' .. i) end
+    out, code = run(FLAGS .. '--data ' .. docs .. '/ --out ' .. dir)   -- the same files: reused
+    assert.are.equal(0, code, out)
+    assert.truthy(out:find('data: ' .. dir .. '/docs.h5, prepared from ' .. docs .. '/ (text) by an earlier run', 1, true), out)
+    helpers.write_file(docs .. '/c.fa', '>x\nACGT\n')
+    out, code = run(FLAGS .. '--data ' .. docs .. ' --out ' .. dir)
+    assert.are.equal(2, code, out)
+    assert.truthy(out:find('train.lua: --data ' .. docs .. ' holds DNA and text files (' .. docs .. '/a.txt is text, ' .. docs
+                           .. '/c.fa is dna): --data_kind says how to read all of them', 1, true), out)
+    uly.checkpoint._mkdir_p(src .. '/empty')
+    out, code = run(FLAGS .. '--data ' .. src .. '/empty --out ' .. dir)
+    assert.are.equal(2, code, out)
+    assert.truthy(out:find('train.lua: --data ' .. src .. '/empty is a directory without files to train on', 1, true), out)
     local other = uly.h5.create(dir .. '/mine.h5')
     other:close()
     helpers.write_file(src .. '/mine.txt', text)

@@ -526,32 +526,7 @@ function M.export(path, out)
 end
 
 ---------------------------------------------------------------- directories
-local dir_api = (function()
-  -- one declaration per cdef: another module may have declared some of them already
-  pcall(ffi.cdef, 'void *opendir(const char *name);')
-  pcall(ffi.cdef, 'int closedir(void *dirp);')
-  pcall(ffi.cdef, 'int mkdir(const char *path, unsigned int mode);')
-  pcall(ffi.cdef, 'void *readdir(void *dirp);')
-  pcall(ffi.cdef, [[
-    struct uly_dirent_glibc { uint64_t d_ino; int64_t d_off; unsigned short d_reclen; unsigned char d_type;
-                              char d_name[256]; };
-  ]])
-  return ffi.C
-end)()
-
--- file names in dir (nil when dir cannot be read)
-local function list_dir(dir)
-  local d = dir_api.opendir(dir)
-  if d == nil then return nil end
-  local names = {}
-  while true do
-    local e = dir_api.readdir(d)
-    if e == nil then break end
-    names[#names + 1] = ffi.string(ffi.cast('struct uly_dirent_glibc *', e).d_name)
-  end
-  dir_api.closedir(d)
-  return names
-end
+local list_dir = require('ulysses.paths').list_dir
 
 -- { {step, path}, ... } of dir/step_N.h5, newest first
 local function checkpoints_in(dir)
@@ -565,15 +540,7 @@ local function checkpoints_in(dir)
 end
 
 -- make dir and any missing parents (mkdir -p); existing ones are fine
-function M._mkdir_p(dir)
-  if dir == '' or list_dir(dir) then return end
-  local prefix = dir:sub(1, 1) == '/' and '/' or ''
-  for part in dir:gmatch('[^/]+') do
-    prefix = prefix .. part
-    dir_api.mkdir(prefix, tonumber('755', 8))
-    prefix = prefix .. '/'
-  end
-end
+M._mkdir_p = require('ulysses.paths').mkdir_p
 
 function M.latest(dir)
   if type(dir) ~= 'string' then raise('checkpoint.latest: dir must be a string') end
