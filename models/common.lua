@@ -250,8 +250,10 @@ end
 M.sample_from = sample_from
 
 -- generate(model, prompt i32 [1, P], {max_new_tokens = 100, temperature = 1, top_k = 0,
--- cache = true, cache_dtype, slide = false, on_token = fn}) -> list of new token ids (each also
--- given to on_token as it comes: to print a long generation as it goes). With the KV cache each new
+-- cache = true, cache_dtype, slide = false, on_token = fn, samples = nil}) -> list of new token ids
+-- (each also given to on_token(tok, row) as it comes: to print a long generation as it goes).
+-- samples = B: B continuations of the prompt sampled side by side in one batch (each row its own
+-- draws, in row order per step), returned as a list of B lists. With the KV cache each new
 -- token runs the model on one position: O(T) attention per token. cache = false recomputes the
 -- whole prefix (O(T^2); kept for checking the cache). A prompt and new tokens beyond the context
 -- length config.seq are an error, unless slide = true: then whenever the context is full the model
@@ -260,7 +262,7 @@ M.sample_from = sample_from
 -- before it. Uses the global generator (uly.manual_seed): one uniform draw per token.
 function M.generate(model, prompt, opts)
   opts = options.check('generate', opts, { 'max_new_tokens', 'temperature', 'top_k', 'cache', 'cache_dtype', 'slide',
-                                            'on_token' })
+                                            'on_token', 'samples' })
   local n_new = opts.max_new_tokens or 100
   local temperature = opts.temperature or 1.0
   local cfg = model.config
@@ -277,6 +279,10 @@ function M.generate(model, prompt, opts)
   local top_k = opts.top_k
   if top_k ~= nil and (type(top_k) ~= 'number' or top_k ~= math.floor(top_k) or top_k < 0) then
     T.raise('generate: top_k must be an integer >= 0 (0 = all tokens), got ' .. tostring(top_k))
+  end
+  local samples = opts.samples
+  if samples ~= nil and (type(samples) ~= 'number' or samples ~= math.floor(samples) or samples < 1) then
+    T.raise('generate: samples must be an integer >= 1, got ' .. tostring(samples))
   end
   if opts.on_token ~= nil and type(opts.on_token) ~= 'function' then
     T.raise('generate: on_token must be a function (called with each new token id), got ' .. type(opts.on_token))
@@ -304,56 +310,65 @@ function M.generate(model, prompt, opts)
     for _, c in m:named_children() do unshard(c) end
   end
   unshard(model)
-  local out = {}
+  local B = opts.samples or 1
+  local outs = {}   -- outs[b]: row b's new tokens
+  for b = 1, B do outs[b] = {} end
   local device = model:parameters()[1]:device()
   local Hkv, D = cfg.kv_heads or cfg.heads, cfg.dim / cfg.heads
   -- bf16 on the GPU in bf16 precision: half the memory, read in place (the same numbers)
   local cache_dtype = opts.cache_dtype or ((device ~= 'cpu' and uly.matmul_precision() == 'bf16') and 'bf16' or 'f32')
-  -- n tokens after the context ids (a list), appended to out
-  local function run(ids, n)
+  -- n tokens after the contexts ctx[b] (lists of one length), appended to outs[b] and ctx[b]
+  local function run(ctx, n)
     local caches
     if opts.cache ~= false then
       caches = {}
       for l = 1, cfg.layers do
-        caches[l] = uly.nn.KVCache(1, #ids + n, Hkv, D, { dtype = cache_dtype, device = device })
+        caches[l] = uly.nn.KVCache(B, #ctx[1] + n, Hkv, D, { dtype = cache_dtype, device = device })
       end
     end
-    local next_input, pos = uly.tensor({ ids }, { dtype = 'i32', device = device }), 0
+    local next_input, pos = uly.tensor(ctx, { dtype = 'i32', device = device }), 0
     for _ = 1, n do
       local logits
       if caches then
         logits = model:forward(next_input, { pos = pos, caches = caches })
         pos = pos + next_input:size(2)
       else
-        logits = model:forward(uly.tensor({ ids }, { dtype = 'i32', device = device }))
+        logits = model:forward(uly.tensor(ctx, { dtype = 'i32', device = device }))
       end
-      local last = logits[1][logits:size(2)]:totable()
-      local tok = sample_from(last, temperature, opts.top_k, uly.rand(1):item())
-      out[#out + 1] = tok
-      ids[#ids + 1] = tok
-      if opts.on_token then opts.on_token(tok) end
-      next_input = uly.tensor({ { tok } }, { dtype = 'i32', device = device })
+      local u = uly.rand(B):totable()   -- one draw per row, in row order
+      local last, new = logits:select(2, logits:size(2)):totable(), {}
+      for b = 1, B do
+        local tok = sample_from(last[b], temperature, opts.top_k, u[b])
+        outs[b][#outs[b] + 1], ctx[b][#ctx[b] + 1], new[b] = tok, tok, { tok }
+        if opts.on_token then opts.on_token(tok, b) end
+      end
+      next_input = uly.tensor(new, { dtype = 'i32', device = device })
     end
   end
   -- whatever happens below, the model leaves as it came (training mode, sharded attention)
   local ok, err = pcall(uly.no_grad, function()
-    local ctx = prompt:to { dtype = 'i32', device = 'cpu' }:contiguous():totable()[1]
+    local first = prompt:to { dtype = 'i32', device = 'cpu' }:contiguous():totable()[1]
     local keep = math.floor(cfg.seq / 2)
     local function last_keep(ids)
       local t = {}
       for i = #ids - keep + 1, #ids do t[#t + 1] = ids[i] end
       return t
     end
-    if #ctx >= cfg.seq then ctx = last_keep(ctx) end   -- (only with slide)
-    while #out < n_new do
-      run(ctx, math.min(n_new - #out, cfg.seq - #ctx))
-      if #out < n_new then ctx = last_keep(ctx) end
+    if #first >= cfg.seq then first = last_keep(first) end   -- (only with slide)
+    local ctx = {}
+    for b = 1, B do
+      ctx[b] = {}
+      for i, t in ipairs(first) do ctx[b][i] = t end
+    end
+    while #outs[1] < n_new do
+      run(ctx, math.min(n_new - #outs[1], cfg.seq - #ctx[1]))
+      if #outs[1] < n_new then for b = 1, B do ctx[b] = last_keep(ctx[b]) end end
     end
   end)
   for _, e in ipairs(swapped) do e[1].attend = e[2] end
   model:train(was_training)
   if not ok then error(err, 0) end
-  return out
+  return opts.samples and outs or outs[1]
 end
 
 return M

@@ -401,6 +401,44 @@ describe('models', function()
     assert.truthy(e:find('generate: on_token must be a function (called with each new token id), got number', 1, true), e)
   end)
 
+  it('generate with samples = B draws B continuations side by side, each as its own draws would alone', function()
+    local common = require 'models.common'
+    for _, Model in ipairs({ GPT, Llama }) do
+      local m = Model { preset = 'tiny', seq = 8 }
+      local prompt = ids(1, 3, 256)
+      local B, n = 3, 11   -- past the context of 8: the rows slide together
+      uly.manual_seed(4)
+      local U = uly.rand(B * n):totable()   -- the draws, step by step, row by row
+      local want = {}
+      for b = 1, B do
+        local ctx, out = prompt:totable()[1], {}
+        for t = 1, n do
+          if #ctx == 8 then ctx = { ctx[5], ctx[6], ctx[7], ctx[8] } end
+          local logits = uly.no_grad(function() return m(uly.tensor({ ctx }, { dtype = 'i32' })) end)
+          local tok = common.sample_from(logits[1][#ctx]:totable(), 0.9, 20, U[(t - 1) * B + b])
+          out[#out + 1], ctx[#ctx + 1] = tok, tok
+        end
+        want[b] = out
+      end
+      for _, cache in ipairs({ true, false }) do
+        uly.manual_seed(4)
+        local rows = {}
+        local got = m:generate(prompt, { max_new_tokens = n, temperature = 0.9, top_k = 20, slide = true, cache = cache,
+                                         samples = B, on_token = function(tok, b) rows[b] = (rows[b] or 0) + 1 end })
+        assert.are.same(want, got, Model.__name .. ' cache ' .. tostring(cache))
+        assert.are.same({ n, n, n }, rows)
+      end
+      -- samples = 1: one row, as a list of one list
+      uly.manual_seed(6)
+      local one = m:generate(prompt, { max_new_tokens = 4, temperature = 0.9, samples = 1 })
+      uly.manual_seed(6)
+      assert.are.same({ m:generate(prompt, { max_new_tokens = 4, temperature = 0.9 }) }, one)
+    end
+    local e = helpers.error_of(GPT { preset = 'tiny' }.generate, GPT { preset = 'tiny' },
+                               uly.tensor({ { 1 } }, { dtype = 'i32' }), { samples = 0 })
+    assert.truthy(e:find('generate: samples must be an integer >= 1, got 0', 1, true), e)
+  end)
+
   it('generate refuses bad arguments by name and leaves the model as it came when it fails', function()
     local m = GPT { preset = 'tiny', dropout = 0.5 }
     local prompt = uly.tensor({ { 1, 2, 3 } }, { dtype = 'i32' })

@@ -8,8 +8,9 @@
 -- Without a prompt it starts from the first 16 tokens of the validation split of the data the
 -- model was trained on, where that file is still found. Any number of tokens can be asked for:
 -- when the context fills, the model goes on from its last half (generate's slide = true). Each
--- sample prints its prompt and continuation under a header, each token as it comes; --raw 1
--- prints only the continuations, each followed by a newline. The same seed gives the same samples.
+-- sample prints its prompt and continuation under a header (one sample: each token as it comes;
+-- several: sampled side by side in one batch); --raw 1 prints only the continuations, each
+-- followed by a newline. The same seed gives the same samples.
 local uly = require 'ulysses'
 local cli = require 'ulysses.cli'
 
@@ -87,15 +88,24 @@ if not quiet then
   print(codec:decode(prompt))
 end
 uly.manual_seed(cfg.seed)
--- each token written as it comes (a long generation shows as it goes)
+if cfg.samples == 1 and not quiet then print(string.format('--- sample 1 (%d tokens)', cfg.tokens)) end
+-- one sample: each token written as it comes (a long generation shows as it goes); several: drawn
+-- side by side in one batch (generate's samples), then written one after another
 local function emit(tok)
   io.stdout:write(codec:decode({ tok }))
   io.stdout:flush()
 end
-for i = 1, cfg.samples do
-  if not quiet then print(string.format('--- sample %d (%d tokens)', i, cfg.tokens)) end
-  local ok_g, err = pcall(model.generate, model, prompt, { max_new_tokens = cfg.tokens, temperature = cfg.temperature,
-                                                           top_k = cfg.top_k, slide = true, on_token = emit })
-  if not ok_g then io.stdout:write('\n') fail(clean(err)) end
+local ok_g, res = pcall(model.generate, model, prompt, {
+  max_new_tokens = cfg.tokens, temperature = cfg.temperature, top_k = cfg.top_k, slide = true,
+  samples = cfg.samples > 1 and cfg.samples or nil,
+  on_token = cfg.samples == 1 and emit or nil,
+})
+if not ok_g then io.stdout:write('\n') fail(clean(res)) end
+if cfg.samples == 1 then
   io.stdout:write('\n')
+else
+  for i, ids in ipairs(res) do
+    if not quiet then print(string.format('--- sample %d (%d tokens)', i, #ids)) end
+    print(codec:decode(ids))
+  end
 end
