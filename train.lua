@@ -317,6 +317,13 @@ local function file_exists(path)
   return false
 end
 
+-- datasets/prepare.lua, loaded once when first needed
+local prepare_lua
+local function prepare_module()
+  prepare_lua = prepare_lua or dofile(here .. '/datasets/prepare.lua')
+  return prepare_lua
+end
+
 -- --data FILE that is not HDF5 (text, FASTA, GenBank; compressed or not), or a directory of such
 -- files (in name order): prepared into OUT/<name>.h5 by datasets/prepare.lua, once: a later run
 -- reuses it while the files' paths, sizes and modification times are the ones recorded in it (and
@@ -349,7 +356,7 @@ local function prepared(cfg, quiet, inputs)
     end
   end
   if quiet then return out end   -- (the other ranks: rank 0 prepared it)
-  local prepare = dofile(here .. '/datasets/prepare.lua')
+  local prepare = prepare_module()
   local kind = cfg.data_kind ~= 'auto' and cfg.data_kind or nil
   if not kind then   -- each file's kind; a directory's files must agree
     local first
@@ -386,7 +393,7 @@ local function resolve_data(cfg, quiet)
                           .. 'GenBank file)%s', cfg.data,
                           near and file_exists(near) and string.format("; did you mean '%s'?", near) or ''))
     end
-    local sniff = dofile(here .. '/datasets/prepare.lua').sniff
+    local sniff = prepare_module().sniff
     local function what_is(path)
       local ok, what = pcall(sniff, path)
       if not ok then usage('--data ' .. (clean(what):gsub('^prepare: ', ''))) end
@@ -426,8 +433,7 @@ local function resolve_data(cfg, quiet)
     local f = assert(io.open(txt, 'wb'))
     f:write(EMBEDDED_TEXT)
     f:close()
-    local prepare = dofile(here .. '/datasets/prepare.lua')
-    prepare { kind = 'text', inputs = { txt }, out = path, valid = 0.1, name = 'genesis-1', quiet = true }
+    prepare_module() { kind = 'text', inputs = { txt }, out = path, valid = 0.1, name = 'genesis-1', quiet = true }
   end
   if not quiet then
     print(string.format('data: %s (embedded Genesis 1; datasets/prepare.sh kjv gets the whole Bible)', path))
