@@ -211,6 +211,9 @@ describe_h5('uly.pretrained and tools/score.lua, tools/generate.lua', function()
     assert.are.equal(#long - 1, lines)
     for i, p in ipairs(positions) do assert.are.equal(i + 1, p) end
     near(sum, nats, 1e-3, 'per-token sum')
+    local e_out, e_rc = run(string.format('tools/score.lua %s --text abc --strands both', helpers.shq(dir .. '/m.h5')))
+    assert.are.equal(2, e_rc, e_out)
+    assert.truthy(e_out:find('tools/score.lua: --strands both: a DNA model only (this one reads text)', 1, true), e_out)
     -- the batch size changes nothing but the grouping
     local out1 = run(string.format('tools/score.lua %s %s --stride 3 --batch 1', helpers.shq(dir .. '/m.h5'), helpers.shq(dir .. '/long.txt')))
     local c1, n1 = row_of(out1, dir .. '/long.txt')
@@ -247,6 +250,16 @@ describe_h5('uly.pretrained and tools/score.lua, tools/generate.lua', function()
       near(nats, want, 1e-3 + 1e-5 * want, c[1])
     end
     assert.truthy(out:find(dir .. '/r.fa:empty%s+0%s+%-'), out)   -- an empty record: nothing to score
+    -- --strands both: each record again as its reverse complement, in a row of its own
+    out, rc = run(string.format('tools/score.lua %s %s --text ACGN --strands both', helpers.shq(dir .. '/dna.h5'), helpers.shq(dir .. '/r.fa')))
+    assert.are.equal(0, rc, out)
+    for _, c in ipairs({ { 'r.fa:first rec', 'ACGTAC' }, { 'r.fa:first rec [rc]', 'GTACGT' }, { 'r.fa:second [rc]', 'NNTGCAATGGATCC' },
+                         { '--text 1 [rc]', 'NCGT' } }) do
+      local want, n = expected(c[2])
+      local count, nats = row_of(out, c[1]:sub(1, 2) == '--' and c[1] or dir .. '/' .. c[1])
+      assert.are.equal(n, count, c[1])
+      near(nats, want, 1e-3 + 1e-5 * want, c[1])
+    end
     -- --split valid: the split's token stream (records joined by '|'), every token after the first;
     -- --per_token's positions count the split's own tokens from 1, as for any input
     helpers.write_file(dir .. '/g.fa', '>one\nACGTACGTTTGAACGGT\n>two\nGGCATNCCGATTAGCA\n')
@@ -286,6 +299,7 @@ describe_h5('uly.pretrained and tools/score.lua, tools/generate.lua', function()
       { 'tools/score.lua ' .. ck .. ' ' .. helpers.shq(dir .. '/p.fa'), "line 2 column 5: 'Q' is not a nucleotide code" },
       { 'tools/score.lua ' .. ck .. ' --text A --stride 9', 'tools/score.lua: --stride 9 is longer than the context 8' },
       { 'tools/score.lua ' .. ck .. ' --text A --batch 0', 'tools/score.lua: --batch must be an integer >= 1, got 0' },
+      { 'tools/score.lua ' .. ck .. ' --text A --strands two', "tools/score.lua: --strands must be forward or both, got 'two'" },
       { 'tools/score.lua ' .. ck .. ' --text A --strid 2', "tools/score.lua: unknown flag --strid (did you mean '--stride'?)" },
       { 'tools/score.lua ' .. helpers.shq(dir .. '/none') .. ' --text A', "tools/score.lua: no such file or directory: '" .. dir .. "/none'" },
       { 'tools/score.lua ' .. ck .. ' --text A --precision fp8', "tools/score.lua: --precision must be auto, f32, bf16, got 'fp8'" },

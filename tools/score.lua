@@ -2,7 +2,7 @@
 -- bits per token and perplexity under a model from a run directory, checkpoint or safetensors file
 -- (uly.pretrained.load), read through its context window by sliding windows.
 --
---   bin/ulysses tools/score.lua SOURCE [FILE ...] [--text STRING ...] [--split valid] [--stride S] [--batch B]
+--   bin/ulysses tools/score.lua SOURCE [FILE ...] [--text STRING ...] [--split valid] [--strands both] [--stride S] [--batch B]
 --     [--per_token OUT.tsv] [--device cpu|cuda] [--precision auto|f32|bf16] [--kind text|dna] [--data H5]
 --
 -- FILE: for a text model the whole file is one sequence (its bytes); for a DNA model a FASTA or
@@ -17,6 +17,8 @@
 -- windows of T: the first scores all its tokens, each later window starts S tokens on (--stride,
 -- default T/2; the last ends at the sequence's end) and scores only the tokens after the previous
 -- window's, so every token is scored once, with at least T - S tokens before it (or all there are).
+-- --strands both scores each DNA record and --text also as its reverse complement (the other
+-- strand read 5' to 3'), in a row of its own named NAME [rc].
 -- --per_token writes every scored token as a tab-separated line: input, position (1-based in the
 -- input's tokens), token, nats (its negative log-likelihood).
 local uly = require 'ulysses'
@@ -27,6 +29,7 @@ local TOOL = 'tools/score.lua'
 local FLAGS = cli.flags({
   { 'text', {}, 'a string to score' },
   { 'split', '', 'valid | train: score that split of the training data file (--data, else the one the checkpoint names)' },
+  { 'strands', 'forward', 'forward | both: DNA records and --text also as their reverse complement (a row NAME [rc] each)' },
   { 'stride', 0, 'tokens between window starts for sequences longer than the context (0 = half the context)' },
   { 'batch', 8, 'windows per forward pass' },
   { 'per_token', '', 'write each scored token (input, position, token, nats) to this TSV file' },
@@ -45,6 +48,9 @@ end
 if cfg.split ~= '' and cfg.split ~= 'valid' and cfg.split ~= 'train' then
   fail("--split must be valid or train, got '" .. cfg.split .. "'")
 end
+if cfg.strands ~= 'forward' and cfg.strands ~= 'both' then
+  fail("--strands must be forward or both, got '" .. cfg.strands .. "'")
+end
 if cfg.batch < 1 or cfg.batch % 1 ~= 0 then fail('--batch must be an integer >= 1, got ' .. cfg.batch) end
 if cfg.stride < 0 or cfg.stride % 1 ~= 0 then fail('--stride must be an integer >= 0, got ' .. cfg.stride) end
 
@@ -61,8 +67,19 @@ local function add(name, src, n, lead)
   if lead then p[0] = lead; k = 1 end
   for i = 0, n - 1 do p[k + i] = src[i] end
   seqs[#seqs + 1] = { name = name, p = p, n = n + k, lead = k }
+  -- --strands both: the reverse complement too (A<->T, C<->G, N as it is), after the same separator
+  if lead and cfg.strands == 'both' then
+    local rc = ffi.new('int32_t[?]', n + 1)
+    rc[0] = lead
+    for i = 0, n - 1 do
+      local t = src[n - 1 - i]
+      rc[1 + i] = t <= 3 and 3 - t or t
+    end
+    seqs[#seqs + 1] = { name = name .. ' [rc]', p = rc, n = n + 1, lead = 1 }
+  end
 end
 local SEP = codec.kind == 'dna' and uly.data.DNA.SEP or nil
+if cfg.strands == 'both' and not SEP then fail('--strands both: a DNA model only (this one reads text)') end
 local prepare = dofile((require 'ulysses.ffi').root .. '/datasets/prepare.lua')
 local NOT_INPUT = {
   directory = 'is a directory: give the files in it',
