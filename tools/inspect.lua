@@ -15,11 +15,7 @@ local function fail(msg)
   os.exit(2)
 end
 
-local function numel(shape)
-  local n = 1
-  for _, d in ipairs(shape) do n = n * d end
-  return n
-end
+local numel = require('ulysses.tensor').numel_of
 
 -- rows {name, dtype, shape} as a table with sizes and totals, then key = value lines
 local function report(path, kind, rows, meta_title, meta)

@@ -171,11 +171,7 @@ function File:list(group)
 end
 
 ---------------------------------------------------------------- reading
-local function numel(shape)
-  local n = 1
-  for i = 1, #shape do n = n * shape[i] end
-  return n
-end
+local numel = T.numel_of
 
 -- start and count arrays for a slab: offset defaults to zeros, count to the rest of each dim
 local function slab(what, info, name, offset, count)

@@ -70,11 +70,7 @@ local function u64_bytes(v)
   return table.concat(out)
 end
 
-local function numel(shape)
-  local n = 1
-  for _, d in ipairs(shape) do n = n * d end
-  return n
-end
+local numel = T.numel_of
 local function shape_str(shape) return '[' .. table.concat(shape, ', ') .. ']' end
 
 -- the header of path, checked: entries {name = {dtype, shape, offsets, file_dtype}}, metadata,

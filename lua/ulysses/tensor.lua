@@ -193,6 +193,13 @@ local function shape_list(what, ...)
 end
 M.shape_list = shape_list
 
+-- the number of elements of a shape (a list of sizes; {} is a scalar: 1)
+function M.numel_of(shape)
+  local n = 1
+  for i = 1, #shape do n = n * shape[i] end
+  return n
+end
+
 local function to_i64(list)
   local a = i64arr(math.max(#list, 1))
   for i = 1, #list do a[i - 1] = list[i] end
