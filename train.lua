@@ -589,14 +589,8 @@ local function main()
   local model = build_model(cfg, train_data.vocab_size)
   if cfg.init ~= '' then
     local _, format = saved_model(model, 'init', cfg.init, say)
-    local ok, err
-    if format == 'checkpoint' then   -- its weights only; the generator stays as seeded
-      local rng = uly.rng_state()
-      ok, err = pcall(uly.checkpoint.load, cfg.init, { model = model })
-      uly.set_rng_state(rng)
-    else
-      ok, err = pcall(uly.safetensors.load_into, model, cfg.init)
-    end
+    -- (a checkpoint's weights only; the generator stays as seeded)
+    local ok, err = pcall(uly.pretrained.load_weights, model, cfg.init, format)
     if not ok then usage('--init ' .. (clean(err):gsub('^safetensors%.load_into: ', ''):gsub('^checkpoint%.load: ', ''))) end
     say(string.format('weights from %s', cfg.init))
   end

@@ -310,7 +310,7 @@ function M.generate(model, prompt, opts)
     for _, c in m:named_children() do unshard(c) end
   end
   unshard(model)
-  local B = opts.samples or 1
+  local B = samples or 1
   local outs = {}   -- outs[b]: row b's new tokens
   for b = 1, B do outs[b] = {} end
   local device = model:parameters()[1]:device()

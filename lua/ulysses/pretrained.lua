@@ -99,10 +99,32 @@ end
 -- saved_config(path) -> config, format ('checkpoint' | 'safetensors'), step: the model config a
 -- checkpoint or a safetensors file from train.lua --export records (an error naming what the file
 -- is when it records none)
-function M.saved_config(path)
+local function read_meta(path)
   local is_h5 = first_bytes(path, 8) == HDF5_SIGNATURE
   local meta = is_h5 and checkpoint_meta(path) or safetensors_meta(path)
-  return meta.config, is_h5 and 'checkpoint' or 'safetensors', meta.step
+  meta.format = is_h5 and 'checkpoint' or 'safetensors'
+  return meta
+end
+
+function M.saved_config(path)
+  local meta = read_meta(path)
+  return meta.config, meta.format, meta.step
+end
+
+-- load_weights(model, path, format): the weights of a checkpoint (its model only) or of a
+-- safetensors file into model, every name and shape checked first; the random generator is left
+-- as it was (a checkpoint would restore its own). Raises the loader's error.
+function M.load_weights(model, path, format)
+  local uly = U()
+  local rng = uly.rng_state()
+  local ok, err
+  if format == 'checkpoint' then
+    ok, err = pcall(uly.checkpoint.load, path, { model = model })
+  else
+    ok, err = pcall(uly.safetensors.load_into, model, path)
+  end
+  uly.set_rng_state(rng)
+  if not ok then error(err, 0) end
 end
 
 -- the model of a saved config, for one process
@@ -141,16 +163,10 @@ function M.load(source, opts)
   end
   local uly = U()
   local path = resolve(source)
-  local is_h5 = first_bytes(path, 8) == HDF5_SIGNATURE
-  local meta = is_h5 and checkpoint_meta(path) or safetensors_meta(path)
-  local rng = uly.rng_state()
+  local meta = read_meta(path)
+  local rng = uly.rng_state()   -- (building the model draws its initial weights)
   local model = build(meta.config, path)
-  local ok, err
-  if is_h5 then
-    ok, err = pcall(uly.checkpoint.load, path, { model = model })
-  else
-    ok, err = pcall(uly.safetensors.load_into, model, path)
-  end
+  local ok, err = pcall(M.load_weights, model, path, meta.format)
   uly.set_rng_state(rng)
   if not ok then fail('%s', clean(err)) end
   model:eval()
@@ -188,7 +204,7 @@ function M.load(source, opts)
     local ok_d, err_d = pcall(model.to, model, opts.device)
     if not ok_d then fail('device %s: %s', tostring(opts.device), clean(err_d)) end
   end
-  return model, { path = path, format = is_h5 and 'checkpoint' or 'safetensors', step = meta.step, config = model.config,
+  return model, { path = path, format = meta.format, step = meta.step, config = model.config,
                   kind = kind, kind_from = kind_from, codec = codec, data_path = data_path }
 end
 
